@@ -1,0 +1,148 @@
+"""The one run configuration: a dataclass whose field names match `TrainingArguments` where the
+concept is the same, parsed from the command line by `transformers.HfArgumentParser`.
+
+Precedence: dataclass default < recipe ``DEFAULTS`` < command-line flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+from finetune.errors import FinetuneError
+
+MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16")
+LR_SCHEDULER_CHOICES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run. Units: batch sizes in samples, steps in optimizer steps unless named
+    ``micro``, lengths in tokens, learning rate per optimizer step.
+
+    Raises ``FinetuneError`` from ``validate()`` for values that cannot run, naming the flag.
+    """
+
+    recipe: str = field(default="bbc-news", metadata={"help": "Recipe name (see --list_recipes) or path/to/recipe.py."})
+    list_recipes: bool = field(default=False, metadata={"help": "Print the known recipes and exit."})
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Where the model, metrics.json and log.jsonl go. Default: outputs/<recipe>."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow writing into an output_dir that already holds another run."}
+    )
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub id or local model directory. Default: the recipe's model."}
+    )
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "Your own training data: CSV or JSON lines with the recipe's text column(s) and `label`."},
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Your own validation data (same format). Default: 20%% split of train_file."}
+    )
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Micro-batch size in samples, per process, per forward/backward."}
+    )
+    per_device_eval_batch_size: int = field(default=32, metadata={"help": "Evaluation batch size per process."})
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Micro-batches per optimizer step (N). Effective batch = micro x N x processes."}
+    )
+    mixed_precision: Literal["no", "fp16", "bf16"] = field(
+        default="no", metadata={"help": "Autocast precision. fp16 uses loss scaling. fp16 does not run on CPU."}
+    )
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak AdamW learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and LayerNorm)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Epochs (fractions allowed). Ignored if max_steps > 0."})
+    max_steps: int = field(default=-1, metadata={"help": "Total optimizer steps; overrides num_train_epochs if > 0."})
+    lr_scheduler_type: Literal[LR_SCHEDULER_CHOICES] = field(  # type: ignore[valid-type]
+        default="linear", metadata={"help": "LR schedule, sized in optimizer steps."}
+    )
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup length in optimizer steps."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm to this (0 disables)."})
+    max_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
+    eval_strategy: Literal["epoch", "no"] = field(
+        default="epoch", metadata={"help": "Evaluate after every epoch ('epoch') or only at the end ('no')."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
+    disable_dropout: bool = field(
+        default=False, metadata={"help": "Set every dropout probability to 0 (deterministic, comparable runs)."}
+    )
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Where tokenized datasets are cached. Default: the datasets library cache."}
+    )
+
+    def validate(self) -> None:
+        """Check values that argparse cannot; raise ``FinetuneError`` naming the flag and the fix."""
+        positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FinetuneError(f"--{name} must be a positive integer, got {value!r}.")
+        if self.mixed_precision not in MIXED_PRECISION_CHOICES:
+            raise FinetuneError(
+                f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {self.mixed_precision!r}."
+            )
+        if self.learning_rate <= 0:
+            raise FinetuneError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+        if self.num_train_epochs <= 0 and self.max_steps <= 0:
+            raise FinetuneError("--num_train_epochs must be > 0 (or set --max_steps to a positive number).")
+        if self.warmup_steps < 0:
+            raise FinetuneError(f"--warmup_steps must be >= 0, got {self.warmup_steps}.")
+        if self.max_grad_norm < 0:
+            raise FinetuneError(f"--max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
+        for name in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise FinetuneError(f"--{name} must be a positive integer, got {value}.")
+        if self.validation_file and not self.train_file:
+            raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
+
+    def to_dict(self) -> dict:
+        """All fields as a JSON-serialisable dict."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """The resolved configuration as indented JSON (what ``run_config.json`` holds)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Parse command-line flags into a ``TrainConfig``, with the recipe's defaults under the flags.
+
+    Two passes: the first finds ``--recipe``; its ``DEFAULTS`` become the parser's defaults; the second
+    parses everything. Raises ``FinetuneError`` for an unknown recipe (listing the known ones) and
+    for a recipe default that is not a config field; argparse exits 2 on malformed flags.
+    """
+    from transformers import HfArgumentParser
+
+    from recipes import load_recipe
+
+    parser = HfArgumentParser(TrainConfig)
+    (first,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    if not first.list_recipes:
+        recipe = load_recipe(first.recipe)
+        names = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = set(recipe.DEFAULTS) - names
+        if unknown:
+            raise FinetuneError(f"recipe {first.recipe!r} sets unknown config fields: {', '.join(sorted(unknown))}")
+        parser.set_defaults(**recipe.DEFAULTS)
+    (config,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    if config.output_dir is None:
+        config.output_dir = f"outputs/{config.recipe.removesuffix('.py').replace('/', '_')}"
+    return config

@@ -1,0 +1,218 @@
+"""Shared builders: tokenizer, model, and tokenized datasets for a recipe.
+
+Recipes supply raw data (``load_raw_datasets``); everything here is the same for every classification
+recipe, so it lives in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from finetune.errors import FinetuneError, HubUnreachableError
+
+LABEL_COLUMN = "label"
+
+
+# --------------------------------------------------------------------------------------- the hub
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connection within ``timeout_s`` seconds.
+
+    False at once when ``HF_HUB_OFFLINE`` is set. Used to fail in seconds instead of after the ~45 s
+    of retries that `from_pretrained` spends on an unreachable hub.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def require_hub(what: str, alternative: str) -> None:
+    """Raise ``HubUnreachableError`` naming ``what`` needs the hub and the local ``alternative``."""
+    if not hub_reachable():
+        raise HubUnreachableError(
+            f"{what} must be downloaded from the Hugging Face Hub, which cannot be reached from this machine "
+            f"(offline, or HF_HUB_OFFLINE is set). To run without the hub, {alternative}."
+        )
+
+
+def _from_pretrained(loader, name_or_path: str, **kwargs):
+    """``loader.from_pretrained`` with clear errors: a local path must be a model directory; a hub id is
+    taken from the local cache if there, else needs the hub (checked fast)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FinetuneError(
+                f"--model_name_or_path {name_or_path!r} is not a Hugging Face model directory (no config.json). "
+                "Point it at a directory written by save_pretrained, or at a hub id."
+            )
+        return loader.from_pretrained(str(path), **kwargs)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FinetuneError(f"--model_name_or_path {name_or_path!r}: no such directory.")
+    try:
+        return loader.from_pretrained(name_or_path, local_files_only=True, **kwargs)
+    except OSError:
+        pass
+    require_hub(
+        f"model {name_or_path!r}",
+        "download it elsewhere (e.g. `hf download " + name_or_path + " --local-dir DIR`) and pass "
+        "--model_name_or_path DIR",
+    )
+    try:
+        return loader.from_pretrained(name_or_path, **kwargs)
+    except OSError as err:
+        raise FinetuneError(f"--model_name_or_path {name_or_path!r} could not be loaded: {err}") from None
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a hub id or local model directory (``AutoTokenizer``). Errors as ``_from_pretrained``."""
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(AutoTokenizer, name_or_path)
+
+
+def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: bool = False):
+    """``AutoModelForSequenceClassification`` with ``len(label_names)`` outputs and named labels
+    (``config.id2label``, so saved models say "sports", not "LABEL_3").
+
+    ``disable_dropout`` sets every ``*dropout*`` probability in the config to 0 (deterministic runs).
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = _from_pretrained(
+        AutoConfig,
+        name_or_path,
+        num_labels=len(label_names),
+        id2label=dict(enumerate(label_names)),
+        label2id={name: i for i, name in enumerate(label_names)},
+    )
+    if disable_dropout:
+        for key, value in list(config.to_dict().items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(config, key, 0.0)
+    return _from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config)
+
+
+# --------------------------------------------------------------------------------------- data files
+def _read_data_file(path_str: str, flag: str, text_columns, cache_dir):
+    import datasets
+
+    path = Path(path_str)
+    if not path.is_file():
+        raise FinetuneError(f"{flag} {path_str!r} does not exist. Pass a CSV or JSON-lines file.")
+    if path.stat().st_size == 0:
+        raise FinetuneError(f"{flag} {path_str!r} is empty. It needs a header/keys {', '.join(text_columns)}, label.")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        builder = "csv"
+    elif suffix in (".json", ".jsonl"):
+        builder = "json"
+    else:
+        raise FinetuneError(f"{flag} {path_str!r}: unknown format {suffix!r}. Use .csv, .json or .jsonl.")
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
+    except Exception as err:  # the datasets library raises many types for malformed files
+        raise FinetuneError(f"{flag} {path_str!r} could not be read as {builder}: {err}") from None
+    missing = [c for c in (*text_columns, LABEL_COLUMN) if c not in ds.column_names]
+    if missing:
+        raise FinetuneError(
+            f"{flag} {path_str!r} lacks column(s) {', '.join(missing)} (it has {', '.join(ds.column_names)}). "
+            f"This recipe needs {', '.join(text_columns)} and {LABEL_COLUMN}."
+        )
+    if len(ds) == 0:
+        raise FinetuneError(f"{flag} {path_str!r} has no rows.")
+    for column in text_columns:
+        empty = [i for i, t in enumerate(ds[column]) if t is None or not str(t).strip()]
+        if empty:
+            raise FinetuneError(
+                f"{flag} {path_str!r}: column {column!r} is empty in {len(empty)} row(s) (first: data row {empty[0] + 1}). "
+                "Remove or fill those rows."
+            )
+    return ds.select_columns([*text_columns, LABEL_COLUMN])
+
+
+def load_data_files(train_file: str, validation_file: str | None, text_columns, cache_dir=None):
+    """Your own data as a DatasetDict (``train``, ``validation``) with a ``ClassLabel`` ``label``.
+
+    Labels may be strings or integers; the class names are the sorted distinct train labels. Without
+    ``validation_file``, 20% of ``train_file`` is held out (stratified, seed 42). Raises ``FinetuneError``
+    for a missing/empty/unreadable file, missing columns, empty texts, or validation labels that the
+    training data never shows.
+    """
+    import datasets
+
+    train = _read_data_file(train_file, "--train_file", text_columns, cache_dir)
+    names = sorted({str(x) for x in train[LABEL_COLUMN]}, key=lambda s: (not s.lstrip("-").isdigit(), int(s) if s.lstrip("-").isdigit() else 0, s))
+    if len(names) < 2:
+        raise FinetuneError(f"--train_file {train_file!r} has only one label ({names[0]!r}); classification needs 2+.")
+    features = datasets.Features({**{c: datasets.Value("string") for c in text_columns}, LABEL_COLUMN: datasets.ClassLabel(names=names)})
+
+    def to_class(ds, flag, path):
+        unknown = sorted({str(x) for x in ds[LABEL_COLUMN]} - set(names))
+        if unknown:
+            raise FinetuneError(
+                f"{flag} {path!r} has label(s) {', '.join(map(repr, unknown[:5]))} that --train_file never shows "
+                f"(known: {', '.join(names)}). Fix the labels or add examples of them to the training data."
+            )
+        return ds.map(lambda b: {LABEL_COLUMN: [names.index(str(x)) for x in b[LABEL_COLUMN]],
+                                 **{c: [str(t) for t in b[c]] for c in text_columns}},
+                      batched=True, features=features)
+
+    train = to_class(train, "--train_file", train_file)
+    if validation_file:
+        validation = to_class(_read_data_file(validation_file, "--validation_file", text_columns, cache_dir),
+                              "--validation_file", validation_file)
+        return datasets.DatasetDict({"train": train, "validation": validation})
+    split = train.train_test_split(test_size=0.2, stratify_by_column=LABEL_COLUMN, seed=42)
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+# --------------------------------------------------------------------------------------- tokenization
+def tokenize_datasets(raw, tokenizer, text_columns, max_length: int):
+    """Tokenize every split with ``Dataset.map`` (batched, cached by the datasets library), truncating
+    to ``max_length`` tokens, without padding (the collator pads each micro-batch dynamically).
+
+    Output columns: ``input_ids``, ``attention_mask`` (and ``token_type_ids`` for BERT), ``labels``.
+    """
+
+    def encode(batch):
+        texts = [batch[c] for c in text_columns]
+        return tokenizer(*texts, truncation=True, max_length=max_length)
+
+    columns = raw["train"].column_names
+    tokenized = raw.map(encode, batched=True, remove_columns=[c for c in columns if c != LABEL_COLUMN],
+                        desc="Tokenizing")
+    return tokenized.rename_column(LABEL_COLUMN, "labels")
+
+
+def check_max_length(max_length: int, model_config) -> None:
+    """Raise ``FinetuneError`` if ``max_length`` (tokens) exceeds the model's position limit."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and max_length > limit:
+        raise FinetuneError(f"--max_length {max_length} exceeds this model's position limit of {limit} tokens; "
+                            f"use --max_length {limit} or less.")
+
+
+def build_datasets(recipe, config, tokenizer):
+    """Raw data (the recipe's, or ``--train_file``/``--validation_file``), subsampled to
+    ``max_train_samples``/``max_eval_samples`` (first N after the split), then tokenized.
+
+    Returns ``(tokenized DatasetDict, label_names)``.
+    """
+    if config.train_file:
+        raw = load_data_files(config.train_file, config.validation_file, recipe.TEXT_COLUMNS, config.cache_dir)
+    else:
+        raw = recipe.load_raw_datasets(config)
+    if config.max_train_samples is not None:
+        raw["train"] = raw["train"].select(range(min(config.max_train_samples, len(raw["train"]))))
+    if config.max_eval_samples is not None:
+        raw["validation"] = raw["validation"].select(range(min(config.max_eval_samples, len(raw["validation"]))))
+    label_names = raw["train"].features[LABEL_COLUMN].names
+    return tokenize_datasets(raw, tokenizer, recipe.TEXT_COLUMNS, config.max_length), label_names

@@ -1,0 +1,78 @@
+"""Entry point: ``accelerate launch finetune/run.py --recipe NAME [flags]`` (or ``python finetune/run.py``).
+
+Parses flags into a ``TrainConfig`` (recipe defaults under the flags), then runs the engine. User errors
+print one ``error:`` line and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+PROCESS_START = time.time()
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize inside forked workers
+
+
+def list_recipes() -> str:
+    """A table of the registered recipes: name, task, default model, dataset, and hub/offline."""
+    from recipes import RECIPES, load_recipe
+
+    rows = [("name", "task", "model", "dataset", "data source")]
+    for name in sorted(RECIPES):
+        r = load_recipe(name)
+        model = r.DEFAULTS.get("model_name_or_path", "?")
+        if os.path.isabs(model):
+            model = os.path.basename(os.path.dirname(model)) if os.path.basename(model) == "model" else model
+        rows.append((name, r.TASK, model, r.DATASET, "needs hub" if r.NEEDS_HUB else "offline"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_summary(metrics: dict, output_dir: str) -> str:
+    """The closing summary: key metrics, one per line, and where the outputs are."""
+    keys = ["eval_accuracy", "eval_f1", "eval_loss", "train_loss", "optimizer_steps", "skipped_optimizer_steps",
+            "effective_batch_size", "mixed_precision", "train_samples_per_second", "train_runtime", "wall_time"]
+    lines = ["", "=" * 60, "Run summary"]
+    for key in keys:
+        if key in metrics:
+            value = metrics[key]
+            lines.append(f"  {key:<26} {value:.4f}" if isinstance(value, float) else f"  {key:<26} {value}")
+    lines += [f"  outputs in {output_dir}/: model + tokenizer, metrics.json, log.jsonl, run_config.json", "=" * 60]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code (0 on success, 2 on a user error)."""
+    from finetune.config import parse_config
+    from finetune.errors import FinetuneError
+
+    try:
+        config = parse_config(argv)
+        if config.list_recipes:
+            print(list_recipes())
+            return 0
+        config.validate()
+        from finetune.output import check_output_dir
+        from finetune.train import train
+        from recipes import load_recipe
+
+        recipe = load_recipe(config.recipe)
+        check_output_dir(config)
+        metrics = train(config, recipe, process_start=PROCESS_START)
+    except FinetuneError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_summary(metrics, config.output_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""The accelerate engine: one visible ``train()`` loop with exact gradient accumulation inline.
+
+Exactness rules (tested in ``tests/test_accumulation.py``):
+
+- An accumulation window is up to N = ``gradient_accumulation_steps`` micro-batches; an epoch of M
+  micro-batches has ceil(M / N) optimizer steps; the last window may be partial.
+- Every micro-batch's loss is the *sum* of its per-sample losses divided by the number of samples in
+  the whole window, counted across all processes. So each window's gradient is the mean over exactly
+  the samples it holds, and a partial last window is weighted by its true size (Accelerate's own
+  ``accelerator.backward`` divides by N, which under-weights it; we multiply N back in).
+- Gradients are clipped only on the sync (last) micro-batch of a window; the LR schedule is sized in
+  optimizer steps and advances only when the optimizer really stepped (fp16 overflow skips do not).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from finetune.errors import FinetuneError
+
+
+# ------------------------------------------------------------------------------------------ precision
+def effective_mixed_precision(accelerator) -> str:
+    """The precision that autocast really runs on ``accelerator.device``: "fp16", "bf16" or "no".
+
+    Measured, not assumed: a small matmul inside ``accelerator.autocast()`` reports its dtype. On a CPU,
+    Accelerate accepts ``mixed_precision="fp16"`` but runs fp32; this returns "no" there.
+    """
+    device = accelerator.device
+    a = torch.ones(2, 2, device=device)
+    with accelerator.autocast():
+        dtype = (a @ a).dtype
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "no")
+
+
+PRECISION_NAMES = {"no": "fp32", "fp16": "fp16 (autocast + GradScaler loss scaling)", "bf16": "bf16 (autocast)"}
+
+
+def make_accelerator(config):
+    """An ``Accelerator`` for ``config``: N-step accumulation that we align to our windows ourselves
+    (``sync_with_dataloader=False``), and a seeded sampler so every process and every resume sees the
+    same data order. Raises ``FinetuneError`` for bf16 on a device without bf16."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+
+    try:
+        accelerator = Accelerator(
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False
+            ),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+        )
+    except ValueError as err:
+        if "bf16" in str(err):
+            raise FinetuneError(f"--mixed_precision bf16 is not supported on this device ({err}). "
+                                "Use --mixed_precision fp16 (GPU) or no.") from None
+        raise
+    return accelerator
+
+
+# ------------------------------------------------------------------------------------------ batching
+def iter_windows(dataloader, gradient_accumulation_steps: int):
+    """Group a dataloader's micro-batches into accumulation windows: lists of N micro-batches, the
+    last one possibly shorter. Prefetching a window lets us count its samples before any backward."""
+    window = []
+    for batch in dataloader:
+        window.append(batch)
+        if len(window) == gradient_accumulation_steps:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def loss_sum_and_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over a micro-batch, in fp32, and its sample count.
+
+    ``logits``: (batch, num_labels); ``labels``: (batch,) class ids. Returns (scalar tensor, batch).
+    """
+    return F.cross_entropy(logits.float(), labels, reduction="sum"), labels.shape[0]
+
+
+# ------------------------------------------------------------------------------------------ setup
+@dataclass
+class Setup:
+    """Everything ``train()`` needs, built from a config and a recipe."""
+
+    accelerator: object
+    model: object
+    tokenizer: object
+    optimizer: object
+    scheduler: object
+    train_dataloader: object
+    eval_dataloader: object
+    label_names: list
+    max_steps: int
+    steps_per_epoch: int
+    num_epochs: int
+    precision: str
+    metrics: dict = field(default_factory=dict)
+
+
+def build_optimizer(model, config) -> torch.optim.AdamW:
+    """AdamW with weight decay on every parameter except biases and normalisation weights (the
+    Transformers ``Trainer`` grouping), so both engines optimise the same thing."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                             eps=config.adam_epsilon)
+
+
+def plan_steps(micro_batches_per_epoch: int, config) -> tuple[int, int, int]:
+    """(optimizer steps per epoch, total optimizer steps, epochs to run).
+
+    Steps per epoch = ceil(micro-batches per process / N); total = ``max_steps`` if > 0, else
+    ceil(``num_train_epochs`` x steps per epoch). Raises ``FinetuneError`` if there is no data.
+    """
+    if micro_batches_per_epoch == 0:
+        raise FinetuneError("the training set is empty after --max_train_samples; use more samples.")
+    steps_per_epoch = math.ceil(micro_batches_per_epoch / config.gradient_accumulation_steps)
+    if config.max_steps > 0:
+        max_steps = config.max_steps
+    else:
+        max_steps = math.ceil(config.num_train_epochs * steps_per_epoch)
+    return steps_per_epoch, max_steps, math.ceil(max_steps / steps_per_epoch)
+
+
+def setup(config, recipe) -> Setup:
+    """Build accelerator, tokenizer, datasets, model, optimizer and schedule for ``train()``."""
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding, get_scheduler
+
+    from finetune.data import build_datasets, check_max_length, load_classifier, load_tokenizer
+
+    accelerator = make_accelerator(config)
+    set_seed(config.seed)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others read the cache
+        datasets, label_names = build_datasets(recipe, config, tokenizer)
+    model = load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout)
+    check_max_length(config.max_length, model.config)
+
+    precision = effective_mixed_precision(accelerator)
+    # Tensor cores want sequence lengths in multiples of 8 under fp16/bf16; fp32 gains nothing from it.
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
+    train_dataloader = DataLoader(datasets["train"], shuffle=True, collate_fn=collator,
+                                  batch_size=config.per_device_train_batch_size)
+    eval_dataloader = DataLoader(datasets["validation"], shuffle=False, collate_fn=collator,
+                                 batch_size=config.per_device_eval_batch_size)
+    optimizer = build_optimizer(model, config)
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader
+    )
+    steps_per_epoch, max_steps, num_epochs = plan_steps(len(train_dataloader), config)
+    # Not passed to accelerator.prepare: its wrapper steps the schedule once per process per call and
+    # assumes a schedule sized for that. Ours is sized in optimizer steps and stepped by hand.
+    scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=config.warmup_steps,
+                              num_training_steps=max_steps)
+    return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader,
+                 label_names, max_steps, steps_per_epoch, num_epochs, precision, metrics=recipe.METRICS)
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def evaluate(accelerator, model, dataloader, metric_specs: dict) -> dict:
+    """Evaluate on every process, gathering predictions with ``gather_for_metrics`` (which drops the
+    samples Accelerate duplicated to even out the last batch).
+
+    ``metric_specs``: shipped metric name -> compute kwargs, e.g. ``{"f1": {"average": "macro"}}``.
+    Returns ``{"eval_loss": mean CE per sample, "eval_<metric>": ..., "eval_samples": n}``.
+    """
+    from finetune.metrics import load_metric
+
+    model.eval()
+    metrics = {name: load_metric(name) for name in metric_specs}
+    loss_sum, samples = 0.0, 0
+    for batch in dataloader:
+        labels = batch.pop("labels")
+        with torch.no_grad():
+            logits = model(**batch).logits
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels, losses))
+        for metric in metrics.values():
+            metric.add_batch(predictions=predictions.cpu(), references=labels.cpu())
+        loss_sum += losses.sum().item()
+        samples += labels.shape[0]
+    model.train()
+    results = {"eval_loss": loss_sum / max(samples, 1), "eval_samples": samples}
+    for name, metric in metrics.items():
+        results.update({f"eval_{k}": v for k, v in metric.compute(**metric_specs[name]).items()})
+    return results
+
+
+# ------------------------------------------------------------------------------------------ outputs
+class RunLog:
+    """``log.jsonl`` in the output directory: one JSON object per line, written by the main process
+    and flushed at once so a run that dies keeps its log."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.file = open(path, "w", encoding="utf-8") if enabled else None
+
+    def write(self, record: dict) -> None:
+        """Append ``record`` as one line."""
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        if self.file:
+            self.file.close()
+
+
+def save_model(s: Setup, output_dir: Path) -> None:
+    """Write the model (safetensors) and tokenizer with ``save_pretrained``: a Hugging Face model
+    directory that ``AutoModelForSequenceClassification.from_pretrained(output_dir)`` loads."""
+    accelerator = s.accelerator
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(s.model)
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
+                              state_dict=accelerator.get_state_dict(s.model))
+    if accelerator.is_main_process:
+        s.tokenizer.save_pretrained(output_dir)
+
+
+# ------------------------------------------------------------------------------------------ the loop
+def train(config, recipe, process_start: float | None = None) -> dict:
+    """Fine-tune ``recipe`` with ``config``; write the model, ``metrics.json``, ``log.jsonl`` and
+    ``run_config.json`` into ``config.output_dir``; return the metrics.
+
+    Units in the metrics: ``train_loss`` is the mean cross-entropy per sample over all optimizer steps
+    (nats), ``*_runtime`` seconds, ``*_per_second`` samples per second, ``optimizer_steps`` counts
+    optimizer steps (skipped fp16 steps included, reported as ``skipped_optimizer_steps``).
+    """
+    from tqdm.auto import tqdm
+
+    s = setup(config, recipe)
+    accelerator, model, optimizer, scheduler = s.accelerator, s.model, s.optimizer, s.scheduler
+    N, P = config.gradient_accumulation_steps, accelerator.num_processes
+    effective_batch_size = config.per_device_train_batch_size * N * P
+    output_dir = Path(config.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "run_config.json").write_text(config.to_json() + "\n")
+    log = RunLog(output_dir / "log.jsonl", accelerator.is_main_process)
+
+    accelerator.print(
+        f"Effective batch size: {config.per_device_train_batch_size} (micro-batch) x {N} (accumulation) x {P} "
+        f"(processes) = {effective_batch_size} samples per optimizer step\n"
+        f"Optimizer steps: {s.steps_per_epoch} per epoch ({len(s.train_dataloader)} micro-batches per process), "
+        f"{s.max_steps} in total over {s.num_epochs} epoch(s)\n"
+        f"Precision: {PRECISION_NAMES[s.precision]} on {accelerator.device.type}"
+        + ("" if s.precision == config.mixed_precision else
+           f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {accelerator.device.type} "
+           f"autocast does not run it, so this run is {PRECISION_NAMES[s.precision]}")
+    )
+
+    step, skipped_steps, samples_seen, loss_total = 0, 0, 0, 0.0
+    eval_results, eval_runtime = {}, 0.0
+    progress = tqdm(total=s.max_steps, desc="Training", unit="step", disable=not accelerator.is_local_main_process)
+    model.train()
+    train_start = time.perf_counter()
+    for epoch in range(s.num_epochs):
+        s.train_dataloader.set_epoch(epoch)
+        for window in iter_windows(s.train_dataloader, N):
+            # The window's sample count over all processes, known before any backward: each sample's
+            # loss is divided by it, so the window's gradient is the exact mean over its samples.
+            local_count = sum(batch["labels"].shape[0] for batch in window)
+            window_count = accelerator.reduce(torch.tensor(local_count, device=accelerator.device), "sum").item()
+            # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
+            # also for a short last window (it syncs when its counter reaches a multiple of N).
+            accelerator.step = N - len(window)
+            window_loss = torch.zeros((), device=accelerator.device)
+            for batch in window:
+                with accelerator.accumulate(model):
+                    labels = batch.pop("labels")
+                    logits = model(**batch).logits
+                    loss_sum, _ = loss_sum_and_count(logits, labels)
+                    # accelerator.backward divides by N and DDP averages over P processes: undo both, so
+                    # the summed gradient is sum(per-sample gradients) / window_count.
+                    accelerator.backward(loss_sum * (N * P / window_count))
+                    window_loss += loss_sum.detach()
+                    if accelerator.sync_gradients:
+                        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                    learning_rate = scheduler.get_last_lr()[0]
+                    optimizer.step()  # a no-op until the sync micro-batch
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                        scheduler.step()
+                    optimizer.zero_grad()
+
+            skipped = accelerator.optimizer_step_was_skipped
+            skipped_steps += int(skipped)
+            step += 1
+            samples_seen += window_count
+            # One reduction per optimizer step (a sync point): the window's mean loss per sample.
+            loss = (accelerator.reduce(window_loss, "sum") / window_count).item()
+            loss_total += loss
+            record = {"step": step, "epoch": round(_epoch_fraction(step, s), 4),
+                      "loss": loss, "learning_rate": learning_rate, "grad_norm": float(grad_norm),
+                      "samples": window_count, "micro_batches": len(window)}
+            if skipped:
+                record["skipped"] = True
+            log.write(record)
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
+            if step >= s.max_steps:
+                break
+        is_last_epoch = epoch == s.num_epochs - 1 or step >= s.max_steps
+        if config.eval_strategy == "epoch" or is_last_epoch:
+            eval_start = time.perf_counter()
+            eval_results = evaluate(accelerator, model, s.eval_dataloader, s.metrics)
+            eval_runtime += time.perf_counter() - eval_start
+            log.write({"step": step, "epoch": round(_epoch_fraction(step, s), 4), **eval_results})
+            accelerator.print(f"eval after epoch {_epoch_fraction(step, s):.2f}: " + ", ".join(
+                f"{k}={v:.4f}" for k, v in eval_results.items() if isinstance(v, float)))
+        if step >= s.max_steps:
+            break
+    progress.close()
+    train_runtime = time.perf_counter() - train_start - eval_runtime
+
+    save_model(s, output_dir)
+    metrics = {
+        **eval_results,
+        "train_loss": loss_total / max(step, 1),
+        "final_train_loss": loss,
+        "optimizer_steps": step,
+        "skipped_optimizer_steps": skipped_steps,
+        "epochs": round(_epoch_fraction(step, s), 4),
+        "train_samples": samples_seen,
+        "effective_batch_size": effective_batch_size,
+        "per_device_train_batch_size": config.per_device_train_batch_size,
+        "gradient_accumulation_steps": N,
+        "num_processes": P,
+        "mixed_precision": s.precision,
+        "mixed_precision_requested": config.mixed_precision,
+        "device": accelerator.device.type,
+        "train_runtime": round(train_runtime, 3),
+        "train_samples_per_second": round(samples_seen / train_runtime, 3),
+        "eval_runtime": round(eval_runtime, 3),
+    }
+    if process_start is not None:
+        metrics["wall_time"] = round(time.time() - process_start, 3)
+    if accelerator.is_main_process:
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log.close()
+    accelerator.end_training()
+    return metrics
+
+
+def _epoch_fraction(step: int, s: Setup) -> float:
+    """Epochs completed after ``step`` optimizer steps (a float, e.g. 1.5)."""
+    return step / s.steps_per_epoch

