@@ -149,7 +149,10 @@ def load_data_files(train_file: str, validation_file: str | None, text_columns, 
     import datasets
 
     train = _read_data_file(train_file, "--train_file", text_columns, cache_dir)
-    names = sorted({str(x) for x in train[LABEL_COLUMN]}, key=lambda s: (not s.lstrip("-").isdigit(), int(s) if s.lstrip("-").isdigit() else 0, s))
+    distinct = {str(x) for x in train[LABEL_COLUMN]}
+    # integer labels keep their numeric order (so label 1 stays id 1); strings sort alphabetically
+    numeric = all(x.lstrip("-").isdigit() for x in distinct)
+    names = sorted(distinct, key=int) if numeric else sorted(distinct)
     if len(names) < 2:
         raise FinetuneError(f"--train_file {train_file!r} has only one label ({names[0]!r}); classification needs 2+.")
     features = datasets.Features({**{c: datasets.Value("string") for c in text_columns}, LABEL_COLUMN: datasets.ClassLabel(names=names)})
@@ -216,3 +219,25 @@ def build_datasets(recipe, config, tokenizer):
         raw["validation"] = raw["validation"].select(range(min(config.max_eval_samples, len(raw["validation"]))))
     label_names = raw["train"].features[LABEL_COLUMN].names
     return tokenize_datasets(raw, tokenizer, recipe.TEXT_COLUMNS, config.max_length), label_names
+
+
+def build_components(config, recipe, precision: str, main_process_first):
+    """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator)``.
+
+    ``main_process_first``: a context-manager factory (Accelerate's or TrainingArguments') so rank 0
+    tokenizes and caches before the others read the cache. The seed is set before the model is built
+    (the classifier head is random) and again after, as ``Trainer.__init__`` does, so both engines start
+    training from the same RNG state. ``precision`` is the one that really runs: under fp16/bf16 the
+    collator pads to a multiple of 8 tokens (tensor cores); fp32 gains nothing from it.
+    """
+    from transformers import DataCollatorWithPadding, set_seed
+
+    set_seed(config.seed)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    with main_process_first():
+        datasets, label_names = build_datasets(recipe, config, tokenizer)
+    model = load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout)
+    check_max_length(config.max_length, model.config)
+    set_seed(config.seed)
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
+    return tokenizer, datasets, label_names, model, collator

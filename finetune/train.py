@@ -140,23 +140,15 @@ def plan_steps(micro_batches_per_epoch: int, config) -> tuple[int, int, int]:
 
 def setup(config, recipe) -> Setup:
     """Build accelerator, tokenizer, datasets, model, optimizer and schedule for ``train()``."""
-    from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithPadding, get_scheduler
+    from transformers import get_scheduler
 
-    from finetune.data import build_datasets, check_max_length, load_classifier, load_tokenizer
+    from finetune.data import build_components
 
     accelerator = make_accelerator(config)
-    set_seed(config.seed)
-    tokenizer = load_tokenizer(config.model_name_or_path)
-    with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others read the cache
-        datasets, label_names = build_datasets(recipe, config, tokenizer)
-    model = load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout)
-    check_max_length(config.max_length, model.config)
-
     precision = effective_mixed_precision(accelerator)
-    # Tensor cores want sequence lengths in multiples of 8 under fp16/bf16; fp32 gains nothing from it.
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
+    tokenizer, datasets, label_names, model, collator = build_components(
+        config, recipe, precision, accelerator.main_process_first)
     train_dataloader = DataLoader(datasets["train"], shuffle=True, collate_fn=collator,
                                   batch_size=config.per_device_train_batch_size)
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, collate_fn=collator,

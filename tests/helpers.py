@@ -1,0 +1,76 @@
+"""Helpers for tests that run the real engine in-process or the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
+    """Run ``finetune.train.train`` on the bbc-news recipe with ``overrides``; return (metrics, output dir)."""
+    from finetune.config import parse_config
+    from finetune.train import train
+    from recipes import load_recipe
+
+    out = tmp_path / name
+    argv = ["--recipe", overrides.pop("recipe", "bbc-news"), "--output_dir", str(out)]
+    for key, value in overrides.items():
+        argv += [f"--{key}", str(value)]
+    config = parse_config(argv)
+    config.validate()
+    return train(config, load_recipe(config.recipe)), out
+
+
+def load_params(output_dir: Path) -> dict:
+    """The saved model's tensors (safetensors), name -> tensor."""
+    from safetensors.torch import load_file
+
+    return load_file(str(output_dir / "model.safetensors"))
+
+
+def read_log(output_dir: Path) -> list[dict]:
+    """``log.jsonl`` as a list of records."""
+    return [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
+
+
+def train_steps(output_dir: Path) -> list[dict]:
+    """Only the per-optimizer-step records of ``log.jsonl``."""
+    return [r for r in read_log(output_dir) if "loss" in r]
+
+
+def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dict | None = None):
+    """Run ``accelerate launch finetune/run.py ARGS`` on CPU; ``num_processes`` > 1 gives gloo ranks.
+
+    Returns the ``CompletedProcess`` (stdout and stderr captured as text).
+    """
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["--multi_gpu", "--num_processes", str(num_processes)] if num_processes > 1 else ["--num_processes", "1"]
+    cmd += [str(REPO / "finetune" / "run.py"), *args]
+    full_env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+def run_script(args: list[str], timeout: int = 300, env: dict | None = None):
+    """Run ``python finetune/run.py ARGS`` (the other supported entry); returns the ``CompletedProcess``."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(REPO / "finetune" / "run.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    """A user error: non-zero exit, an ``error:`` line holding every fragment, and no traceback from our
+    code (``accelerate launch`` adds its own ``CalledProcessError`` traceback for any failing child)."""
+    assert result.returncode != 0, result.stdout[-2000:]
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert error_lines, result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in error_lines[0], (fragment, error_lines[0])
+    ours = [line for line in result.stderr.splitlines()
+            if line.strip().startswith("File ") and ("/finetune/" in line or "/recipes/" in line)]
+    assert not ours, result.stderr[-3000:]
