@@ -63,6 +63,9 @@ class TrainConfig:
     )
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak AdamW learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and LayerNorm)."})
+    optim: Literal["adamw_torch", "adamw_torch_fused"] = field(
+        default="adamw_torch", metadata={"help": "AdamW implementation (TrainingArguments names); fused is one kernel per step."}
+    )
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
@@ -78,6 +81,13 @@ class TrainConfig:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
     eval_strategy: Literal["epoch", "no"] = field(
         default="epoch", metadata={"help": "Evaluate after every epoch ('epoch') or only at the end ('no')."}
+    )
+    backend: Literal["accelerate", "trainer"] = field(
+        default="accelerate",
+        metadata={"help": "Training engine: our accelerator.accumulate() loop, or transformers' Trainer."},
+    )
+    compare: bool = field(
+        default=False, metadata={"help": "Run both backends with the same settings and write comparison.md/json/png."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
     disable_dropout: bool = field(

@@ -60,11 +60,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config.validate()
         from finetune.output import check_output_dir
-        from finetune.train import train
         from recipes import load_recipe
 
         recipe = load_recipe(config.recipe)
         check_output_dir(config)
+        if config.compare:
+            from finetune.compare import compare
+
+            compare(config, argv if argv is not None else sys.argv[1:])
+            return 0
+        if config.backend == "trainer":
+            from finetune.trainer_backend import train
+        else:
+            from finetune.train import train
         metrics = train(config, recipe, process_start=PROCESS_START)
     except FinetuneError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -44,6 +44,24 @@ def effective_mixed_precision(accelerator) -> str:
 PRECISION_NAMES = {"no": "fp32", "fp16": "fp16 (autocast + GradScaler loss scaling)", "bf16": "bf16 (autocast)"}
 
 
+def run_banner(config, num_processes: int, micro_batches_per_epoch: int, steps_per_epoch: int, max_steps: int,
+               num_epochs: int, precision: str, device_type: str) -> str:
+    """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
+    processes, in samples), the optimizer steps, and the precision that really runs, with a plain note
+    when it is not the one requested (fp16 on a CPU)."""
+    n = config.gradient_accumulation_steps
+    effective = config.per_device_train_batch_size * n * num_processes
+    text = (f"Effective batch size: {config.per_device_train_batch_size} (micro-batch) x {n} (accumulation) x "
+            f"{num_processes} (processes) = {effective} samples per optimizer step\n"
+            f"Optimizer steps: {steps_per_epoch} per epoch ({micro_batches_per_epoch} micro-batches per process), "
+            f"{max_steps} in total over {num_epochs} epoch(s) [{config.backend} backend]\n"
+            f"Precision: {PRECISION_NAMES[precision]} on {device_type}")
+    if precision != config.mixed_precision:
+        text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
+                 f"does not run it, so this run is {PRECISION_NAMES[precision]}")
+    return text
+
+
 def make_accelerator(config):
     """An ``Accelerator`` for ``config``: N-step accumulation that we align to our windows ourselves
     (``sync_with_dataloader=False``), and a seeded sampler so every process and every resume sees the
@@ -111,7 +129,8 @@ class Setup:
 
 def build_optimizer(model, config) -> torch.optim.AdamW:
     """AdamW with weight decay on every parameter except biases and normalisation weights (the
-    Transformers ``Trainer`` grouping), so both engines optimise the same thing."""
+    Transformers ``Trainer`` grouping), so both engines optimise the same thing. ``optim`` picks the
+    implementation as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused"."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -119,7 +138,7 @@ def build_optimizer(model, config) -> torch.optim.AdamW:
         (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_epsilon)
+                             eps=config.adam_epsilon, fused=config.optim == "adamw_torch_fused" or None)
 
 
 def plan_steps(micro_batches_per_epoch: int, config) -> tuple[int, int, int]:
@@ -242,25 +261,16 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     s = setup(config, recipe)
     accelerator, model, optimizer, scheduler = s.accelerator, s.model, s.optimizer, s.scheduler
     N, P = config.gradient_accumulation_steps, accelerator.num_processes
-    effective_batch_size = config.per_device_train_batch_size * N * P
     output_dir = Path(config.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "run_config.json").write_text(config.to_json() + "\n")
     log = RunLog(output_dir / "log.jsonl", accelerator.is_main_process)
 
-    accelerator.print(
-        f"Effective batch size: {config.per_device_train_batch_size} (micro-batch) x {N} (accumulation) x {P} "
-        f"(processes) = {effective_batch_size} samples per optimizer step\n"
-        f"Optimizer steps: {s.steps_per_epoch} per epoch ({len(s.train_dataloader)} micro-batches per process), "
-        f"{s.max_steps} in total over {s.num_epochs} epoch(s)\n"
-        f"Precision: {PRECISION_NAMES[s.precision]} on {accelerator.device.type}"
-        + ("" if s.precision == config.mixed_precision else
-           f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {accelerator.device.type} "
-           f"autocast does not run it, so this run is {PRECISION_NAMES[s.precision]}")
-    )
+    accelerator.print(run_banner(config, P, len(s.train_dataloader), s.steps_per_epoch, s.max_steps, s.num_epochs,
+                                 s.precision, accelerator.device.type))
 
-    step, skipped_steps, samples_seen, loss_total = 0, 0, 0, 0.0
+    step, skipped_steps, samples_seen, losses = 0, 0, 0, []
     eval_results, eval_runtime = {}, 0.0
     progress = tqdm(total=s.max_steps, desc="Training", unit="step", disable=not accelerator.is_local_main_process)
     model.train()
@@ -300,7 +310,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
             samples_seen += window_count
             # One reduction per optimizer step (a sync point): the window's mean loss per sample.
             loss = (accelerator.reduce(window_loss, "sum") / window_count).item()
-            loss_total += loss
+            losses.append(loss)
             record = {"step": step, "epoch": round(_epoch_fraction(step, s), 4),
                       "loss": loss, "learning_rate": learning_rate, "grad_norm": float(grad_norm),
                       "samples": window_count, "micro_batches": len(window)}
@@ -325,31 +335,61 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     train_runtime = time.perf_counter() - train_start - eval_runtime
 
     save_model(s, output_dir)
-    metrics = {
-        **eval_results,
-        "train_loss": loss_total / max(step, 1),
-        "final_train_loss": loss,
-        "optimizer_steps": step,
-        "skipped_optimizer_steps": skipped_steps,
-        "epochs": round(_epoch_fraction(step, s), 4),
-        "train_samples": samples_seen,
-        "effective_batch_size": effective_batch_size,
-        "per_device_train_batch_size": config.per_device_train_batch_size,
-        "gradient_accumulation_steps": N,
-        "num_processes": P,
-        "mixed_precision": s.precision,
-        "mixed_precision_requested": config.mixed_precision,
-        "device": accelerator.device.type,
-        "train_runtime": round(train_runtime, 3),
-        "train_samples_per_second": round(samples_seen / train_runtime, 3),
-        "eval_runtime": round(eval_runtime, 3),
-    }
-    if process_start is not None:
-        metrics["wall_time"] = round(time.time() - process_start, 3)
+    metrics = run_metrics(
+        config, eval_results, step_losses=losses, skipped_steps=skipped_steps, steps_per_epoch=s.steps_per_epoch,
+        train_samples=samples_seen, num_processes=P, precision=s.precision, device=accelerator.device,
+        train_runtime=train_runtime, eval_runtime=eval_runtime, process_start=process_start)
     if accelerator.is_main_process:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log.close()
     accelerator.end_training()
+    return metrics
+
+
+def peak_memory(device) -> tuple[int, str]:
+    """(bytes, what was measured): ``torch.cuda.max_memory_allocated`` on a CUDA device, else the
+    process's peak resident set size (``getrusage`` ``ru_maxrss``, KiB on Linux, returned in bytes)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+
+def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps: int, steps_per_epoch: int,
+                train_samples: int, num_processes: int, precision: str, device, train_runtime: float,
+                eval_runtime: float, process_start: float | None) -> dict:
+    """The ``metrics.json`` dict, the same for both engines.
+
+    ``step_losses``: mean loss per sample of each optimizer step. ``train_runtime`` and ``eval_runtime``
+    in seconds (training excludes evaluation); ``train_samples`` counts samples over all processes.
+    """
+    effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
+    memory, memory_kind = peak_memory(device)
+    metrics = {
+        **eval_results,
+        "train_loss": sum(step_losses) / max(len(step_losses), 1),
+        "final_train_loss": step_losses[-1] if step_losses else float("nan"),
+        "optimizer_steps": len(step_losses),
+        "skipped_optimizer_steps": skipped_steps,
+        "epochs": round(len(step_losses) / steps_per_epoch, 4),
+        "train_samples": train_samples,
+        "effective_batch_size": effective_batch_size,
+        "per_device_train_batch_size": config.per_device_train_batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "num_processes": num_processes,
+        "mixed_precision": precision,
+        "mixed_precision_requested": config.mixed_precision,
+        "backend": config.backend,
+        "device": device.type,
+        "train_runtime": round(train_runtime, 3),
+        "train_samples_per_second": round(train_samples / train_runtime, 3) if train_runtime > 0 else 0.0,
+        "eval_runtime": round(eval_runtime, 3),
+        "peak_memory_bytes": memory,
+        "peak_memory_kind": memory_kind,
+    }
+    if process_start is not None:
+        metrics["wall_time"] = round(time.time() - process_start, 3)
     return metrics
 
 

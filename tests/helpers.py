@@ -13,9 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
     """Run ``finetune.train.train`` on the bbc-news recipe with ``overrides``; return (metrics, output dir)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
     from finetune.config import parse_config
-    from finetune.train import train
     from recipes import load_recipe
+
+    # Accelerate's state is process-wide; every in-process run starts from a clean one.
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
 
     out = tmp_path / name
     argv = ["--recipe", overrides.pop("recipe", "bbc-news"), "--output_dir", str(out)]
@@ -23,6 +29,10 @@ def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
         argv += [f"--{key}", str(value)]
     config = parse_config(argv)
     config.validate()
+    if config.backend == "trainer":
+        from finetune.trainer_backend import train
+    else:
+        from finetune.train import train
     return train(config, load_recipe(config.recipe)), out
 
 

@@ -1,0 +1,96 @@
+"""The Trainer engine matches the accelerate engine step for step, and the config maps to
+TrainingArguments in one tested place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from finetune.config import TrainConfig, parse_config
+from finetune.trainer_backend import training_arguments
+from helpers import run_in_process, train_steps
+
+# Fields that configure the run the same way in both engines, with TrainingArguments' names.
+SHARED = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+          "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "num_train_epochs",
+          "max_steps", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "seed", "optim"]
+
+
+def test_every_shared_hyperparameter_reaches_training_arguments(tmp_path):
+    config = parse_config(["--recipe", "bbc-news", "--output_dir", str(tmp_path), "--per_device_train_batch_size", "3",
+                           "--per_device_eval_batch_size", "5", "--gradient_accumulation_steps", "7",
+                           "--learning_rate", "3e-5", "--weight_decay", "0.05", "--adam_beta1", "0.8",
+                           "--adam_beta2", "0.95", "--adam_epsilon", "1e-7", "--num_train_epochs", "2.5",
+                           "--max_steps", "11", "--lr_scheduler_type", "cosine", "--warmup_steps", "4",
+                           "--max_grad_norm", "0.5", "--seed", "9", "--optim", "adamw_torch_fused",
+                           "--mixed_precision", "bf16"])
+    args = training_arguments(config)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name in SHARED:
+        assert name in names
+        ours, theirs = getattr(config, name), getattr(args, name)
+        theirs = getattr(theirs, "value", theirs)  # enums: SchedulerType.COSINE -> "cosine"
+        assert theirs == ours, name
+    assert args.data_seed == config.seed  # same data order as our seeded sampler
+    assert args.bf16 and not args.fp16
+    assert args.eval_strategy.value == "epoch" and args.logging_steps == 1
+    assert args.output_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_trainer_losses_equal_accelerate_losses(tmp_path, tiny_bert, accum):
+    """fp32, dropout off, same seed: per-optimizer-step losses agree to 1e-4 over 2 epochs of 22 samples,
+    whose last window is partial (micro 2: 11 micro-batches; N=4 -> windows of 4, 4, 3)."""
+    kw = dict(model_name_or_path=tiny_bert, max_train_samples=22, max_eval_samples=8, per_device_train_batch_size=2,
+              gradient_accumulation_steps=accum, num_train_epochs=2, disable_dropout=True, max_length=32,
+              learning_rate=2e-3, warmup_steps=1, seed=5, eval_strategy="epoch")
+    acc_metrics, acc = run_in_process(tmp_path, "accelerate", **kw)
+    tr_metrics, tr = run_in_process(tmp_path, "trainer", backend="trainer", **kw)
+    a, t = train_steps(acc), train_steps(tr)
+    assert len(a) == len(t) == acc_metrics["optimizer_steps"] == tr_metrics["optimizer_steps"] >= 6
+    if accum == 4:
+        assert [r["micro_batches"] for r in t][:3] == [4, 4, 3]
+    for x, y in zip(a, t):
+        assert abs(x["loss"] - y["loss"]) < 1e-4, (x, y)
+        assert x["learning_rate"] == pytest.approx(y["learning_rate"], rel=1e-6)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-3)
+        assert x["samples"] == y["samples"]
+    assert a[-1]["loss"] != a[0]["loss"]  # it trained
+    assert acc_metrics["eval_loss"] == pytest.approx(tr_metrics["eval_loss"], abs=1e-4)
+    assert acc_metrics.keys() == tr_metrics.keys()
+    assert tr_metrics["backend"] == "trainer" and acc_metrics["backend"] == "accelerate"
+
+
+def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
+    """What the README says of Trainer's own log: without our compute_loss_func, transformers 5 passes
+    num_items_in_batch to a BERT that ignores it and skips the division by the accumulation steps, so the
+    logged loss (and the gradient) is N times the mean loss per sample."""
+    from transformers import AutoModelForSequenceClassification, Trainer
+
+    from finetune.data import build_datasets, load_tokenizer
+    from finetune.trainer_backend import training_arguments
+    from recipes import load_recipe
+
+    _, ours = run_in_process(tmp_path, "ours", backend="trainer", model_name_or_path=tiny_bert, max_train_samples=16,
+                             max_eval_samples=4, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                             max_steps=1, disable_dropout=True, max_length=32, eval_strategy="no")
+    config = parse_config(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir",
+                           str(tmp_path / "plain"), "--max_train_samples", "16", "--max_eval_samples", "4",
+                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--max_steps",
+                           "1", "--disable_dropout", "--max_length", "32", "--eval_strategy", "no"])
+    recipe = load_recipe("bbc-news")
+    tokenizer = load_tokenizer(tiny_bert)
+    data, names = build_datasets(recipe, config, tokenizer)
+    from transformers import DataCollatorWithPadding, set_seed
+
+    set_seed(config.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=len(names),
+                                                               hidden_dropout_prob=0.0,
+                                                               attention_probs_dropout_prob=0.0)
+    trainer = Trainer(model=model, args=training_arguments(config), train_dataset=data["train"],
+                      data_collator=DataCollatorWithPadding(tokenizer))
+    logged = trainer.train().training_loss
+    true_loss = train_steps(ours)[0]["trainer_logged_loss"]
+    assert train_steps(ours)[0]["loss"] == pytest.approx(true_loss, rel=1e-6)
+    assert logged / true_loss == pytest.approx(4.0, rel=0.02)
