@@ -1,0 +1,192 @@
+"""The batch planner: from a global batch size to a micro-batch and an accumulation count.
+
+The user fixes ``total_batch_size`` B, the samples that make up one optimizer step across all
+processes. With P processes, a plan is a micro-batch m (``per_device_train_batch_size``, samples per
+process per forward/backward) and N micro-batches per optimizer step (``gradient_accumulation_steps``)
+with ``m * N * P == B`` exactly, so the optimisation does not depend on the hardware. Among the exact
+plans we pick the largest m that fits in memory: fewest forward/backward passes per step.
+
+Whether m fits is the caller's question, asked through ``fits(m)``: on a GPU, a probe step that may
+run out of memory (Accelerate's ``find_executable_batch_size``); on a CPU with a ``--max_memory_mb``
+budget, the linear model of ``estimate_fits_from_memory``. ``fits`` must be monotone: if m fits,
+every smaller m fits.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable
+
+from finetune.errors import FinetuneError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A batch plan: ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` x
+    ``num_processes`` == ``total_batch_size`` (all batch sizes in samples).
+
+    - ``per_device_train_batch_size``: micro-batch m, samples per process per forward/backward.
+    - ``gradient_accumulation_steps``: N, micro-batches per process per optimizer step.
+    - ``num_processes``: P, data-parallel processes.
+    - ``total_batch_size``: B, samples per optimizer step across all processes.
+
+    Raises ``ValueError`` on construction if the product does not hold.
+    """
+
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    num_processes: int
+    total_batch_size: int
+
+    def __post_init__(self) -> None:
+        product = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_processes
+        if product != self.total_batch_size:
+            raise ValueError(f"inconsistent BatchPlan: {self.per_device_train_batch_size} x "
+                             f"{self.gradient_accumulation_steps} x {self.num_processes} = {product}, "
+                             f"not total_batch_size {self.total_batch_size}")
+
+    def __str__(self) -> str:
+        processes = "process" if self.num_processes == 1 else "processes"
+        return (f"micro-batch {self.per_device_train_batch_size} x accumulation {self.gradient_accumulation_steps} "
+                f"x {self.num_processes} {processes} = {self.total_batch_size} samples per optimizer step")
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _check_total_and_processes(total_batch_size, num_processes) -> None:
+    if not _is_positive_int(num_processes):
+        raise FinetuneError(f"the number of processes must be a positive integer, got {num_processes!r}.")
+    if not _is_positive_int(total_batch_size):
+        raise FinetuneError(f"--total_batch_size must be a positive integer (samples per optimizer step across "
+                            f"all processes), got {total_batch_size!r}.")
+    if total_batch_size % num_processes:
+        below = (total_batch_size // num_processes) * num_processes
+        above = below + num_processes
+        nearest = f"{below} or {above}" if below > 0 else f"{above}"
+        raise FinetuneError(
+            f"--total_batch_size {total_batch_size} cannot be split evenly over {num_processes} processes: it must "
+            f"be a multiple of {num_processes}. Change --total_batch_size to the nearest valid value, {nearest} "
+            f"(or run on a number of processes that divides {total_batch_size})."
+        )
+
+
+def valid_plans(total_batch_size: int, num_processes: int) -> list[tuple[int, int]]:
+    """Every exact plan for ``total_batch_size`` samples per optimizer step on ``num_processes``
+    processes: the pairs (micro-batch m in samples, accumulation steps N) with m * N * P == B, sorted by
+    m descending (so the first pair is (B / P, 1) and the last is (1, B / P)).
+
+    Raises ``FinetuneError`` if B or P is not a positive integer, or if B is not a multiple of P (the
+    message names the nearest valid --total_batch_size values below and above).
+    """
+    _check_total_and_processes(total_batch_size, num_processes)
+    per_process = total_batch_size // num_processes
+    small = [d for d in range(1, math.isqrt(per_process) + 1) if per_process % d == 0]
+    divisors = sorted(set(small) | {per_process // d for d in small}, reverse=True)
+    return [(m, per_process // m) for m in divisors]
+
+
+def plan_batch(total_batch_size: int, num_processes: int, fits: Callable[[int], bool],
+               max_micro_batch: int | None = None) -> BatchPlan:
+    """Choose the plan with the largest micro-batch that fits in memory.
+
+    ``total_batch_size`` B: samples per optimizer step across all processes. ``num_processes`` P.
+    ``fits(m)``: whether a micro-batch of m samples per process fits in memory; it must be monotone
+    (if m fits, every smaller m fits). ``max_micro_batch``: an optional upper bound on m in samples
+    (e.g. the samples one process sees per epoch); None for no bound.
+
+    Candidates are the exact micro-batches of ``valid_plans(B, P)`` (divisors of B / P), largest first.
+    The largest is tried first (the common case costs one call); if it does not fit, the boundary is
+    binary-searched among the rest. Each m is asked at most once, and at most ceil(log2(n)) + 1 calls
+    are made for n candidates.
+
+    Returns a ``BatchPlan`` with m * N * P == B. Raises ``FinetuneError`` if B or P is not a positive
+    integer, if B is not a multiple of P (naming the nearest valid --total_batch_size values), or if
+    even a micro-batch of 1 sample does not fit. Raises ``ValueError`` if ``max_micro_batch`` < 1.
+    Exceptions raised by ``fits`` propagate.
+    """
+    plans = valid_plans(total_batch_size, num_processes)
+    if max_micro_batch is not None:
+        if not _is_positive_int(max_micro_batch):
+            raise ValueError(f"max_micro_batch must be a positive integer or None, got {max_micro_batch!r}")
+        plans = [(m, n) for m, n in plans if m <= max_micro_batch]  # (1, B / P) always remains
+
+    answers: dict[int, bool] = {}
+
+    def ask(index: int) -> bool:
+        m = plans[index][0]
+        if m not in answers:
+            answers[m] = bool(fits(m))
+        return answers[m]
+
+    # Find the first index (largest m) that fits; fits is False before it and True from it on.
+    if ask(0):
+        first_fit = 0
+    else:
+        lo, hi = 1, len(plans)  # the boundary lies in [lo, hi]; hi == len(plans) means nothing fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ask(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        first_fit = lo
+    if first_fit == len(plans):
+        raise FinetuneError(
+            f"even a micro-batch of 1 sample per process does not fit in memory (--total_batch_size "
+            f"{total_batch_size} on {num_processes} process(es)). Reduce --max_length, use a machine (or GPU) "
+            f"with more memory, or raise --max_memory_mb if you set a memory budget."
+        )
+    m, n = plans[first_fit]
+    return BatchPlan(per_device_train_batch_size=m, gradient_accumulation_steps=n, num_processes=num_processes,
+                     total_batch_size=total_batch_size)
+
+
+def estimate_fits_from_memory(bytes_per_sample: float, fixed_bytes: float,
+                              budget_bytes: float) -> Callable[[int], bool]:
+    """A ``fits(m)`` for ``plan_batch`` from a linear memory model, for CPUs with a --max_memory_mb
+    budget (where there is no out-of-memory error to probe for).
+
+    The model: peak bytes of one training step with micro-batch m = ``fixed_bytes`` + m x
+    ``bytes_per_sample``. ``fixed_bytes`` (bytes) covers what does not grow with the batch: weights,
+    gradients, optimizer state, framework overhead. ``bytes_per_sample`` (bytes per sample) is the
+    activation memory per sample at the run's --max_length. Both are measured by the caller from a
+    probe step at two micro-batch sizes (see ``linear_memory_from_probes``), so this is a model of
+    that measurement, not a guarantee. ``budget_bytes`` (bytes) is the peak allowed.
+
+    The returned function takes m (samples) and returns whether the modelled peak <= budget; it is
+    monotone in m. Raises ``FinetuneError`` if the budget is not positive, and ``ValueError`` if a
+    measured quantity is negative or not finite.
+    """
+    if not (isinstance(budget_bytes, numbers.Real) and math.isfinite(budget_bytes) and budget_bytes > 0):
+        raise FinetuneError(f"the memory budget must be a positive number of bytes (--max_memory_mb > 0), "
+                            f"got {budget_bytes!r}.")
+    for name, value in (("bytes_per_sample", bytes_per_sample), ("fixed_bytes", fixed_bytes)):
+        if not (isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    def fits(micro_batch: int) -> bool:
+        return fixed_bytes + micro_batch * bytes_per_sample <= budget_bytes
+
+    fits.__doc__ = (f"True if {fixed_bytes:.0f} + m x {bytes_per_sample:.0f} bytes <= {budget_bytes:.0f} bytes "
+                    f"(linear memory model).")
+    return fits
+
+
+def linear_memory_from_probes(small_batch: int, small_peak_bytes: float, large_batch: int,
+                              large_peak_bytes: float) -> tuple[float, float]:
+    """(fixed_bytes, bytes_per_sample) of the linear memory model through two probe steps: peak bytes
+    ``small_peak_bytes`` measured at micro-batch ``small_batch`` samples and ``large_peak_bytes`` at
+    ``large_batch`` samples (``large_batch`` > ``small_batch`` >= 1).
+
+    The slope is clamped at 0 (measurement noise can make it slightly negative) and the intercept at
+    0. Raises ``ValueError`` if the batch sizes are not increasing positive integers.
+    """
+    if not (_is_positive_int(small_batch) and _is_positive_int(large_batch) and large_batch > small_batch):
+        raise ValueError(f"need probe batch sizes 1 <= small < large, got {small_batch!r} and {large_batch!r}")
+    per_sample = max(0.0, (large_peak_bytes - small_peak_bytes) / (large_batch - small_batch))
+    fixed = max(0.0, small_peak_bytes - small_batch * per_sample)
+    return fixed, per_sample

@@ -1,0 +1,169 @@
+"""The batch planner: exact plans (micro x accumulation x processes == total), the largest micro-batch
+that fits, few memory probes, and clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from finetune.batch_plan import (
+    BatchPlan,
+    estimate_fits_from_memory,
+    linear_memory_from_probes,
+    plan_batch,
+    valid_plans,
+)
+from finetune.errors import FinetuneError
+
+
+class CountingLimit:
+    """A fake memory limit: micro-batch m fits iff m <= limit. Records every m asked."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.asked: list[int] = []
+
+    def __call__(self, m: int) -> bool:
+        self.asked.append(m)
+        return m <= self.limit
+
+
+def test_valid_plans_are_exact_and_sorted():
+    assert valid_plans(32, 1) == [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16), (1, 32)]
+    assert valid_plans(48, 2) == [(24, 1), (12, 2), (8, 3), (6, 4), (4, 6), (3, 8), (2, 12), (1, 24)]
+    assert valid_plans(7, 7) == [(1, 1)]
+    for total, processes in [(1, 1), (36, 3), (97, 1), (360, 4), (1024, 8)]:
+        plans = valid_plans(total, processes)
+        assert all(m * n * processes == total for m, n in plans)
+        micro = [m for m, _ in plans]
+        assert micro == sorted(micro, reverse=True) and len(set(micro)) == len(micro)
+        per_process = total // processes
+        assert set(micro) == {d for d in range(1, per_process + 1) if per_process % d == 0}
+
+
+@pytest.mark.parametrize("total,processes,limit,expected", [
+    (32, 1, 10, (8, 4)),
+    (32, 2, 100, (16, 1)),
+    (48, 2, 5, (4, 6)),
+    (32, 1, 32, (32, 1)),
+    (32, 1, 31, (16, 2)),
+    (32, 1, 1, (1, 32)),
+    (48, 2, 23, (12, 2)),
+    (97, 1, 96, (1, 97)),  # a prime: only 97 x 1 and 1 x 97 are exact
+    (64, 8, 3, (2, 4)),
+])
+def test_plan_picks_largest_micro_batch_that_fits(total, processes, limit, expected):
+    fits = CountingLimit(limit)
+    plan = plan_batch(total, processes, fits)
+    assert (plan.per_device_train_batch_size, plan.gradient_accumulation_steps) == expected
+    assert plan.per_device_train_batch_size * plan.gradient_accumulation_steps * processes == total
+    assert plan.num_processes == processes and plan.total_batch_size == total
+    # it is the largest exact micro-batch within the limit
+    assert plan.per_device_train_batch_size == max(m for m, _ in valid_plans(total, processes) if m <= limit)
+
+
+@pytest.mark.parametrize("total,processes", [(32, 1), (48, 2), (360, 1), (720720, 1), (1024, 4), (97, 1), (1, 1)])
+def test_plan_asks_fits_few_times(total, processes):
+    candidates = len(valid_plans(total, processes))
+    bound = math.ceil(math.log2(candidates)) + 1
+    per_process = total // processes
+    for limit in range(0, per_process + 2, max(1, per_process // 50)):
+        fits = CountingLimit(limit)
+        try:
+            plan_batch(total, processes, fits)
+        except FinetuneError:
+            assert limit == 0
+        assert len(fits.asked) <= bound, (limit, fits.asked)
+        assert len(set(fits.asked)) == len(fits.asked)  # never the same m twice
+        assert all(per_process % m == 0 for m in fits.asked)  # only exact micro-batches are tried
+
+
+def test_largest_is_tried_first_and_costs_one_call():
+    fits = CountingLimit(1000)
+    plan = plan_batch(64, 2, fits)
+    assert fits.asked == [32]
+    assert plan == BatchPlan(32, 1, 2, 64)
+
+
+def test_max_micro_batch_caps_the_candidates():
+    fits = CountingLimit(1000)
+    plan = plan_batch(64, 1, fits, max_micro_batch=20)
+    assert (plan.per_device_train_batch_size, plan.gradient_accumulation_steps) == (16, 4)
+    assert max(fits.asked) <= 20
+    with pytest.raises(ValueError):
+        plan_batch(64, 1, fits, max_micro_batch=0)
+
+
+def test_total_not_divisible_by_processes_names_nearest_values_and_flag():
+    with pytest.raises(FinetuneError) as info:
+        plan_batch(30, 4, CountingLimit(100))
+    message = str(info.value)
+    assert "28" in message and "32" in message and "--total_batch_size" in message
+    with pytest.raises(FinetuneError, match="--total_batch_size") as info:
+        valid_plans(3, 4)  # below 4 there is no valid value: only 4 is offered
+    assert "4" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [0, -8, 2.5, 32.0, "32", None, True])
+def test_total_must_be_a_positive_integer(bad):
+    with pytest.raises(FinetuneError, match="--total_batch_size must be a positive integer"):
+        plan_batch(bad, 1, CountingLimit(100))
+
+
+def test_processes_must_be_a_positive_integer():
+    with pytest.raises(FinetuneError, match="processes"):
+        valid_plans(32, 0)
+
+
+def test_nothing_fits_says_memory_and_what_to_do():
+    fits = CountingLimit(0)
+    with pytest.raises(FinetuneError) as info:
+        plan_batch(32, 2, fits)
+    message = str(info.value)
+    assert "memory" in message and "--max_length" in message
+    assert 1 in fits.asked  # it really tried a micro-batch of 1
+
+
+def test_batch_plan_is_frozen_and_consistent():
+    plan = BatchPlan(per_device_train_batch_size=4, gradient_accumulation_steps=6, num_processes=2,
+                     total_batch_size=48)
+    with pytest.raises(AttributeError):
+        plan.gradient_accumulation_steps = 3  # type: ignore[misc]
+    with pytest.raises(ValueError):
+        BatchPlan(4, 6, 2, 50)
+    assert str(plan) == "micro-batch 4 x accumulation 6 x 2 processes = 48 samples per optimizer step"
+    assert BatchPlan.__doc__
+
+
+def test_estimate_fits_from_memory_arithmetic():
+    mib = 1024 ** 2
+    fits = estimate_fits_from_memory(bytes_per_sample=10 * mib, fixed_bytes=100 * mib, budget_bytes=200 * mib)
+    assert fits(10)  # 100 + 10 x 10 = 200 MiB: exactly at the budget
+    assert not fits(11)  # 210 MiB
+    assert fits(0) and fits(1)
+    plan = plan_batch(64, 1, fits)
+    assert (plan.per_device_train_batch_size, plan.gradient_accumulation_steps) == (8, 8)
+    # fixed memory alone over budget: nothing fits, with the memory error
+    with pytest.raises(FinetuneError, match="memory"):
+        plan_batch(8, 1, estimate_fits_from_memory(1.0, 300.0, 200.0))
+    # zero activation memory: everything fits
+    assert estimate_fits_from_memory(0.0, 10.0, 10.0)(10 ** 9)
+
+
+def test_estimate_fits_rejects_bad_inputs():
+    with pytest.raises(FinetuneError, match="--max_memory_mb"):
+        estimate_fits_from_memory(1.0, 1.0, 0)
+    with pytest.raises(ValueError):
+        estimate_fits_from_memory(-1.0, 1.0, 100.0)
+    with pytest.raises(ValueError):
+        estimate_fits_from_memory(1.0, float("nan"), 100.0)
+
+
+def test_linear_memory_from_probes():
+    fixed, per_sample = linear_memory_from_probes(1, 1_100.0, 4, 1_400.0)
+    assert (fixed, per_sample) == (1_000.0, 100.0)
+    # noise making the slope negative: clamped to 0, fixed = the small probe's peak
+    assert linear_memory_from_probes(2, 500.0, 4, 490.0) == (500.0, 0.0)
+    with pytest.raises(ValueError):
+        linear_memory_from_probes(4, 1.0, 4, 2.0)
