@@ -77,6 +77,10 @@ class TrainConfig:
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup length in optimizer steps."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm to this (0 disables)."})
     max_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": "Causal LM: concatenate texts and cut blocks of this many tokens (default: one text per sample)."},
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
     eval_strategy: Literal["epoch", "no"] = field(
@@ -89,6 +93,7 @@ class TrainConfig:
     compare: bool = field(
         default=False, metadata={"help": "Run both backends with the same settings and write comparison.md/json/png."}
     )
+    eval_on_start: bool = field(default=False, metadata={"help": "Also evaluate before the first optimizer step."})
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
     disable_dropout: bool = field(
         default=False, metadata={"help": "Set every dropout probability to 0 (deterministic, comparable runs)."}
@@ -120,6 +125,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise FinetuneError(f"--{name} must be a positive integer, got {value}.")
+        if self.block_size is not None and self.block_size < 2:
+            raise FinetuneError(f"--block_size must be an integer >= 2 (tokens), got {self.block_size}.")
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -72,10 +73,45 @@ def _from_pretrained(loader, name_or_path: str, **kwargs):
 
 
 def load_tokenizer(name_or_path: str):
-    """The tokenizer of a hub id or local model directory (``AutoTokenizer``). Errors as ``_from_pretrained``."""
+    """The tokenizer of a hub id, a local model directory, or a ``.gguf`` file (``AutoTokenizer``).
+    A tokenizer without a pad token (most causal LMs) pads with its end-of-sequence token.
+    Errors as ``_from_pretrained``."""
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, name_or_path)
+    if name_or_path.endswith(".gguf"):
+        from finetune.gguf_model import load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(name_or_path)
+    else:
+        tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _disable_dropout(config) -> None:
+    for key, value in list(config.to_dict().items()):
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+
+
+def load_causal_lm(name_or_path: str, disable_dropout: bool = False):
+    """``AutoModelForCausalLM`` from a hub id, a model directory, or a ``.gguf`` file (de-quantized to
+    fp32 by transformers through the ``gguf`` package). Errors as ``_from_pretrained``; a ``.gguf`` path
+    that does not exist names the command that fetches the default one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name_or_path.endswith(".gguf"):
+        from finetune.gguf_model import load_gguf_causal_lm
+
+        model, _ = load_gguf_causal_lm(name_or_path)
+        if disable_dropout:
+            _disable_dropout(model.config)  # Llama-style models read attention_dropout at call time
+        return model
+    config = _from_pretrained(AutoConfig, name_or_path)
+    if disable_dropout:
+        _disable_dropout(config)
+    return _from_pretrained(AutoModelForCausalLM, name_or_path, config=config)
 
 
 def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: bool = False):
@@ -94,21 +130,21 @@ def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: 
         label2id={name: i for i, name in enumerate(label_names)},
     )
     if disable_dropout:
-        for key, value in list(config.to_dict().items()):
-            if "dropout" in key and isinstance(value, float):
-                setattr(config, key, 0.0)
+        _disable_dropout(config)
     return _from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config)
 
 
 # --------------------------------------------------------------------------------------- data files
-def _read_data_file(path_str: str, flag: str, text_columns, cache_dir):
+def _read_data_file(path_str: str, flag: str, text_columns, cache_dir, with_labels: bool = True):
     import datasets
+
+    needed = (*text_columns, LABEL_COLUMN) if with_labels else tuple(text_columns)
 
     path = Path(path_str)
     if not path.is_file():
         raise FinetuneError(f"{flag} {path_str!r} does not exist. Pass a CSV or JSON-lines file.")
     if path.stat().st_size == 0:
-        raise FinetuneError(f"{flag} {path_str!r} is empty. It needs a header/keys {', '.join(text_columns)}, label.")
+        raise FinetuneError(f"{flag} {path_str!r} is empty. It needs a header/keys {', '.join(needed)}.")
     suffix = path.suffix.lower()
     if suffix == ".csv":
         builder = "csv"
@@ -120,11 +156,11 @@ def _read_data_file(path_str: str, flag: str, text_columns, cache_dir):
         ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
     except Exception as err:  # the datasets library raises many types for malformed files
         raise FinetuneError(f"{flag} {path_str!r} could not be read as {builder}: {err}") from None
-    missing = [c for c in (*text_columns, LABEL_COLUMN) if c not in ds.column_names]
+    missing = [c for c in needed if c not in ds.column_names]
     if missing:
         raise FinetuneError(
             f"{flag} {path_str!r} lacks column(s) {', '.join(missing)} (it has {', '.join(ds.column_names)}). "
-            f"This recipe needs {', '.join(text_columns)} and {LABEL_COLUMN}."
+            f"This recipe needs {', '.join(needed)}."
         )
     if len(ds) == 0:
         raise FinetuneError(f"{flag} {path_str!r} has no rows.")
@@ -135,11 +171,12 @@ def _read_data_file(path_str: str, flag: str, text_columns, cache_dir):
                 f"{flag} {path_str!r}: column {column!r} is empty in {len(empty)} row(s) (first: data row {empty[0] + 1}). "
                 "Remove or fill those rows."
             )
-    return ds.select_columns([*text_columns, LABEL_COLUMN])
+    return ds.select_columns(list(needed))
 
 
-def load_data_files(train_file: str, validation_file: str | None, text_columns, cache_dir=None):
-    """Your own data as a DatasetDict (``train``, ``validation``) with a ``ClassLabel`` ``label``.
+def load_data_files(train_file: str, validation_file: str | None, text_columns, cache_dir=None, with_labels=True):
+    """Your own data as a DatasetDict (``train``, ``validation``) with a ``ClassLabel`` ``label``
+    (``with_labels=False``: text columns only, for causal LM).
 
     Labels may be strings or integers; the class names are the sorted distinct train labels. Without
     ``validation_file``, 20% of ``train_file`` is held out (stratified, seed 42). Raises ``FinetuneError``
@@ -148,7 +185,13 @@ def load_data_files(train_file: str, validation_file: str | None, text_columns, 
     """
     import datasets
 
-    train = _read_data_file(train_file, "--train_file", text_columns, cache_dir)
+    train = _read_data_file(train_file, "--train_file", text_columns, cache_dir, with_labels)
+    if not with_labels:
+        if validation_file:
+            validation = _read_data_file(validation_file, "--validation_file", text_columns, cache_dir, False)
+            return datasets.DatasetDict({"train": train, "validation": validation})
+        split = train.train_test_split(test_size=0.2, seed=42)
+        return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
     distinct = {str(x) for x in train[LABEL_COLUMN]}
     # integer labels keep their numeric order (so label 1 stays id 1); strings sort alphabetically
     numeric = all(x.lstrip("-").isdigit() for x in distinct)
@@ -195,6 +238,32 @@ def tokenize_datasets(raw, tokenizer, text_columns, max_length: int):
     return tokenized.rename_column(LABEL_COLUMN, "labels")
 
 
+def tokenize_for_causal_lm(raw, tokenizer, text_columns, max_length: int, block_size: int | None = None):
+    """Tokenize texts for next-token prediction with ``Dataset.map`` (batched, cached).
+
+    Without ``block_size``: one sample per text, truncated at ``max_length`` tokens (variable lengths;
+    the collator pads and masks padding with -100). With ``block_size``: all texts of a split are
+    concatenated (an end-of-sequence token between texts) and cut into blocks of exactly ``block_size``
+    tokens; the tail shorter than a block is dropped (as transformers' ``run_clm.py`` does).
+    Output column: ``input_ids`` (the collator derives ``labels``). Empty texts are dropped.
+    """
+    (column,) = text_columns
+
+    def encode(batch):
+        texts = [t for t in batch[column] if t and t.strip()]
+        if block_size is None:
+            return {"input_ids": tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]}
+        ids = []
+        for row in tokenizer(texts)["input_ids"]:
+            ids.extend(row + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+        usable = len(ids) // block_size * block_size
+        return {"input_ids": [ids[i:i + block_size] for i in range(0, usable, block_size)]}
+
+    columns = raw["train"].column_names
+    # block grouping crosses row boundaries within a map batch; 1,000 texts a batch keeps tails rare
+    return raw.map(encode, batched=True, batch_size=1000, remove_columns=columns, desc="Tokenizing")
+
+
 def check_max_length(max_length: int, model_config) -> None:
     """Raise ``FinetuneError`` if ``max_length`` (tokens) exceeds the model's position limit."""
     limit = getattr(model_config, "max_position_embeddings", None)
@@ -209,20 +278,44 @@ def build_datasets(recipe, config, tokenizer):
 
     Returns ``(tokenized DatasetDict, label_names)``.
     """
+    from finetune.tasks import get_task
+
+    task = get_task(recipe.TASK)
     if config.train_file:
-        raw = load_data_files(config.train_file, config.validation_file, recipe.TEXT_COLUMNS, config.cache_dir)
+        needs_label = task.name == "sequence-classification"
+        raw = load_data_files(config.train_file, config.validation_file, recipe.TEXT_COLUMNS, config.cache_dir,
+                              with_labels=needs_label)
     else:
         raw = recipe.load_raw_datasets(config)
     if config.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(config.max_train_samples, len(raw["train"]))))
     if config.max_eval_samples is not None:
         raw["validation"] = raw["validation"].select(range(min(config.max_eval_samples, len(raw["validation"]))))
-    label_names = raw["train"].features[LABEL_COLUMN].names
-    return tokenize_datasets(raw, tokenizer, recipe.TEXT_COLUMNS, config.max_length), label_names
+    label_feature = raw["train"].features.get(LABEL_COLUMN)
+    label_names = label_feature.names if hasattr(label_feature, "names") else None
+    return task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS), label_names
+
+
+def batchnorm_warning(model, gradient_accumulation_steps: int) -> str | None:
+    """A warning when ``model`` holds BatchNorm layers (any ``torch.nn.modules.batchnorm._BatchNorm``) and
+    gradients are accumulated: their statistics are per micro-batch, so accumulation is not equivalent to
+    the large batch. None otherwise."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if gradient_accumulation_steps <= 1:
+        return None
+    layers = [name for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
+    if not layers:
+        return None
+    return (f"WARNING: the model has {len(layers)} BatchNorm layer(s) (e.g. {layers[0]!r}) and "
+            f"gradient_accumulation_steps={gradient_accumulation_steps}: BatchNorm statistics are computed per "
+            "micro-batch, so accumulated training is NOT equivalent to the large batch. Prefer a larger "
+            "micro-batch, or replace BatchNorm (GroupNorm/LayerNorm, or SyncBatchNorm across processes).")
 
 
 def build_components(config, recipe, precision: str, main_process_first):
-    """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator)``.
+    """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator)``, built
+    by the recipe's task (``finetune.tasks``); ``label_names`` is None for causal LM.
 
     ``main_process_first``: a context-manager factory (Accelerate's or TrainingArguments') so rank 0
     tokenizes and caches before the others read the cache. The seed is set before the model is built
@@ -230,14 +323,22 @@ def build_components(config, recipe, precision: str, main_process_first):
     training from the same RNG state. ``precision`` is the one that really runs: under fp16/bf16 the
     collator pads to a multiple of 8 tokens (tensor cores); fp32 gains nothing from it.
     """
-    from transformers import DataCollatorWithPadding, set_seed
+    from transformers import set_seed
 
+    from finetune.tasks import get_task
+
+    task = get_task(recipe.TASK)
     set_seed(config.seed)
     tokenizer = load_tokenizer(config.model_name_or_path)
     with main_process_first():
         datasets, label_names = build_datasets(recipe, config, tokenizer)
-    model = load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout)
-    check_max_length(config.max_length, model.config)
+    model = task.load_model(config, label_names)
+    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    check_max_length(config.block_size or config.max_length, model.config)
+    warning = batchnorm_warning(model, config.gradient_accumulation_steps)
+    if warning and int(os.environ.get("RANK", "0")) == 0:
+        print(warning, file=sys.stderr)
     set_seed(config.seed)
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
+    collator = task.collator(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
     return tokenizer, datasets, label_names, model, collator

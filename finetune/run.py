@@ -12,8 +12,11 @@ import time
 
 PROCESS_START = time.time()
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: import the package from the repository root, and keep
+    # this folder off sys.path, where its modules would shadow top-level packages of the same name
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+    sys.path.insert(0, os.path.dirname(_here))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize inside forked workers
 

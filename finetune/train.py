@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from finetune.errors import FinetuneError
 
@@ -99,14 +98,6 @@ def iter_windows(dataloader, gradient_accumulation_steps: int):
         yield window
 
 
-def loss_sum_and_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over a micro-batch, in fp32, and its sample count.
-
-    ``logits``: (batch, num_labels); ``labels``: (batch,) class ids. Returns (scalar tensor, batch).
-    """
-    return F.cross_entropy(logits.float(), labels, reduction="sum"), labels.shape[0]
-
-
 # ------------------------------------------------------------------------------------------ setup
 @dataclass
 class Setup:
@@ -124,6 +115,7 @@ class Setup:
     steps_per_epoch: int
     num_epochs: int
     precision: str
+    task: object = None
     metrics: dict = field(default_factory=dict)
 
 
@@ -163,6 +155,7 @@ def setup(config, recipe) -> Setup:
     from transformers import get_scheduler
 
     from finetune.data import build_components
+    from finetune.tasks import get_task
 
     accelerator = make_accelerator(config)
     precision = effective_mixed_precision(accelerator)
@@ -182,37 +175,31 @@ def setup(config, recipe) -> Setup:
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=config.warmup_steps,
                               num_training_steps=max_steps)
     return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader,
-                 label_names, max_steps, steps_per_epoch, num_epochs, precision, metrics=recipe.METRICS)
+                 label_names, max_steps, steps_per_epoch, num_epochs, precision, task=get_task(recipe.TASK),
+                 metrics=recipe.METRICS)
 
 
 # ------------------------------------------------------------------------------------------ evaluation
-def evaluate(accelerator, model, dataloader, metric_specs: dict) -> dict:
-    """Evaluate on every process, gathering predictions with ``gather_for_metrics`` (which drops the
-    samples Accelerate duplicated to even out the last batch).
+def evaluate(accelerator, model, dataloader, task, metric_specs: dict) -> dict:
+    """Evaluate on every process: the task's per-sample outputs are gathered with
+    ``gather_for_metrics`` (which drops the samples Accelerate repeats to even out the last batch), then
+    scored once. Both engines call this, so their eval metrics are defined identically.
 
-    ``metric_specs``: shipped metric name -> compute kwargs, e.g. ``{"f1": {"average": "macro"}}``.
-    Returns ``{"eval_loss": mean CE per sample, "eval_<metric>": ..., "eval_samples": n}``.
+    ``task``: a ``finetune.tasks`` task; ``metric_specs``: shipped metric name -> compute kwargs.
+    Returns e.g. ``{"eval_loss", "eval_accuracy", "eval_f1", "eval_samples"}`` (classification) or
+    ``{"eval_loss" (per token), "eval_perplexity", "eval_tokens", "eval_samples"}`` (causal LM).
     """
-    from finetune.metrics import load_metric
-
+    was_training = model.training
     model.eval()
-    metrics = {name: load_metric(name) for name in metric_specs}
-    loss_sum, samples = 0.0, 0
+    parts = []
     for batch in dataloader:
         labels = batch.pop("labels")
         with torch.no_grad():
             logits = model(**batch).logits
-        losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels, losses))
-        for metric in metrics.values():
-            metric.add_batch(predictions=predictions.cpu(), references=labels.cpu())
-        loss_sum += losses.sum().item()
-        samples += labels.shape[0]
-    model.train()
-    results = {"eval_loss": loss_sum / max(samples, 1), "eval_samples": samples}
-    for name, metric in metrics.items():
-        results.update({f"eval_{k}": v for k, v in metric.compute(**metric_specs[name]).items()})
-    return results
+        parts.append([t.cpu() for t in accelerator.gather_for_metrics(task.eval_outputs(logits, labels))])
+    model.train(was_training)
+    gathered = [torch.cat(columns) for columns in zip(*parts)] if parts else [torch.zeros(0)] * 3
+    return task.eval_metrics(gathered, metric_specs)
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -252,8 +239,8 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     """Fine-tune ``recipe`` with ``config``; write the model, ``metrics.json``, ``log.jsonl`` and
     ``run_config.json`` into ``config.output_dir``; return the metrics.
 
-    Units in the metrics: ``train_loss`` is the mean cross-entropy per sample over all optimizer steps
-    (nats), ``*_runtime`` seconds, ``*_per_second`` samples per second, ``optimizer_steps`` counts
+    Units in the metrics: ``train_loss`` is the mean over optimizer steps of each step's mean
+    cross-entropy per item (sample, or label token for causal LM; nats), ``*_runtime`` seconds, ``*_per_second`` samples per second, ``optimizer_steps`` counts
     optimizer steps (skipped fp16 steps included, reported as ``skipped_optimizer_steps``).
     """
     from tqdm.auto import tqdm
@@ -270,18 +257,33 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     accelerator.print(run_banner(config, P, len(s.train_dataloader), s.steps_per_epoch, s.max_steps, s.num_epochs,
                                  s.precision, accelerator.device.type))
 
-    step, skipped_steps, samples_seen, losses = 0, 0, 0, []
+    task = s.task
+    step, skipped_steps, samples_seen, tokens_seen, losses = 0, 0, 0, 0, []
     eval_results, eval_runtime = {}, 0.0
+
+    def run_evaluation():
+        nonlocal eval_results, eval_runtime
+        eval_start = time.perf_counter()
+        eval_results = evaluate(accelerator, model, s.eval_dataloader, task, s.metrics)
+        eval_runtime += time.perf_counter() - eval_start
+        log.write({"step": step, "epoch": round(_epoch_fraction(step, s), 4), **eval_results})
+        accelerator.print(f"eval at step {step} (epoch {_epoch_fraction(step, s):.2f}): " + ", ".join(
+            f"{k}={v:.4f}" for k, v in eval_results.items() if isinstance(v, float)))
+
     progress = tqdm(total=s.max_steps, desc="Training", unit="step", disable=not accelerator.is_local_main_process)
     model.train()
     train_start = time.perf_counter()
+    if config.eval_on_start:
+        run_evaluation()
     for epoch in range(s.num_epochs):
         s.train_dataloader.set_epoch(epoch)
         for window in iter_windows(s.train_dataloader, N):
-            # The window's sample count over all processes, known before any backward: each sample's
-            # loss is divided by it, so the window's gradient is the exact mean over its samples.
-            local_count = sum(batch["labels"].shape[0] for batch in window)
-            window_count = accelerator.reduce(torch.tensor(local_count, device=accelerator.device), "sum").item()
+            # The window's loss items (samples, or label tokens for causal LM) over all processes, known
+            # before any backward: each item's loss is divided by it, so the window's gradient is the
+            # exact mean over its items. One reduction per window (a sync point), with the sample count.
+            local = torch.stack([sum(task.count(b["labels"]) for b in window),
+                                 torch.tensor(sum(b["labels"].shape[0] for b in window), device=accelerator.device)])
+            window_items, window_samples = accelerator.reduce(local, "sum").tolist()
             # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
             # also for a short last window (it syncs when its counter reaches a multiple of N).
             accelerator.step = N - len(window)
@@ -290,10 +292,10 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 with accelerator.accumulate(model):
                     labels = batch.pop("labels")
                     logits = model(**batch).logits
-                    loss_sum, _ = loss_sum_and_count(logits, labels)
+                    loss_sum = task.loss_sum(logits, labels)
                     # accelerator.backward divides by N and DDP averages over P processes: undo both, so
-                    # the summed gradient is sum(per-sample gradients) / window_count.
-                    accelerator.backward(loss_sum * (N * P / window_count))
+                    # the summed gradient is sum(per-item gradients) / window_items.
+                    accelerator.backward(loss_sum * (N * P / window_items))
                     window_loss += loss_sum.detach()
                     if accelerator.sync_gradients:
                         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
@@ -307,13 +309,16 @@ def train(config, recipe, process_start: float | None = None) -> dict:
             skipped = accelerator.optimizer_step_was_skipped
             skipped_steps += int(skipped)
             step += 1
-            samples_seen += window_count
-            # One reduction per optimizer step (a sync point): the window's mean loss per sample.
-            loss = (accelerator.reduce(window_loss, "sum") / window_count).item()
+            samples_seen += window_samples
+            # One more reduction per optimizer step: the window's mean loss per item.
+            loss = (accelerator.reduce(window_loss, "sum") / window_items).item()
             losses.append(loss)
             record = {"step": step, "epoch": round(_epoch_fraction(step, s), 4),
                       "loss": loss, "learning_rate": learning_rate, "grad_norm": float(grad_norm),
-                      "samples": window_count, "micro_batches": len(window)}
+                      "samples": window_samples, "micro_batches": len(window)}
+            if task.name == "causal-lm":
+                record["label_tokens"] = window_items
+                tokens_seen += window_items
             if skipped:
                 record["skipped"] = True
             log.write(record)
@@ -321,14 +326,8 @@ def train(config, recipe, process_start: float | None = None) -> dict:
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
             if step >= s.max_steps:
                 break
-        is_last_epoch = epoch == s.num_epochs - 1 or step >= s.max_steps
-        if config.eval_strategy == "epoch" or is_last_epoch:
-            eval_start = time.perf_counter()
-            eval_results = evaluate(accelerator, model, s.eval_dataloader, s.metrics)
-            eval_runtime += time.perf_counter() - eval_start
-            log.write({"step": step, "epoch": round(_epoch_fraction(step, s), 4), **eval_results})
-            accelerator.print(f"eval after epoch {_epoch_fraction(step, s):.2f}: " + ", ".join(
-                f"{k}={v:.4f}" for k, v in eval_results.items() if isinstance(v, float)))
+        if config.eval_strategy == "epoch" or epoch == s.num_epochs - 1 or step >= s.max_steps:
+            run_evaluation()
         if step >= s.max_steps:
             break
     progress.close()
@@ -337,10 +336,15 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     save_model(s, output_dir)
     metrics = run_metrics(
         config, eval_results, step_losses=losses, skipped_steps=skipped_steps, steps_per_epoch=s.steps_per_epoch,
-        train_samples=samples_seen, num_processes=P, precision=s.precision, device=accelerator.device,
-        train_runtime=train_runtime, eval_runtime=eval_runtime, process_start=process_start)
+        train_samples=samples_seen, train_tokens=tokens_seen, num_processes=P, precision=s.precision,
+        device=accelerator.device, train_runtime=train_runtime, eval_runtime=eval_runtime,
+        process_start=process_start)
     if accelerator.is_main_process:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        from finetune.model_card import config_argv, reproduce_command, write_model_card
+
+        write_model_card(output_dir, config, metrics, recipe, reproduce_command(
+            config_argv(config, recipe), num_processes=metrics["num_processes"], device=metrics.get("device")))
     log.close()
     accelerator.end_training()
     return metrics
@@ -357,11 +361,12 @@ def peak_memory(device) -> tuple[int, str]:
 
 
 def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps: int, steps_per_epoch: int,
-                train_samples: int, num_processes: int, precision: str, device, train_runtime: float,
+                train_samples: int, train_tokens: int = 0, num_processes: int, precision: str, device, train_runtime: float,
                 eval_runtime: float, process_start: float | None) -> dict:
     """The ``metrics.json`` dict, the same for both engines.
 
-    ``step_losses``: mean loss per sample of each optimizer step. ``train_runtime`` and ``eval_runtime``
+    ``step_losses``: mean loss per item (sample, or label token) of each optimizer step.
+    ``train_tokens``: label tokens trained on (causal LM; 0 leaves the token figures out). ``train_runtime`` and ``eval_runtime``
     in seconds (training excludes evaluation); ``train_samples`` counts samples over all processes.
     """
     effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
@@ -384,6 +389,9 @@ def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps:
         "device": device.type,
         "train_runtime": round(train_runtime, 3),
         "train_samples_per_second": round(train_samples / train_runtime, 3) if train_runtime > 0 else 0.0,
+        **({"train_tokens": train_tokens,
+            "train_tokens_per_second": round(train_tokens / train_runtime, 3) if train_runtime > 0 else 0.0}
+           if train_tokens else {}),
         "eval_runtime": round(eval_runtime, 3),
         "peak_memory_bytes": memory,
         "peak_memory_kind": memory_kind,

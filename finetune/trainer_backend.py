@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from transformers import Trainer, TrainerCallback
 
-from finetune.train import effective_mixed_precision, run_banner, run_metrics
+from finetune.train import effective_mixed_precision, evaluate, run_banner, run_metrics
 
 
 def training_arguments(config, output_dir: str | None = None):
@@ -60,7 +59,9 @@ def training_arguments(config, output_dir: str | None = None):
         max_grad_norm=config.max_grad_norm,
         seed=config.seed,
         data_seed=config.seed,
-        eval_strategy="epoch" if config.eval_strategy == "epoch" else "no",
+        # Evaluation runs in TrueLossCallback through the same evaluate() as the accelerate engine, so both
+        # engines define eval_loss alike (Trainer's own averages per-batch means: not per-token exact).
+        eval_strategy="no",
         save_strategy="no",
         logging_strategy="steps",
         logging_steps=1,
@@ -73,28 +74,31 @@ def training_arguments(config, output_dir: str | None = None):
 
 class TrueLossCallback(TrainerCallback):
     """Writes ``log.jsonl`` like the accelerate engine: one record per optimizer step with the mean loss
-    per sample over the window (summed over processes), the learning rate used in the step and the
-    pre-clip grad norm (both as Trainer reports them), Trainer's own logged loss for reference, and each
-    evaluation. Times evaluation so ``train_runtime`` excludes it, as in the other engine."""
+    per item over the window (summed over processes), the learning rate used in the step and the
+    pre-clip grad norm (both as Trainer reports them), and Trainer's own logged loss for reference.
+    Evaluates at each epoch end (``eval_strategy="epoch"``) and at the end with the shared ``evaluate()``,
+    timing it so ``train_runtime`` excludes it, as in the other engine."""
 
-    def __init__(self, log_path: Path | None, steps_per_epoch: int):
+    def __init__(self, config, task, metric_specs: dict, log_path: Path | None, steps_per_epoch: int):
+        self.config, self.task, self.metric_specs = config, task, metric_specs
         self.log_file = open(log_path, "w", encoding="utf-8") if log_path else None
         self.steps_per_epoch = steps_per_epoch
-        self.accelerator = None  # set once the Trainer exists
-        self.window_loss, self.window_count, self.micro_batches = None, 0, 0
-        self.losses, self.skipped_steps, self.samples = [], 0, 0
+        self.trainer = None  # set once the Trainer exists
+        self.window_loss, self.window_items, self.window_samples, self.micro_batches = None, 0, 0, 0
+        self.losses, self.skipped_steps, self.samples, self.tokens = [], 0, 0, 0
         self.eval_results, self.eval_runtime = {}, 0.0
         self.pending = None
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
-        """Trainer's ``compute_loss_func``: the micro-batch's summed cross-entropy (fp32) divided by the
-        window's sample count ``num_items_in_batch`` (all processes; Trainer passes it), or by the batch
-        size in evaluation. ``outputs.logits``: (batch, num_labels); ``labels``: (batch,)."""
-        loss_sum = F.cross_entropy(outputs.logits.float(), labels, reduction="sum")
+        """Trainer's ``compute_loss_func``: the micro-batch's summed loss (fp32; the task's: samples or
+        label tokens) divided by the window's item count ``num_items_in_batch`` (all processes; Trainer
+        counts it the same way), or by the batch's own items when there is no window."""
+        loss_sum = self.task.loss_sum(outputs.logits, labels)
         if num_items_in_batch is None or not torch.is_grad_enabled():  # evaluation (Trainer passes a count there too)
-            return loss_sum / labels.shape[0]
+            return loss_sum / self.task.count(labels).clamp(min=1)
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
-        self.window_count = int(num_items_in_batch)
+        self.window_items = int(num_items_in_batch)
+        self.window_samples += labels.shape[0]
         self.micro_batches += 1
         return loss_sum / num_items_in_batch
 
@@ -104,16 +108,21 @@ class TrueLossCallback(TrainerCallback):
             self.log_file.flush()
 
     def on_step_end(self, args, state, control, **kwargs):
-        loss = (self.accelerator.reduce(self.window_loss, "sum") / self.window_count).item()
-        skipped = self.accelerator.optimizer_step_was_skipped
+        accelerator = self.trainer.accelerator
+        loss = (accelerator.reduce(self.window_loss, "sum") / self.window_items).item()
+        samples = int(accelerator.reduce(torch.tensor(self.window_samples, device=accelerator.device), "sum").item())
+        skipped = accelerator.optimizer_step_was_skipped
         self.skipped_steps += int(skipped)
-        self.samples += self.window_count
+        self.samples += samples
         self.losses.append(loss)
         self.pending = {"step": state.global_step, "epoch": round(state.global_step / self.steps_per_epoch, 4),
-                        "loss": loss, "samples": self.window_count, "micro_batches": self.micro_batches}
+                        "loss": loss, "samples": samples, "micro_batches": self.micro_batches}
+        if self.task.name == "causal-lm":
+            self.pending["label_tokens"] = self.window_items
+            self.tokens += self.window_items
         if skipped:
             self.pending["skipped"] = True
-        self.window_loss, self.micro_batches = None, 0
+        self.window_loss, self.window_samples, self.micro_batches = None, 0, 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -125,14 +134,25 @@ class TrueLossCallback(TrainerCallback):
                           trainer_logged_loss=logs["loss"])
             self._write(record)
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        metrics = dict(metrics or {})
-        self.eval_runtime += metrics.pop("eval_runtime", 0.0)
-        for key in ("eval_samples_per_second", "eval_steps_per_second", "epoch"):
-            metrics.pop(key, None)
-        self.eval_results = metrics
-        self._write({"step": state.global_step, "epoch": round(state.global_step / self.steps_per_epoch, 4),
-                     **metrics})
+    def run_evaluation(self, step: int):
+        """Evaluate with the shared ``evaluate()`` on Trainer's prepared eval dataloader; log the result."""
+        start = time.perf_counter()
+        trainer = self.trainer
+        self.eval_results = evaluate(trainer.accelerator, trainer.model_wrapped, trainer.get_eval_dataloader(),
+                                     self.task, self.metric_specs)
+        self.eval_runtime += time.perf_counter() - start
+        self._write({"step": step, "epoch": round(step / self.steps_per_epoch, 4), **self.eval_results})
+        if trainer.args.process_index == 0:
+            print(f"eval at step {step}: " + ", ".join(
+                f"{k}={v:.4f}" for k, v in self.eval_results.items() if isinstance(v, float)))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.config.eval_on_start:
+            self.run_evaluation(0)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.config.eval_strategy == "epoch" or state.global_step >= state.max_steps:
+            self.run_evaluation(state.global_step)
 
     def close(self):
         """Close ``log.jsonl``."""
@@ -140,27 +160,12 @@ class TrueLossCallback(TrainerCallback):
             self.log_file.close()
 
 
-def compute_metrics_fn(metric_specs: dict):
-    """A Trainer ``compute_metrics`` using our shipped evaluate modules: ``EvalPrediction`` with logits
-    (n, num_labels) and labels (n,) -> ``{"accuracy": ..., "f1": ...}`` (Trainer adds the ``eval_`` prefix)."""
-    from finetune.metrics import load_metric
-
-    def compute(prediction):
-        logits, labels = prediction.predictions, prediction.label_ids
-        predictions = logits.argmax(axis=-1)
-        results = {}
-        for name, kwargs in metric_specs.items():
-            results.update(load_metric(name).compute(predictions=predictions, references=labels, **kwargs))
-        return results
-
-    return compute
-
-
 def train(config, recipe, process_start: float | None = None) -> dict:
     """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate
     engine (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``); return the metrics.
     Units as in ``finetune.train.train``."""
     from finetune.data import build_components
+    from finetune.tasks import get_task
 
     output_dir = Path(config.output_dir)
     args = training_arguments(config)
@@ -175,11 +180,13 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     micro_batches = math.ceil(math.ceil(len(datasets["train"]) / config.per_device_train_batch_size) / processes)
     steps_per_epoch = math.ceil(micro_batches / config.gradient_accumulation_steps)
     max_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
-    callback = TrueLossCallback(output_dir / "log.jsonl" if args.process_index == 0 else None, steps_per_epoch)
+    task = get_task(recipe.TASK)
+    callback = TrueLossCallback(config, task, recipe.METRICS, output_dir / "log.jsonl" if args.process_index == 0 else None,
+                                steps_per_epoch)
     trainer = Trainer(model=model, args=args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=callback.compute_loss,
-                      compute_metrics=compute_metrics_fn(recipe.METRICS), callbacks=[callback])
-    callback.accelerator = trainer.accelerator
+                      callbacks=[callback])
+    callback.trainer = trainer
     precision = effective_mixed_precision(trainer.accelerator)
     if args.process_index == 0:
         print(run_banner(config, processes, micro_batches, steps_per_epoch, max_steps,
@@ -188,17 +195,19 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         start = time.perf_counter()
         trainer.train()
         train_runtime = time.perf_counter() - start - callback.eval_runtime
-        if not callback.eval_results:  # eval_strategy "no": evaluate once at the end, like the other engine
-            trainer.evaluate()
         trainer.save_model(str(output_dir))
-        eval_results = {**callback.eval_results, "eval_samples": len(datasets["validation"])}
         metrics = run_metrics(
-            config, eval_results, step_losses=callback.losses, skipped_steps=callback.skipped_steps,
-            steps_per_epoch=steps_per_epoch, train_samples=callback.samples, num_processes=processes,
+            config, callback.eval_results, step_losses=callback.losses, skipped_steps=callback.skipped_steps,
+            steps_per_epoch=steps_per_epoch, train_samples=callback.samples, train_tokens=callback.tokens,
+            num_processes=processes,
             precision=precision, device=trainer.accelerator.device, train_runtime=train_runtime,
             eval_runtime=callback.eval_runtime, process_start=process_start)
         if args.process_index == 0:
             (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+            from finetune.model_card import config_argv, reproduce_command, write_model_card
+
+            write_model_card(output_dir, config, metrics, recipe, reproduce_command(
+                config_argv(config, recipe), num_processes=metrics["num_processes"], device=metrics.get("device")))
     finally:
         callback.close()
     return metrics

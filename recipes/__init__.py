@@ -2,11 +2,12 @@
 
 A recipe module defines (see ``recipes/bbc_news.py``):
 
-- ``NAME``, ``DESCRIPTION`` (one line), ``TASK`` ("sequence-classification"), ``DATASET``,
+- ``NAME``, ``DESCRIPTION`` (one line), ``TASK`` ("sequence-classification" or "causal-lm", see
+  ``finetune/tasks.py``), ``DATASET``,
   ``NEEDS_HUB`` (bool), ``TEXT_COLUMNS`` (the input column names), ``METRICS`` (shipped metric name -> compute kwargs),
   ``DEFAULTS`` (a dict of ``TrainConfig`` fields);
 - ``load_raw_datasets(config) -> datasets.DatasetDict`` with ``train`` and ``validation`` splits holding
-  ``TEXT_COLUMNS`` and a ``ClassLabel`` ``label`` column.
+  ``TEXT_COLUMNS`` and, for classification, a ``ClassLabel`` ``label`` column.
 
 Model, tokenizer and tokenization are shared builders in ``finetune.data``.
 """
@@ -22,7 +23,9 @@ from finetune.errors import FinetuneError
 
 RECIPES: dict[str, str] = {
     "bbc-news": "recipes.bbc_news",
+    "bbc-news-clm": "recipes.bbc_news_clm",
     "glue-mrpc": "recipes.glue_mrpc",
+    "wikitext-clm": "recipes.wikitext_clm",
 }
 
 REQUIRED_ATTRIBUTES = ("NAME", "DESCRIPTION", "TASK", "DATASET", "NEEDS_HUB", "TEXT_COLUMNS", "METRICS", "DEFAULTS", "load_raw_datasets")

@@ -32,6 +32,54 @@ def build_tiny_bert(path: Path) -> Path:
     return path
 
 
+def build_tiny_llama(path: Path) -> Path:
+    """Save a 2-layer, 32-wide Llama (random weights, seed 0) with the MiniLM WordPiece tokenizer (any
+    tokenizer serves a causal LM; this one ships offline) to ``path``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from recipes.bbc_news import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
+                         eos_token_id=tokenizer.sep_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_variable_length_texts(path: Path, n: int, seed: int = 0) -> Path:
+    """A JSON-lines file of ``n`` texts whose lengths vary from 2 to ~60 words (uneven token counts)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = ("the market rose as shares in the bank fell after the match ended with a late goal from the "
+             "striker while ministers said the election would be held in spring and the film won awards").split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            length = rng.choice([2, 3, 5, 8, 13, 21, 34, 55])
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(length))}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """Path of a tiny Llama model directory (session-wide)."""
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def clm_texts(tmp_path_factory) -> tuple[str, str]:
+    """(train, validation) JSON-lines files of variable-length texts: 48 and 12 rows."""
+    root = tmp_path_factory.mktemp("clm-data")
+    return (str(write_variable_length_texts(root / "train.jsonl", 48, seed=1)),
+            str(write_variable_length_texts(root / "valid.jsonl", 12, seed=2)))
+
+
 @pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory) -> str:
     """Path of a tiny BERT model directory (session-wide)."""

@@ -23,7 +23,7 @@ CONFIG_FILES = sorted(CONFIG_DIR.glob("*.yaml"))
 EXPECTED_TYPE = {
     "single_gpu.yaml": DistributedType.NO,
     "multi_gpu.yaml": DistributedType.MULTI_GPU,
-    "multi_cpu_2proc.yaml": DistributedType.MULTI_CPU,
+    "multi_cpu_2proc.yaml": DistributedType.MULTI_GPU,  # + ACCELERATE_USE_CPU=1: two gloo ranks on the CPU
     "fsdp.yaml": DistributedType.FSDP,
     "deepspeed_zero2.yaml": DistributedType.DEEPSPEED,
     "multi_node.yaml": DistributedType.MULTI_GPU,
@@ -49,8 +49,6 @@ def test_config_loads_with_expected_type_and_counts(path):
     assert config.num_processes % config.num_machines == 0
     if config.num_machines > 1:
         assert config.main_process_ip and config.main_process_port
-    if config.distributed_type == DistributedType.MULTI_CPU:
-        assert config.use_cpu
     # precision is a flag of the run (--mixed_precision), never of a config file
     assert config.mixed_precision == "no"
 
@@ -161,3 +159,22 @@ def test_multi_node_config_splits_processes_per_machine():
     assert args.rdzv_backend == "static"
     endpoint = getattr(args, "rdzv_endpoint", None) or f"{args.master_addr}:{args.master_port}"
     assert endpoint == f"{config.main_process_ip}:{config.main_process_port}"
+
+
+@pytest.mark.integration
+def test_multi_cpu_config_really_starts_two_gloo_ranks(tmp_path):
+    """The documented command (first line of the file) gives two ranks of one MULTI_CPU group."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text("from accelerate import Accelerator\n"
+                      "a = Accelerator()\n"
+                      "print(f'rank {a.process_index} of {a.num_processes} {a.distributed_type.value}')\n")
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             str(CONFIG_DIR / "multi_cpu_2proc.yaml"), str(script)], capture_output=True, text=True,
+                            timeout=180, env={**os.environ, "ACCELERATE_USE_CPU": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert ranks == ["rank 0 of 2 MULTI_CPU", "rank 1 of 2 MULTI_CPU"]

@@ -58,3 +58,16 @@ def test_model_path_that_is_not_a_model(tmp_path):
 
     with pytest.raises(FinetuneError, match="not a Hugging Face model directory"):
         load_tokenizer(str(tmp_path))
+
+
+def test_batchnorm_with_accumulation_gets_a_warning():
+    import torch
+
+    from finetune.data import batchnorm_warning
+
+    with_bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    message = batchnorm_warning(with_bn, 4)
+    assert message and "BatchNorm" in message and "'1'" in message and "NOT equivalent" in message
+    assert batchnorm_warning(with_bn, 1) is None  # no accumulation, nothing to warn about
+    assert batchnorm_warning(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)), 4) is None
+    assert batchnorm_warning(torch.nn.Sequential(torch.nn.SyncBatchNorm(4)), 2)  # any _BatchNorm

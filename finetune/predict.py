@@ -1,0 +1,451 @@
+"""Predict with a trained model: ``python finetune/predict.py --model OUTPUT_DIR "some text" ...``
+(or ``accelerate launch finetune/predict.py ...``, which splits the texts over the processes).
+
+Texts come from positional arguments, ``--file`` (plain text: one text per line; ``.csv``/``.jsonl``/
+``.json``: a ``text`` column, or ``sentence1`` + ``sentence2`` for sentence-pair models), or stdin
+(neither given, or ``-``). A sequence classifier prints one line per text: the label, its softmax
+probability and the start of the text, tab-separated (``--top_k`` labels per line); a causal LM prints
+its greedy continuation. ``--output PATH`` also writes one JSON object per text.
+
+User errors print one ``error:`` line and exit 2, without a traceback (as ``run.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: import the package from the repository root, and keep
+    # this folder off sys.path, where its modules would shadow top-level packages of the same name
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from finetune.errors import FinetuneError  # noqa: E402
+
+DEFAULT_MAX_LENGTH = 128
+PAIR_COLUMNS = ("sentence1", "sentence2")
+
+
+# ------------------------------------------------------------------------------------------ the model
+def _resolve_model_dir(model_dir) -> Path:
+    """Check that ``model_dir`` is a saved model directory; raise ``FinetuneError`` naming --model."""
+    path = Path(model_dir).expanduser()
+    if not path.exists():
+        raise FinetuneError(f"--model {str(model_dir)!r}: no such directory. Pass the --output_dir of a training run "
+                            "(it holds config.json and model.safetensors).")
+    if not path.is_dir():
+        raise FinetuneError(f"--model {str(model_dir)!r} is a file, not a model directory. Pass the --output_dir "
+                            "of a training run.")
+    if not (path / "config.json").is_file():
+        hint = (" It holds run_config.json but no model: the training run did not finish."
+                if (path / "run_config.json").is_file() else "")
+        raise FinetuneError(f"--model {str(model_dir)!r} is not a Hugging Face model directory (no config.json).{hint} "
+                            "Pass the --output_dir of a finished training run.")
+    return path
+
+
+def _run_max_length(path: Path) -> int:
+    """``max_length`` of the run that wrote ``path`` (its ``run_config.json``), else 128."""
+    try:
+        value = json.loads((path / "run_config.json").read_text()).get("max_length")
+    except (OSError, ValueError, AttributeError):
+        return DEFAULT_MAX_LENGTH
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_LENGTH
+
+
+def model_kind(config, where: str = "--model") -> str:
+    """``"classification"`` or ``"generation"`` for a transformers config, from ``config.architectures``.
+
+    Raises ``FinetuneError`` for a model with neither a sequence-classification nor a causal-LM head
+    (e.g. a bare ``BertModel``).
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architectures = list(config.architectures or [])
+    if not architectures:
+        return "classification"  # no record of the head: the classifier is what finetune trains
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return "classification"
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if any(a in causal or a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in architectures):
+        return "generation"
+    raise FinetuneError(f"{where} holds a {', '.join(architectures)}, which has no sequence-classification or "
+                        "causal-LM head to predict with. Pass the --output_dir of a finetune training run.")
+
+
+class Predictor:
+    """A loaded model directory, ready for repeated ``predict`` calls (load once, predict many times).
+
+    ``model_dir``: a directory written by ``save_pretrained`` (a training run's ``--output_dir``).
+    ``max_length``: truncation in tokens; default: the run's ``max_length`` from ``run_config.json``, else 128.
+    ``device``: a torch device (default: CUDA if available, else CPU). Raises ``FinetuneError`` for a
+    missing directory, a directory without a loadable model/tokenizer, or a ``max_length`` above the
+    model's position limit.
+    """
+
+    def __init__(self, model_dir, max_length: int | None = None, device=None):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        path = _resolve_model_dir(model_dir)
+        self.path = path
+        try:
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise FinetuneError(f"--model {str(model_dir)!r}: config.json could not be read: {err}") from None
+        self.kind = model_kind(config, f"--model {str(model_dir)!r}")
+        if max_length is None:
+            max_length = _run_max_length(path)
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+            raise FinetuneError(f"--max_length must be a positive integer, got {max_length!r}.")
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if limit is not None and max_length > limit:
+            raise FinetuneError(f"--max_length {max_length} exceeds this model's position limit of {limit} tokens; "
+                                f"use --max_length {limit} or less.")
+        self.max_length = max_length
+        loader = AutoModelForSequenceClassification if self.kind == "classification" else AutoModelForCausalLM
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.model = loader.from_pretrained(str(path), config=config, local_files_only=True)
+        except (OSError, ValueError, KeyError) as err:
+            raise FinetuneError(f"--model {str(model_dir)!r} could not be loaded: {err}") from None
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.model.to(self.device).eval()
+        if self.kind == "classification":
+            self.labels = [str(self.model.config.id2label.get(i, i)) for i in range(self.model.config.num_labels)]
+        else:
+            # left padding and left truncation: every prompt ends where generation starts
+            self.tokenizer.padding_side = "left"
+            self.tokenizer.truncation_side = "left"
+            if self.tokenizer.pad_token is None and self.tokenizer.eos_token is not None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+
+    def _encode(self, batch: list):
+        pairs = [t for t in batch if isinstance(t, (tuple, list))]
+        if pairs and len(pairs) != len(batch):
+            raise FinetuneError("texts mix single texts and sentence pairs; give one kind only.")
+        args = ([t[0] for t in batch], [t[1] for t in batch]) if pairs else (list(batch),)
+        extra = {"return_token_type_ids": False} if self.kind == "generation" else {}
+        enc = self.tokenizer(*args, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
+                             **extra)
+        return {k: v.to(self.device) for k, v in enc.items()}
+
+    def predict(self, texts: list, batch_size: int = 32, max_new_tokens: int = 40, progress: bool | None = None):
+        """Predict for ``texts`` (a list of N strings, or of (first, second) string pairs), in batches of
+        ``batch_size`` texts (sorted by length, so a batch pads little; results come back in input order).
+
+        Returns N dicts. Classification: ``{"text", "label", "score", "scores"}`` with ``score`` the softmax
+        probability (0..1) of ``label``, the argmax, and ``scores`` every label name -> probability (they
+        sum to 1). Causal LM: ``{"text", "generated"}``, the greedy continuation of up to ``max_new_tokens``
+        tokens, decoded. ``progress``: a tqdm bar on stderr; ``None`` shows it when there is more than one
+        batch. An empty ``texts`` returns ``[]``. Raises ``FinetuneError`` for a batch size below 1.
+        """
+        import torch
+        from tqdm.auto import tqdm
+
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise FinetuneError(f"--batch_size must be a positive integer, got {batch_size!r}.")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise FinetuneError(f"--max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+        texts = list(texts)
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i] if isinstance(texts[i], str) else "".join(texts[i])))
+        results: list = [None] * len(texts)
+        show = len(texts) > batch_size if progress is None else progress
+        bar = tqdm(total=len(texts), desc="Predicting", unit="text", disable=not show, file=sys.stderr)
+        for start in range(0, len(order), batch_size):
+            index = order[start:start + batch_size]
+            batch = [texts[i] for i in index]
+            enc = self._encode(batch)
+            with torch.inference_mode():
+                if self.kind == "classification":
+                    probs = torch.softmax(self.model(**enc).logits.float(), dim=-1).cpu()
+                    for i, p in zip(index, probs.tolist()):
+                        best = max(range(len(p)), key=p.__getitem__)
+                        results[i] = {"text": texts[i], "label": self.labels[best], "score": p[best],
+                                      "scores": dict(zip(self.labels, p))}
+                else:
+                    out = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                              pad_token_id=self.tokenizer.pad_token_id)
+                    new = out[:, enc["input_ids"].shape[1]:].cpu()
+                    for i, tokens in zip(index, new):
+                        results[i] = {"text": texts[i],
+                                      "generated": self.tokenizer.decode(tokens, skip_special_tokens=True)}
+            bar.update(len(index))
+        bar.close()
+        return results
+
+
+def predict(model_dir, texts: list, batch_size: int = 32, max_length: int | None = None, *,
+            max_new_tokens: int = 40, device=None, progress: bool | None = None) -> list[dict]:
+    """Load the model in ``model_dir`` (a training run's output directory) and predict for ``texts``.
+
+    ``texts``: N strings (or N (first, second) pairs for a sentence-pair classifier). ``batch_size``:
+    texts per forward pass. ``max_length``: truncation in tokens (default: the run's ``max_length`` from
+    ``run_config.json``, else 128). Returns N dicts in input order: for a sequence classifier
+    ``{"text", "label", "score", "scores"}`` (``score`` is the softmax probability, 0..1, of the argmax
+    ``label``; ``scores`` maps every label name to its probability, summing to 1); for a causal LM
+    ``{"text", "generated"}`` (greedy, up to ``max_new_tokens`` new tokens).
+
+    Raises ``FinetuneError`` for no texts, a missing directory, a directory that is not a loadable model,
+    or a bad ``batch_size``/``max_length``. Loads the model on every call: for many calls use ``Predictor``.
+    """
+    texts = list(texts)
+    if not texts:
+        raise FinetuneError("no texts to predict. Pass texts as arguments, --file PATH, or lines on stdin.")
+    return Predictor(model_dir, max_length=max_length, device=device).predict(
+        texts, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+
+
+# ------------------------------------------------------------------------------------------ input
+def _clean(text) -> str | None:
+    return None if text is None or not str(text).strip() else str(text)
+
+
+def _rows_to_texts(rows: list[dict], source: str) -> list:
+    """``text`` (or ``sentence1``/``sentence2``) of each row; raise ``FinetuneError`` for a missing column
+    or an empty text, naming the row."""
+    if not rows:
+        raise FinetuneError(f"--file {source!r} has no rows.")
+    columns = list(rows[0].keys())
+    if "text" in columns:
+        wanted = ("text",)
+    elif all(c in columns for c in PAIR_COLUMNS):
+        wanted = PAIR_COLUMNS
+    else:
+        raise FinetuneError(f"--file {source!r} has no 'text' column (it has {', '.join(map(str, columns)) or 'none'}). "
+                            "Name the column holding the texts 'text' (or 'sentence1' and 'sentence2' for pairs).")
+    texts = []
+    for n, row in enumerate(rows, start=1):
+        values = [_clean(row.get(c)) for c in wanted]
+        if any(v is None for v in values):
+            raise FinetuneError(f"--file {source!r}: data row {n} has an empty {'/'.join(wanted)}. "
+                                "Remove or fill that row.")
+        texts.append(values[0] if len(values) == 1 else tuple(values))
+    return texts
+
+
+def read_texts_file(path_str: str) -> list:
+    """Texts from ``path_str``: ``.csv`` (a ``text`` column), ``.jsonl``/``.json`` (JSON lines, or a JSON
+    list, of objects with ``text``), anything else one text per line (blank lines skipped). A file with
+    ``sentence1`` and ``sentence2`` (and no ``text``) gives (first, second) pairs.
+
+    Raises ``FinetuneError`` naming --file for a missing, empty or unreadable file, a missing column, or
+    an empty text in a CSV/JSON row.
+    """
+    path = Path(path_str).expanduser()
+    if not path.is_file():
+        raise FinetuneError(f"--file {path_str!r} does not exist or is not a file. Pass a text file (one text per line), "
+                            "or a CSV/JSON-lines file with a 'text' column.")
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise FinetuneError(f"--file {path_str!r} is not UTF-8 text.") from None
+    except OSError as err:
+        raise FinetuneError(f"--file {path_str!r} could not be read: {err}") from None
+    if not content.strip():
+        raise FinetuneError(f"--file {path_str!r} is empty. Put one text per line, or a CSV/JSON-lines "
+                            "file with a 'text' column.")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        try:
+            rows = list(csv.DictReader(io.StringIO(content, newline="")))  # quoted fields may hold newlines
+        except csv.Error as err:
+            raise FinetuneError(f"--file {path_str!r} could not be read as CSV: {err}") from None
+        return _rows_to_texts(rows, path_str)
+    if suffix in (".jsonl", ".json"):
+        rows = None
+        if suffix == ".json":
+            try:
+                data = json.loads(content)
+                rows = data if isinstance(data, list) else None
+            except ValueError:
+                rows = None
+        if rows is None:
+            rows = []
+            for n, line in enumerate(content.splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as err:
+                    raise FinetuneError(f"--file {path_str!r}: line {n} is not JSON ({err}).") from None
+        if not all(isinstance(r, dict) for r in rows):
+            raise FinetuneError(f"--file {path_str!r}: every line must be a JSON object with a 'text' key.")
+        return _rows_to_texts(rows, path_str)
+    return [line for line in content.splitlines() if line.strip()]
+
+
+def read_stdin() -> list[str]:
+    """One text per line from stdin (blank lines skipped)."""
+    if sys.stdin is None:
+        return []
+    if sys.stdin.isatty():
+        print("Reading texts from stdin, one per line (end with Ctrl-D).", file=sys.stderr)
+    return [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
+
+
+def gather_texts(args) -> tuple[list, bool]:
+    """The texts the command line asks for, and whether they came from a file or stdin (bulk input)."""
+    if args.texts and args.file:
+        raise FinetuneError("give texts as arguments or --file, not both.")
+    if args.file and args.file != "-":
+        return read_texts_file(args.file), True
+    if args.file == "-" or not args.texts or args.texts == ["-"]:
+        texts = read_stdin()
+        if not texts:
+            raise FinetuneError("no texts to predict: stdin was empty. Pass texts as arguments, --file PATH, "
+                                "or lines on stdin.")
+        return texts, True
+    if "-" in args.texts:
+        raise FinetuneError("'-' (stdin) cannot be mixed with texts given as arguments.")
+    texts = [t for t in args.texts if t.strip()]
+    if not texts:
+        raise FinetuneError("no texts to predict: the arguments are blank.")
+    return texts, False
+
+
+# ------------------------------------------------------------------------------------------ output
+def _preview(text, width: int = 80) -> str:
+    text = " [SEP] ".join(text) if isinstance(text, (tuple, list)) else text
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_result(result: dict, top_k: int = 1) -> str:
+    """One output line: ``label<TAB>probability`` (x ``top_k``, most probable first), then the text's
+    start; for a causal LM the prompt's start, then the continuation."""
+    if "generated" in result:
+        return f"{_preview(result['text'], 40)}\t{' '.join(result['generated'].split())}"
+    ranked = sorted(result["scores"].items(), key=lambda kv: -kv[1])[:max(1, top_k)]
+    return "\t".join(f"{label}\t{score:.4f}" for label, score in ranked) + f"\t{_preview(result['text'])}"
+
+
+def _jsonable(result: dict) -> dict:
+    text = result["text"]
+    return {**result, "text": list(text) if isinstance(text, tuple) else text}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser of ``finetune/predict.py``."""
+    parser = argparse.ArgumentParser(
+        prog="finetune/predict.py",
+        description="Predict with a model trained by finetune/run.py (its --output_dir).",
+        epilog="Texts: positional arguments, --file PATH (one per line; CSV/JSONL with a 'text' column), "
+               "or stdin (no texts, or '-').")
+    parser.add_argument("texts", nargs="*", help="texts to predict ('-' reads stdin)")
+    parser.add_argument("--model", required=True, help="a training run's --output_dir (a Hugging Face model directory)")
+    parser.add_argument("--file", help="texts: one per line, or .csv/.jsonl/.json with a 'text' column ('-' = stdin)")
+    parser.add_argument("--batch_size", type=int, default=32, help="texts per forward pass (default 32)")
+    parser.add_argument("--max_length", type=int, default=None,
+                        help="truncate to this many tokens (default: the run's max_length, else 128)")
+    parser.add_argument("--top_k", type=int, default=1, help="labels printed per text, most probable first (default 1)")
+    parser.add_argument("--max_new_tokens", type=int, default=40, help="causal LMs: tokens to generate (default 40)")
+    parser.add_argument("--output", help="also write one JSON object per text to this JSON-lines file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code (0 on success, 2 on a user error).
+
+    Under ``accelerate launch`` with several processes, each predicts a contiguous share of the texts
+    and the main process prints all results in input order.
+    """
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the CLI prints results; loading bars and load reports are noise
+    hf_logging.set_verbosity_error()
+    try:
+        if args.top_k < 1:
+            raise FinetuneError(f"--top_k must be a positive integer, got {args.top_k}.")
+        if args.batch_size < 1:
+            raise FinetuneError(f"--batch_size must be a positive integer, got {args.batch_size}.")
+        if args.output and Path(args.output).is_dir():
+            raise FinetuneError(f"--output {args.output!r} is a directory; give a file path.")
+        _resolve_model_dir(args.model)  # before reading stdin: a wrong --model fails at once
+        state = _process_state()
+        texts, bulk = _gather_texts_once(args, state)
+        predictor = Predictor(args.model, max_length=args.max_length, device=state.device)
+        results = _predict_distributed(predictor, texts, args.batch_size, args.max_new_tokens, bulk, state)
+        if results is None:  # not the main process
+            return 0
+        if args.output:
+            out = Path(args.output)
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with open(out, "w", encoding="utf-8") as f:
+                    for result in results:
+                        f.write(json.dumps(_jsonable(result), ensure_ascii=False) + "\n")
+            except OSError as err:
+                raise FinetuneError(f"--output {args.output!r} could not be written: {err}") from None
+    except FinetuneError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    for result in results:
+        print(format_result(result, args.top_k))
+    return 0
+
+
+def _process_state():
+    """Accelerate's ``PartialState``: one process, or one of ``accelerate launch``'s. CPU processes
+    (``ACCELERATE_USE_CPU``, or several processes and no GPU) join a gloo group, as ``Accelerator`` does."""
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or (several and not torch.cuda.is_available())
+    state = PartialState(cpu=cpu)
+    if state.num_processes > 1 and state.is_main_process:
+        print(f"Predicting on {state.num_processes} processes ({state.device.type}).", file=sys.stderr)
+    return state
+
+
+def _gather_texts_once(args, state) -> tuple[list, bool]:
+    """``gather_texts`` on the main process, shared with the others (stdin can be read only once)."""
+    if state.num_processes <= 1:
+        return gather_texts(args)
+    from accelerate.utils import broadcast_object_list
+
+    payload = [None]
+    if state.is_main_process:
+        try:
+            payload = [("ok", gather_texts(args))]
+        except FinetuneError as err:
+            payload = [("error", str(err))]
+    broadcast_object_list(payload)
+    status, value = payload[0]
+    if status == "error":
+        raise FinetuneError(value)
+    return value
+
+
+def _predict_distributed(predictor: Predictor, texts: list, batch_size: int, max_new_tokens: int, bulk: bool,
+                         state):
+    """Predict on one process, or split the texts over the processes of ``accelerate launch`` (contiguous
+    shares) and gather them to the main process in input order. Returns the results on the main
+    process, ``None`` on the others."""
+    progress = None if bulk else False
+    if state.num_processes <= 1:
+        return predictor.predict(texts, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+    from accelerate.utils import gather_object
+
+    with state.split_between_processes(texts) as shard:
+        results = predictor.predict(shard, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                    progress=progress if state.is_main_process else False)
+    gathered = gather_object(results)
+    return gathered if state.is_main_process else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

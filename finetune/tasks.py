@@ -1,0 +1,143 @@
+"""The two kinds of task a recipe can be: what differs between classification and causal language
+modelling, and nothing else. Each task says how to build its model, tokenize, collate, count the items
+its loss averages over, sum its loss, and score an evaluation. The training loop is the same for both.
+
+Loss convention (exact accumulation): ``loss_sum`` is the **sum** of per-item losses in a micro-batch
+(items are samples for classification, label tokens for causal LM) and ``count`` the number of items,
+so the engine can divide by the items of the whole window across processes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # label value that the loss skips (padding, and the prompt where masked)
+
+
+class SequenceClassification:
+    """One label per text. Items = samples. Metrics: the recipe's (accuracy, F1, ...) and eval_loss."""
+
+    name = "sequence-classification"
+
+    def load_model(self, config, label_names):
+        """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.load_classifier``)."""
+        from finetune.data import load_classifier
+
+        return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout)
+
+    def tokenize(self, raw, tokenizer, config, text_columns):
+        """Truncate to ``max_length`` tokens, no padding; columns input_ids, attention_mask, labels."""
+        from finetune.data import tokenize_datasets
+
+        return tokenize_datasets(raw, tokenizer, text_columns, config.max_length)
+
+    def collator(self, tokenizer, pad_to_multiple_of):
+        """Dynamic padding per micro-batch."""
+        from transformers import DataCollatorWithPadding
+
+        return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        """Items in a micro-batch: its samples. ``labels``: (batch,). Returns a 0-d int tensor."""
+        return torch.tensor(labels.shape[0], device=labels.device)
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy (fp32). ``logits``: (batch, num_labels); ``labels``: (batch,)."""
+        return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+    def eval_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-sample tensors to gather: (loss (batch,), prediction (batch,), label (batch,))."""
+        return F.cross_entropy(logits.float(), labels, reduction="none"), logits.argmax(dim=-1), labels
+
+    def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict:
+        """``eval_loss`` (mean per sample), ``eval_samples`` and each metric of ``metric_specs``
+        (shipped evaluate module -> compute kwargs)."""
+        from finetune.metrics import load_metric
+
+        losses, predictions, labels = gathered
+        results = {"eval_loss": losses.mean().item() if len(losses) else float("nan"), "eval_samples": len(labels)}
+        for name, kwargs in metric_specs.items():
+            computed = load_metric(name).compute(predictions=predictions.tolist(), references=labels.tolist(), **kwargs)
+            results.update({f"eval_{k}": v for k, v in computed.items()})
+        return results
+
+
+class CausalLMCollator:
+    """Pads ``input_ids`` on the right to the micro-batch's longest sequence (rounded up to
+    ``pad_to_multiple_of``) and sets ``labels`` to ``input_ids`` with ``IGNORE_INDEX`` wherever
+    ``attention_mask`` is 0. Masking by the mask, not by ``pad_token_id``, keeps real end-of-sequence
+    tokens in the loss when pad = eos (as in SmolLM2); right padding keeps every token's position
+    independent of the batch it lands in, which exact accumulation needs."""
+
+    def __init__(self, tokenizer, pad_to_multiple_of=None):
+        self.tokenizer, self.pad_to_multiple_of = tokenizer, pad_to_multiple_of
+
+    def __call__(self, features: list[dict]) -> dict:
+        """``features``: [{"input_ids": [int, ...]}, ...] -> tensors (batch, seq): input_ids,
+        attention_mask, labels."""
+        batch = self.tokenizer.pad({"input_ids": [f["input_ids"] for f in features]}, padding=True,
+                                   pad_to_multiple_of=self.pad_to_multiple_of, padding_side="right",
+                                   return_tensors="pt")
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        return batch
+
+
+class CausalLM:
+    """Next-token prediction. Items = label tokens (labels shifted by one, ``IGNORE_INDEX`` skipped).
+    Metrics: eval_loss (mean per token, nats) and eval_perplexity = exp(eval_loss)."""
+
+    name = "causal-lm"
+
+    def load_model(self, config, label_names=None):
+        """``AutoModelForCausalLM`` from a hub id or model directory, or a de-quantized ``.gguf`` file."""
+        from finetune.data import load_causal_lm
+
+        return load_causal_lm(config.model_name_or_path, disable_dropout=config.disable_dropout)
+
+    def tokenize(self, raw, tokenizer, config, text_columns):
+        """One sample per text truncated at ``max_length`` tokens (variable lengths), or, with
+        ``block_size``, all texts concatenated and cut into blocks of ``block_size`` tokens."""
+        from finetune.data import tokenize_for_causal_lm
+
+        return tokenize_for_causal_lm(raw, tokenizer, text_columns, config.max_length, config.block_size)
+
+    def collator(self, tokenizer, pad_to_multiple_of):
+        """Dynamic right padding; ``labels`` = ``input_ids`` with ``IGNORE_INDEX`` on padding."""
+        return CausalLMCollator(tokenizer, pad_to_multiple_of)
+
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        """Label tokens the shifted loss covers: ``labels[:, 1:] != IGNORE_INDEX``. ``labels``: (batch, seq)."""
+        return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token cross-entropy (fp32) over label tokens. ``logits``: (batch, seq, vocab)."""
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def eval_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-sample tensors to gather: (summed token loss (batch,), label tokens (batch,))."""
+        token_losses = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:],
+                                       ignore_index=IGNORE_INDEX, reduction="none")  # (batch, seq-1)
+        return token_losses.sum(dim=1), (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+
+    def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict:
+        """``eval_loss`` (mean per label token over the whole set), ``eval_perplexity``, ``eval_tokens``,
+        ``eval_samples``."""
+        loss_sums, counts = gathered
+        tokens = int(counts.sum().item())
+        loss = loss_sums.sum().item() / tokens if tokens else float("nan")
+        return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
+                "eval_tokens": tokens, "eval_samples": len(counts)}
+
+
+TASKS = {task.name: task for task in (SequenceClassification(), CausalLM())}
+
+
+def get_task(name: str):
+    """The task object for a recipe's ``TASK``. Raises ``KeyError`` naming the known tasks."""
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    return TASKS[name]

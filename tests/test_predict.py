@@ -1,0 +1,274 @@
+"""finetune/predict.py: the library function and the CLI on a tiny model trained in-process."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.predict import Predictor, predict
+from helpers import REPO, assert_user_error, run_in_process
+
+TEXTS = [
+    "Chelsea beat Arsenal 2-1 in the cup final on Saturday.",
+    "Shares in the bank fell sharply after profits dropped.",
+    "The new mobile phone has a faster chip and a better camera.",
+    "The prime minister faces a vote in parliament next week.",
+    "The film won three awards at the ceremony in London. " * 20,  # longer than max_length: truncated
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_bert) -> Path:
+    """A tiny bbc-news classifier (5 labels), trained 2 optimizer steps with max_length 32."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    tmp = tmp_path_factory.mktemp("predict")
+    _, out = run_in_process(tmp, "run", model_name_or_path=tiny_bert, max_train_samples=24, max_eval_samples=8,
+                            per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
+                            max_length=32, learning_rate=5e-3, warmup_steps=0)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory, tiny_bert) -> Path:
+    """A 2-layer, 32-wide GPT-2 (random weights, seed 0) with the tiny BERT's tokenizer: a causal LM."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+    config = GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def run_predict(args: list[str], stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python finetune/predict.py ARGS`` with ``stdin`` (text) as its standard input."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, str(REPO / "finetune" / "predict.py"), *args], input=stdin or "",
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def output_lines(result) -> list[list[str]]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [line.split("\t") for line in result.stdout.splitlines() if line.strip()]
+
+
+def run_main(args: list[str], monkeypatch, capsys, stdin: str = "") -> tuple[int, list[list[str]], str]:
+    """``finetune.predict.main(ARGS)`` in-process (no interpreter start-up): (exit code, stdout lines split
+    on tabs, stderr)."""
+    import io
+
+    from finetune import predict as predict_module
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    capsys.readouterr()
+    code = predict_module.main(args)
+    captured = capsys.readouterr()
+    return code, [line.split("\t") for line in captured.out.splitlines() if line.strip()], captured.err
+
+
+# ------------------------------------------------------------------------------------------ library
+def test_predict_gives_one_probability_distribution_per_text(trained):
+    from transformers import AutoConfig
+
+    labels = set(AutoConfig.from_pretrained(trained).id2label.values())
+    results = predict(trained, TEXTS)
+    assert len(results) == len(TEXTS)
+    for text, result in zip(TEXTS, results):
+        assert result["text"] == text
+        assert result["label"] in labels and set(result["scores"]) == labels
+        assert abs(sum(result["scores"].values()) - 1.0) < 1e-5
+        assert all(0.0 <= p <= 1.0 for p in result["scores"].values())
+        assert result["score"] == max(result["scores"].values()) == result["scores"][result["label"]]
+
+
+def test_predict_equals_transformers_run_directly(trained):
+    """Same argmax labels and probabilities (atol 1e-5) as the saved model run by hand, one text at a time,
+    truncated to the run's max_length (32, read from run_config.json)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    predictor = Predictor(trained)
+    assert predictor.max_length == json.loads((trained / "run_config.json").read_text())["max_length"] == 32
+    results = predictor.predict(TEXTS, batch_size=2)  # batches mix lengths: padding must not matter
+
+    model = AutoModelForSequenceClassification.from_pretrained(trained).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    for text, result in zip(TEXTS, results):
+        with torch.no_grad():
+            logits = model(**tokenizer([text], truncation=True, max_length=32, return_tensors="pt")).logits
+        probs = torch.softmax(logits.float(), dim=-1)[0]
+        expected = {model.config.id2label[i]: p for i, p in enumerate(probs.tolist())}
+        assert result["label"] == model.config.id2label[int(probs.argmax())]
+        got = torch.tensor([result["scores"][name] for name in expected])
+        torch.testing.assert_close(got, torch.tensor(list(expected.values())), rtol=0, atol=1e-5)
+
+
+def test_batch_size_and_order_do_not_change_results(trained):
+    one = predict(trained, TEXTS, batch_size=1)
+    many = predict(trained, TEXTS, batch_size=32)
+    reverse = predict(trained, TEXTS[::-1], batch_size=3)[::-1]
+    for a, b, c in zip(one, many, reverse):
+        assert a["label"] == b["label"] == c["label"]
+        for name in a["scores"]:
+            assert abs(a["scores"][name] - b["scores"][name]) < 1e-5
+            assert abs(a["scores"][name] - c["scores"][name]) < 1e-5
+
+
+def test_predict_user_errors(tmp_path, trained, tiny_bert):
+    with pytest.raises(FinetuneError, match="--model .*no such directory"):
+        predict(tmp_path / "missing", ["x"])
+    with pytest.raises(FinetuneError, match="no config.json"):
+        predict(tmp_path, ["x"])
+    with pytest.raises(FinetuneError, match="no sequence-classification or causal-LM head"):
+        predict(tiny_bert, ["x"])  # a bare BertModel
+    with pytest.raises(FinetuneError, match="no texts"):
+        predict(trained, [])
+    with pytest.raises(FinetuneError, match="--max_length 4096 exceeds"):
+        predict(trained, ["x"], max_length=4096)
+    with pytest.raises(FinetuneError, match="--batch_size"):
+        predict(trained, ["x"], batch_size=0)
+
+
+def test_causal_lm_generates_a_greedy_continuation(tiny_gpt2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompts = ["the match ended", "shares in the bank fell sharply after"]
+    results = predict(tiny_gpt2, prompts, max_new_tokens=5)
+    assert [r["text"] for r in results] == prompts
+    assert all(isinstance(r["generated"], str) and r["generated"] for r in results)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2)
+    inputs = tokenizer([prompts[0]], return_tensors="pt", return_token_type_ids=False)
+    out = model.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert predict(tiny_gpt2, prompts[:1], max_new_tokens=5)[0]["generated"] == expected
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def test_cli_prints_one_line_per_text(trained, monkeypatch, capsys):
+    result = run_predict(["--model", str(trained), "text one", "text two"])
+    lines = output_lines(result)
+    assert len(lines) == 2
+    expected = predict(trained, ["text one", "text two"])
+    for line, exp in zip(lines, expected):
+        assert line[0] == exp["label"]
+        assert abs(float(line[1]) - exp["score"]) < 1e-4
+        assert line[-1] == exp["text"]
+    assert "Predicting" not in result.stderr  # no progress bar for a handful of texts
+
+    code, top, _ = run_main(["--model", str(trained), "--top_k", "3", "text one"], monkeypatch, capsys)
+    assert code == 0 and len(top) == 1 and len(top[0]) == 3 * 2 + 1
+    probs = [float(p) for p in top[0][1:6:2]]
+    assert probs == sorted(probs, reverse=True)
+
+
+def test_cli_stdin_file_and_output(tmp_path, trained, monkeypatch, capsys):
+    texts = ["the striker scored twice", "profits fell at the bank", "a new phone chip"]
+    multiline = "a new phone chip,\n\"faster\" and cheaper"  # CSV and JSONL keep texts with newlines whole
+    expected = [r["label"] for r in predict(trained, texts)]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+
+    # the real script: stdin, and a file of more than one batch (with a progress bar)
+    lines = output_lines(run_predict(["--model", str(trained)], stdin="\n".join(texts) + "\n\n"))
+    assert [line[0] for line in lines] == expected
+    result = run_predict(["--model", str(trained), "--file", str(tmp_path / "texts.txt"), "--batch_size", "2"])
+    assert [line[0] for line in output_lines(result)] == expected
+    assert "Predicting" in result.stderr
+
+    for args in (["-"], ["--file", "-"]):
+        code, lines, _ = run_main(["--model", str(trained), *args], monkeypatch, capsys, stdin="\n".join(texts) + "\n")
+        assert code == 0 and [line[0] for line in lines] == expected, args
+
+    with open(tmp_path / "texts.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", "text"])
+        writer.writerows(enumerate(texts))
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"text": t, "label": "x"}) + "\n" for t in texts))
+    for name in ("texts.txt", "texts.csv", "texts.jsonl"):
+        out = tmp_path / f"{name}.out.jsonl"
+        code, lines, _ = run_main(["--model", str(trained), "--file", str(tmp_path / name), "--output", str(out)],
+                                  monkeypatch, capsys)
+        assert code == 0 and [line[0] for line in lines] == expected, name
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["text"] for r in records] == texts
+        assert [r["label"] for r in records] == expected
+        for r in records:
+            assert set(r) == {"text", "label", "score", "scores"}
+            assert abs(sum(r["scores"].values()) - 1.0) < 1e-5
+            assert r["score"] == r["scores"][r["label"]]
+
+    with open(tmp_path / "multi.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["text"], [multiline], [texts[0]]])
+    (tmp_path / "multi.jsonl").write_text(json.dumps({"text": multiline}) + "\n" + json.dumps({"text": texts[0]}) + "\n")
+    want = [r["label"] for r in predict(trained, [multiline, texts[0]])]
+    for name in ("multi.csv", "multi.jsonl"):
+        out = tmp_path / f"{name}.out.jsonl"
+        code, lines, _ = run_main(["--model", str(trained), "--file", str(tmp_path / name), "--output", str(out)],
+                                  monkeypatch, capsys)
+        assert code == 0 and [line[0] for line in lines] == want, name
+        assert [json.loads(line)["text"] for line in out.read_text().splitlines()] == [multiline, texts[0]]
+
+
+def test_cli_user_errors(tmp_path, trained, monkeypatch, capsys):
+    missing = run_predict(["--model", str(tmp_path / "no-such-run"), "text"])
+    assert missing.returncode == 2
+    assert_user_error(missing, "--model", "no such directory")
+
+    def error(args, stdin=""):
+        code, lines, err = run_main(args, monkeypatch, capsys, stdin=stdin)
+        assert code == 2 and not lines, (code, lines)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "Traceback" not in err, err
+        return errors[0]
+
+    assert "--model" in error(["--model", str(tmp_path), "text"])  # not a model directory
+    (tmp_path / "empty.txt").write_text("\n\n")
+    message = error(["--model", str(trained), "--file", str(tmp_path / "empty.txt")])
+    assert "--file" in message and "empty" in message
+    (tmp_path / "bad.csv").write_text("sentence,label\nhello,x\n")
+    message = error(["--model", str(trained), "--file", str(tmp_path / "bad.csv")])
+    assert "--file" in message and "no 'text' column" in message and "sentence" in message
+    assert "no texts" in error(["--model", str(trained)], stdin="")
+    assert "not both" in error(["--model", str(trained), "--file", "x.txt", "text"])
+    assert "--top_k" in error(["--model", str(trained), "--top_k", "0", "text"])
+
+
+def test_cli_causal_lm(tiny_gpt2, monkeypatch, capsys):
+    code, lines, _ = run_main(["--model", str(tiny_gpt2), "--max_new_tokens", "4", "the match", "shares fell"],
+                              monkeypatch, capsys)
+    assert code == 0 and len(lines) == 2 and [line[0] for line in lines] == ["the match", "shares fell"]
+
+
+@pytest.mark.integration
+def test_accelerate_launch_two_processes_gives_the_same_lines(tmp_path, trained):
+    """Under ``accelerate launch`` with 2 CPU processes, each predicts half and the main process prints
+    every result once, in input order."""
+    texts = [f"text number {i} about football and shares" for i in range(5)]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    single = output_lines(run_predict(["--model", str(trained), "--file", str(tmp_path / "texts.txt")]))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(REPO / "finetune" / "predict.py"), "--model", str(trained), "--file", str(tmp_path / "texts.txt")]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    lines = output_lines(result)
+    assert "Predicting on 2 processes (cpu)" in result.stderr, result.stderr[-3000:]
+    assert [line[0] for line in lines] == [line[0] for line in single]
+    assert [line[-1] for line in lines] == texts
+    for a, b in zip(lines, single):
+        assert abs(float(a[1]) - float(b[1])) < 1e-4
