@@ -94,6 +94,20 @@ class TrainConfig:
         default=False, metadata={"help": "Run both backends with the same settings and write comparison.md/json/png."}
     )
     eval_on_start: bool = field(default=False, metadata={"help": "Also evaluate before the first optimizer step."})
+    checkpointing_steps: str | None = field(
+        default=None,
+        metadata={"help": "Save a resumable checkpoint every N optimizer steps, or 'epoch' after every epoch."},
+    )
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir) or a checkpoint path."}
+    )
+    ignore_checkpoint_mismatch: bool = field(
+        default=False, metadata={"help": "Resume even if batch sizes, accumulation, processes or data differ."}
+    )
+    max_skipped_steps: int = field(
+        default=10, metadata={"help": "fp16: stop after this many optimizer steps in a row skipped by the GradScaler."}
+    )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
     disable_dropout: bool = field(
         default=False, metadata={"help": "Set every dropout probability to 0 (deterministic, comparable runs)."}
@@ -127,6 +141,14 @@ class TrainConfig:
                 raise FinetuneError(f"--{name} must be a positive integer, got {value}.")
         if self.block_size is not None and self.block_size < 2:
             raise FinetuneError(f"--block_size must be an integer >= 2 (tokens), got {self.block_size}.")
+        if self.checkpointing_steps is not None and self.checkpointing_steps != "epoch":
+            if not str(self.checkpointing_steps).isdigit() or int(self.checkpointing_steps) < 1:
+                raise FinetuneError(f"--checkpointing_steps must be a positive integer (optimizer steps) or 'epoch', "
+                                    f"got {self.checkpointing_steps!r}.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise FinetuneError(f"--save_total_limit must be >= 1, got {self.save_total_limit}.")
+        if self.max_skipped_steps < 1:
+            raise FinetuneError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}.")
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
 

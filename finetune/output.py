@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from finetune.errors import FinetuneError
 
 # Settings whose change does not make a run "different" (where it goes, whether it may overwrite).
-_IGNORED = {"output_dir", "overwrite_output_dir", "list_recipes"}
+_IGNORED = {"output_dir", "overwrite_output_dir", "list_recipes", "resume_from_checkpoint",
+            "ignore_checkpoint_mismatch", "checkpointing_steps", "save_total_limit"}
 
 
 def check_output_dir(config) -> None:
@@ -22,7 +22,8 @@ def check_output_dir(config) -> None:
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"--output_dir {str(out)!r} is a file, not a directory. Choose another --output_dir.")
     previous = out / "run_config.json"
-    if previous.is_file() and not config.overwrite_output_dir:
+    # On resume the checkpoint's own check names what changed (finetune.checkpoint.check_compatible).
+    if previous.is_file() and not config.overwrite_output_dir and not config.resume_from_checkpoint:
         try:
             old = json.loads(previous.read_text())
         except (OSError, ValueError):
@@ -34,12 +35,24 @@ def check_output_dir(config) -> None:
                 f"--output_dir {str(out)!r} holds a different run (settings that differ: {', '.join(differences)}). "
                 "Choose another --output_dir, or pass --overwrite_output_dir to replace it."
             )
-    elif out.is_dir() and any(out.iterdir()) and not previous.is_file() and not config.overwrite_output_dir:
+    if previous.is_file() and not config.overwrite_output_dir and not config.resume_from_checkpoint:
+        from finetune.checkpoint import is_complete, list_checkpoints
+
+        if any(is_complete(p) for p in list_checkpoints(out)):
+            raise FinetuneError(
+                f"--output_dir {str(out)!r} holds checkpoints of this run. Continue it with "
+                "--resume_from_checkpoint latest, or pass --overwrite_output_dir to start over (the checkpoints "
+                "are then deleted).")
+    if out.is_dir() and any(out.iterdir()) and not previous.is_file() and not config.overwrite_output_dir:
         raise FinetuneError(
             f"--output_dir {str(out)!r} is not empty and does not hold a finetune run. "
             "Choose another --output_dir, or pass --overwrite_output_dir."
         )
-    parent = out if out.exists() else next((p for p in out.absolute().parents if p.exists()), Path("/"))
-    if not os.access(parent, os.W_OK):
-        raise FinetuneError(f"--output_dir {str(out)!r} is not writable ({parent} denies writing). "
-                            "Choose a directory you can write to.")
+    try:  # a real write, not os.access: root passes access checks, and file systems can be read-only
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise FinetuneError(f"--output_dir {str(out)!r} cannot be written ({err.strerror or err}). "
+                            "Choose a directory you can write to.") from None

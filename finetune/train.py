@@ -17,13 +17,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 
 
 # ------------------------------------------------------------------------------------------ precision
@@ -61,6 +64,14 @@ def run_banner(config, num_processes: int, micro_batches_per_epoch: int, steps_p
     return text
 
 
+def check_precision_supported(mixed_precision: str) -> None:
+    """Raise ``FinetuneError`` for bf16 on a CUDA device without bf16 (before Ampere). CPUs run bf16
+    autocast (fast with AVX512-BF16/AMX); fp16 on a CPU is not refused but reported as fp32."""
+    if mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise FinetuneError(f"--mixed_precision bf16: this GPU ({torch.cuda.get_device_name()}) has no bf16 support. "
+                            "Use --mixed_precision fp16 or no.")
+
+
 def make_accelerator(config):
     """An ``Accelerator`` for ``config``: N-step accumulation that we align to our windows ourselves
     (``sync_with_dataloader=False``), and a seeded sampler so every process and every resume sees the
@@ -68,6 +79,7 @@ def make_accelerator(config):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
+    check_precision_supported(config.mixed_precision)
     try:
         accelerator = Accelerator(
             mixed_precision=config.mixed_precision,
@@ -161,10 +173,15 @@ def setup(config, recipe) -> Setup:
     precision = effective_mixed_precision(accelerator)
     tokenizer, datasets, label_names, model, collator = build_components(
         config, recipe, precision, accelerator.main_process_first)
+    # Own generators: otherwise every new iterator (each epoch, each evaluation, a resume's skip) draws a
+    # seed from the global RNG, and a resumed run's dropout masks would drift from the uninterrupted run's.
+    # The order itself comes from Accelerate's seeded sampler (data_seed + epoch).
     train_dataloader = DataLoader(datasets["train"], shuffle=True, collate_fn=collator,
-                                  batch_size=config.per_device_train_batch_size)
+                                  batch_size=config.per_device_train_batch_size,
+                                  generator=torch.Generator().manual_seed(config.seed))
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, collate_fn=collator,
-                                 batch_size=config.per_device_eval_batch_size)
+                                 batch_size=config.per_device_eval_batch_size,
+                                 generator=torch.Generator().manual_seed(config.seed))
     optimizer = build_optimizer(model, config)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
@@ -207,8 +224,8 @@ class RunLog:
     """``log.jsonl`` in the output directory: one JSON object per line, written by the main process
     and flushed at once so a run that dies keeps its log."""
 
-    def __init__(self, path: Path, enabled: bool):
-        self.file = open(path, "w", encoding="utf-8") if enabled else None
+    def __init__(self, path: Path, enabled: bool, append: bool = False):
+        self.file = open(path, "a" if append else "w", encoding="utf-8") if enabled else None
 
     def write(self, record: dict) -> None:
         """Append ``record`` as one line."""
@@ -235,110 +252,225 @@ def save_model(s: Setup, output_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the loop
+class GracefulStop:
+    """SIGINT/SIGTERM handling: the first signal sets ``signum`` (the loop finishes the optimizer step in
+    progress, writes a checkpoint and exits); a second one exits at once."""
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            print(f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint.", file=sys.stderr)
+            os._exit(128 + signum)
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this optimizer step, then saving a checkpoint "
+              "(send it again to exit at once).", file=sys.stderr)
+
+
+def _restore_log(path: Path, step: int) -> list[dict]:
+    """On resume: keep the log records up to the checkpoint's step (optimizer-step records up to and
+    including it, evaluations before it), drop what a killed run wrote after it; return them."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record["step"] < step or (record["step"] == step and "loss" in record):
+            kept.append(record)
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
 def train(config, recipe, process_start: float | None = None) -> dict:
     """Fine-tune ``recipe`` with ``config``; write the model, ``metrics.json``, ``log.jsonl`` and
     ``run_config.json`` into ``config.output_dir``; return the metrics.
 
-    Units in the metrics: ``train_loss`` is the mean over optimizer steps of each step's mean
-    cross-entropy per item (sample, or label token for causal LM; nats), ``*_runtime`` seconds, ``*_per_second`` samples per second, ``optimizer_steps`` counts
-    optimizer steps (skipped fp16 steps included, reported as ``skipped_optimizer_steps``).
+    Units in the metrics: ``train_loss`` is the mean over optimizer steps of each step's mean loss per
+    item (sample, or label token for causal LM; nats), ``*_runtime`` seconds, ``*_per_second`` samples per
+    second, ``optimizer_steps`` counts optimizer steps (fp16 skips included, also in ``skipped_optimizer_steps``).
+
+    Checkpoints (``--checkpointing_steps``) are taken after an optimizer step, never inside a window.
+    Raises ``TrainingStopped`` after SIGINT/SIGTERM (checkpoint written, resume command in the message),
+    ``NumericalError`` on a non-finite loss or gradient (fp32/bf16) or too many fp16 skips in a row, and
+    ``FinetuneError`` for a checkpoint that cannot be resumed or written.
     """
     from tqdm.auto import tqdm
+
+    from finetune import checkpoint as ckpt
 
     s = setup(config, recipe)
     accelerator, model, optimizer, scheduler = s.accelerator, s.model, s.optimizer, s.scheduler
     N, P = config.gradient_accumulation_steps, accelerator.num_processes
     output_dir = Path(config.output_dir)
+    accelerator.register_for_checkpointing(scheduler)  # not prepared (see setup), so registered by hand
+    meaning = ckpt.step_meaning(config, P)
+    state = ckpt.TrainerState(num_processes=P, step_meaning=meaning)
+    resume_from = ckpt.find_resume_checkpoint(output_dir, config.resume_from_checkpoint) \
+        if config.resume_from_checkpoint else None
+    if resume_from is not None:
+        loaded = ckpt.read_state(resume_from)
+        ckpt.check_compatible(loaded, meaning, resume_from, config.ignore_checkpoint_mismatch)
+        try:
+            accelerator.load_state(str(resume_from))
+        except Exception as err:  # torch/safetensors raise many types for damaged files
+            raise FinetuneError(f"checkpoint {resume_from} is corrupt and cannot be loaded ({type(err).__name__}: "
+                                f"{err}). Resume from another checkpoint (--resume_from_checkpoint PATH).") from None
+        state = loaded
+        state.step_meaning = meaning
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
+        if config.overwrite_output_dir and resume_from is None:
+            shutil.rmtree(ckpt.checkpoints_dir(output_dir), ignore_errors=True)
         (output_dir / "run_config.json").write_text(config.to_json() + "\n")
-    log = RunLog(output_dir / "log.jsonl", accelerator.is_main_process)
+        if resume_from is not None:
+            _restore_log(output_dir / "log.jsonl", state.step)
+    accelerator.wait_for_everyone()
+    log = RunLog(output_dir / "log.jsonl", accelerator.is_main_process, append=resume_from is not None)
 
     accelerator.print(run_banner(config, P, len(s.train_dataloader), s.steps_per_epoch, s.max_steps, s.num_epochs,
                                  s.precision, accelerator.device.type))
+    if resume_from is not None:
+        accelerator.print(f"Resuming from {resume_from}: optimizer step {state.step}, epoch {state.epoch}, "
+                          f"skipping {state.micro_batches_done} micro-batches of it (same data order).")
 
     task = s.task
-    step, skipped_steps, samples_seen, tokens_seen, losses = 0, 0, 0, 0, []
     eval_results, eval_runtime = {}, 0.0
+    every = int(config.checkpointing_steps) if str(config.checkpointing_steps).isdigit() else None
 
     def run_evaluation():
         nonlocal eval_results, eval_runtime
         eval_start = time.perf_counter()
         eval_results = evaluate(accelerator, model, s.eval_dataloader, task, s.metrics)
         eval_runtime += time.perf_counter() - eval_start
-        log.write({"step": step, "epoch": round(_epoch_fraction(step, s), 4), **eval_results})
-        accelerator.print(f"eval at step {step} (epoch {_epoch_fraction(step, s):.2f}): " + ", ".join(
+        log.write({"step": state.step, "epoch": round(_epoch_fraction(state.step, s), 4), **eval_results})
+        accelerator.print(f"eval at step {state.step} (epoch {_epoch_fraction(state.step, s):.2f}): " + ", ".join(
             f"{k}={v:.4f}" for k, v in eval_results.items() if isinstance(v, float)))
 
-    progress = tqdm(total=s.max_steps, desc="Training", unit="step", disable=not accelerator.is_local_main_process)
-    model.train()
-    train_start = time.perf_counter()
-    if config.eval_on_start:
-        run_evaluation()
-    for epoch in range(s.num_epochs):
-        s.train_dataloader.set_epoch(epoch)
-        for window in iter_windows(s.train_dataloader, N):
-            # The window's loss items (samples, or label tokens for causal LM) over all processes, known
-            # before any backward: each item's loss is divided by it, so the window's gradient is the
-            # exact mean over its items. One reduction per window (a sync point), with the sample count.
-            local = torch.stack([sum(task.count(b["labels"]) for b in window),
-                                 torch.tensor(sum(b["labels"].shape[0] for b in window), device=accelerator.device)])
-            window_items, window_samples = accelerator.reduce(local, "sum").tolist()
-            # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
-            # also for a short last window (it syncs when its counter reaches a multiple of N).
-            accelerator.step = N - len(window)
-            window_loss = torch.zeros((), device=accelerator.device)
-            for batch in window:
-                with accelerator.accumulate(model):
-                    labels = batch.pop("labels")
-                    logits = model(**batch).logits
-                    loss_sum = task.loss_sum(logits, labels)
-                    # accelerator.backward divides by N and DDP averages over P processes: undo both, so
-                    # the summed gradient is sum(per-item gradients) / window_items.
-                    accelerator.backward(loss_sum * (N * P / window_items))
-                    window_loss += loss_sum.detach()
-                    if accelerator.sync_gradients:
-                        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                    learning_rate = scheduler.get_last_lr()[0]
-                    optimizer.step()  # a no-op until the sync micro-batch
-                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                        scheduler.step()
-                    optimizer.zero_grad()
+    def save(reason: str) -> Path:
+        state.train_runtime = runtime_before + time.perf_counter() - train_start - eval_runtime
+        path = ckpt.save_checkpoint(accelerator, output_dir, state, config.save_total_limit)
+        accelerator.print(f"checkpoint ({reason}): {path}")
+        return path
 
-            skipped = accelerator.optimizer_step_was_skipped
-            skipped_steps += int(skipped)
-            step += 1
-            samples_seen += window_samples
-            # One more reduction per optimizer step: the window's mean loss per item.
-            loss = (accelerator.reduce(window_loss, "sum") / window_items).item()
-            losses.append(loss)
-            record = {"step": step, "epoch": round(_epoch_fraction(step, s), 4),
-                      "loss": loss, "learning_rate": learning_rate, "grad_norm": float(grad_norm),
-                      "samples": window_samples, "micro_batches": len(window)}
-            if task.name == "causal-lm":
-                record["label_tokens"] = window_items
-                tokens_seen += window_items
-            if skipped:
-                record["skipped"] = True
-            log.write(record)
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
-            if step >= s.max_steps:
-                break
-        if config.eval_strategy == "epoch" or epoch == s.num_epochs - 1 or step >= s.max_steps:
-            run_evaluation()
-        if step >= s.max_steps:
-            break
+    progress = tqdm(total=s.max_steps, initial=state.step, desc="Training", unit="step",
+                    disable=not accelerator.is_local_main_process)
+    model.train()
+    runtime_before, train_start = state.train_runtime, time.perf_counter()
+    if config.eval_on_start and state.step == 0:
+        run_evaluation()
+    with GracefulStop() as stop:
+        while state.epoch < s.num_epochs and state.step < s.max_steps:
+            s.train_dataloader.set_epoch(state.epoch)  # the shuffle order depends on the seed and the epoch only
+            batches = s.train_dataloader
+            if state.micro_batches_done:  # resuming mid-epoch: the same order, minus what was already trained
+                batches = accelerator.skip_first_batches(s.train_dataloader, state.micro_batches_done)
+            for window in iter_windows(batches, N):
+                first_micro_batch = state.micro_batches_done
+                # The window's loss items (samples, or label tokens for causal LM) over all processes, known
+                # before any backward: each item's loss is divided by it, so the window's gradient is the
+                # exact mean over its items. One reduction per window (a sync point), with the sample count.
+                local = torch.stack([sum(task.count(b["labels"]) for b in window),
+                                     torch.tensor(sum(b["labels"].shape[0] for b in window), device=accelerator.device)])
+                window_items, window_samples = accelerator.reduce(local, "sum").tolist()
+                # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
+                # also for a short last window (it syncs when its counter reaches a multiple of N).
+                accelerator.step = N - len(window)
+                window_loss = torch.zeros((), device=accelerator.device)
+                for batch in window:
+                    with accelerator.accumulate(model):
+                        labels = batch.pop("labels")
+                        logits = model(**batch).logits
+                        loss_sum = task.loss_sum(logits, labels)
+                        # accelerator.backward divides by N and DDP averages over P processes: undo both, so
+                        # the summed gradient is sum(per-item gradients) / window_items.
+                        accelerator.backward(loss_sum * (N * P / window_items))
+                        window_loss += loss_sum.detach()
+                        if accelerator.sync_gradients:
+                            max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                            # fp16 overflows are the GradScaler's to skip; elsewhere a non-finite gradient
+                            # (from a non-finite loss) must not reach the weights (a sync point per step).
+                            if s.precision != "fp16" and not torch.isfinite(grad_norm).item():
+                                raise NumericalError(
+                                    f"non-finite loss or gradient at optimizer step {state.step + 1} (epoch "
+                                    f"{state.epoch}, micro-batches {first_micro_batch}-{first_micro_batch + len(window) - 1} "
+                                    f"of the epoch, per process): grad norm {float(grad_norm)}. Nothing after the "
+                                    "last checkpoint was saved. Lower --learning_rate, set --max_grad_norm, or check "
+                                    "those samples; resume with --resume_from_checkpoint latest.")
+                        learning_rate = scheduler.get_last_lr()[0]
+                        optimizer.step()  # a no-op until the sync micro-batch
+                        if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                            scheduler.step()
+                        optimizer.zero_grad()
+
+                skipped = accelerator.optimizer_step_was_skipped
+                state.step += 1
+                state.micro_batches_done += len(window)
+                state.samples_seen += window_samples
+                state.skipped_steps += int(skipped)
+                state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
+                # One more reduction per optimizer step: the window's loss, and whether any process was
+                # signalled (every process must stop at the same step).
+                loss_sum_all, stop_votes = accelerator.reduce(
+                    torch.stack([window_loss, torch.tensor(float(stop.signum is not None), device=accelerator.device)]),
+                    "sum").tolist()
+                loss = loss_sum_all / window_items
+                state.losses.append(loss)
+                record = {"step": state.step, "epoch": round(_epoch_fraction(state.step, s), 4), "loss": loss,
+                          "learning_rate": learning_rate, "grad_norm": float(grad_norm), "samples": window_samples,
+                          "micro_batches": len(window)}
+                if task.name == "causal-lm":
+                    record["label_tokens"] = window_items
+                    state.tokens_seen += window_items
+                if skipped:
+                    record["skipped"] = True
+                log.write(record)
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
+                if state.consecutive_skipped > config.max_skipped_steps:
+                    raise NumericalError(
+                        f"fp16 loss scaling skipped {state.consecutive_skipped} optimizer steps in a row (up to step "
+                        f"{state.step}): the loss or gradients overflow fp16. Nothing after the last checkpoint was "
+                        "saved. Use --mixed_precision bf16 or no, or lower --learning_rate; raise "
+                        "--max_skipped_steps to tolerate more.")
+                if stop_votes > 0:
+                    path = save("stopped by signal")
+                    signum = stop.signum or signal.SIGTERM
+                    raise TrainingStopped(
+                        f"stopped by {signal.Signals(signum).name} after optimizer step {state.step}; checkpoint: "
+                        f"{path}. Resume with:\n    {_resume_command(config, recipe, P)}", signum)
+                if every and state.step % every == 0 and state.step < s.max_steps:
+                    save(f"every {every} steps")
+                if state.step >= s.max_steps:
+                    break
+            if state.step >= s.max_steps or config.eval_strategy == "epoch" or state.epoch == s.num_epochs - 1:
+                run_evaluation()
+            if state.step < s.max_steps:
+                state.epoch, state.micro_batches_done = state.epoch + 1, 0
+                if config.checkpointing_steps == "epoch":
+                    save("end of epoch")
     progress.close()
-    train_runtime = time.perf_counter() - train_start - eval_runtime
+    train_runtime = runtime_before + time.perf_counter() - train_start - eval_runtime
 
     save_model(s, output_dir)
     metrics = run_metrics(
-        config, eval_results, step_losses=losses, skipped_steps=skipped_steps, steps_per_epoch=s.steps_per_epoch,
-        train_samples=samples_seen, train_tokens=tokens_seen, num_processes=P, precision=s.precision,
-        device=accelerator.device, train_runtime=train_runtime, eval_runtime=eval_runtime,
-        process_start=process_start)
+        config, eval_results, step_losses=state.losses, skipped_steps=state.skipped_steps,
+        steps_per_epoch=s.steps_per_epoch, train_samples=state.samples_seen, train_tokens=state.tokens_seen,
+        num_processes=P, precision=s.precision, device=accelerator.device, train_runtime=train_runtime,
+        eval_runtime=eval_runtime, process_start=process_start)
+    if resume_from is not None:
+        metrics["resumed_from"] = str(resume_from)
     if accelerator.is_main_process:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         from finetune.model_card import config_argv, reproduce_command, write_model_card
@@ -348,6 +480,19 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     log.close()
     accelerator.end_training()
     return metrics
+
+
+def _resume_command(config, recipe, num_processes: int) -> str:
+    """The command that continues this run from its newest checkpoint."""
+    from finetune.model_card import config_argv, reproduce_command
+
+    argv = [a for a in config_argv(config, recipe)]
+    if "--output_dir" not in argv:
+        argv += ["--output_dir", str(config.output_dir)]
+    if "--resume_from_checkpoint" in argv:
+        i = argv.index("--resume_from_checkpoint")
+        del argv[i:i + 2]
+    return reproduce_command(argv + ["--resume_from_checkpoint", "latest"], num_processes=num_processes)
 
 
 def peak_memory(device) -> tuple[int, str]:

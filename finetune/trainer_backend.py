@@ -165,8 +165,12 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     engine (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``); return the metrics.
     Units as in ``finetune.train.train``."""
     from finetune.data import build_components
+    from finetune.errors import FinetuneError
     from finetune.tasks import get_task
 
+    if config.checkpointing_steps or config.resume_from_checkpoint:
+        raise FinetuneError("--checkpointing_steps and --resume_from_checkpoint belong to the accelerate backend "
+                            "(exact mid-epoch resume); drop them or use --backend accelerate.")
     output_dir = Path(config.output_dir)
     args = training_arguments(config)
     if args.process_index == 0:

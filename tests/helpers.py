@@ -78,7 +78,7 @@ def assert_user_error(result, *fragments: str) -> None:
     """A user error: non-zero exit, an ``error:`` line holding every fragment, and no traceback from our
     code (``accelerate launch`` adds its own ``CalledProcessError`` traceback for any failing child)."""
     assert result.returncode != 0, result.stdout[-2000:]
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ") or ": error: " in line]
     assert error_lines, result.stderr[-3000:]
     for fragment in fragments:
         assert fragment in error_lines[0], (fragment, error_lines[0])

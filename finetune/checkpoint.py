@@ -1,0 +1,163 @@
+"""Checkpoints that survive: atomic, complete-or-ignored, pruned only after the new one is complete, and
+refused when resuming would change what a step means.
+
+Layout: ``<output_dir>/checkpoints/step_00000012/`` holds ``accelerator.save_state`` output (model,
+optimizer, scheduler, RNG states), ``trainer_state.json`` (our loop state) and, written last, the
+``COMPLETE`` marker. A checkpoint is written into ``.tmp-step_...`` and renamed into place, so a crash or
+a full disk mid-write never leaves a half checkpoint under a real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^step_(\d{8})$")
+
+# Settings that change what one optimizer step means, or which samples it sees: resuming under a change
+# of any of them would not continue the same run.
+STEP_MEANING = ("recipe", "train_file", "max_train_samples", "max_length", "block_size", "model_name_or_path",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "seed")
+
+
+@dataclass
+class TrainerState:
+    """The loop's own state at an optimizer-step boundary (units: optimizer steps, micro-batches per
+    process, samples and label tokens over all processes, seconds)."""
+
+    step: int = 0
+    epoch: int = 0  # the epoch in progress (0-based)
+    micro_batches_done: int = 0  # micro-batches of that epoch already consumed, per process
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    consecutive_skipped: int = 0
+    losses: list = field(default_factory=list)
+    train_runtime: float = 0.0
+    num_processes: int = 1
+    step_meaning: dict = field(default_factory=dict)
+
+
+def checkpoints_dir(output_dir) -> Path:
+    """``<output_dir>/checkpoints``."""
+    return Path(output_dir) / "checkpoints"
+
+
+def step_meaning(config, num_processes: int) -> dict:
+    """The settings that define a step (``STEP_MEANING``) plus the number of processes."""
+    meaning = {name: getattr(config, name) for name in STEP_MEANING}
+    meaning["num_processes"] = num_processes
+    return meaning
+
+
+def list_checkpoints(output_dir) -> list[Path]:
+    """Checkpoint directories with a real name, oldest first (complete or not)."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` holds its completion marker (written last)."""
+    return (path / MARKER).is_file()
+
+
+def find_resume_checkpoint(output_dir, spec: str) -> Path:
+    """The checkpoint to resume from: ``spec`` "latest" -> the newest complete one under ``output_dir``
+    (incomplete ones are skipped with a warning); otherwise ``spec`` is a checkpoint path.
+
+    Raises ``FinetuneError`` when there is none, or the path is not a complete checkpoint.
+    """
+    if spec == "latest":
+        candidates = list_checkpoints(output_dir)
+        for path in reversed(candidates):
+            if is_complete(path):
+                return path
+            print(f"warning: skipping incomplete checkpoint {path} (no {MARKER} marker: its write was interrupted)")
+        raise FinetuneError(f"--resume_from_checkpoint latest: no complete checkpoint under "
+                            f"{checkpoints_dir(output_dir)}. Start without --resume_from_checkpoint.")
+    path = Path(spec)
+    if not path.is_dir():
+        raise FinetuneError(f"--resume_from_checkpoint {spec!r} is not a directory. Pass a checkpoint directory "
+                            f"(e.g. {checkpoints_dir(output_dir)}/step_00000010) or 'latest'.")
+    if not is_complete(path):
+        raise FinetuneError(f"--resume_from_checkpoint {spec!r} is incomplete (no {MARKER} marker): its write was "
+                            "interrupted. Use an earlier checkpoint, or 'latest' to pick the newest complete one.")
+    return path
+
+
+def read_state(path: Path) -> TrainerState:
+    """The ``TrainerState`` saved in checkpoint ``path``. Raises ``FinetuneError`` if it is unreadable."""
+    try:
+        return TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    except (OSError, ValueError, TypeError) as err:
+        raise FinetuneError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}). Resume from another checkpoint "
+                            "(--resume_from_checkpoint PATH) or start again.") from None
+
+
+def check_compatible(state: TrainerState, meaning: dict, path: Path, allow: bool) -> None:
+    """Refuse to resume when a setting of ``STEP_MEANING`` or the process count differs from the
+    checkpoint's, naming each difference; ``allow`` (``--ignore_checkpoint_mismatch``) overrides."""
+    differences = [f"{k}: checkpoint {state.step_meaning.get(k)!r}, now {v!r}"
+                   for k, v in meaning.items() if state.step_meaning.get(k) != v]
+    if differences and not allow:
+        raise FinetuneError(
+            f"cannot resume from {path}: these settings change what a step means: {'; '.join(differences)}. "
+            "Resume with the checkpoint's settings, or pass --ignore_checkpoint_mismatch to continue anyway.")
+
+
+def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_limit: int | None) -> Path:
+    """Write a checkpoint for ``state.step`` atomically, then prune to ``save_total_limit`` (oldest first,
+    only complete ones, never the new one). Every process calls this (``save_state`` is collective).
+
+    Raises ``FinetuneError`` if the write fails (e.g. disk full): the partial write is removed and the
+    previous checkpoints are untouched.
+    """
+    root = checkpoints_dir(output_dir)
+    final = root / f"step_{state.step:08d}"
+    tmp = root / f".tmp-{final.name}"
+    error = None
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        if accelerator.is_main_process:
+            (tmp / STATE_FILE).write_text(json.dumps(asdict(state)) + "\n")
+            _fsync_tree(tmp)
+            (tmp / MARKER).write_text(f"step {state.step}\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+    except OSError as err:
+        error = err
+    accelerator.wait_for_everyone()
+    if error is not None:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise FinetuneError(f"writing checkpoint {final.name} failed ({error}); the previous checkpoints are intact. "
+                            "Free disk space (or choose another --output_dir) and resume with "
+                            "--resume_from_checkpoint latest.") from None
+    if accelerator.is_main_process and save_total_limit:
+        complete = [p for p in list_checkpoints(output_dir) if is_complete(p) and p != final]
+        for old in complete[: max(len(complete) + 1 - save_total_limit, 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_tree(path: Path) -> None:
+    # the marker must not reach the disk before the files it vouches for
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())

@@ -1,0 +1,207 @@
+"""Runs that survive: checkpoints, exact mid-epoch resume, preemption and numerical faults."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from finetune.errors import FinetuneError, NumericalError, TrainingStopped
+from helpers import REPO, read_log, run_in_process, train_steps
+
+# 40 samples, micro 2 x accumulation 3: 20 micro-batches -> windows 3,3,3,3,3,3,2 = 7 steps per epoch.
+RUN = dict(max_train_samples=40, max_eval_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=3,
+           num_train_epochs=3, max_length=32, learning_rate=1e-3, warmup_steps=2, seed=11, eval_strategy="epoch")
+
+
+def _tree_digest(path) -> dict:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _stop_during_window(monkeypatch, index: int):
+    """Send ourselves SIGTERM as the ``index``-th window of the run (0-based, over all epochs) starts:
+    an in-process preemption at a known point."""
+    import finetune.train as engine
+
+    original = engine.iter_windows
+    seen = {"n": 0}
+
+    def iter_windows(dataloader, n):
+        for window in original(dataloader, n):
+            if seen["n"] == index:
+                os.kill(os.getpid(), signal.SIGTERM)
+            seen["n"] += 1
+            yield window
+
+    monkeypatch.setattr(engine, "iter_windows", iter_windows)
+    return original
+
+
+def test_resume_mid_epoch_equals_uninterrupted(tmp_path, tiny_bert, monkeypatch):
+    """SIGTERM during step 10 (epoch 1, third window): the run finishes that step, checkpoints and stops;
+    resuming from 'latest' continues across the next epoch boundary with exactly the uninterrupted losses."""
+    import finetune.train as engine
+
+    full_metrics, full = run_in_process(tmp_path, "full", model_name_or_path=tiny_bert, **RUN)
+    out = tmp_path / "killed"
+    original = _stop_during_window(monkeypatch, index=9)
+    with pytest.raises(TrainingStopped) as stopped:
+        run_in_process(tmp_path, "killed", model_name_or_path=tiny_bert, **RUN)
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    message = str(stopped.value)
+    assert "after optimizer step 10" in message and "--resume_from_checkpoint latest" in message
+    assert (out / "checkpoints" / "step_00000010" / "COMPLETE").is_file()
+    assert not (out / "model.safetensors").exists()  # a stopped run does not pretend to be finished
+
+    monkeypatch.setattr(engine, "iter_windows", original)
+    resumed_metrics, _ = run_in_process(tmp_path, "killed", model_name_or_path=tiny_bert,
+                                        resume_from_checkpoint="latest", **RUN)
+    full_steps, resumed_steps = train_steps(full), train_steps(out)
+    assert [r["step"] for r in resumed_steps] == list(range(1, 22))
+    assert [r["loss"] for r in resumed_steps] == [r["loss"] for r in full_steps]  # exactly, fp32 CPU
+    assert [r["learning_rate"] for r in resumed_steps] == [r["learning_rate"] for r in full_steps]
+    assert [r["micro_batches"] for r in resumed_steps] == [3] * 6 + [2] + [3] * 6 + [2] + [3] * 6 + [2]
+    assert resumed_metrics["eval_loss"] == full_metrics["eval_loss"]
+    assert resumed_metrics["train_loss"] == full_metrics["train_loss"]
+    assert len([r for r in read_log(out) if "eval_loss" in r]) == 3
+
+
+def test_checkpoints_are_pruned_complete_and_refused_without_resume(tmp_path, tiny_bert):
+    _, out = run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, checkpointing_steps=3, save_total_limit=2,
+                            **{**RUN, "num_train_epochs": 1})
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_00000003", "step_00000006"]
+    for name in names:
+        state = json.loads((out / "checkpoints" / name / "trainer_state.json").read_text())
+        assert (out / "checkpoints" / name / "COMPLETE").is_file()
+        assert state["micro_batches_done"] == state["step"] * 3  # taken on window boundaries only
+    # rerunning into the same dir without --resume would throw the checkpoints away: refused
+    with pytest.raises(FinetuneError, match="--resume_from_checkpoint latest"):
+        from finetune.config import parse_config
+        from finetune.output import check_output_dir
+
+        config = parse_config(["--recipe", "bbc-news", "--output_dir", str(out), "--model_name_or_path", tiny_bert,
+                               *[f"--{k}={v}" for k, v in {**RUN, "num_train_epochs": 1,
+                                                          "checkpointing_steps": 3, "save_total_limit": 2}.items()]])
+        check_output_dir(config)
+
+
+def test_latest_skips_incomplete_and_corrupt_gives_clear_error(tmp_path, tiny_bert, capsys):
+    from finetune.checkpoint import find_resume_checkpoint
+
+    _, out = run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, checkpointing_steps=2,
+                            **{**RUN, "num_train_epochs": 1})
+    newest = out / "checkpoints" / "step_00000006"
+    (newest / "COMPLETE").unlink()  # as if the process died before the marker
+    assert find_resume_checkpoint(out, "latest").name == "step_00000004"
+    assert "skipping incomplete checkpoint" in capsys.readouterr().out
+    with pytest.raises(FinetuneError, match="incomplete"):
+        find_resume_checkpoint(out, str(newest))
+
+    good = out / "checkpoints" / "step_00000004"
+    (good / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(FinetuneError, match="corrupt"):
+        run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, resume_from_checkpoint=str(good),
+                       **{**RUN, "num_train_epochs": 1})
+
+
+def test_resume_refuses_a_changed_step_meaning(tmp_path, tiny_bert):
+    _, out = run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, checkpointing_steps=2,
+                            **{**RUN, "num_train_epochs": 1})
+    with pytest.raises(FinetuneError, match="per_device_train_batch_size: checkpoint 2, now 4"):
+        run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, resume_from_checkpoint="latest",
+                       **{**RUN, "num_train_epochs": 1, "per_device_train_batch_size": 4})
+    metrics, _ = run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, resume_from_checkpoint="latest",
+                                ignore_checkpoint_mismatch=True,
+                                **{**RUN, "num_train_epochs": 1, "gradient_accumulation_steps": 2})
+    assert metrics["resumed_from"].endswith("step_00000006")
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, tiny_bert, monkeypatch):
+    import torch
+
+    from finetune.tasks import SequenceClassification
+
+    original = SequenceClassification.loss_sum
+    calls = {"n": 0}
+
+    def poisoned(self, logits, labels):
+        calls["n"] += 1
+        loss = original(self, logits, labels)
+        return loss * float("nan") if calls["n"] == 14 else loss  # micro-batch 14 = in optimizer step 5
+
+    _, out = run_in_process(tmp_path, "nan", model_name_or_path=tiny_bert, checkpointing_steps=2,
+                            **{**RUN, "num_train_epochs": 1})
+    before = _tree_digest(out / "checkpoints")
+    monkeypatch.setattr(SequenceClassification, "loss_sum", poisoned)
+    with pytest.raises(NumericalError, match="optimizer step 5 .*micro-batches 12-14"):
+        run_in_process(tmp_path, "nan", model_name_or_path=tiny_bert, checkpointing_steps=2, overwrite_output_dir=True,
+                       **{**RUN, "num_train_epochs": 1})
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000002", "step_00000004"]  # the last good ones, complete
+    assert all((out / "checkpoints" / c / "COMPLETE").is_file() for c in checkpoints)
+    assert not (out / "model.safetensors").exists() or _tree_digest(out / "checkpoints") != before
+    assert torch.isfinite(torch.tensor([r["loss"] for r in train_steps(out)])).all()
+
+
+def test_disk_full_while_checkpointing_keeps_the_previous_one(tmp_path, tiny_bert, monkeypatch):
+    from accelerate import Accelerator
+
+    original = Accelerator.save_state
+    calls = {"n": 0}
+
+    def failing(self, output_dir=None, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.makedirs(output_dir, exist_ok=True)
+            open(os.path.join(output_dir, "partial.bin"), "wb").write(b"x" * 10)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", failing)
+    with pytest.raises(FinetuneError, match="No space left on device.*previous checkpoints are intact"):
+        run_in_process(tmp_path, "full", model_name_or_path=tiny_bert, checkpointing_steps=2,
+                       **{**RUN, "num_train_epochs": 1})
+    root = tmp_path / "full" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]  # no partial, no temp dir
+    assert (root / "step_00000002" / "COMPLETE").is_file()
+
+
+@pytest.mark.integration
+def test_sigterm_through_the_cli_then_resume(tmp_path, tiny_bert):
+    """A real SIGTERM to `python finetune/run.py`: exit 143, the resume command printed, and the resumed run
+    completes with the same number of steps."""
+    out = tmp_path / "cli"
+    args = [sys.executable, str(REPO / "finetune" / "run.py"), "--recipe", "bbc-news", "--model_name_or_path",
+            tiny_bert, "--output_dir", str(out), "--max_train_samples", "120", "--max_eval_samples", "8",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--num_train_epochs", "4",
+            "--max_length", "48", "--eval_strategy", "no"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        log = out / "log.jsonl"
+        if log.is_file() and sum(1 for line in log.read_text().splitlines() if '"loss"' in line) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "error: stopped by SIGTERM after optimizer step" in stderr
+    assert "--resume_from_checkpoint latest" in stderr
+    resume_line = next(line for line in stderr.splitlines() if "--resume_from_checkpoint latest" in line).strip()
+    stopped_at = len(train_steps(out))
+    assert stopped_at < 120  # it stopped early
+    resumed = subprocess.run(args + ["--resume_from_checkpoint", "latest"], capture_output=True, text=True, env=env,
+                             cwd=REPO, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in train_steps(out)] == list(range(1, 121))
+    assert "accelerate launch" in resume_line and str(out) in resume_line
