@@ -190,3 +190,117 @@ def linear_memory_from_probes(small_batch: int, small_peak_bytes: float, large_b
     per_sample = max(0.0, (large_peak_bytes - small_peak_bytes) / (large_batch - small_batch))
     fixed = max(0.0, small_peak_bytes - small_batch * per_sample)
     return fixed, per_sample
+
+
+# ----------------------------------------------------------------------------------------- probing
+def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
+    """Bytes of the distinct tensor storages autograd saves for backward while ``run_step()`` builds its
+    graph (``torch.autograd.graph.saved_tensors_hooks``): the activation memory of a training step,
+    measured exactly (RSS cannot see it in a long-lived process, whose freed heap is reused silently).
+    ``run_step`` returns the loss; it is back-propagated here to free the graph."""
+    import torch
+
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = run_step()
+    loss.backward()
+    return sum(storages.values())
+
+
+def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int) -> Callable[[int], bool]:
+    """A ``fits(m)`` for ``plan_batch`` from real forward/backward probe steps of the recipe's model on
+    worst-case batches (every sample ``max_length`` tokens, or ``block_size``).
+
+    - CUDA: a probe step at micro-batch m either runs or raises out-of-memory (recognised with
+      Accelerate's ``should_reduce_batch_size``, as ``find_executable_batch_size`` does).
+    - CPU: no OOM to catch, so the budget is ``--max_memory_mb`` (default: the memory available now).
+      Activation bytes saved for backward at micro-batch 1 and 2 give a linear model (bytes per sample,
+      plus a fixed part); gradients and AdamW's two moments add 3x the parameter bytes. A micro-batch fits
+      if what the process holds now, plus that, stays under the budget. Transient buffers are not
+      modelled: keep a margin.
+    """
+    import gc
+
+    import psutil
+    import torch
+
+    from finetune.tasks import get_task
+
+    task = get_task(recipe.TASK)
+    label_names = ["a", "b"] if task.name == "sequence-classification" else None
+    model = task.load_model(config, label_names).to(device)
+    model.train()
+    length = config.block_size or config.max_length
+    vocab = model.config.vocab_size
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
+
+    def step(m: int):
+        ids = torch.randint(0, vocab, (m, length), device=device)
+        labels = ids if task.name == "causal-lm" else torch.zeros(m, dtype=torch.long, device=device)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            return task.loss_sum(logits, labels)
+
+    if device.type == "cuda":
+        from accelerate.utils.memory import should_reduce_batch_size
+
+        def fits(m: int) -> bool:
+            try:
+                step(m).backward()
+                return True
+            except Exception as err:  # noqa: BLE001 - the OOM types differ by backend
+                if should_reduce_batch_size(err):
+                    return False
+                raise
+            finally:
+                model.zero_grad(set_to_none=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        return fits
+
+    budget = (config.max_memory_mb * 2**20) if config.max_memory_mb else psutil.virtual_memory().available
+    one, two = saved_tensor_bytes(lambda: step(1)), saved_tensor_bytes(lambda: step(2))
+    per_sample = max(two - one, 1)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    fixed = max(one - per_sample, 0) + 3 * param_bytes
+    del model
+    gc.collect()
+    held = psutil.Process().memory_info().rss
+    print(f"Memory probe: {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
+          f"(activations saved for backward at micro-batch 1 and 2, gradients, AdamW state); budget "
+          f"{budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
+    if budget <= held + fixed + per_sample:
+        raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
+                            f"{held / 2**20:.0f} MiB and one sample needs about {(fixed + per_sample) / 2**20:.0f} MiB "
+                            f"more. Raise --max_memory_mb above {(held + fixed + per_sample) / 2**20:.0f}.")
+    return estimate_fits_from_memory(per_sample, fixed, budget - held)
+
+
+def resolve_batch_plan(config, recipe, num_processes: int, device) -> BatchPlan | None:
+    """The (micro-batch, accumulation) for ``--total_batch_size``, or None when it is not set.
+
+    Without ``--auto_find_batch_size``: the given ``per_device_train_batch_size`` must divide
+    ``total_batch_size / processes`` (else ``FinetuneError`` listing the valid micro-batches). With it: the
+    largest valid micro-batch that fits (``probe_fits``), accumulation raised to keep the total exact.
+    """
+    if not config.total_batch_size:
+        return None
+    plans = valid_plans(config.total_batch_size, num_processes)
+    if config.auto_find_batch_size:
+        fits = probe_fits(config, recipe, num_processes, device, config.total_batch_size)
+        return plan_batch(config.total_batch_size, num_processes, fits)
+    micro = config.per_device_train_batch_size
+    for m, n in plans:
+        if m == micro:
+            return BatchPlan(m, n, num_processes, config.total_batch_size)
+    raise FinetuneError(
+        f"--total_batch_size {config.total_batch_size} with {num_processes} process(es) cannot use "
+        f"--per_device_train_batch_size {micro}: it must divide {config.total_batch_size // num_processes}. "
+        f"Valid micro-batches: {', '.join(str(m) for m, _ in plans)} (or pass --auto_find_batch_size).")

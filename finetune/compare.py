@@ -27,7 +27,9 @@ from finetune.errors import FinetuneError
 
 BACKENDS = ("accelerate", "trainer")
 RUN_PY = Path(__file__).resolve().parent / "run.py"
-_NOT_PASSED = {"compare", "backend", "output_dir", "list_recipes", "overwrite_output_dir"}
+# the batch plan is resolved once here, so both backends get the same explicit micro-batch and accumulation
+_NOT_PASSED = {"compare", "backend", "output_dir", "list_recipes", "overwrite_output_dir", "total_batch_size",
+               "auto_find_batch_size", "max_memory_mb"}
 
 
 def child_argv(config, backend: str, output_dir: Path) -> list[str]:

@@ -55,6 +55,18 @@ class TrainConfig:
         default=8, metadata={"help": "Micro-batch size in samples, per process, per forward/backward."}
     )
     per_device_eval_batch_size: int = field(default=32, metadata={"help": "Evaluation batch size per process."})
+    total_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Global effective batch per optimizer step (samples). Sets the accumulation steps so "
+                          "micro-batch x accumulation x processes equals it exactly."},
+    )
+    auto_find_batch_size: bool = field(
+        default=False,
+        metadata={"help": "With --total_batch_size: use the largest micro-batch that fits in memory (probe steps)."},
+    )
+    max_memory_mb: int | None = field(
+        default=None, metadata={"help": "CPU memory budget for --auto_find_batch_size (MiB; default: available RAM)."}
+    )
     gradient_accumulation_steps: int = field(
         default=1, metadata={"help": "Micro-batches per optimizer step (N). Effective batch = micro x N x processes."}
     )
@@ -108,6 +120,9 @@ class TrainConfig:
     max_skipped_steps: int = field(
         default=10, metadata={"help": "fp16: stop after this many optimizer steps in a row skipped by the GradScaler."}
     )
+    report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = field(
+        default="none", metadata={"help": "Experiment tracking through Accelerate's trackers (TensorBoard works offline)."}
+    )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
     disable_dropout: bool = field(
         default=False, metadata={"help": "Set every dropout probability to 0 (deterministic, comparable runs)."}
@@ -149,6 +164,10 @@ class TrainConfig:
             raise FinetuneError(f"--save_total_limit must be >= 1, got {self.save_total_limit}.")
         if self.max_skipped_steps < 1:
             raise FinetuneError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}.")
+        if self.auto_find_batch_size and not self.total_batch_size:
+            raise FinetuneError("--auto_find_batch_size needs --total_batch_size (the effective batch it must keep).")
+        if self.total_batch_size is not None and self.total_batch_size < 1:
+            raise FinetuneError(f"--total_batch_size must be a positive integer, got {self.total_batch_size}.")
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
 

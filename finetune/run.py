@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = load_recipe(config.recipe)
         check_output_dir(config)
+        from finetune.train import apply_batch_plan
+
+        apply_batch_plan(config, recipe)
         if config.compare:
             from finetune.compare import compare
 

@@ -80,8 +80,19 @@ def make_accelerator(config):
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     check_precision_supported(config.mixed_precision)
+    log_with = None if config.report_to == "none" else config.report_to
+    if log_with not in (None, "all"):
+        import importlib.util
+
+        module = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}[log_with]
+        if importlib.util.find_spec(module) is None and not (module == "tensorboard" and
+                                                             importlib.util.find_spec("tensorboardX")):
+            raise FinetuneError(f"--report_to {log_with}: the {module} package is not installed "
+                                f"(pip install {module}), or use --report_to none.")
     try:
         accelerator = Accelerator(
+            log_with=log_with,
+            project_dir=config.output_dir,
             mixed_precision=config.mixed_precision,
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False
@@ -159,6 +170,26 @@ def plan_steps(micro_batches_per_epoch: int, config) -> tuple[int, int, int]:
     else:
         max_steps = math.ceil(config.num_train_epochs * steps_per_epoch)
     return steps_per_epoch, max_steps, math.ceil(max_steps / steps_per_epoch)
+
+
+def apply_batch_plan(config, recipe) -> None:
+    """With ``--total_batch_size``, set ``config.per_device_train_batch_size`` and
+    ``config.gradient_accumulation_steps`` from the batch planner before either engine builds anything
+    (Accelerate fixes the accumulation steps when the Accelerator is created). Called once by
+    ``run.main``; the plan is printed. Raises ``FinetuneError`` as ``resolve_batch_plan``."""
+    if not config.total_batch_size:
+        return
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    from finetune.batch_plan import resolve_batch_plan
+
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    plan = resolve_batch_plan(config, recipe, state.num_processes, state.device)
+    config.per_device_train_batch_size = plan.per_device_train_batch_size
+    config.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    if state.is_main_process:
+        print(f"Batch plan for --total_batch_size {config.total_batch_size}: {plan}")
 
 
 def setup(config, recipe) -> Setup:
@@ -344,6 +375,12 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         accelerator.print(f"Resuming from {resume_from}: optimizer step {state.step}, epoch {state.epoch}, "
                           f"skipping {state.micro_batches_done} micro-batches of it (same data order).")
 
+    if config.report_to != "none":
+        # hyperparameters as the trackers accept them (no None), under <output_dir>/runs for TensorBoard
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                   for k, v in config.to_dict().items() if v is not None}
+        accelerator.init_trackers("runs", config=hparams)
+
     task = s.task
     eval_results, eval_runtime = {}, 0.0
     every = int(config.checkpointing_steps) if str(config.checkpointing_steps).isdigit() else None
@@ -354,6 +391,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         eval_results = evaluate(accelerator, model, s.eval_dataloader, task, s.metrics)
         eval_runtime += time.perf_counter() - eval_start
         log.write({"step": state.step, "epoch": round(_epoch_fraction(state.step, s), 4), **eval_results})
+        accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in eval_results.items()}, step=state.step)
         accelerator.print(f"eval at step {state.step} (epoch {_epoch_fraction(state.step, s):.2f}): " + ", ".join(
             f"{k}={v:.4f}" for k, v in eval_results.items() if isinstance(v, float)))
 
@@ -366,7 +404,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     progress = tqdm(total=s.max_steps, initial=state.step, desc="Training", unit="step",
                     disable=not accelerator.is_local_main_process)
     model.train()
-    runtime_before, train_start = state.train_runtime, time.perf_counter()
+    runtime_before, train_start, samples_at_start = state.train_runtime, time.perf_counter(), state.samples_seen
     if config.eval_on_start and state.step == 0:
         run_evaluation()
     with GracefulStop() as stop:
@@ -436,6 +474,10 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 if skipped:
                     record["skipped"] = True
                 log.write(record)
+                elapsed = time.perf_counter() - train_start - eval_runtime
+                accelerator.log({"train/loss": loss, "train/learning_rate": learning_rate, "train/grad_norm": record["grad_norm"],
+                                 "train/samples_per_second": (state.samples_seen - samples_at_start) / max(elapsed, 1e-9),
+                                 "train/epoch": record["epoch"]}, step=state.step)
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
                 if state.consecutive_skipped > config.max_skipped_steps:

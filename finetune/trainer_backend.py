@@ -66,7 +66,7 @@ def training_arguments(config, output_dir: str | None = None):
         logging_strategy="steps",
         logging_steps=1,
         logging_nan_inf_filter=False,
-        report_to="none",
+        report_to=config.report_to,
         dataloader_drop_last=False,
         average_tokens_across_devices=True,
     )

@@ -29,6 +29,9 @@ def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
         argv += [f"--{key}", str(value)]
     config = parse_config(argv)
     config.validate()
+    from finetune.train import apply_batch_plan
+
+    apply_batch_plan(config, load_recipe(config.recipe))
     if config.backend == "trainer":
         from finetune.trainer_backend import train
     else:

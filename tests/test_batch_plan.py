@@ -167,3 +167,63 @@ def test_linear_memory_from_probes():
     assert linear_memory_from_probes(2, 500.0, 4, 490.0) == (500.0, 0.0)
     with pytest.raises(ValueError):
         linear_memory_from_probes(4, 1.0, 4, 2.0)
+
+
+# ----------------------------------------------------------------------------- through the engine
+def test_total_batch_size_sets_the_accumulation(tmp_path, tiny_bert):
+    from helpers import run_in_process, train_steps
+
+    metrics, out = run_in_process(tmp_path, "plan", model_name_or_path=tiny_bert, total_batch_size=12,
+                                  per_device_train_batch_size=4, max_train_samples=24, max_eval_samples=4,
+                                  max_length=16, num_train_epochs=1)
+    assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (4, 3)
+    assert metrics["effective_batch_size"] == 12
+    assert [r["samples"] for r in train_steps(out)] == [12, 12]
+
+
+def test_total_batch_size_with_an_impossible_micro_batch(tmp_path, tiny_bert):
+    from finetune.errors import FinetuneError
+    from helpers import run_in_process
+
+    with pytest.raises(FinetuneError, match="must divide 12. Valid micro-batches: 12, 6, 4, 3, 2, 1"):
+        run_in_process(tmp_path, "bad", model_name_or_path=tiny_bert, total_batch_size=12,
+                       per_device_train_batch_size=5, max_train_samples=24, max_length=16)
+
+
+def test_saved_tensor_bytes_grow_linearly_with_the_micro_batch():
+    import torch
+
+    from finetune.batch_plan import saved_tensor_bytes
+
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+    sizes = [saved_tensor_bytes(lambda m=m: layer(torch.randn(m, 64)).sum()) for m in (1, 2, 8)]
+    per_sample = sizes[1] - sizes[0]
+    assert per_sample >= (64 + 256 + 256) * 4  # the input, the pre-activation and the GELU output, fp32
+    assert sizes[2] - sizes[0] == 7 * per_sample  # exactly linear
+
+
+def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_bert, monkeypatch, capsys):
+    """With the process size pinned, a budget with room for ~5 samples picks micro-batch 4 (the largest
+    divisor of 32 that fits) and accumulation 8; a generous one takes 32 x 1; no room is a clear error."""
+    import psutil
+
+    from finetune.errors import FinetuneError
+    from helpers import run_in_process
+
+    class Pinned:
+        rss = 1000 * 2**20
+
+    monkeypatch.setattr(psutil.Process, "memory_info", lambda self: Pinned())
+    common = dict(model_name_or_path=tiny_bert, total_batch_size=32, auto_find_batch_size=True,
+                  max_train_samples=32, max_eval_samples=4, max_length=128, max_steps=1)
+    generous, _ = run_in_process(tmp_path, "big", max_memory_mb=64 * 1024, **common)
+    assert (generous["per_device_train_batch_size"], generous["gradient_accumulation_steps"]) == (32, 1)
+    probe = capsys.readouterr().out.split("Memory probe: ")[1]
+    per_sample = float(probe.split(" MiB per sample")[0]) * 2**20
+    fixed = float(probe.split(" + ")[1].split(" MiB per step")[0]) * 2**20
+    assert per_sample > 0 and fixed > 0
+    budget_mb = (Pinned.rss + fixed + 5.5 * per_sample) / 2**20
+    tight, _ = run_in_process(tmp_path, "small", max_memory_mb=int(budget_mb + 0.5), **common)
+    assert (tight["per_device_train_batch_size"], tight["gradient_accumulation_steps"]) == (4, 8)
+    with pytest.raises(FinetuneError, match="--max_memory_mb 900 leaves no room"):
+        run_in_process(tmp_path, "none", max_memory_mb=900, **common)

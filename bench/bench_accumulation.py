@@ -1,0 +1,188 @@
+"""Benchmark: the time and memory cost of gradient accumulation.
+
+    python bench/bench_accumulation.py --smoke                  # seconds: tiny BERT, checks the pipeline
+    python bench/bench_accumulation.py --markdown docs/bench_accumulation.md --json bench_accumulation.json
+
+Three configurations train on the same samples (``--samples``, default 384: ``--max_train_samples`` of
+that and ``--max_steps`` = samples / effective batch, so each processes every sample exactly once):
+micro-batch 8 x accumulation 4 (the bbc-news default), micro-batch 32 x 1 (the same effective batch in one
+forward/backward) and micro-batch 8 x 1 (the same micro-batch, no accumulation). Full mode: bbc-news
+with all-MiniLM-L6-v2 at the recipe defaults, fp32, 3 interleaved repeats, medians.
+
+Reports the time per sample (seconds = 1 / samples/s) of each, the ratio (8x4) / (32x1) (goal <= 1.03:
+accumulating costs at most 3% over the large batch), and the peak memory ratios 8x4 / 8x1 (goal <= 1.05:
+accumulation keeps the micro-batch's memory) and 8x4 / 32x1, with the differences in MiB.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import benchlib as bl  # noqa: E402
+
+GOAL_TIME_RATIO = 1.03  # time per sample, accumulated / large batch
+GOAL_MEMORY_RATIO = 1.05  # peak memory, accumulated / same micro-batch without accumulation
+
+
+def parse_args(argv=None):
+    """Flags: the shared ones (see ``benchlib.base_parser``), the micro-batch, the accumulation and the samples."""
+    p = bl.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="bbc-news")
+    p.add_argument("--micro_batch", type=int, default=8, help="micro-batch of the accumulated and small configurations")
+    p.add_argument("--accumulation", type=int, default=4, help="accumulation steps of the accumulated configuration")
+    p.add_argument("--samples", type=int, default=None,
+                   help="samples each configuration trains on (default 384; smoke 64); a multiple of micro x accumulation")
+    p.add_argument("--mixed_precision", default="no", choices=("no", "fp16", "bf16"))
+    args = p.parse_args(argv)
+    bl.resolve_common(args)
+    if args.samples is None:
+        args.samples = args.max_train_samples or (64 if args.smoke else 384)
+    effective = args.micro_batch * args.accumulation
+    if args.samples % effective:
+        p.error(f"--samples {args.samples} must be a multiple of micro x accumulation = {effective}")
+    if args.max_train_samples is not None and args.max_train_samples != args.samples:
+        p.error("--max_train_samples and --samples must agree here (each configuration trains on every sample once)")
+    args.max_train_samples = args.samples
+    return args
+
+
+def labels(args) -> tuple[str, str, str]:
+    """(accumulated, large batch, small batch) labels, e.g. ("8x4", "32x1", "8x1")."""
+    m, n = args.micro_batch, args.accumulation
+    return f"{m}x{n}", f"{m * n}x1", f"{m}x1"
+
+
+def build_configs(args, model: str | None) -> list[bl.Config]:
+    """The three configurations, each with ``--max_steps`` = samples / its effective batch."""
+    common = ["--recipe", args.recipe, "--mixed_precision", args.mixed_precision,
+              "--max_train_samples", str(args.samples), *bl.QUIET_EVAL]
+    if args.max_length:
+        common += ["--max_length", str(args.max_length)]
+    if model:
+        common += ["--model_name_or_path", model]
+    extra = shlex.split(args.extra_args)
+    m, n = args.micro_batch, args.accumulation
+    configs = []
+    for label, (micro, accum) in zip(labels(args), ((m, n), (m * n, 1), (m, 1))):
+        configs.append(bl.Config(label, common + ["--per_device_train_batch_size", str(micro),
+                                                  "--gradient_accumulation_steps", str(accum),
+                                                  "--max_steps", str(args.samples // (micro * accum))] + extra))
+    return configs
+
+
+def time_per_sample(runs: list[dict]) -> float | None:
+    """Median over runs of 1 / train_samples_per_second: seconds per training sample."""
+    values = [1.0 / r["train_samples_per_second"] for r in runs if r.get("train_samples_per_second")]
+    return bl.median_of([{"t": v} for v in values], "t")
+
+
+def summarize(args, configs: list[bl.Config]) -> dict:
+    """Time per sample (s) and peak memory (bytes) medians per configuration, and the ratios and differences."""
+    acc, big, small = labels(args)
+    by = {c.label: c for c in configs}
+    tps = {c.label: time_per_sample(c.runs) for c in configs}
+    mem = {c.label: bl.median_of(c.runs, "peak_memory_bytes") for c in configs}
+    per_round = [bl.ratio(b["train_samples_per_second"], a["train_samples_per_second"])  # = tps(acc) / tps(big)
+                 for a, b in zip(by[acc].runs, by[big].runs)]
+    time_ratio = bl.ratio(tps[acc], tps[big])
+    mem_small = bl.ratio(mem[acc], mem[small])
+
+    def diff(a, b):
+        return None if None in (mem[a], mem[b]) else mem[a] - mem[b]
+
+    return {
+        "labels": {"accumulated": acc, "large_batch": big, "small_batch": small},
+        "time_per_sample_seconds": tps,
+        "peak_memory_bytes": mem,
+        "samples_processed": {c.label: [r["train_samples"] for r in c.runs] for c in configs},
+        "time_per_sample_ratio_accumulated_over_large_batch": time_ratio,
+        "time_per_sample_ratio_per_round": per_round,
+        "goal_time_per_sample_ratio": GOAL_TIME_RATIO,
+        "goal_time_met": None if time_ratio is None else time_ratio <= GOAL_TIME_RATIO,
+        "peak_memory_ratio_accumulated_over_small_batch": mem_small,
+        "goal_peak_memory_ratio": GOAL_MEMORY_RATIO,
+        "goal_memory_met": None if mem_small is None else mem_small <= GOAL_MEMORY_RATIO,
+        "peak_memory_ratio_accumulated_over_large_batch": bl.ratio(mem[acc], mem[big]),
+        "peak_memory_difference_bytes_accumulated_minus_small_batch": diff(acc, small),
+        "peak_memory_difference_bytes_accumulated_minus_large_batch": diff(acc, big),
+    }
+
+
+def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
+    """The Markdown report: machine, settings, per-configuration table, ratio table, notes."""
+    acc, big, small = labels(args)
+    kind = configs[0].runs[0]["peak_memory_kind"]
+    rows = []
+    for c in configs:
+        r0 = c.runs[0]
+        rows.append([c.label, str(r0["per_device_train_batch_size"]), str(r0["gradient_accumulation_steps"]),
+                     str(r0["optimizer_steps"]), str(r0["train_samples"]),
+                     bl.fmt(bl.median_of(c.runs, "train_samples_per_second"), ".2f"),
+                     bl.fmt(results["time_per_sample_seconds"][c.label] * 1e3, ".3f"),
+                     bl.fmt(bl.median_of(c.runs, "train_runtime"), ".2f"),
+                     bl.fmt(results["peak_memory_bytes"][c.label] / bl.MIB, ".0f"), bl.precision_ran(c.runs),
+                     str(len(c.runs))])
+    table = bl.markdown_table(["config", "micro-batch", "accumulation", "optimizer steps", "samples", "samples/s (median)",
+                               "ms per sample (median)", "train_runtime s (median)", "peak memory MiB (median)",
+                               "precision ran", "runs"], rows)
+    t = results["time_per_sample_ratio_accumulated_over_large_batch"]
+    rounds = [r for r in results["time_per_sample_ratio_per_round"] if r is not None]
+    ms = results["peak_memory_ratio_accumulated_over_small_batch"]
+
+    def mib(value):
+        return bl.fmt(None if value is None else value / bl.MIB, "+.1f")
+
+    ratio_rows = [
+        [f"time per sample ratio {acc} / {big}", bl.fmt(t, ".3f"), f"<= {GOAL_TIME_RATIO:.2f}",
+         bl.goal_text(t, "<=", GOAL_TIME_RATIO)],
+        [f"time per sample ratio {acc} / {big} per round (min..max)",
+         f"{min(rounds):.3f}..{max(rounds):.3f}" if rounds else "n/a", "", ""],
+        [f"peak memory ratio {acc} / {small}", bl.fmt(ms, ".3f"), f"<= {GOAL_MEMORY_RATIO:.2f}",
+         bl.goal_text(ms, "<=", GOAL_MEMORY_RATIO)],
+        [f"peak memory difference {acc} - {small} MiB",
+         mib(results["peak_memory_difference_bytes_accumulated_minus_small_batch"]), "", ""],
+        [f"peak memory ratio {acc} / {big}", bl.fmt(results["peak_memory_ratio_accumulated_over_large_batch"], ".3f"),
+         "", ""],
+        [f"peak memory difference {acc} - {big} MiB",
+         mib(results["peak_memory_difference_bytes_accumulated_minus_large_batch"]), "", ""],
+    ]
+    model = args.model_name_or_path or ("tiny BERT (2 layers, 32 wide, built from a config)" if args.smoke
+                                        else "recipe default (all-MiniLM-L6-v2)")
+    lines = [f"# Gradient accumulation: time and memory{' (SMOKE: tiny model, numbers mean nothing)' if args.smoke else ''}",
+             "", bl.format_machine(info, args.num_threads), "",
+             f"Recipe {args.recipe}, model {model}; every configuration trains on the same {args.samples} samples "
+             f"(--max_steps = samples / effective batch), precision requested {args.mixed_precision}"
+             f"{f', max_length {args.max_length}' if args.max_length else ''}; {args.repeats} repeat(s) interleaved, "
+             "medians reported. Each run is a fresh `python finetune/run.py` process.", "",
+             table, "", bl.markdown_table(["figure", "value", "goal", "status"], ratio_rows), "",
+             "- Time per sample = 1 / metrics.json `train_samples_per_second` (training only, evaluation excluded).",
+             "- " + (bl.CPU_MEMORY_NOTE if kind == "process_max_rss" else bl.GPU_MEMORY_NOTE)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; print the report; exit 0, or 1 if a run failed."""
+    args = parse_args(argv)
+    info = bl.machine_info()
+    with bl.Workdir(args.workdir) as workdir:
+        model = args.model_name_or_path
+        if model is None and args.smoke:
+            model = str(bl.build_tiny_bert(workdir / "tiny-bert"))
+        configs = build_configs(args, model)
+        bl.run_interleaved(configs, args.repeats, workdir, num_threads=args.num_threads, timeout=args.timeout,
+                           keep_outputs=args.keep_outputs)
+    results = summarize(args, configs)
+    report = render(args, info, configs, results)
+    result = {"benchmark": "accumulation", "mode": "smoke" if args.smoke else "full", "machine": info,
+              "settings": {k: (str(v) if hasattr(v, "__fspath__") else v) for k, v in vars(args).items()},
+              "configs": {c.label: bl.run_summary(c, bl.RUN_KEYS) for c in configs}, "results": results}
+    bl.emit(report, result, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(bl.main_guard(main))

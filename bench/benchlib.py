@@ -1,0 +1,385 @@
+"""Shared machinery of the benchmark scripts in ``bench/``.
+
+Every measurement is one run of the real CLI, ``python finetune/run.py ... --output_dir DIR
+--overwrite_output_dir True``, in a fresh subprocess, whose ``metrics.json`` is read back: so the peak
+memory (``peak_memory_bytes``: the process max RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU)
+belongs to that configuration alone. Configurations are repeated interleaved (A, B, A, B, ...) so that
+machine noise hits all of them alike, and medians are reported.
+
+Units throughout: samples/s, seconds, bytes (MiB = 2**20 bytes in tables), FLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_PY = REPO / "finetune" / "run.py"
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))
+
+MIB = 2**20
+# Flags every measurement gets: evaluation is kept negligible (8 samples, once at the end).
+QUIET_EVAL = ["--eval_strategy", "no", "--max_eval_samples", "8"]
+CPU_MEMORY_NOTE = ("On CPU, peak memory is the process max RSS (getrusage ru_maxrss): it includes the Python, torch "
+                   "and data baseline, so ratios understate the difference in training memory; the difference in "
+                   "MiB is the clearer figure.")
+GPU_MEMORY_NOTE = "On GPU, peak memory is torch.cuda.max_memory_allocated of the training process."
+
+
+class BenchError(RuntimeError):
+    """A measurement that could not be taken (a run failed, or its outputs are missing)."""
+
+
+# ------------------------------------------------------------------------------------------ machine
+def machine_info() -> dict:
+    """What the numbers were measured on: CPU model (``/proc/cpuinfo``, else ``platform``), logical cores
+    (and those this process may use), GPU name and count if CUDA is available, torch and Python versions,
+    and the 1-minute load average (a busy machine distorts timings)."""
+    import torch
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    cpu = cpu or platform.processor() or platform.machine()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "cpu_cores_usable": usable,
+        "gpu": gpu,
+        "gpu_count": torch.cuda.device_count() if gpu else 0,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_1min": round(load, 2) if load is not None else None,
+    }
+
+
+def format_machine(info: dict, num_threads: int | None = None) -> str:
+    """The machine header printed above every results table (Markdown bullet lines)."""
+    lines = [f"- Machine: {info['cpu']}, {info['cpu_cores']} logical cores ({info['cpu_cores_usable']} usable)",
+             f"- GPU: {info['gpu']} x {info['gpu_count']}" if info["gpu"] else "- GPU: none (CPU run)",
+             f"- torch {info['torch']}, Python {info['python']}, {info['platform']}"]
+    if num_threads:
+        lines.append(f"- Child runs limited to {num_threads} CPU thread(s) (OMP_NUM_THREADS)")
+    load = info.get("load_average_1min")
+    if load is not None:
+        busy = load > 0.5 * (info["cpu_cores_usable"] or 1)
+        lines.append(f"- Load average at start: {load}" + (" -- the machine was busy: timings are noisy" if busy else ""))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ tiny models
+def _minilm_tokenizer():
+    from transformers import AutoTokenizer
+
+    from recipes.bbc_news import default_model_path
+
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+def build_tiny_bert(path: Path) -> Path:
+    """Save a 2-layer, 32-wide BERT (random weights, seed 0) with the all-MiniLM-L6-v2 tokenizer to ``path``
+    (the same model as ``tests/conftest.py``'s ``build_tiny_bert``); returns ``path``."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    tokenizer = _minilm_tokenizer()
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_llama(path: Path) -> Path:
+    """Save a 2-layer, 32-wide Llama (random weights, seed 0) with the MiniLM WordPiece tokenizer to ``path``
+    (the same model as ``tests/conftest.py``'s ``build_tiny_llama``); returns ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _minilm_tokenizer()
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
+                         eos_token_id=tokenizer.sep_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_texts(path: Path, n: int, seed: int = 0) -> Path:
+    """A JSON-lines file of ``n`` texts (column ``text``) of 2 to 55 words, for causal-LM smoke runs."""
+    import random
+
+    rng = random.Random(seed)
+    words = ("the market rose as shares in the bank fell after the match ended with a late goal from the "
+             "striker while ministers said the election would be held in spring and the film won awards").split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            length = rng.choice([2, 3, 5, 8, 13, 21, 34, 55])
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(length))}) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ one run
+def count_safetensors_params(model_dir: Path) -> int | None:
+    """Parameters stored in ``model_dir``'s ``*.safetensors`` files (top level only), counted from the
+    file headers without loading any tensor. Tied weights are stored once, so counted once. None if no
+    file is there."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                total += math.prod(entry["shape"])
+    return total
+
+
+def child_env(num_threads: int | None = None) -> dict:
+    """The environment of a measured run: offline hub, no tokenizer threads, and ``OMP_NUM_THREADS`` /
+    ``MKL_NUM_THREADS`` set to ``num_threads`` when given."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if num_threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(num_threads)
+    return env
+
+
+def run_cli(args: list[str], output_dir: Path, log_path: Path, *, num_threads: int | None = None,
+            timeout: float = 3600) -> dict:
+    """Run ``python finetune/run.py ARGS --output_dir OUTPUT_DIR --overwrite_output_dir True`` in a fresh
+    subprocess (stdout and stderr to ``log_path``) and return its ``metrics.json``, with added
+    ``bench_wall_seconds`` (the subprocess's wall time, seconds), ``bench_num_parameters`` (from the saved
+    safetensors) and ``bench_max_length`` (tokens, from ``run_config.json``).
+
+    Raises ``BenchError`` with the end of the run's output if it fails or writes no ``metrics.json``.
+    """
+    argv = [sys.executable, str(RUN_PY), *args, "--output_dir", str(output_dir), "--overwrite_output_dir", "True"]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(shlex.join(argv) + "\n")
+        log.flush()
+        try:
+            result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(num_threads), cwd=REPO,
+                                    timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"run timed out after {timeout:.0f} s: {shlex.join(argv)} (log: {log_path})") from None
+    wall = time.perf_counter() - start
+    metrics_path = Path(output_dir) / "metrics.json"
+    if result.returncode != 0 or not metrics_path.is_file():
+        tail = "".join(Path(log_path).read_text(errors="replace").splitlines(True)[-25:])
+        raise BenchError(f"run failed (exit {result.returncode}): {shlex.join(argv)}\n--- end of its output ---\n{tail}")
+    metrics = json.loads(metrics_path.read_text())
+    metrics["bench_wall_seconds"] = round(wall, 3)
+    metrics["bench_num_parameters"] = metrics.get("num_parameters") or count_safetensors_params(Path(output_dir))
+    run_config = Path(output_dir) / "run_config.json"
+    if run_config.is_file():
+        metrics["bench_max_length"] = json.loads(run_config.read_text()).get("max_length")
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------ many runs
+@dataclass
+class Config:
+    """One benchmark configuration: a label and the ``run.py`` flags that define it."""
+
+    label: str
+    args: list[str]
+    runs: list[dict] = field(default_factory=list)
+
+
+def run_interleaved(configs: list[Config], repeats: int, workdir: Path, *, num_threads: int | None = None,
+                    timeout: float = 3600, keep_outputs: bool = False) -> list[Config]:
+    """Run every configuration ``repeats`` times, interleaved (round r runs A, B, C, ... in order), each
+    run in a fresh subprocess with its own output directory; append each run's metrics to ``config.runs``.
+
+    Prints one progress line per run on stderr. Model files of finished runs are deleted unless
+    ``keep_outputs`` (``metrics.json``, ``log.jsonl`` and the run's log file stay). Raises ``BenchError``
+    when a run fails.
+    """
+    total = repeats * len(configs)
+    done = 0
+    for r in range(repeats):
+        for config in configs:
+            done += 1
+            out = workdir / "runs" / f"{_slug(config.label)}-r{r + 1}"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            print(f"[{done}/{total}] {config.label} (repeat {r + 1}/{repeats}) ...", end="", file=sys.stderr, flush=True)
+            metrics = run_cli(config.args, out, out.with_suffix(".log"), num_threads=num_threads, timeout=timeout)
+            metrics["bench_repeat"] = r + 1
+            config.runs.append(metrics)
+            print(f" {metrics['train_samples_per_second']:.2f} samples/s, train_runtime {metrics['train_runtime']:.2f} s, "
+                  f"peak {metrics['peak_memory_bytes'] / MIB:.0f} MiB, precision ran: {metrics['mixed_precision']}",
+                  file=sys.stderr, flush=True)
+            if not keep_outputs:
+                for item in out.iterdir():
+                    if item.suffix in (".safetensors", ".bin") or item.is_dir():
+                        shutil.rmtree(item) if item.is_dir() else item.unlink()
+    return configs
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    """Median of ``key`` over ``runs`` (None if no run has it)."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None when either is missing or ``b`` is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def precision_ran(runs: list[dict]) -> str:
+    """The ``mixed_precision`` recorded by the runs (what actually ran), e.g. "no", or "no/bf16" if they differ."""
+    return "/".join(sorted({str(r.get("mixed_precision")) for r in runs}))
+
+
+def goal_text(value: float | None, op: str, target: float) -> str:
+    """"met" / "NOT met" / "n/a" for ``value op target`` (``op`` is ">=" or "<=")."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    ok = value >= target if op == ">=" else value <= target
+    return "met" if ok else "NOT met"
+
+
+def fmt(value, spec: str = ".3f", unit: str = "") -> str:
+    """Format a number for a table cell ("n/a" for None)."""
+    if value is None:
+        return "n/a"
+    return f"{value:{spec}}{unit}"
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (also what is printed on stdout)."""
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ command line
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every benchmark script shares."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny BERT/Llama built from a config, a few dozen samples, 1 repeat: checks the pipeline in seconds; "
+                        "its numbers mean nothing")
+    p.add_argument("--repeats", type=int, default=None, help="runs per configuration, interleaved (default 3; smoke 1)")
+    p.add_argument("--model_name_or_path", default=None, help="model (default: the recipe's; smoke: a tiny BERT)")
+    p.add_argument("--max_train_samples", type=int, default=None, help="training subset (samples)")
+    p.add_argument("--max_length", type=int, default=None, help="truncation in tokens (default: the recipe's; smoke 32)")
+    p.add_argument("--num_threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for the measured runs (default: torch's own choice; smoke 1, which keeps tiny "
+                        "runs fast on a busy machine)")
+    p.add_argument("--extra_args", default="", help="more run.py flags for every run, as one quoted string")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is killed (default 3600; smoke 300)")
+    p.add_argument("--workdir", type=Path, default=None, help="where run outputs go (default: a temporary directory, removed)")
+    p.add_argument("--keep_outputs", action="store_true", help="keep the saved models of every run (in --workdir)")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the results as Markdown to this file")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
+    return p
+
+
+def resolve_common(args) -> None:
+    """Fill the smoke/full defaults of the shared flags in place."""
+    if args.repeats is None:
+        args.repeats = 1 if args.smoke else 3
+    if args.repeats < 1:
+        raise SystemExit("error: --repeats must be >= 1")
+    if args.num_threads is None and args.smoke:
+        args.num_threads = 1
+    if args.timeout is None:
+        args.timeout = 300 if args.smoke else 3600
+    if args.max_length is None and args.smoke:
+        args.max_length = 32
+
+
+class Workdir:
+    """``--workdir`` if given (kept), else a temporary directory removed on exit."""
+
+    def __init__(self, path: Path | None):
+        self.path, self._tmp = path, None
+
+    def __enter__(self) -> Path:
+        if self.path is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="finetune-bench-")
+            return Path(self._tmp.name)
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self.path
+
+    def __exit__(self, *exc):
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def emit(report_md: str, result: dict, args) -> None:
+    """Print the Markdown report on stdout and write it to ``--markdown`` and ``result`` to ``--json``."""
+    print(report_md)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(report_md + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def run_summary(config: Config, keys: tuple[str, ...]) -> dict:
+    """A configuration for the JSON output: its flags, each run's ``keys`` and the medians of the numeric ones."""
+    runs = [{k: r.get(k) for k in keys if k in r} | {"repeat": r.get("bench_repeat")} for r in config.runs]
+    medians = {k: median_of(config.runs, k) for k in keys
+               if any(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in config.runs)}
+    return {"args": config.args, "runs": runs, "median": medians, "mixed_precision": precision_ran(config.runs)}
+
+
+RUN_KEYS = ("train_samples_per_second", "train_runtime", "peak_memory_bytes", "peak_memory_kind", "mixed_precision",
+            "mixed_precision_requested", "optimizer_steps", "train_samples", "effective_batch_size",
+            "per_device_train_batch_size", "gradient_accumulation_steps", "train_tokens", "train_tokens_per_second",
+            "bench_wall_seconds", "bench_num_parameters", "bench_max_length", "device", "backend")
+
+
+def main_guard(fn) -> int:
+    """Run a benchmark ``main``; a ``BenchError`` prints ``error: ...`` on stderr and returns 1."""
+    try:
+        return fn()
+    except BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
