@@ -122,8 +122,11 @@ def main(argv=None) -> int:
         if model is None and args.smoke:
             model = str(bl.build_tiny_bert(workdir / "tiny-bert"))
         configs = build_configs(args, model)
+        if args.dry_run:
+            bl.print_commands(configs, args)
+            return 0
         bl.run_interleaved(configs, args.repeats, workdir, num_threads=args.num_threads, timeout=args.timeout,
-                           keep_outputs=args.keep_outputs)
+                           keep_outputs=args.keep_outputs, warmup=args.warmup)
     results = summarize(configs)
     report = render(args, info, configs, results)
     result = {"benchmark": "backends", "mode": "smoke" if args.smoke else "full", "machine": info,

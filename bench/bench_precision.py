@@ -265,8 +265,11 @@ def main(argv=None) -> int:
         configs, skipped = build_configs(args, workdir)
         for reason in skipped.values():
             print(reason, file=sys.stderr)
+        if args.dry_run:
+            bl.print_commands(configs, args)
+            return 0
         bl.run_interleaved(configs, args.repeats, workdir, num_threads=args.num_threads, timeout=args.timeout,
-                           keep_outputs=args.keep_outputs)
+                           keep_outputs=args.keep_outputs, warmup=args.warmup)
     results = summarize(args, info, configs)
     results["skipped"] = skipped
     report = render(args, info, results, skipped)

@@ -223,14 +223,26 @@ class Config:
 
 
 def run_interleaved(configs: list[Config], repeats: int, workdir: Path, *, num_threads: int | None = None,
-                    timeout: float = 3600, keep_outputs: bool = False) -> list[Config]:
+                    timeout: float = 3600, keep_outputs: bool = False, warmup: int = 0) -> list[Config]:
     """Run every configuration ``repeats`` times, interleaved (round r runs A, B, C, ... in order), each
     run in a fresh subprocess with its own output directory; append each run's metrics to ``config.runs``.
 
-    Prints one progress line per run on stderr. Model files of finished runs are deleted unless
-    ``keep_outputs`` (``metrics.json``, ``log.jsonl`` and the run's log file stay). Raises ``BenchError``
-    when a run fails.
+    First, ``warmup`` unrecorded runs of each configuration with ``--max_steps 1`` fill the datasets'
+    tokenization cache and the file cache, so the first measured run does not pay for them (tokenizing
+    raises its process's peak RSS). Prints one progress line per run on stderr. Model files of finished
+    runs are deleted unless ``keep_outputs`` (``metrics.json``, ``log.jsonl`` and the run's log file stay).
+    Raises ``BenchError`` when a run fails.
     """
+    for w in range(warmup):
+        for config in configs:
+            out = workdir / "warmup" / f"{_slug(config.label)}-w{w + 1}"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            print(f"[warm-up] {config.label} (1 optimizer step, not recorded) ...", end="", file=sys.stderr, flush=True)
+            run_cli(config.args + ["--max_steps", "1"], out, out.with_suffix(".log"), num_threads=num_threads,
+                    timeout=timeout)
+            print(" done", file=sys.stderr, flush=True)
+            if not keep_outputs:
+                shutil.rmtree(out, ignore_errors=True)
     total = repeats * len(configs)
     done = 0
     for r in range(repeats):
@@ -250,6 +262,14 @@ def run_interleaved(configs: list[Config], repeats: int, workdir: Path, *, num_t
                     if item.suffix in (".safetensors", ".bin") or item.is_dir():
                         shutil.rmtree(item) if item.is_dir() else item.unlink()
     return configs
+
+
+def print_commands(configs: list[Config], args) -> None:
+    """``--dry_run``: the command line of each configuration (output directory left out), and the run count."""
+    for config in configs:
+        print(f"{config.label}: {shlex.join([sys.executable, str(RUN_PY), *config.args])}")
+    print(f"{len(configs)} configuration(s) x {args.repeats} repeat(s), interleaved, after {args.warmup} warm-up "
+          "run(s) of each")
 
 
 def _slug(label: str) -> str:
@@ -310,6 +330,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--num_threads", type=int, default=None,
                    help="OMP_NUM_THREADS for the measured runs (default: torch's own choice; smoke 1, which keeps tiny "
                         "runs fast on a busy machine)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="unrecorded 1-step runs of each configuration first, to fill caches (default 1; smoke 0)")
+    p.add_argument("--dry_run", action="store_true", help="print the run.py command of each configuration and exit")
     p.add_argument("--extra_args", default="", help="more run.py flags for every run, as one quoted string")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is killed (default 3600; smoke 300)")
     p.add_argument("--workdir", type=Path, default=None, help="where run outputs go (default: a temporary directory, removed)")
@@ -331,6 +354,8 @@ def resolve_common(args) -> None:
         args.timeout = 300 if args.smoke else 3600
     if args.max_length is None and args.smoke:
         args.max_length = 32
+    if args.warmup is None:
+        args.warmup = 0 if args.smoke else 1
 
 
 class Workdir:

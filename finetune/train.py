@@ -242,12 +242,32 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict) -> dict:
     parts = []
     for batch in dataloader:
         labels = batch.pop("labels")
-        with torch.no_grad():
-            logits = model(**batch).logits
-        parts.append([t.cpu() for t in accelerator.gather_for_metrics(task.eval_outputs(logits, labels))])
+        outputs = _eval_outputs_splitting_on_oom(model, batch, labels, task)
+        parts.append([t.cpu() for t in accelerator.gather_for_metrics(outputs)])
     model.train(was_training)
     gathered = [torch.cat(columns) for columns in zip(*parts)] if parts else [torch.zeros(0)] * 3
     return task.eval_metrics(gathered, metric_specs)
+
+
+def _eval_outputs_splitting_on_oom(model, batch: dict, labels, task) -> tuple:
+    """The task's per-sample eval outputs for one batch; on out-of-memory (Accelerate's
+    ``should_reduce_batch_size``) the batch is split in halves and each half retried, recursively. Only
+    evaluation shrinks: the training micro-batch, and so the optimisation, never changes."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    try:
+        with torch.no_grad():
+            return task.eval_outputs(model(**batch).logits, labels)
+    except Exception as err:  # noqa: BLE001 - OOM types differ by backend
+        size = labels.shape[0]
+        if not should_reduce_batch_size(err) or size == 1:
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    half = size // 2
+    first = _eval_outputs_splitting_on_oom(model, {k: v[:half] for k, v in batch.items()}, labels[:half], task)
+    second = _eval_outputs_splitting_on_oom(model, {k: v[half:] for k, v in batch.items()}, labels[half:], task)
+    return tuple(torch.cat([a, b]) for a, b in zip(first, second))
 
 
 # ------------------------------------------------------------------------------------------ outputs

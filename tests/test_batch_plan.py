@@ -227,3 +227,33 @@ def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_b
     assert (tight["per_device_train_batch_size"], tight["gradient_accumulation_steps"]) == (4, 8)
     with pytest.raises(FinetuneError, match="--max_memory_mb 900 leaves no room"):
         run_in_process(tmp_path, "none", max_memory_mb=900, **common)
+
+
+def test_oom_in_evaluation_splits_eval_batches_not_the_training_micro_batch(tmp_path, tiny_bert, monkeypatch):
+    """Evaluation batches of 8 'run out of memory' above 3 samples: they are split and retried, the eval
+    metrics equal an unconstrained run's, and training keeps its micro-batch."""
+    from transformers import BertForSequenceClassification
+
+    from helpers import run_in_process, train_steps
+
+    kw = dict(model_name_or_path=tiny_bert, max_train_samples=16, max_eval_samples=13, per_device_eval_batch_size=8,
+              per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2, max_length=32,
+              eval_strategy="no")  # one evaluation, at the end
+    reference, _ = run_in_process(tmp_path, "ref", **kw)
+    original = BertForSequenceClassification.forward
+    evaluated_sizes = []
+
+    def forward(self, input_ids=None, **kwargs):
+        if not self.training:
+            if input_ids.shape[0] > 3:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            evaluated_sizes.append(input_ids.shape[0])
+        return original(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(BertForSequenceClassification, "forward", forward)
+    metrics, out = run_in_process(tmp_path, "oom", **kw)
+    assert sum(evaluated_sizes) == 13 and max(evaluated_sizes) <= 3
+    assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+    assert metrics["eval_accuracy"] == reference["eval_accuracy"]
+    assert metrics["per_device_train_batch_size"] == 8
+    assert [r["samples"] for r in train_steps(out)] == [8, 8]

@@ -1,0 +1,184 @@
+"""The benchmark scripts in bench/: each one's --smoke mode end to end (real CLI runs in subprocesses, tiny
+models), and the MFU arithmetic. These check the pipeline and the report; they time nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+BENCH = REPO / "bench"
+sys.path.insert(0, str(BENCH))
+
+
+def run_bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python bench/SCRIPT ARGS``; returns the CompletedProcess (text), asserting exit 0."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                            timeout=timeout, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def table_row(stdout: str, first_cell: str) -> list[str]:
+    """The cells of the Markdown table row whose first cell is ``first_cell`` (asserts there is one)."""
+    for line in stdout.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells[0] == first_cell:
+                return cells
+    raise AssertionError(f"no table row {first_cell!r} in:\n{stdout}")
+
+
+def positive(cell: str) -> float:
+    """A table cell as a finite positive number (a leading sign and a trailing unit are allowed)."""
+    match = re.match(r"^[+]?(\d+(\.\d+)?)", cell)
+    assert match, cell
+    value = float(match.group(1))
+    assert math.isfinite(value) and value > 0, cell
+    return value
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_header(stdout: str) -> None:
+    assert "- Machine: " in stdout and "logical cores" in stdout and "- GPU: " in stdout and "torch " in stdout
+    assert "SMOKE" in stdout
+
+
+@pytest.mark.integration
+def test_bench_backends_smoke(tmp_path, tiny_bert):
+    md, js = tmp_path / "backends.md", tmp_path / "backends.json"
+    out = run_bench("bench_backends.py", "--smoke", "--model_name_or_path", tiny_bert, "--markdown", str(md),
+                    "--json", str(js)).stdout
+    check_header(out)
+    for backend in ("accelerate", "trainer"):
+        cells = table_row(out, backend)
+        positive(cells[1]), positive(cells[2]), positive(cells[3])  # samples/s, train_runtime, peak MiB
+        assert cells[5] == "no"  # precision ran
+    ratio = positive(table_row(out, "samples/s ratio accelerate / trainer")[1])
+    table_row(out, "peak memory difference accelerate - trainer MiB")
+    assert ">= 1.10" in out and "process max RSS" in out
+    assert md.read_text().strip() == out.strip()
+
+    data = json.loads(js.read_text())
+    assert data["benchmark"] == "backends" and data["mode"] == "smoke"
+    assert {"cpu", "cpu_cores", "gpu", "torch"} <= set(data["machine"])
+    assert set(data["configs"]) == {"accelerate", "trainer"}
+    for config in data["configs"].values():
+        assert len(config["runs"]) == 1 and config["median"]["train_samples_per_second"] > 0
+        assert config["runs"][0]["peak_memory_bytes"] > 50 * 2**20
+    results = data["results"]
+    r = results["samples_per_second_ratio_accelerate_over_trainer"]
+    assert finite(r) and r > 0 and r == pytest.approx(ratio, abs=1e-3)
+    assert finite(results["peak_memory_ratio_accelerate_over_trainer"])
+    assert isinstance(results["peak_memory_difference_bytes_accelerate_minus_trainer"], int)
+
+
+@pytest.mark.integration
+def test_bench_accumulation_smoke(tmp_path, tiny_bert):
+    js = tmp_path / "accumulation.json"
+    out = run_bench("bench_accumulation.py", "--smoke", "--model_name_or_path", tiny_bert, "--json", str(js)).stdout
+    check_header(out)
+    steps = {}
+    for label in ("8x4", "32x1", "8x1"):
+        cells = table_row(out, label)
+        steps[label] = int(cells[3])
+        assert cells[4] == "64"  # every configuration trains on the same samples
+        positive(cells[5]), positive(cells[6]), positive(cells[8])  # samples/s, ms per sample, peak MiB
+    assert steps == {"8x4": 2, "32x1": 2, "8x1": 8}
+    positive(table_row(out, "time per sample ratio 8x4 / 32x1")[1])
+    positive(table_row(out, "peak memory ratio 8x4 / 8x1")[1])
+    positive(table_row(out, "peak memory ratio 8x4 / 32x1")[1])
+    table_row(out, "peak memory difference 8x4 - 8x1 MiB")
+    table_row(out, "peak memory difference 8x4 - 32x1 MiB")
+    assert "<= 1.03" in out and "<= 1.05" in out and "process max RSS" in out
+
+    data = json.loads(js.read_text())
+    assert data["benchmark"] == "accumulation" and set(data["configs"]) == {"8x4", "32x1", "8x1"}
+    results = data["results"]
+    assert results["samples_processed"] == {"8x4": [64], "32x1": [64], "8x1": [64]}
+    for key in ("time_per_sample_ratio_accumulated_over_large_batch", "peak_memory_ratio_accumulated_over_small_batch",
+                "peak_memory_ratio_accumulated_over_large_batch"):
+        assert finite(results[key]) and results[key] > 0, key
+    for label, seconds in results["time_per_sample_seconds"].items():
+        assert finite(seconds) and seconds > 0, label
+    tps = results["time_per_sample_seconds"]
+    assert results["time_per_sample_ratio_accumulated_over_large_batch"] == pytest.approx(tps["8x4"] / tps["32x1"])
+
+
+@pytest.mark.integration
+def test_bench_precision_smoke(tmp_path):
+    js = tmp_path / "precision.json"
+    out = run_bench("bench_precision.py", "--smoke", "--json", str(js)).stdout
+    check_header(out)
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] in ("bbc-news", "bbc-news-clm"):
+            rows[(cells[0], cells[1])] = cells
+    assert set(rows) == {(r, p) for r in ("bbc-news", "bbc-news-clm") for p in ("fp32", "fp16", "bf16")}
+    for (recipe, requested), cells in rows.items():
+        # what ran on a CPU: fp16 is not run (recorded as "no"), bf16 autocast is
+        assert cells[2] == {"fp32": "no", "fp16": "no", "bf16": "bf16"}[requested], cells
+        positive(cells[3]), positive(cells[4]), positive(cells[5]), positive(cells[6])
+        assert cells[9] == "not computed (CPU)"
+    assert "MFU is not computed on CPU" in out and "fp16 does not run on CPU" in out
+
+    data = json.loads(js.read_text())
+    assert data["benchmark"] == "precision" and data["results"]["skipped"] == {}
+    configs = data["results"]["configs"]
+    assert len(configs) == 6
+    for label, row in configs.items():
+        assert row["mixed_precision"] == ("bf16" if label.endswith("bf16") else "no"), label
+        assert row["num_parameters"] > 100_000 and finite(row["tokens_per_second"]) and row["mfu"] is None
+        assert finite(row["samples_per_second_vs_fp32"]) and row["samples_per_second_vs_fp32"] > 0
+        assert row["model_flops_per_second"] == pytest.approx(6 * row["num_parameters"] * row["tokens_per_second"])
+    assert configs["bbc-news-clm fp32"]["tokens_per_second_how"].startswith("label tokens")
+    assert configs["bbc-news fp32"]["tokens_per_second_how"].startswith("upper bound")
+
+
+@pytest.mark.integration
+def test_bench_precision_skips_a_missing_clm_model(tmp_path):
+    missing = tmp_path / "absent.gguf"
+    result = run_bench("bench_precision.py", "--recipes", "bbc-news-clm", "--clm_model_name_or_path", str(missing),
+                       "--json", str(tmp_path / "p.json"))
+    assert f"bbc-news-clm skipped: its model file {missing} is missing" in result.stdout
+    assert "finetune.fetch smollm2-gguf" in result.stdout
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["results"]["configs"] == {} and "bbc-news-clm" in data["results"]["skipped"]
+
+
+def test_peak_flops_table_and_mfu():
+    from bench_precision import mfu, model_flops_per_second, peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3")[0] == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe")[0] == 756e12
+    assert peak_flops("NVIDIA H200")[0] == 989.4e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert "datasheet" in peak_flops("NVIDIA A100 80GB PCIe")[1]
+    assert peak_flops("NVIDIA A10G") is None and peak_flops(None) is None  # unknown: no MFU
+    assert peak_flops("NVIDIA A10G", override_tflops=70)[0] == 70e12
+    assert model_flops_per_second(1_000_000, 2_000.0) == 1.2e10
+    assert mfu(135_000_000, 100_000.0, 989.4e12) == pytest.approx(6 * 135e6 * 1e5 / 989.4e12)
+    assert mfu(135_000_000, 100_000.0, None) is None
+
+
+def test_safetensors_parameter_count(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from benchlib import count_safetensors_params
+
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
+    assert count_safetensors_params(tmp_path) == 17
+    assert count_safetensors_params(tmp_path / "nothing") is None
