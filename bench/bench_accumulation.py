@@ -92,6 +92,7 @@ def summarize(args, configs: list[bl.Config]) -> dict:
     mem_small = bl.ratio(mem[acc], mem[small])
 
     def diff(a, b):
+        """Peak memory of configuration ``a`` minus ``b``, bytes."""
         return None if None in (mem[a], mem[b]) else mem[a] - mem[b]
 
     return {
@@ -134,6 +135,7 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
     ms = results["peak_memory_ratio_accumulated_over_small_batch"]
 
     def mib(value):
+        """Bytes as a signed MiB cell."""
         return bl.fmt(None if value is None else value / bl.MIB, "+.1f")
 
     ratio_rows = [

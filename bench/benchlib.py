@@ -32,6 +32,8 @@ RUN_PY = REPO / "finetune" / "run.py"
 if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
 
+from finetune.testing import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402,F401
+
 MIB = 2**20
 # Flags every measurement gets: evaluation is kept negligible (8 samples, once at the end).
 QUIET_EVAL = ["--eval_strategy", "no", "--max_eval_samples", "8"]
@@ -96,58 +98,9 @@ def format_machine(info: dict, num_threads: int | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ tiny models
-def _minilm_tokenizer():
-    from transformers import AutoTokenizer
-
-    from recipes.bbc_news import default_model_path
-
-    return AutoTokenizer.from_pretrained(default_model_path())
-
-
-def build_tiny_bert(path: Path) -> Path:
-    """Save a 2-layer, 32-wide BERT (random weights, seed 0) with the all-MiniLM-L6-v2 tokenizer to ``path``
-    (the same model as ``tests/conftest.py``'s ``build_tiny_bert``); returns ``path``."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    tokenizer = _minilm_tokenizer()
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def build_tiny_llama(path: Path) -> Path:
-    """Save a 2-layer, 32-wide Llama (random weights, seed 0) with the MiniLM WordPiece tokenizer to ``path``
-    (the same model as ``tests/conftest.py``'s ``build_tiny_llama``); returns ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = _minilm_tokenizer()
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
-                         eos_token_id=tokenizer.sep_token_id, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def write_texts(path: Path, n: int, seed: int = 0) -> Path:
-    """A JSON-lines file of ``n`` texts (column ``text``) of 2 to 55 words, for causal-LM smoke runs."""
-    import random
-
-    rng = random.Random(seed)
-    words = ("the market rose as shares in the bank fell after the match ended with a late goal from the "
-             "striker while ministers said the election would be held in spring and the film won awards").split()
-    with open(path, "w") as f:
-        for _ in range(n):
-            length = rng.choice([2, 3, 5, 8, 13, 21, 34, 55])
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(length))}) + "\n")
-    return path
+    """A JSON-lines file of ``n`` variable-length texts (see ``finetune.testing``)."""
+    return write_variable_length_texts(path, n, seed)
 
 
 # ------------------------------------------------------------------------------------------ one run
@@ -228,10 +181,9 @@ def run_interleaved(configs: list[Config], repeats: int, workdir: Path, *, num_t
     run in a fresh subprocess with its own output directory; append each run's metrics to ``config.runs``.
 
     First, ``warmup`` unrecorded runs of each configuration with ``--max_steps 1`` fill the datasets'
-    tokenization cache and the file cache, so the first measured run does not pay for them (tokenizing
-    raises its process's peak RSS). Prints one progress line per run on stderr. Model files of finished
-    runs are deleted unless ``keep_outputs`` (``metrics.json``, ``log.jsonl`` and the run's log file stay).
-    Raises ``BenchError`` when a run fails.
+    tokenization cache and the file cache, so that every measured run reads the same caches. Prints one
+    progress line per run on stderr. Model files of finished runs are deleted unless ``keep_outputs``
+    (``metrics.json``, ``log.jsonl`` and the run's log file stay). Raises ``BenchError`` when a run fails.
     """
     for w in range(warmup):
         for config in configs:

@@ -14,56 +14,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 
-
-def build_tiny_bert(path: Path) -> Path:
-    """Save a 2-layer, 32-wide BERT (random weights, seed 0) and the all-MiniLM-L6-v2 tokenizer to
-    ``path``: a real model directory that loads in well under a second."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from recipes.bbc_news import default_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def build_tiny_llama(path: Path) -> Path:
-    """Save a 2-layer, 32-wide Llama (random weights, seed 0) with the MiniLM WordPiece tokenizer (any
-    tokenizer serves a causal LM; this one ships offline) to ``path``."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from recipes.bbc_news import default_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
-                         eos_token_id=tokenizer.sep_token_id, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def write_variable_length_texts(path: Path, n: int, seed: int = 0) -> Path:
-    """A JSON-lines file of ``n`` texts whose lengths vary from 2 to ~60 words (uneven token counts)."""
-    import json
-    import random
-
-    rng = random.Random(seed)
-    words = ("the market rose as shares in the bank fell after the match ended with a late goal from the "
-             "striker while ministers said the election would be held in spring and the film won awards").split()
-    with open(path, "w") as f:
-        for _ in range(n):
-            length = rng.choice([2, 3, 5, 8, 13, 21, 34, 55])
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(length))}) + "\n")
-    return path
+from finetune.testing import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
 
 
 @pytest.fixture(scope="session")

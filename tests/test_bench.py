@@ -158,6 +158,25 @@ def test_bench_precision_skips_a_missing_clm_model(tmp_path):
     assert data["results"]["configs"] == {} and "bbc-news-clm" in data["results"]["skipped"]
 
 
+@pytest.mark.integration
+def test_full_mode_commands(tmp_path):
+    """--dry_run prints the full-mode run.py commands: the recipe's model, the sizes and the same samples."""
+    lines = run_bench("bench_accumulation.py", "--dry_run").stdout.splitlines()
+    commands = {line.split(":", 1)[0]: line for line in lines if line.startswith(("8x4:", "32x1:", "8x1:"))}
+    assert set(commands) == {"8x4", "32x1", "8x1"}
+    for label, steps in (("8x4", 12), ("32x1", 12), ("8x1", 48)):
+        micro, accum = label.split("x")
+        assert f"--per_device_train_batch_size {micro} --gradient_accumulation_steps {accum} --max_steps {steps}" \
+            in commands[label]
+        assert "--max_train_samples 384" in commands[label] and "--model_name_or_path" not in commands[label]
+        assert "--eval_strategy no --max_eval_samples 8" in commands[label]
+    assert "3 repeat(s)" in lines[-1] and "1 warm-up" in lines[-1]
+    out = run_bench("bench_backends.py", "--dry_run").stdout
+    for backend in ("accelerate", "trainer"):
+        assert re.search(rf"^{backend}: .*--per_device_train_batch_size 8 --gradient_accumulation_steps 4 "
+                         rf"--mixed_precision no .*--backend {backend}$", out, re.MULTILINE), out
+
+
 def test_peak_flops_table_and_mfu():
     from bench_precision import mfu, model_flops_per_second, peak_flops
 
