@@ -18,7 +18,6 @@ peak (``PEAK_FLOPS``; sources named there). On a CPU MFU is not computed.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -31,37 +30,7 @@ PRECISIONS = ("no", "fp16", "bf16")
 PRECISION_LABEL = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 RECIPES = ("bbc-news", "bbc-news-clm")
 
-# Dense (no structured sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's product datasheets
-# (they print the 2:4-sparsity figure, twice these; "dense" = that figure / 2). Matched against
-# torch.cuda.get_device_name() in order: the first pattern that matches wins.
-PEAK_FLOPS: list[tuple[str, float, str]] = [
-    (r"H200.*NVL", 835.5e12, "NVIDIA H200 datasheet: H200 NVL BF16/FP16 1,671 TFLOPS with sparsity"),
-    (r"H200", 989.4e12, "NVIDIA H200 datasheet: H200 SXM BF16/FP16 1,979 TFLOPS with sparsity"),
-    (r"H100.*NVL", 835.5e12, "NVIDIA H100 datasheet: H100 NVL BF16/FP16 1,671 TFLOPS with sparsity"),
-    (r"H100.*PCIe", 756.0e12, "NVIDIA H100 datasheet: H100 PCIe BF16/FP16 1,513 TFLOPS with sparsity"),
-    (r"H100", 989.4e12, "NVIDIA H100 datasheet: H100 SXM BF16/FP16 1,979 TFLOPS with sparsity"),
-    (r"A100", 312.0e12, "NVIDIA A100 datasheet: BF16/FP16 Tensor Core 312 TFLOPS (624 with sparsity)"),
-    (r"L40S", 362.05e12, "NVIDIA L40S datasheet: BF16/FP16 Tensor Core 362.05 TFLOPS (733 with sparsity)"),
-    (r"\bL4\b", 121.0e12, "NVIDIA L4 datasheet: BF16/FP16 Tensor Core 242 TFLOPS with sparsity"),
-    (r"\bA10\b", 125.0e12, "NVIDIA A10 datasheet: BF16/FP16 Tensor Core 125 TFLOPS (250 with sparsity)"),
-    (r"V100.*PCIe", 112.0e12, "NVIDIA V100 datasheet: PCIe Tensor Performance (FP16) 112 TFLOPS; no bf16"),
-    (r"V100", 125.0e12, "NVIDIA V100 datasheet: SXM2 Tensor Performance (FP16) 125 TFLOPS; no bf16"),
-    (r"\bT4\b", 65.0e12, "NVIDIA T4 datasheet: Mixed Precision (FP16/FP32) 65 TFLOPS; no bf16"),
-]
-
-
-def peak_flops(device_name: str | None, override_tflops: float | None = None) -> tuple[float, str] | None:
-    """(peak dense bf16/fp16 tensor-core FLOP/s, its source) for a GPU named ``device_name`` (as
-    ``torch.cuda.get_device_name`` spells it), from ``PEAK_FLOPS`` (NVIDIA datasheets). ``override_tflops``
-    (TFLOP/s) wins when given. None for no device or an unknown one."""
-    if override_tflops:
-        return override_tflops * 1e12, "--peak_tflops"
-    if not device_name:
-        return None
-    for pattern, flops, source in PEAK_FLOPS:
-        if re.search(pattern, device_name, re.IGNORECASE):
-            return flops, source
-    return None
+from finetune.flops import peak_flops  # noqa: E402  (the table is shared with the engine)
 
 
 def model_flops_per_second(num_parameters: int | None, tokens_per_second: float | None) -> float | None:

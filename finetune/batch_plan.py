@@ -270,7 +270,7 @@ def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int
     per_sample = max(two - one, 1)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     fixed = max(one - per_sample, 0) + 3 * param_bytes
-    del model
+    model = None  # free the probe copy before measuring what the process holds
     gc.collect()
     held = psutil.Process().memory_info().rss
     print(f"Memory probe: {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "

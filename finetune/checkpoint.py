@@ -38,6 +38,7 @@ class TrainerState:
     micro_batches_done: int = 0  # micro-batches of that epoch already consumed, per process
     samples_seen: int = 0
     tokens_seen: int = 0
+    input_tokens_seen: int = 0
     skipped_steps: int = 0
     consecutive_skipped: int = 0
     losses: list = field(default_factory=list)

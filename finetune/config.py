@@ -123,6 +123,12 @@ class TrainConfig:
     report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = field(
         default="none", metadata={"help": "Experiment tracking through Accelerate's trackers (TensorBoard works offline)."}
     )
+    dataloader_num_workers: int = field(
+        default=0, metadata={"help": "DataLoader worker processes (0: collate in the training process)."}
+    )
+    dataloader_pin_memory: bool = field(
+        default=True, metadata={"help": "Pin host memory for faster copies to a GPU (ignored on a CPU)."}
+    )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
     disable_dropout: bool = field(
         default=False, metadata={"help": "Set every dropout probability to 0 (deterministic, comparable runs)."}
@@ -162,6 +168,8 @@ class TrainConfig:
                                     f"got {self.checkpointing_steps!r}.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise FinetuneError(f"--save_total_limit must be >= 1, got {self.save_total_limit}.")
+        if self.dataloader_num_workers < 0:
+            raise FinetuneError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}.")
         if self.max_skipped_steps < 1:
             raise FinetuneError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}.")
         if self.auto_find_batch_size and not self.total_batch_size:

@@ -12,7 +12,6 @@ The file for the ``bbc-news-clm`` recipe, SmolLM2-135M-Instruct Q4_1, is fetched
 from __future__ import annotations
 
 import os
-import sys
 
 from pathlib import Path
 

@@ -51,6 +51,32 @@ def format_summary(metrics: dict, output_dir: str) -> str:
     return "\n".join(lines)
 
 
+def use_available_cpu_cores() -> str | None:
+    """Undo ``accelerate launch``'s one-thread default on a CPU-only machine.
+
+    Without ``--cpu`` or ``--num_cpu_threads_per_process``, the launcher exports ``OMP_NUM_THREADS=1``
+    (accelerate 1.15, ``commands/launch.py``), which halves the speed of a 1-process run on 2 cores. When
+    that default is in force, set torch's intra-op threads to the cores available to this process divided
+    by the local processes. Returns the note it printed, or None when it changed nothing (a GPU, several
+    processes sharing the cores, or a thread count the user chose).
+    """
+    import torch
+
+    launched = "ACCELERATE_DYNAMO_BACKEND" in os.environ  # set by accelerate launch for its children
+    if not launched or os.environ.get("OMP_NUM_THREADS") != "1" or torch.cuda.is_available():
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if threads <= 1:
+        return None
+    torch.set_num_threads(threads)
+    note = (f"Using {threads} CPU threads per process (accelerate launch defaults to OMP_NUM_THREADS=1 on a CPU; "
+            "pass --num_cpu_threads_per_process N to choose).")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(note)
+    return note
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (0 on success, 2 on a user error)."""
     from finetune.config import parse_config
@@ -69,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         check_output_dir(config)
         from finetune.train import apply_batch_plan
 
+        use_available_cpu_cores()
         apply_batch_plan(config, recipe)
         if config.compare:
             from finetune.compare import compare

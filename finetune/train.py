@@ -207,12 +207,13 @@ def setup(config, recipe) -> Setup:
     # Own generators: otherwise every new iterator (each epoch, each evaluation, a resume's skip) draws a
     # seed from the global RNG, and a resumed run's dropout masks would drift from the uninterrupted run's.
     # The order itself comes from Accelerate's seeded sampler (data_seed + epoch).
-    train_dataloader = DataLoader(datasets["train"], shuffle=True, collate_fn=collator,
-                                  batch_size=config.per_device_train_batch_size,
-                                  generator=torch.Generator().manual_seed(config.seed))
-    eval_dataloader = DataLoader(datasets["validation"], shuffle=False, collate_fn=collator,
-                                 batch_size=config.per_device_eval_batch_size,
-                                 generator=torch.Generator().manual_seed(config.seed))
+    # pinned host memory only helps copies to a GPU; workers collate in parallel (tokenizing is done already)
+    loader_options = dict(collate_fn=collator, num_workers=config.dataloader_num_workers,
+                          pin_memory=config.dataloader_pin_memory and accelerator.device.type == "cuda")
+    train_dataloader = DataLoader(datasets["train"], shuffle=True, batch_size=config.per_device_train_batch_size,
+                                  generator=torch.Generator().manual_seed(config.seed), **loader_options)
+    eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
+                                 generator=torch.Generator().manual_seed(config.seed), **loader_options)
     optimizer = build_optimizer(model, config)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
@@ -439,8 +440,9 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 # before any backward: each item's loss is divided by it, so the window's gradient is the
                 # exact mean over its items. One reduction per window (a sync point), with the sample count.
                 local = torch.stack([sum(task.count(b["labels"]) for b in window),
-                                     torch.tensor(sum(b["labels"].shape[0] for b in window), device=accelerator.device)])
-                window_items, window_samples = accelerator.reduce(local, "sum").tolist()
+                                     torch.tensor(sum(b["labels"].shape[0] for b in window), device=accelerator.device),
+                                     sum(b["attention_mask"].sum() for b in window)])
+                window_items, window_samples, window_input_tokens = accelerator.reduce(local, "sum").tolist()
                 # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
                 # also for a short last window (it syncs when its counter reaches a multiple of N).
                 accelerator.step = N - len(window)
@@ -476,6 +478,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 state.step += 1
                 state.micro_batches_done += len(window)
                 state.samples_seen += window_samples
+                state.input_tokens_seen += window_input_tokens
                 state.skipped_steps += int(skipped)
                 state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
                 # One more reduction per optimizer step: the window's loss, and whether any process was
@@ -529,6 +532,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     metrics = run_metrics(
         config, eval_results, step_losses=state.losses, skipped_steps=state.skipped_steps,
         steps_per_epoch=s.steps_per_epoch, train_samples=state.samples_seen, train_tokens=state.tokens_seen,
+        train_input_tokens=state.input_tokens_seen, num_parameters=sum(p.numel() for p in model.parameters()),
         num_processes=P, precision=s.precision, device=accelerator.device, train_runtime=train_runtime,
         eval_runtime=eval_runtime, process_start=process_start)
     if resume_from is not None:
@@ -568,12 +572,16 @@ def peak_memory(device) -> tuple[int, str]:
 
 
 def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps: int, steps_per_epoch: int,
-                train_samples: int, train_tokens: int = 0, num_processes: int, precision: str, device, train_runtime: float,
+                train_samples: int, train_tokens: int = 0, train_input_tokens: int = 0, num_parameters: int = 0,
+                num_processes: int, precision: str, device, train_runtime: float,
                 eval_runtime: float, process_start: float | None) -> dict:
     """The ``metrics.json`` dict, the same for both engines.
 
     ``step_losses``: mean loss per item (sample, or label token) of each optimizer step.
-    ``train_tokens``: label tokens trained on (causal LM; 0 leaves the token figures out). ``train_runtime`` and ``eval_runtime``
+    ``train_tokens``: label tokens trained on (causal LM; 0 leaves the token figures out).
+    ``train_input_tokens``: non-padding input tokens over all processes, for ``train_input_tokens_per_second``
+    and, on a CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x tokens/s / peak FLOP/s
+    (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``). ``train_runtime`` and ``eval_runtime``
     in seconds (training excludes evaluation); ``train_samples`` counts samples over all processes.
     """
     effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
@@ -599,10 +607,20 @@ def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps:
         **({"train_tokens": train_tokens,
             "train_tokens_per_second": round(train_tokens / train_runtime, 3) if train_runtime > 0 else 0.0}
            if train_tokens else {}),
+        "train_input_tokens": train_input_tokens,
+        "train_input_tokens_per_second": round(train_input_tokens / train_runtime, 3) if train_runtime > 0 else 0.0,
+        "train_seconds_per_step": round(train_runtime / len(step_losses), 4) if step_losses else 0.0,
         "eval_runtime": round(eval_runtime, 3),
         "peak_memory_bytes": memory,
         "peak_memory_kind": memory_kind,
     }
+    if device.type == "cuda" and train_runtime > 0:
+        from finetune.flops import model_flops_utilization
+
+        mfu = model_flops_utilization(num_parameters, train_input_tokens / train_runtime,
+                                      torch.cuda.get_device_name(device))
+        if mfu is not None:
+            metrics["mfu"], metrics["mfu_peak_source"] = round(mfu[0], 4), mfu[1]
     if process_start is not None:
         metrics["wall_time"] = round(time.time() - process_start, 3)
     return metrics

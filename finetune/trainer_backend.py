@@ -68,6 +68,9 @@ def training_arguments(config, output_dir: str | None = None):
         logging_nan_inf_filter=False,
         report_to=config.report_to,
         dataloader_drop_last=False,
+        dataloader_num_workers=config.dataloader_num_workers,
+        dataloader_pin_memory=config.dataloader_pin_memory,
+        include_num_input_tokens_seen="non_padding",  # the same count as the accelerate engine's
         average_tokens_across_devices=True,
     )
 
@@ -203,6 +206,8 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         metrics = run_metrics(
             config, callback.eval_results, step_losses=callback.losses, skipped_steps=callback.skipped_steps,
             steps_per_epoch=steps_per_epoch, train_samples=callback.samples, train_tokens=callback.tokens,
+            train_input_tokens=int(trainer.state.num_input_tokens_seen),
+            num_parameters=sum(p.numel() for p in model.parameters()),
             num_processes=processes,
             precision=precision, device=trainer.accelerator.device, train_runtime=train_runtime,
             eval_runtime=callback.eval_runtime, process_start=process_start)

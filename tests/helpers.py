@@ -64,7 +64,8 @@ def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dic
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no"]
     # several CPU processes: --multi_gpu with ACCELERATE_USE_CPU=1 gives gloo ranks (--cpu with it is refused)
-    cmd += ["--multi_gpu", "--num_processes", str(num_processes)] if num_processes > 1 else ["--cpu", "--num_processes", "1"]
+    # one process: like the README command, no --cpu (ACCELERATE_USE_CPU=1 keeps it on the CPU)
+    cmd += ["--multi_gpu", "--num_processes", str(num_processes)] if num_processes > 1 else ["--num_processes", "1"]
     cmd += [str(REPO / "finetune" / "run.py"), *args]
     full_env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)

@@ -28,12 +28,28 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("micro,accum", [(8, 1), (2, 4), (4, 2)])
-def test_accumulation_equals_large_batch(tmp_path, tiny_bert, micro, accum):
+@pytest.fixture(scope="module")
+def reference_8x1(tmp_path_factory, tiny_bert):
+    """The large-batch run (micro-batch 8 x accumulation 1, 4 optimizer steps) and the untrained weights."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    root = tmp_path_factory.mktemp("reference")
+    metrics, ref_dir = run_in_process(root, "ref", model_name_or_path=tiny_bert, max_train_samples=32,
+                                      per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                      num_train_epochs=1, **COMMON)
+    initial = run_in_process(root, "zero", model_name_or_path=tiny_bert, max_train_samples=32,
+                             per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=1,
+                             learning_rate=1e-12, **{k: v for k, v in COMMON.items() if k != "learning_rate"})[1]
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    return metrics, ref_dir, load_params(initial)
+
+
+@pytest.mark.parametrize("micro,accum", [(2, 4), (4, 2)])
+def test_accumulation_equals_large_batch(tmp_path, tiny_bert, reference_8x1, micro, accum):
     """K=4 optimizer steps of 8 samples: every (micro, accumulation) split gives the 8 x 1 parameters."""
-    reference, ref_dir = run_in_process(tmp_path, "ref", model_name_or_path=tiny_bert, max_train_samples=32,
-                                        per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                                        num_train_epochs=1, **COMMON)
+    reference, ref_dir, initial = reference_8x1
     metrics, out = run_in_process(tmp_path, "acc", model_name_or_path=tiny_bert, max_train_samples=32,
                                   per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                                   num_train_epochs=1, **COMMON)
@@ -43,11 +59,7 @@ def test_accumulation_equals_large_batch(tmp_path, tiny_bert, micro, accum):
     ref_losses = [r["loss"] for r in train_steps(ref_dir)]
     losses = [r["loss"] for r in train_steps(out)]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    # the model did move: the test could fail
-    initial = run_in_process(tmp_path, "zero", model_name_or_path=tiny_bert, max_train_samples=32,
-                             per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=1,
-                             learning_rate=1e-12, **{k: v for k, v in COMMON.items() if k != "learning_rate"})[1]
-    assert max_param_diff(load_params(initial), load_params(out)) > 1e-4
+    assert max_param_diff(initial, load_params(out)) > 1e-4  # the model did move: the test could fail
 
 
 def test_partial_last_window_weighted_by_true_size(tmp_path, tiny_bert):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -28,6 +29,8 @@ def test_cli_run_writes_a_reloadable_model_and_honest_metrics(tmp_path, tiny_ber
     assert "fp16" in result.stdout and "this run is fp32" in result.stdout
     assert "Effective batch size: 4 (micro-batch) x 4 (accumulation) x 1 (processes) = 16" in result.stdout
     assert "Run summary" in result.stdout
+    if len(os.sched_getaffinity(0)) >= 2:  # the launcher's OMP_NUM_THREADS=1 default is undone
+        assert f"Using {len(os.sched_getaffinity(0))} CPU threads per process" in result.stdout
 
     metrics = json.loads((out / "metrics.json").read_text())
     assert METRIC_KEYS <= metrics.keys()

@@ -14,7 +14,8 @@ from helpers import run_in_process, train_steps
 # Fields that configure the run the same way in both engines, with TrainingArguments' names.
 SHARED = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
           "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "num_train_epochs",
-          "max_steps", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "seed", "optim"]
+          "max_steps", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "seed", "optim",
+          "dataloader_num_workers", "dataloader_pin_memory"]
 
 
 def test_every_shared_hyperparameter_reaches_training_arguments(tmp_path):
@@ -24,6 +25,7 @@ def test_every_shared_hyperparameter_reaches_training_arguments(tmp_path):
                            "--adam_beta2", "0.95", "--adam_epsilon", "1e-7", "--num_train_epochs", "2.5",
                            "--max_steps", "11", "--lr_scheduler_type", "cosine", "--warmup_steps", "4",
                            "--max_grad_norm", "0.5", "--seed", "9", "--optim", "adamw_torch_fused",
+                           "--dataloader_num_workers", "2", "--dataloader_pin_memory", "False",
                            "--mixed_precision", "bf16"])
     args = training_arguments(config)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -59,6 +61,7 @@ def test_trainer_losses_equal_accelerate_losses(tmp_path, tiny_bert, accum):
     assert a[-1]["loss"] != a[0]["loss"]  # it trained
     assert acc_metrics["eval_loss"] == pytest.approx(tr_metrics["eval_loss"], abs=1e-4)
     assert acc_metrics.keys() == tr_metrics.keys()
+    assert acc_metrics["train_input_tokens"] == tr_metrics["train_input_tokens"] > 0  # same non-padding count
     assert tr_metrics["backend"] == "trainer" and acc_metrics["backend"] == "accelerate"
 
 
