@@ -142,3 +142,14 @@ def test_bf16_on_a_gpu_without_it(monkeypatch):
     with pytest.raises(FinetuneError, match="bf16: this GPU \\(Tesla V100\\) has no bf16 support"):
         check_precision_supported("bf16")
     check_precision_supported("fp16")  # fp16 is fine there
+
+
+@pytest.mark.parametrize("recipe", ["glue-mrpc", "wikitext-clm"])
+def test_hub_recipes_fail_fast_offline_with_the_local_alternative(tmp_path, recipe, capsys):
+    import time
+
+    start = time.perf_counter()
+    assert main(["--recipe", recipe, "--output_dir", str(tmp_path / recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "Hugging Face Hub" in err and "--model_name_or_path" in err and "Traceback" not in err
+    assert time.perf_counter() - start < 20
