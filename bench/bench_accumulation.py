@@ -178,13 +178,10 @@ def main(argv=None) -> int:
         if args.dry_run:
             bl.print_commands(configs, args)
             return 0
-        bl.run_interleaved(configs, args.repeats, workdir, num_threads=args.num_threads, timeout=args.timeout,
-                           keep_outputs=args.keep_outputs, warmup=args.warmup)
+        bl.run_configs(configs, args, workdir)
     results = summarize(args, configs)
     report = render(args, info, configs, results)
-    result = {"benchmark": "accumulation", "mode": "smoke" if args.smoke else "full", "machine": info,
-              "settings": {k: (str(v) if hasattr(v, "__fspath__") else v) for k, v in vars(args).items()},
-              "configs": {c.label: bl.run_summary(c, bl.RUN_KEYS) for c in configs}, "results": results}
+    result = bl.result_record("accumulation", args, info, configs, results)
     bl.emit(report, result, args)
     return 0
 

@@ -237,14 +237,11 @@ def main(argv=None) -> int:
         if args.dry_run:
             bl.print_commands(configs, args)
             return 0
-        bl.run_interleaved(configs, args.repeats, workdir, num_threads=args.num_threads, timeout=args.timeout,
-                           keep_outputs=args.keep_outputs, warmup=args.warmup)
+        bl.run_configs(configs, args, workdir)
     results = summarize(args, info, configs)
     results["skipped"] = skipped
     report = render(args, info, results, skipped)
-    result = {"benchmark": "precision", "mode": "smoke" if args.smoke else "full", "machine": info,
-              "settings": {k: (str(v) if hasattr(v, "__fspath__") else v) for k, v in vars(args).items()},
-              "configs": {c.label: bl.run_summary(c, bl.RUN_KEYS) for c in configs}, "results": results}
+    result = bl.result_record("precision", args, info, configs, results)
     bl.emit(report, result, args)
     return 0
 

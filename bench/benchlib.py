@@ -362,3 +362,18 @@ def main_guard(fn) -> int:
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+
+
+def run_configs(configs, args, workdir) -> None:
+    """``run_interleaved`` with the common flags of every benchmark script (repeats, threads, timeout,
+    kept outputs, warm-up runs)."""
+    run_interleaved(configs, args.repeats, workdir, num_threads=args.num_threads, timeout=args.timeout,
+                    keep_outputs=args.keep_outputs, warmup=args.warmup)
+
+
+def result_record(name: str, args, info: dict, configs, results: dict) -> dict:
+    """The ``--json`` record of a benchmark run: name, mode, machine, settings, per-configuration runs,
+    and the script's ``results``."""
+    return {"benchmark": name, "mode": "smoke" if args.smoke else "full", "machine": info,
+            "settings": {k: (str(v) if hasattr(v, "__fspath__") else v) for k, v in vars(args).items()},
+            "configs": {c.label: run_summary(c, RUN_KEYS) for c in configs}, "results": results}
