@@ -169,12 +169,15 @@ def test_multi_cpu_config_really_starts_two_gloo_ranks(tmp_path):
     import sys
 
     script = tmp_path / "ranks.py"
-    script.write_text("from accelerate import Accelerator\n"
+    # one file per rank: two processes printing to one pipe can interleave their lines
+    script.write_text("import sys\nfrom accelerate import Accelerator\n"
                       "a = Accelerator()\n"
-                      "print(f'rank {a.process_index} of {a.num_processes} {a.distributed_type.value}')\n")
+                      "open(f'{sys.argv[1]}/rank{a.process_index}', 'w')"
+                      ".write(f'rank {a.process_index} of {a.num_processes} {a.distributed_type.value}')\n")
     result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                             str(CONFIG_DIR / "multi_cpu_2proc.yaml"), str(script)], capture_output=True, text=True,
+                             str(CONFIG_DIR / "multi_cpu_2proc.yaml"), str(script), str(tmp_path)],
+                            capture_output=True, text=True,
                             timeout=180, env={**os.environ, "ACCELERATE_USE_CPU": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    ranks = sorted(p.read_text() for p in tmp_path.glob("rank[0-9]*"))
     assert ranks == ["rank 0 of 2 MULTI_CPU", "rank 1 of 2 MULTI_CPU"]
