@@ -9,7 +9,6 @@ wall time are its own. Writes into ``--output_dir``: ``accelerate/`` and ``train
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -32,18 +31,13 @@ _NOT_PASSED = {"compare", "backend", "output_dir", "list_recipes", "overwrite_ou
                "auto_find_batch_size", "max_memory_mb"}
 
 
-def child_argv(config, backend: str, output_dir: Path) -> list[str]:
-    """Flags that make ``run.py`` resolve exactly ``config`` for one ``backend``: every field given
-    explicitly (so recipe defaults cannot differ), ``None`` fields left out."""
-    from finetune.config import TrainConfig
+def child_argv(config, recipe, backend: str, output_dir: Path) -> list[str]:
+    """Flags that make ``run.py`` resolve exactly ``config`` for one ``backend`` (``config_argv``: the
+    recipe plus every setting that differs from its defaults), into ``output_dir``."""
+    from finetune.model_card import config_argv
 
-    argv = []
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(config, f.name)
-        if f.name in _NOT_PASSED or value is None:
-            continue
-        argv += [f"--{f.name}", str(value)]
-    return argv + ["--backend", backend, "--output_dir", str(output_dir), "--overwrite_output_dir", "True"]
+    return config_argv(config, recipe, exclude=_NOT_PASSED) + [
+        "--backend", backend, "--output_dir", str(output_dir), "--overwrite_output_dir", "True"]
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -156,6 +150,9 @@ def compare(config, argv: list[str]) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise FinetuneError("--compare launches each backend itself in a single process; run it with "
                             "`python finetune/run.py ... --compare` or a 1-process `accelerate launch`.")
+    from recipes import load_recipe
+
+    recipe = load_recipe(config.recipe)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(config.to_json() + "\n")
@@ -163,7 +160,7 @@ def compare(config, argv: list[str]) -> dict:
     for backend in BACKENDS:
         print(f"\n=== {backend} backend ===", flush=True)
         start = time.time()
-        result = subprocess.run([sys.executable, str(RUN_PY), *child_argv(config, backend, out / backend)])
+        result = subprocess.run([sys.executable, str(RUN_PY), *child_argv(config, recipe, backend, out / backend)])
         if result.returncode != 0:
             raise FinetuneError(f"the {backend} backend failed (exit {result.returncode}); its output is above.")
         steps = [r for r in _read_jsonl(out / backend / "log.jsonl") if "loss" in r]

@@ -41,9 +41,10 @@ def reproduce_command(argv: list[str], num_processes: int = 1, device: str | Non
     return " ".join([*prefix, *(shlex.quote(a) for a in [*launch, "finetune/run.py", *args])])
 
 
-def config_argv(config, recipe=None) -> list[str]:
+def config_argv(config, recipe=None, exclude=frozenset()) -> list[str]:
     """Flags that rebuild ``config`` with ``parse_config``: ``--recipe`` plus every field whose value
-    differs from its default (the recipe's ``DEFAULTS`` over the dataclass defaults).
+    differs from its default (the recipe's ``DEFAULTS`` over the dataclass defaults), leaving out the
+    fields named in ``exclude``.
 
     Used when the original command line is not at hand (e.g. inside ``train()``). Fields set to ``None``
     against a non-``None`` default cannot be expressed as a flag and are left out.
@@ -53,7 +54,7 @@ def config_argv(config, recipe=None) -> list[str]:
         defaults.update(getattr(recipe, "DEFAULTS", {}))
     argv = ["--recipe", str(config.recipe)]
     for f in dataclasses.fields(config):
-        if f.name in ("recipe", "list_recipes"):
+        if f.name in ("recipe", "list_recipes") or f.name in exclude:
             continue
         value = getattr(config, f.name)
         if value is None or (f.name in defaults and value == defaults[f.name]):
