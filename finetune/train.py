@@ -133,7 +133,6 @@ class Setup:
     scheduler: object
     train_dataloader: object
     eval_dataloader: object
-    label_names: list
     max_steps: int
     steps_per_epoch: int
     num_epochs: int
@@ -202,7 +201,7 @@ def setup(config, recipe) -> Setup:
 
     accelerator = make_accelerator(config)
     precision = effective_mixed_precision(accelerator)
-    tokenizer, datasets, label_names, model, collator = build_components(
+    tokenizer, datasets, _, model, collator = build_components(
         config, recipe, precision, accelerator.main_process_first)
     # Own generators: otherwise every new iterator (each epoch, each evaluation, a resume's skip) draws a
     # seed from the global RNG, and a resumed run's dropout masks would drift from the uninterrupted run's.
@@ -224,7 +223,7 @@ def setup(config, recipe) -> Setup:
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=config.warmup_steps,
                               num_training_steps=max_steps)
     return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader,
-                 label_names, max_steps, steps_per_epoch, num_epochs, precision, task=get_task(recipe.TASK),
+                 max_steps, steps_per_epoch, num_epochs, precision, task=get_task(recipe.TASK),
                  metrics=recipe.METRICS)
 
 
