@@ -25,7 +25,7 @@ _NAME = re.compile(r"^step_(\d{8})$")
 # Settings that change what one optimizer step means, or which samples it sees: resuming under a change
 # of any of them would not continue the same run.
 STEP_MEANING = ("recipe", "train_file", "max_train_samples", "max_length", "block_size", "model_name_or_path",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "seed")
+                "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "train_sampling_strategy")
 
 
 @dataclass
@@ -39,6 +39,7 @@ class TrainerState:
     samples_seen: int = 0
     tokens_seen: int = 0
     input_tokens_seen: int = 0
+    padded_tokens_seen: int = 0  # input positions incl. padding (what the model computed on)
     skipped_steps: int = 0
     consecutive_skipped: int = 0
     losses: list = field(default_factory=list)

@@ -123,6 +123,17 @@ class TrainConfig:
     report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = field(
         default="none", metadata={"help": "Experiment tracking through Accelerate's trackers (TensorBoard works offline)."}
     )
+    train_sampling_strategy: Literal["random", "group_by_length"] = field(
+        default="random",
+        metadata={"help": "Training order (TrainingArguments name): 'random', or 'group_by_length' (shuffled, then "
+                          "sorted by length within mega-batches of 50 optimizer steps, so micro-batches need less padding)."},
+    )
+    torch_compile: bool = field(
+        default=False, metadata={"help": "Compile the model with torch.compile (inductor) through Accelerate's dynamo plugin."}
+    )
+    torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = field(
+        default=None, metadata={"help": "torch.compile mode (implies --torch_compile)."}
+    )
     dataloader_num_workers: int = field(
         default=0, metadata={"help": "DataLoader worker processes (0: collate in the training process)."}
     )
@@ -176,6 +187,8 @@ class TrainConfig:
             raise FinetuneError("--auto_find_batch_size needs --total_batch_size (the effective batch it must keep).")
         if self.total_batch_size is not None and self.total_batch_size < 1:
             raise FinetuneError(f"--total_batch_size must be a positive integer, got {self.total_batch_size}.")
+        if self.torch_compile_mode is not None:
+            self.torch_compile = True  # as TrainingArguments: a mode implies compilation
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
 

@@ -58,6 +58,11 @@ def run_banner(config, num_processes: int, micro_batches_per_epoch: int, steps_p
             f"Optimizer steps: {steps_per_epoch} per epoch ({micro_batches_per_epoch} micro-batches per process), "
             f"{max_steps} in total over {num_epochs} epoch(s) [{config.backend} backend]\n"
             f"Precision: {PRECISION_NAMES[precision]} on {device_type}")
+    options = [name for name, on in (("torch.compile (inductor)", config.torch_compile),
+                                     ("length-grouped batches", config.train_sampling_strategy == "group_by_length"))
+               if on]
+    if options:
+        text = text.replace("\nPrecision:", f"\nSpeed options: {', '.join(options)}\nPrecision:")
     if precision != config.mixed_precision:
         text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")
@@ -89,8 +94,14 @@ def make_accelerator(config):
                                                              importlib.util.find_spec("tensorboardX")):
             raise FinetuneError(f"--report_to {log_with}: the {module} package is not installed "
                                 f"(pip install {module}), or use --report_to none.")
+    compile_options = {}
+    if config.torch_compile:  # Accelerator.prepare wraps the model in torch.compile
+        from accelerate.utils import TorchDynamoPlugin
+
+        compile_options["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode)
     try:
         accelerator = Accelerator(
+            **compile_options,
             log_with=log_with,
             project_dir=config.output_dir,
             mixed_precision=config.mixed_precision,
@@ -119,6 +130,33 @@ def iter_windows(dataloader, gradient_accumulation_steps: int):
             window = []
     if window:
         yield window
+
+
+def length_grouped_sampler(dataset, batch_size: int, seed: int):
+    """A ``transformers.trainer_pt_utils.LengthGroupedSampler`` (what ``TrainingArguments(
+    train_sampling_strategy="group_by_length")`` uses) whose order depends on the seed and the epoch only.
+
+    Each epoch: a seeded permutation, cut into mega-batches of ``50 x batch_size`` samples (fewer on small
+    data), each sorted by length, longest first. ``batch_size`` is the global effective batch (samples per
+    optimizer step), as in Trainer, so every window holds samples of similar length. Lengths are
+    ``len(input_ids)`` in tokens. ``set_epoch`` (called by Accelerate's dataloader) reseeds, so a resumed run
+    and every process replay the same order.
+    """
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+        def __init__(self, lengths):
+            super().__init__(batch_size, lengths=lengths, generator=torch.Generator())
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            self.generator.manual_seed(seed + self.epoch)
+            return super().__iter__()
+
+    return EpochSeededLengthGroupedSampler([len(ids) for ids in dataset["input_ids"]])
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -209,8 +247,14 @@ def setup(config, recipe) -> Setup:
     # pinned host memory only helps copies to a GPU; workers collate in parallel (tokenizing is done already)
     loader_options = dict(collate_fn=collator, num_workers=config.dataloader_num_workers,
                           pin_memory=config.dataloader_pin_memory and accelerator.device.type == "cuda")
-    train_dataloader = DataLoader(datasets["train"], shuffle=True, batch_size=config.per_device_train_batch_size,
-                                  generator=torch.Generator().manual_seed(config.seed), **loader_options)
+    if config.train_sampling_strategy == "group_by_length":
+        order = dict(sampler=length_grouped_sampler(datasets["train"], config.per_device_train_batch_size *
+                                                    config.gradient_accumulation_steps * accelerator.num_processes,
+                                                    config.seed))
+    else:  # Accelerate swaps this RandomSampler for its seedable one (data_seed + epoch)
+        order = dict(shuffle=True)
+    train_dataloader = DataLoader(datasets["train"], batch_size=config.per_device_train_batch_size,
+                                  generator=torch.Generator().manual_seed(config.seed), **order, **loader_options)
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  generator=torch.Generator().manual_seed(config.seed), **loader_options)
     optimizer = build_optimizer(model, config)
@@ -295,9 +339,10 @@ def save_model(s: Setup, output_dir: Path) -> None:
     directory that ``AutoModelForSequenceClassification.from_pretrained(output_dir)`` loads."""
     accelerator = s.accelerator
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(s.model)
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
-                              state_dict=accelerator.get_state_dict(s.model))
+    unwrapped = accelerator.unwrap_model(s.model, keep_torch_compile=False)
+    # a torch.compile'd model names every tensor "_orig_mod.<name>": from_pretrained needs the plain names
+    state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(s.model).items()}
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     if accelerator.is_main_process:
         s.tokenizer.save_pretrained(output_dir)
 
@@ -440,8 +485,10 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 # exact mean over its items. One reduction per window (a sync point), with the sample count.
                 local = torch.stack([sum(task.count(b["labels"]) for b in window),
                                      torch.tensor(sum(b["labels"].shape[0] for b in window), device=accelerator.device),
-                                     sum(b["attention_mask"].sum() for b in window)])
-                window_items, window_samples, window_input_tokens = accelerator.reduce(local, "sum").tolist()
+                                     sum(b["attention_mask"].sum() for b in window),
+                                     torch.tensor(sum(b["attention_mask"].numel() for b in window), device=accelerator.device)])
+                window_items, window_samples, window_input_tokens, window_padded_tokens = \
+                    accelerator.reduce(local, "sum").tolist()
                 # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
                 # also for a short last window (it syncs when its counter reaches a multiple of N).
                 accelerator.step = N - len(window)
@@ -478,6 +525,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 state.micro_batches_done += len(window)
                 state.samples_seen += window_samples
                 state.input_tokens_seen += window_input_tokens
+                state.padded_tokens_seen += window_padded_tokens
                 state.skipped_steps += int(skipped)
                 state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
                 # One more reduction per optimizer step: the window's loss, and whether any process was
@@ -531,7 +579,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     metrics = run_metrics(
         config, eval_results, step_losses=state.losses, skipped_steps=state.skipped_steps,
         steps_per_epoch=s.steps_per_epoch, train_samples=state.samples_seen, train_tokens=state.tokens_seen,
-        train_input_tokens=state.input_tokens_seen, num_parameters=sum(p.numel() for p in model.parameters()),
+        train_input_tokens=state.input_tokens_seen, train_padded_tokens=state.padded_tokens_seen, num_parameters=sum(p.numel() for p in model.parameters()),
         num_processes=P, precision=s.precision, device=accelerator.device, train_runtime=train_runtime,
         eval_runtime=eval_runtime, process_start=process_start)
     if resume_from is not None:
@@ -571,7 +619,8 @@ def peak_memory(device) -> tuple[int, str]:
 
 
 def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps: int, steps_per_epoch: int,
-                train_samples: int, train_tokens: int = 0, train_input_tokens: int = 0, num_parameters: int = 0,
+                train_samples: int, train_tokens: int = 0, train_input_tokens: int = 0, train_padded_tokens: int = 0,
+                num_parameters: int = 0,
                 num_processes: int, precision: str, device, train_runtime: float,
                 eval_runtime: float, process_start: float | None) -> dict:
     """The ``metrics.json`` dict, the same for both engines.
@@ -580,7 +629,8 @@ def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps:
     ``train_tokens``: label tokens trained on (causal LM; 0 leaves the token figures out).
     ``train_input_tokens``: non-padding input tokens over all processes, for ``train_input_tokens_per_second``
     and, on a CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x tokens/s / peak FLOP/s
-    (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``). ``train_runtime`` and ``eval_runtime``
+    (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``). ``train_padded_tokens``: input
+    positions including padding (0 leaves ``train_padding_fraction`` = padding / positions out). ``train_runtime`` and ``eval_runtime``
     in seconds (training excludes evaluation); ``train_samples`` counts samples over all processes.
     """
     effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
@@ -608,6 +658,8 @@ def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps:
            if train_tokens else {}),
         "train_input_tokens": train_input_tokens,
         "train_input_tokens_per_second": round(train_input_tokens / train_runtime, 3) if train_runtime > 0 else 0.0,
+        **({"train_padding_fraction": round(1 - train_input_tokens / train_padded_tokens, 4)}
+           if train_padded_tokens else {}),
         "train_seconds_per_step": round(train_runtime / len(step_losses), 4) if step_losses else 0.0,
         "eval_runtime": round(eval_runtime, 3),
         "peak_memory_bytes": memory,

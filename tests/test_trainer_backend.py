@@ -15,7 +15,8 @@ from helpers import run_in_process, train_steps
 SHARED = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
           "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "num_train_epochs",
           "max_steps", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "seed", "optim",
-          "dataloader_num_workers", "dataloader_pin_memory"]
+          "dataloader_num_workers", "dataloader_pin_memory", "train_sampling_strategy", "torch_compile",
+          "torch_compile_mode"]
 
 
 def test_every_shared_hyperparameter_reaches_training_arguments(tmp_path):
@@ -26,7 +27,9 @@ def test_every_shared_hyperparameter_reaches_training_arguments(tmp_path):
                            "--max_steps", "11", "--lr_scheduler_type", "cosine", "--warmup_steps", "4",
                            "--max_grad_norm", "0.5", "--seed", "9", "--optim", "adamw_torch_fused",
                            "--dataloader_num_workers", "2", "--dataloader_pin_memory", "False",
-                           "--mixed_precision", "bf16"])
+                           "--mixed_precision", "bf16", "--train_sampling_strategy", "group_by_length",
+                           "--torch_compile_mode", "max-autotune"])
+    config.validate()
     args = training_arguments(config)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     for name in SHARED:
