@@ -12,6 +12,10 @@ with all-MiniLM-L6-v2 at the recipe defaults, fp32, 3 interleaved repeats, media
 Reports the time per sample (seconds = 1 / samples/s) of each, the ratio (8x4) / (32x1) (goal <= 1.03:
 accumulating costs at most 3% over the large batch), and the peak memory ratios 8x4 / 8x1 (goal <= 1.05:
 accumulation keeps the micro-batch's memory) and 8x4 / 32x1, with the differences in MiB.
+
+The floor (classification recipes; ``--no_floor`` skips it): ``bench/raw_loop.py``, a bare PyTorch loop on the
+same model, shapes and accumulation, run interleaved as many times. Its 8x4 / 32x1 ratio is what the hardware
+charges for the smaller micro-batch; the engine's 8x4 time over the bare loop's is the engine's own overhead.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=None,
                    help="samples each configuration trains on (default 384; smoke 64); a multiple of micro x accumulation")
     p.add_argument("--mixed_precision", default="no", choices=("no", "fp16", "bf16"))
+    p.add_argument("--no_floor", action="store_true", help="skip the bare PyTorch loop (bench/raw_loop.py)")
     args = p.parse_args(argv)
     bl.resolve_common(args)
     if args.samples is None:
@@ -80,7 +85,36 @@ def time_per_sample(runs: list[dict]) -> float | None:
     return bl.median_of([{"t": v} for v in values], "t")
 
 
-def summarize(args, configs: list[bl.Config]) -> dict:
+def measure_floor(args, model: str | None) -> dict | None:
+    """Time per sample (seconds, median over ``args.repeats`` interleaved runs) of ``bench/raw_loop.py`` at
+    the accumulated and the large-batch configuration, or None for a recipe that is not classification."""
+    import json
+    import subprocess
+
+    from recipes import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    if args.no_floor or recipe.TASK != "sequence-classification":
+        return None
+    model = model or recipe.DEFAULTS["model_name_or_path"]
+    max_length = args.max_length or recipe.DEFAULTS.get("max_length", 128)
+    acc, big, _ = labels(args)
+    m, n = args.micro_batch, args.accumulation
+    times = {acc: [], big: []}
+    for _ in range(args.repeats):
+        for label, (micro, accum) in ((acc, (m, n)), (big, (m * n, 1))):
+            cmd = [sys.executable, str(bl.REPO / "bench" / "raw_loop.py"), "--model", model, "--micro_batch", str(micro),
+                   "--accumulation", str(accum), "--samples", str(args.samples), "--max_length", str(max_length)]
+            done = subprocess.run(cmd, capture_output=True, text=True, env=bl.child_env(args.num_threads),
+                                  timeout=args.timeout)
+            if done.returncode != 0:
+                raise bl.BenchError(f"bench/raw_loop.py failed ({label}):\n{done.stderr[-2000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            times[label].append(result["seconds"] / result["samples"])
+    return {label: bl.median_of([{"t": t} for t in values], "t") for label, values in times.items()}
+
+
+def summarize(args, configs: list[bl.Config], floor: dict | None = None) -> dict:
     """Time per sample (s) and peak memory (bytes) medians per configuration, and the ratios and differences."""
     acc, big, small = labels(args)
     by = {c.label: c for c in configs}
@@ -110,6 +144,9 @@ def summarize(args, configs: list[bl.Config]) -> dict:
         "peak_memory_ratio_accumulated_over_large_batch": bl.ratio(mem[acc], mem[big]),
         "peak_memory_difference_bytes_accumulated_minus_small_batch": diff(acc, small),
         "peak_memory_difference_bytes_accumulated_minus_large_batch": diff(acc, big),
+        "bare_loop_time_per_sample_seconds": floor,
+        "bare_loop_time_per_sample_ratio_accumulated_over_large_batch": floor and bl.ratio(floor[acc], floor[big]),
+        "engine_over_bare_loop_time_per_sample_accumulated": floor and bl.ratio(tps[acc], floor[acc]),
     }
 
 
@@ -152,6 +189,16 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
         [f"peak memory difference {acc} - {big} MiB",
          mib(results["peak_memory_difference_bytes_accumulated_minus_large_batch"]), "", ""],
     ]
+    if results["bare_loop_time_per_sample_seconds"]:
+        floor = results["bare_loop_time_per_sample_seconds"]
+        ratio_rows += [
+            [f"bare PyTorch loop: ms per sample {acc} / {big}",
+             f"{floor[acc] * 1e3:.3f} / {floor[big] * 1e3:.3f}", "", ""],
+            [f"bare PyTorch loop: time per sample ratio {acc} / {big}",
+             bl.fmt(results["bare_loop_time_per_sample_ratio_accumulated_over_large_batch"], ".3f"), "", ""],
+            [f"engine / bare loop, time per sample at {acc}",
+             bl.fmt(results["engine_over_bare_loop_time_per_sample_accumulated"], ".3f"), "", ""],
+        ]
     model = args.model_name_or_path or ("tiny BERT (2 layers, 32 wide, built from a config)" if args.smoke
                                         else "recipe default (all-MiniLM-L6-v2)")
     lines = [f"# Gradient accumulation: time and memory{' (SMOKE: tiny model, numbers mean nothing)' if args.smoke else ''}",
@@ -162,6 +209,9 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
              "medians reported. Each run is a fresh `python finetune/run.py` process.", "",
              table, "", bl.markdown_table(["figure", "value", "goal", "status"], ratio_rows), "",
              "- Time per sample = 1 / metrics.json `train_samples_per_second` (training only, evaluation excluded).",
+             "- Bare PyTorch loop: bench/raw_loop.py, the same model and micro-batch shapes (random tokens, full "
+             "length, no data loader or logging), interleaved as often: the hardware's own price for smaller "
+             "micro-batches, and what the engine adds on top.",
              "- " + (bl.CPU_MEMORY_NOTE if kind == "process_max_rss" else bl.GPU_MEMORY_NOTE)]
     return "\n".join(lines)
 
@@ -179,7 +229,8 @@ def main(argv=None) -> int:
             bl.print_commands(configs, args)
             return 0
         bl.run_configs(configs, args, workdir)
-    results = summarize(args, configs)
+        floor = measure_floor(args, model)
+    results = summarize(args, configs, floor)
     report = render(args, info, configs, results)
     result = bl.result_record("accumulation", args, info, configs, results)
     bl.emit(report, result, args)

@@ -102,6 +102,8 @@ def test_bench_accumulation_smoke(tmp_path, tiny_bert):
     table_row(out, "peak memory difference 8x4 - 8x1 MiB")
     table_row(out, "peak memory difference 8x4 - 32x1 MiB")
     assert "<= 1.03" in out and "<= 1.05" in out and "process max RSS" in out
+    positive(table_row(out, "bare PyTorch loop: time per sample ratio 8x4 / 32x1")[1])
+    positive(table_row(out, "engine / bare loop, time per sample at 8x4")[1])
 
     data = json.loads(js.read_text())
     assert data["benchmark"] == "accumulation" and set(data["configs"]) == {"8x4", "32x1", "8x1"}
@@ -114,6 +116,9 @@ def test_bench_accumulation_smoke(tmp_path, tiny_bert):
         assert finite(seconds) and seconds > 0, label
     tps = results["time_per_sample_seconds"]
     assert results["time_per_sample_ratio_accumulated_over_large_batch"] == pytest.approx(tps["8x4"] / tps["32x1"])
+    floor = results["bare_loop_time_per_sample_seconds"]
+    assert set(floor) == {"8x4", "32x1"} and all(finite(t) and t > 0 for t in floor.values())
+    assert results["engine_over_bare_loop_time_per_sample_accumulated"] == pytest.approx(tps["8x4"] / floor["8x4"])
 
 
 @pytest.mark.integration
@@ -156,6 +161,32 @@ def test_bench_precision_skips_a_missing_clm_model(tmp_path):
     assert "finetune.fetch smollm2-gguf" in result.stdout
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["results"]["configs"] == {} and "bbc-news-clm" in data["results"]["skipped"]
+
+
+@pytest.mark.integration
+def test_bench_speed_options_smoke(tmp_path, tiny_bert):
+    js = tmp_path / "speed.json"
+    out = run_bench("bench_speed_options.py", "--smoke", "--model_name_or_path", tiny_bert, "--json", str(js)).stdout
+    check_header(out)
+    labels = ("baseline", "group_by_length", "fused_adamw", "workers_2")
+    for label in labels:
+        cells = table_row(out, label)
+        positive(cells[2]), positive(cells[3]), positive(cells[6]), positive(cells[7])  # samples/s, ratio, s, MiB
+        assert 0.0 <= float(cells[5]) < 1.0  # padding fraction
+        assert cells[8] == "no" and cells[9] in (("-",) if label == "baseline" else ("helps", "does not help"))
+    assert table_row(out, "baseline")[3] == "1.000"
+    assert "torch_compile" not in [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert "--train_sampling_strategy group_by_length" in table_row(out, "group_by_length")[1]
+
+    data = json.loads(js.read_text())
+    assert data["benchmark"] == "speed_options" and set(data["configs"]) == set(labels)
+    options = data["results"]["options"]
+    base = options["baseline"]["samples_per_second"]
+    for label in labels[1:]:
+        r = options[label]
+        assert r["samples_per_second_ratio_over_baseline"] == pytest.approx(r["samples_per_second"] / base)
+        assert isinstance(r["helps"], bool) and len(r["ratio_per_round"]) == 1
+    assert data["configs"]["group_by_length"]["runs"][0]["train_padding_fraction"] is not None
 
 
 @pytest.mark.integration
