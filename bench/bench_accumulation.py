@@ -199,14 +199,9 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
             [f"engine / bare loop, time per sample at {acc}",
              bl.fmt(results["engine_over_bare_loop_time_per_sample_accumulated"], ".3f"), "", ""],
         ]
-    model = args.model_name_or_path or ("tiny BERT (2 layers, 32 wide, built from a config)" if args.smoke
-                                        else "recipe default (all-MiniLM-L6-v2)")
-    lines = [f"# Gradient accumulation: time and memory{' (SMOKE: tiny model, numbers mean nothing)' if args.smoke else ''}",
-             "", bl.format_machine(info, args.num_threads), "",
-             f"Recipe {args.recipe}, model {model}; every configuration trains on the same {args.samples} samples "
-             f"(--max_steps = samples / effective batch), precision requested {args.mixed_precision}"
-             f"{f', max_length {args.max_length}' if args.max_length else ''}; {args.repeats} repeat(s) interleaved, "
-             "medians reported. Each run is a fresh `python finetune/run.py` process.", "",
+    lines = [*bl.report_header("Gradient accumulation: time and memory", args, info),
+             f"Every configuration trains on the same {args.samples} samples (--max_steps = samples / effective "
+             "batch).", "",
              table, "", bl.markdown_table(["figure", "value", "goal", "status"], ratio_rows), "",
              "- Time per sample = 1 / metrics.json `train_samples_per_second` (training only, evaluation excluded).",
              "- Bare PyTorch loop: bench/raw_loop.py, the same model and micro-batch shapes (random tokens, full "
@@ -219,22 +214,8 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
 def main(argv=None) -> int:
     """Run the benchmark; print the report; exit 0, or 1 if a run failed."""
     args = parse_args(argv)
-    info = bl.machine_info()
-    with bl.Workdir(args.workdir) as workdir:
-        model = args.model_name_or_path
-        if model is None and args.smoke:
-            model = str(bl.build_tiny_bert(workdir / "tiny-bert"))
-        configs = build_configs(args, model)
-        if args.dry_run:
-            bl.print_commands(configs, args)
-            return 0
-        bl.run_configs(configs, args, workdir)
-        floor = measure_floor(args, model)
-    results = summarize(args, configs, floor)
-    report = render(args, info, configs, results)
-    result = bl.result_record("accumulation", args, info, configs, results)
-    bl.emit(report, result, args)
-    return 0
+    return bl.run_benchmark("accumulation", args, build_configs, lambda configs, floor: summarize(args, configs, floor),
+                            render, measure_more=measure_floor)
 
 
 if __name__ == "__main__":

@@ -97,15 +97,8 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
         ["peak memory difference accelerate - trainer MiB", bl.fmt(None if diff is None else diff / bl.MIB, "+.1f"), "", ""],
     ]
     ratios = bl.markdown_table(["figure", "value", "goal", "status"], ratio_rows)
-    model = args.model_name_or_path or ("tiny BERT (2 layers, 32 wide, built from a config)" if args.smoke
-                                        else "recipe default (all-MiniLM-L6-v2)")
-    lines = [f"# accelerate vs Trainer backend{' (SMOKE: tiny model, numbers mean nothing)' if args.smoke else ''}", "",
-             bl.format_machine(info, args.num_threads), "",
-             f"Recipe {args.recipe}, model {model}; micro-batch {args.per_device_train_batch_size} x accumulation "
-             f"{args.gradient_accumulation_steps}, precision requested {args.mixed_precision}, "
-             f"{args.num_train_epochs:g} epoch(s) over {args.max_train_samples} training samples"
-             f"{f', max_length {args.max_length}' if args.max_length else ''}; {args.repeats} repeat(s) interleaved, "
-             "medians reported. Each run is a fresh `python finetune/run.py` process.", "",
+    lines = [*bl.report_header("accelerate vs Trainer backend", args, info),
+             f"{args.num_train_epochs:g} epoch(s) over {args.max_train_samples} training samples.", "",
              table, "", ratios, "",
              "- " + (bl.CPU_MEMORY_NOTE if kind == "process_max_rss" else bl.GPU_MEMORY_NOTE),
              "- samples/s is metrics.json `train_samples_per_second` (training only, evaluation excluded).",
@@ -115,22 +108,7 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
 
 def main(argv=None) -> int:
     """Run the benchmark; print the report; exit 0, or 1 if a run failed."""
-    args = parse_args(argv)
-    info = bl.machine_info()
-    with bl.Workdir(args.workdir) as workdir:
-        model = args.model_name_or_path
-        if model is None and args.smoke:
-            model = str(bl.build_tiny_bert(workdir / "tiny-bert"))
-        configs = build_configs(args, model)
-        if args.dry_run:
-            bl.print_commands(configs, args)
-            return 0
-        bl.run_configs(configs, args, workdir)
-    results = summarize(configs)
-    report = render(args, info, configs, results)
-    result = bl.result_record("backends", args, info, configs, results)
-    bl.emit(report, result, args)
-    return 0
+    return bl.run_benchmark("backends", parse_args(argv), build_configs, summarize, render)
 
 
 if __name__ == "__main__":

@@ -114,15 +114,8 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
                                "padding fraction", "train_runtime s (median)", "peak memory MiB (median)",
                                "precision ran", "verdict"], rows)
     kind = configs[0].runs[0]["peak_memory_kind"]
-    model = args.model_name_or_path or ("tiny BERT (2 layers, 32 wide, built from a config)" if args.smoke
-                                        else "recipe default")
-    lines = [f"# Speed options{' (SMOKE: tiny model, numbers mean nothing)' if args.smoke else ''}", "",
-             bl.format_machine(info, args.num_threads), "",
-             f"Recipe {args.recipe}, model {model}; micro-batch {args.per_device_train_batch_size} x accumulation "
-             f"{args.gradient_accumulation_steps}, precision requested {args.mixed_precision}, 1 epoch over "
-             f"{args.max_train_samples} training samples{f', max_length {args.max_length}' if args.max_length else ''}; "
-             f"{args.repeats} repeat(s) interleaved, medians reported. Each run is a fresh `python finetune/run.py` "
-             "process.", "", table, "",
+    lines = [*bl.report_header("Speed options", args, info),
+             f"One epoch over {args.max_train_samples} training samples.", "", table, "",
              f"- Verdict: \"helps\" when the median samples/s ratio is >= {HELPS_RATIO} and every interleaved round "
              "is > 1.0.",
              "- torch_compile's train_runtime includes its compilation (a user pays it once per run).",
@@ -133,22 +126,7 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
 
 def main(argv=None) -> int:
     """Run the benchmark; print the report; exit 0, or 1 if a run failed."""
-    args = parse_args(argv)
-    info = bl.machine_info()
-    with bl.Workdir(args.workdir) as workdir:
-        model = args.model_name_or_path
-        if model is None and args.smoke:
-            model = str(bl.build_tiny_bert(workdir / "tiny-bert"))
-        configs = build_configs(args, model)
-        if args.dry_run:
-            bl.print_commands(configs, args)
-            return 0
-        bl.run_configs(configs, args, workdir)
-    results = summarize(configs)
-    report = render(args, info, configs, results)
-    result = bl.result_record("speed_options", args, info, configs, results)
-    bl.emit(report, result, args)
-    return 0
+    return bl.run_benchmark("speed_options", parse_args(argv), build_configs, summarize, render)
 
 
 if __name__ == "__main__":

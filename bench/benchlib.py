@@ -263,6 +263,26 @@ def fmt(value, spec: str = ".3f", unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
+def model_description(args) -> str:
+    """The model a report measured, in words: ``--model_name_or_path``, the smoke tiny BERT, or the recipe's."""
+    if args.model_name_or_path:
+        return args.model_name_or_path
+    return "tiny BERT (2 layers, 32 wide, built from a config)" if args.smoke else "the recipe's default"
+
+
+def report_header(title: str, args, info: dict) -> list[str]:
+    """The first lines of a report: the title (marked SMOKE in smoke mode), the machine, and the model
+    with the settings every report shares (recipe, micro-batch, accumulation where set, precision)."""
+    batch = ""
+    if hasattr(args, "per_device_train_batch_size"):
+        batch = f"micro-batch {args.per_device_train_batch_size} x accumulation {args.gradient_accumulation_steps}, "
+    return [f"# {title}{' (SMOKE: tiny model, numbers mean nothing)' if args.smoke else ''}", "",
+            format_machine(info, args.num_threads), "",
+            f"Recipe {args.recipe}, model {model_description(args)}; {batch}precision requested {args.mixed_precision}"
+            f"{f', max_length {args.max_length}' if args.max_length else ''}; {args.repeats} repeat(s) interleaved, "
+            "medians reported. Each run is a fresh `python finetune/run.py` process."]
+
+
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     """A Markdown table (also what is printed on stdout)."""
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
@@ -378,3 +398,26 @@ def result_record(name: str, args, info: dict, configs, results: dict) -> dict:
     return {"benchmark": name, "mode": "smoke" if args.smoke else "full", "machine": info,
             "settings": {k: (str(v) if hasattr(v, "__fspath__") else v) for k, v in vars(args).items()},
             "configs": {c.label: run_summary(c, RUN_KEYS) for c in configs}, "results": results}
+
+
+def run_benchmark(name: str, args, build_configs, summarize, render, measure_more=None) -> int:
+    """The body of a benchmark script's ``main``: machine info; in ``--workdir`` (or a temporary one) the model
+    (``--model_name_or_path``, a tiny BERT in smoke mode, else the recipe's: None), ``build_configs(args,
+    model)``, ``--dry_run`` (print the commands, return 0) or the interleaved runs, then
+    ``measure_more(args, model)`` if given (extra measurements needing the model, passed to ``summarize``);
+    ``summarize(configs[, extra])`` -> results, ``render(args, info, configs, results)`` -> Markdown; print
+    and write them (``emit``). Returns 0; a failed run raises ``BenchError``."""
+    info = machine_info()
+    with Workdir(args.workdir) as workdir:
+        model = args.model_name_or_path
+        if model is None and args.smoke:
+            model = str(build_tiny_bert(workdir / "tiny-bert"))
+        configs = build_configs(args, model)
+        if args.dry_run:
+            print_commands(configs, args)
+            return 0
+        run_configs(configs, args, workdir)
+        extra = (measure_more(args, model),) if measure_more else ()
+    results = summarize(configs, *extra)
+    emit(render(args, info, configs, results), result_record(name, args, info, configs, results), args)
+    return 0
