@@ -630,7 +630,8 @@ def run_metrics(config, eval_results: dict, *, step_losses: list, skipped_steps:
     ``train_input_tokens``: non-padding input tokens over all processes, for ``train_input_tokens_per_second``
     and, on a CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x tokens/s / peak FLOP/s
     (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``). ``train_padded_tokens``: input
-    positions including padding (0 leaves ``train_padding_fraction`` = padding / positions out). ``train_runtime`` and ``eval_runtime``
+    positions including padding (0 leaves ``train_padding_fraction`` = padding / positions out; the Trainer
+    engine, whose loop we do not see, leaves it out). ``train_runtime`` and ``eval_runtime``
     in seconds (training excludes evaluation); ``train_samples`` counts samples over all processes.
     """
     effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
