@@ -63,12 +63,7 @@ def labels(args) -> tuple[str, str, str]:
 
 def build_configs(args, model: str | None) -> list[bl.Config]:
     """The three configurations, each with ``--max_steps`` = samples / its effective batch."""
-    common = ["--recipe", args.recipe, "--mixed_precision", args.mixed_precision,
-              "--max_train_samples", str(args.samples), *bl.QUIET_EVAL]
-    if args.max_length:
-        common += ["--max_length", str(args.max_length)]
-    if model:
-        common += ["--model_name_or_path", model]
+    common = bl.run_flags(args, model)  # args.max_train_samples == args.samples (parse_args)
     extra = shlex.split(args.extra_args)
     m, n = args.micro_batch, args.accumulation
     configs = []

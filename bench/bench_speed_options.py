@@ -61,15 +61,9 @@ def parse_args(argv=None):
 
 def build_configs(args, model: str | None) -> list[bl.Config]:
     """``baseline`` and one configuration per option, identical flags otherwise."""
-    common = ["--recipe", args.recipe, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
-              "--gradient_accumulation_steps", str(args.gradient_accumulation_steps),
-              "--mixed_precision", args.mixed_precision, "--num_train_epochs", "1",
-              "--max_train_samples", str(args.max_train_samples), *bl.QUIET_EVAL]
-    if args.max_length:
-        common += ["--max_length", str(args.max_length)]
-    if model:
-        common += ["--model_name_or_path", model]
-    common += shlex.split(args.extra_args)
+    common = bl.run_flags(args, model, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
+                          "--gradient_accumulation_steps", str(args.gradient_accumulation_steps))
+    common += ["--num_train_epochs", "1", *shlex.split(args.extra_args)]
     return [bl.Config("baseline", common)] + [bl.Config(o, common + OPTIONS[o]) for o in args.options]
 
 

@@ -263,6 +263,19 @@ def fmt(value, spec: str = ".3f", unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
+def run_flags(args, model: str | None, *flags: str) -> list[str]:
+    """The run.py flags every configuration of a script shares, in this order: ``--recipe``, ``flags``,
+    ``--mixed_precision``, ``--max_train_samples``, the quiet evaluation, then ``--max_length`` and
+    ``--model_name_or_path`` where given. (``--extra_args`` is the caller's to place: it must come after any flag it may override.)"""
+    out = ["--recipe", args.recipe, *flags, "--mixed_precision", args.mixed_precision,
+           "--max_train_samples", str(args.max_train_samples), *QUIET_EVAL]
+    if args.max_length:
+        out += ["--max_length", str(args.max_length)]
+    if model:
+        out += ["--model_name_or_path", model]
+    return out
+
+
 def model_description(args) -> str:
     """The model a report measured, in words: ``--model_name_or_path``, the smoke tiny BERT, or the recipe's."""
     if args.model_name_or_path:
