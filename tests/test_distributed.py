@@ -41,15 +41,21 @@ def test_two_processes_classification(tmp_path, tiny_bert):
     assert [r["loss"] for r in train_steps(two)] == pytest.approx([r["loss"] for r in train_steps(one)], rel=1e-5)
 
 
-def test_two_processes_causal_lm_uneven_tokens(tmp_path, tiny_llama, clm_texts):
+# group_by_length: one global length-grouped order (sized by the effective batch, reseeded each epoch) dealt
+# out in micro-batches, so each window holds the same samples however many processes share it
+@pytest.mark.parametrize("order", [["--num_train_epochs", "1"],
+                                   ["--num_train_epochs", "2", "--train_sampling_strategy", "group_by_length"]],
+                         ids=["random", "group_by_length"])
+def test_two_processes_causal_lm_uneven_tokens(tmp_path, tiny_llama, clm_texts, order):
     common = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", clm_texts[0],
-              "--validation_file", clm_texts[1], "--max_train_samples", "48", "--num_train_epochs", "1",
+              "--validation_file", clm_texts[1], "--max_train_samples", "48", *order,
               "--disable_dropout", "--max_length", "64", "--learning_rate", "1e-3", "--warmup_steps", "0",
               "--seed", "4", "--eval_on_start", "False"]
     one, _ = _run(tmp_path, "one", 1, 8, 1, common)
     two, _ = _run(tmp_path, "two", 2, 2, 2, common)
     _assert_same(two, one)
     steps_one, steps_two = train_steps(one), train_steps(two)
+    assert len(steps_two) == 6 * int(order[1])
     assert [r["label_tokens"] for r in steps_two] == [r["label_tokens"] for r in steps_one]
     assert [r["loss"] for r in steps_two] == pytest.approx([r["loss"] for r in steps_one], rel=1e-5)
     m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
