@@ -153,9 +153,9 @@ def estimate_fits_from_memory(bytes_per_sample: float, fixed_bytes: float,
     The model: peak bytes of one training step with micro-batch m = ``fixed_bytes`` + m x
     ``bytes_per_sample``. ``fixed_bytes`` (bytes) covers what does not grow with the batch: weights,
     gradients, optimizer state, framework overhead. ``bytes_per_sample`` (bytes per sample) is the
-    activation memory per sample at the run's --max_length. Both are measured by the caller from a
-    probe step at two micro-batch sizes (see ``linear_memory_from_probes``), so this is a model of
-    that measurement, not a guarantee. ``budget_bytes`` (bytes) is the peak allowed.
+    activation memory per sample at the run's --max_length. Both are measured by the caller
+    (``probe_fits``: ``saved_tensor_bytes`` at micro-batch 1 and 2, plus gradients and AdamW state), so
+    this is a model of that measurement, not a guarantee. ``budget_bytes`` (bytes) is the peak allowed.
 
     The returned function takes m (samples) and returns whether the modelled peak <= budget; it is
     monotone in m. Raises ``FinetuneError`` if the budget is not positive, and ``ValueError`` if a
@@ -174,22 +174,6 @@ def estimate_fits_from_memory(bytes_per_sample: float, fixed_bytes: float,
     fits.__doc__ = (f"True if {fixed_bytes:.0f} + m x {bytes_per_sample:.0f} bytes <= {budget_bytes:.0f} bytes "
                     f"(linear memory model).")
     return fits
-
-
-def linear_memory_from_probes(small_batch: int, small_peak_bytes: float, large_batch: int,
-                              large_peak_bytes: float) -> tuple[float, float]:
-    """(fixed_bytes, bytes_per_sample) of the linear memory model through two probe steps: peak bytes
-    ``small_peak_bytes`` measured at micro-batch ``small_batch`` samples and ``large_peak_bytes`` at
-    ``large_batch`` samples (``large_batch`` > ``small_batch`` >= 1).
-
-    The slope is clamped at 0 (measurement noise can make it slightly negative) and the intercept at
-    0. Raises ``ValueError`` if the batch sizes are not increasing positive integers.
-    """
-    if not (_is_positive_int(small_batch) and _is_positive_int(large_batch) and large_batch > small_batch):
-        raise ValueError(f"need probe batch sizes 1 <= small < large, got {small_batch!r} and {large_batch!r}")
-    per_sample = max(0.0, (large_peak_bytes - small_peak_bytes) / (large_batch - small_batch))
-    fixed = max(0.0, small_peak_bytes - small_batch * per_sample)
-    return fixed, per_sample
 
 
 # ----------------------------------------------------------------------------------------- probing

@@ -22,17 +22,6 @@ _HEADER_BYTES = 24  # magic (4) + version (uint32) + tensor count (uint64) + met
 _FETCH_HINT = "for SmolLM2, run `python -m finetune.fetch smollm2-gguf` (it re-downloads a damaged file)"
 
 
-def is_gguf(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names an existing file whose name ends with ``.gguf`` (any case).
-
-    Looks at the name only, not the contents (``load_gguf_causal_lm`` checks those). Never raises.
-    """
-    try:
-        return os.fspath(path).lower().endswith(".gguf") and Path(path).is_file()
-    except (TypeError, OSError):
-        return False
-
-
 def _require_gguf_package() -> None:
     """Raise ``FinetuneError`` naming the fix if the ``gguf`` package (needed by transformers) is missing."""
     from finetune.fetch import require_gguf_package

@@ -10,7 +10,6 @@ import pytest
 from finetune.batch_plan import (
     BatchPlan,
     estimate_fits_from_memory,
-    linear_memory_from_probes,
     plan_batch,
     valid_plans,
 )
@@ -158,15 +157,6 @@ def test_estimate_fits_rejects_bad_inputs():
         estimate_fits_from_memory(-1.0, 1.0, 100.0)
     with pytest.raises(ValueError):
         estimate_fits_from_memory(1.0, float("nan"), 100.0)
-
-
-def test_linear_memory_from_probes():
-    fixed, per_sample = linear_memory_from_probes(1, 1_100.0, 4, 1_400.0)
-    assert (fixed, per_sample) == (1_000.0, 100.0)
-    # noise making the slope negative: clamped to 0, fixed = the small probe's peak
-    assert linear_memory_from_probes(2, 500.0, 4, 490.0) == (500.0, 0.0)
-    with pytest.raises(ValueError):
-        linear_memory_from_probes(4, 1.0, 4, 2.0)
 
 
 # ----------------------------------------------------------------------------- through the engine

@@ -19,25 +19,10 @@ import pytest
 from finetune import fetch
 from finetune.errors import FinetuneError
 from finetune.fetch import default_cache_dir, fetch_smollm2_gguf, smollm2_gguf_path
-from finetune.gguf_model import is_gguf, load_gguf_causal_lm, load_gguf_tokenizer
+from finetune.gguf_model import load_gguf_causal_lm, load_gguf_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
-
-
-# ------------------------------------------------------------------------------------------- is_gguf
-def test_is_gguf(tmp_path):
-    (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    (tmp_path / "UPPER.GGUF").write_bytes(b"GGUF")
-    (tmp_path / "model.bin").write_bytes(b"GGUF")
-    (tmp_path / "dir.gguf").mkdir()
-    assert is_gguf(tmp_path / "model.gguf")
-    assert is_gguf(str(tmp_path / "model.gguf"))
-    assert is_gguf(tmp_path / "UPPER.GGUF")
-    assert not is_gguf(tmp_path / "model.bin")  # the name decides, not the contents
-    assert not is_gguf(tmp_path / "dir.gguf")  # a directory
-    assert not is_gguf(tmp_path / "missing.gguf")
-    assert not is_gguf("HuggingFaceTB/SmolLM2-135M")  # a hub id
 
 
 # ------------------------------------------------------------------------------------ cache paths
