@@ -148,6 +148,10 @@ class TrainConfig:
         default=None, metadata={"help": "Where tokenized datasets are cached. Default: the datasets library cache."}
     )
 
+    def __post_init__(self) -> None:
+        if self.torch_compile_mode is not None:
+            self.torch_compile = True  # as TrainingArguments: a mode implies compilation
+
     def validate(self) -> None:
         """Check values that argparse cannot; raise ``FinetuneError`` naming the flag and the fix."""
         positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length")
@@ -187,8 +191,6 @@ class TrainConfig:
             raise FinetuneError("--auto_find_batch_size needs --total_batch_size (the effective batch it must keep).")
         if self.total_batch_size is not None and self.total_batch_size < 1:
             raise FinetuneError(f"--total_batch_size must be a positive integer, got {self.total_batch_size}.")
-        if self.torch_compile_mode is not None:
-            self.torch_compile = True  # as TrainingArguments: a mode implies compilation
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
 

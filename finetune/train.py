@@ -53,16 +53,15 @@ def run_banner(config, num_processes: int, micro_batches_per_epoch: int, steps_p
     when it is not the one requested (fp16 on a CPU)."""
     n = config.gradient_accumulation_steps
     effective = config.per_device_train_batch_size * n * num_processes
+    options = [name for name, on in (("torch.compile (inductor)", config.torch_compile),
+                                     ("length-grouped batches", config.train_sampling_strategy == "group_by_length"))
+               if on]
     text = (f"Effective batch size: {config.per_device_train_batch_size} (micro-batch) x {n} (accumulation) x "
             f"{num_processes} (processes) = {effective} samples per optimizer step\n"
             f"Optimizer steps: {steps_per_epoch} per epoch ({micro_batches_per_epoch} micro-batches per process), "
             f"{max_steps} in total over {num_epochs} epoch(s) [{config.backend} backend]\n"
-            f"Precision: {PRECISION_NAMES[precision]} on {device_type}")
-    options = [name for name, on in (("torch.compile (inductor)", config.torch_compile),
-                                     ("length-grouped batches", config.train_sampling_strategy == "group_by_length"))
-               if on]
-    if options:
-        text = text.replace("\nPrecision:", f"\nSpeed options: {', '.join(options)}\nPrecision:")
+            + (f"Speed options: {', '.join(options)}\n" if options else "")
+            + f"Precision: {PRECISION_NAMES[precision]} on {device_type}")
     if precision != config.mixed_precision:
         text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")
