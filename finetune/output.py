@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from finetune.errors import FinetuneError
@@ -10,6 +11,7 @@ from finetune.errors import FinetuneError
 # Settings whose change does not make a run "different" (where it goes, whether it may overwrite).
 _IGNORED = {"output_dir", "overwrite_output_dir", "list_recipes", "resume_from_checkpoint",
             "ignore_checkpoint_mismatch", "checkpointing_steps", "save_total_limit"}
+_PROBE = ".write_test"  # + "-<pid>": each process probes with its own file
 
 
 def check_output_dir(config) -> None:
@@ -43,14 +45,16 @@ def check_output_dir(config) -> None:
                 f"--output_dir {str(out)!r} holds checkpoints of this run. Continue it with "
                 "--resume_from_checkpoint latest, or pass --overwrite_output_dir to start over (the checkpoints "
                 "are then deleted).")
-    if out.is_dir() and any(out.iterdir()) and not previous.is_file() and not config.overwrite_output_dir:
+    # every process of a launch runs this check at once: another rank's write probe is not "content"
+    content = [p for p in out.iterdir() if not p.name.startswith(_PROBE)] if out.is_dir() else []
+    if content and not previous.is_file() and not config.overwrite_output_dir:
         raise FinetuneError(
             f"--output_dir {str(out)!r} is not empty and does not hold a finetune run. "
             "Choose another --output_dir, or pass --overwrite_output_dir."
         )
     try:  # a real write, not os.access: root passes access checks, and file systems can be read-only
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f"{_PROBE}-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:

@@ -153,3 +153,20 @@ def test_hub_recipes_fail_fast_offline_with_the_local_alternative(tmp_path, reci
     err = capsys.readouterr().err
     assert "Hugging Face Hub" in err and "--model_name_or_path" in err and "Traceback" not in err
     assert time.perf_counter() - start < 20
+
+
+def test_another_ranks_write_probe_is_not_foreign_content(tmp_path):
+    """Every process of a launch checks --output_dir at once: rank 0's write probe, present for an instant,
+    must not make rank 1 see "not empty and does not hold a finetune run" (a flaky 2-process failure)."""
+    from finetune.config import parse_config
+    from finetune.errors import FinetuneError
+    from finetune.output import check_output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".write_test-99999").write_text("ok")  # another process's probe
+    check_output_dir(parse_config(["--recipe", "bbc-news", "--output_dir", str(out)]))
+    assert sorted(p.name for p in out.iterdir()) == [".write_test-99999"]  # ours was removed, theirs untouched
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FinetuneError, match="not empty"):
+        check_output_dir(parse_config(["--recipe", "bbc-news", "--output_dir", str(out)]))
