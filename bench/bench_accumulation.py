@@ -86,7 +86,7 @@ def measure_floor(args, model: str | None) -> dict | None:
     import json
     import subprocess
 
-    from recipes import load_recipe
+    from finetune.recipes import load_recipe
 
     recipe = load_recipe(args.recipe)
     if args.no_floor or recipe.TASK != "sequence-classification":

@@ -125,7 +125,7 @@ def build_configs(args, workdir: Path) -> tuple[list[bl.Config], dict[str, str]]
                 train_file = str(bl.write_texts(workdir / "clm-train.jsonl", 32, seed=1))
                 validation_file = str(bl.write_texts(workdir / "clm-valid.jsonl", 8, seed=2))
         if model is None:
-            from recipes import load_recipe
+            from finetune.recipes import load_recipe
 
             model = load_recipe("bbc-news-clm").DEFAULTS["model_name_or_path"]
         problem = clm_model_problem(model)

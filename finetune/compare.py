@@ -150,7 +150,7 @@ def compare(config, argv: list[str]) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise FinetuneError("--compare launches each backend itself in a single process; run it with "
                             "`python finetune/run.py ... --compare` or a 1-process `accelerate launch`.")
-    from recipes import load_recipe
+    from finetune.recipes import load_recipe
 
     recipe = load_recipe(config.recipe)
     out = Path(config.output_dir)

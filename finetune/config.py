@@ -212,7 +212,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """
     from transformers import HfArgumentParser
 
-    from recipes import load_recipe
+    from finetune.recipes import load_recipe
 
     parser = HfArgumentParser(TrainConfig)
     (first,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)

@@ -12,12 +12,12 @@ import re
 import shlex
 from pathlib import Path
 
+from finetune.precision import PRECISION_NAMES
+
 # eval_* keys that describe the evaluation run, not the model's quality: in the card's results table,
 # not in model-index
 _EVAL_BOOKKEEPING = {"eval_samples", "eval_tokens", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
-_PRECISION = {"no": "fp32 (no mixed precision)", "fp16": "fp16 mixed precision (autocast + GradScaler loss scaling)",
-              "bf16": "bf16 mixed precision (autocast)"}
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -251,16 +251,16 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
     requested = metrics.get("mixed_precision_requested", config.mixed_precision)
     device = metrics.get("device")
     parts += ["", "## Precision", "",
-              f"This run trained in **{_PRECISION.get(ran, ran)}** (`mixed_precision: {ran}`, as measured inside "
+              f"This run trained in **{PRECISION_NAMES.get(ran, ran)}** (`mixed_precision: {ran}`, as measured inside "
               f"autocast{f' on {device}' if device else ''})."]
     if requested != ran:
         sentence = f"`--mixed_precision {requested}` was requested, but "
         if requested == "fp16" and device in (None, "cpu"):
             sentence += ("fp16 does not run on CPU: Accelerate accepts the flag, but CPU autocast stays fp32, "
-                         f"so the weights were trained in {_PRECISION.get(ran, ran)}.")
+                         f"so the weights were trained in {PRECISION_NAMES.get(ran, ran)}.")
         else:
             sentence += (f"autocast on {device or 'this device'} does not run {requested}, so the weights were "
-                         f"trained in {_PRECISION.get(ran, ran)}. (fp16 does not run on CPU at all.)")
+                         f"trained in {PRECISION_NAMES.get(ran, ran)}. (fp16 does not run on CPU at all.)")
         parts += ["", sentence]
 
     evals = [(k, v) for k, v in metrics.items() if k.startswith("eval_")]

@@ -23,7 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize in
 
 def list_recipes() -> str:
     """A table of the registered recipes: name, task, default model, dataset, and hub/offline."""
-    from recipes import RECIPES, load_recipe
+    from finetune.recipes import RECIPES, load_recipe
 
     rows = [("name", "task", "model", "dataset", "data source")]
     for name in sorted(RECIPES):
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config.validate()
         from finetune.output import check_output_dir
-        from recipes import load_recipe
+        from finetune.recipes import load_recipe
 
         recipe = load_recipe(config.recipe)
         check_output_dir(config)

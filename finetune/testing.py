@@ -15,7 +15,7 @@ def build_tiny_bert(path: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from recipes.bbc_news import default_model_path
+    from finetune.recipes.bbc_news import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -32,7 +32,7 @@ def build_tiny_llama(path: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from recipes.bbc_news import default_model_path
+    from finetune.recipes.bbc_news import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -29,21 +29,7 @@ import torch
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 
 
-# ------------------------------------------------------------------------------------------ precision
-def effective_mixed_precision(accelerator) -> str:
-    """The precision that autocast really runs on ``accelerator.device``: "fp16", "bf16" or "no".
-
-    Measured, not assumed: a small matmul inside ``accelerator.autocast()`` reports its dtype. On a CPU,
-    Accelerate accepts ``mixed_precision="fp16"`` but runs fp32; this returns "no" there.
-    """
-    device = accelerator.device
-    a = torch.ones(2, 2, device=device)
-    with accelerator.autocast():
-        dtype = (a @ a).dtype
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "no")
-
-
-PRECISION_NAMES = {"no": "fp32", "fp16": "fp16 (autocast + GradScaler loss scaling)", "bf16": "bf16 (autocast)"}
+from finetune.precision import PRECISION_NAMES, check_precision_supported, effective_mixed_precision
 
 
 def run_banner(config, num_processes: int, micro_batches_per_epoch: int, steps_per_epoch: int, max_steps: int,
@@ -66,14 +52,6 @@ def run_banner(config, num_processes: int, micro_batches_per_epoch: int, steps_p
         text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")
     return text
-
-
-def check_precision_supported(mixed_precision: str) -> None:
-    """Raise ``FinetuneError`` for bf16 on a CUDA device without bf16 (before Ampere). CPUs run bf16
-    autocast (fast with AVX512-BF16/AMX); fp16 on a CPU is not refused but reported as fp32."""
-    if mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        raise FinetuneError(f"--mixed_precision bf16: this GPU ({torch.cuda.get_device_name()}) has no bf16 support. "
-                            "Use --mixed_precision fp16 or no.")
 
 
 def make_accelerator(config):

@@ -16,7 +16,7 @@ def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from finetune.config import parse_config
-    from recipes import load_recipe
+    from finetune.recipes import load_recipe
 
     # Accelerate's state is process-wide; every in-process run starts from a clean one.
     AcceleratorState._reset_state(True)

@@ -62,7 +62,7 @@ def test_config_opens_with_its_launch_command(path):
     assert match, first_line
     script, recipe = match.groups()
     assert (REPO / script).is_file()
-    from recipes import RECIPES
+    from finetune.recipes import RECIPES
 
     assert recipe in RECIPES
 

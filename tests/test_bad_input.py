@@ -134,7 +134,7 @@ def test_bf16_on_a_gpu_without_it(monkeypatch):
     import torch
 
     from finetune.errors import FinetuneError
-    from finetune.train import check_precision_supported
+    from finetune.precision import check_precision_supported
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)

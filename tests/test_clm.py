@@ -20,7 +20,7 @@ def _clm(tiny_llama, clm_texts, **kw):
 def test_collator_pads_right_and_masks_padding_only():
     from transformers import AutoTokenizer
 
-    from recipes.bbc_news import default_model_path
+    from finetune.recipes.bbc_news import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     tokenizer.padding_side = "left"  # the collator must pad right whatever the tokenizer says

@@ -35,7 +35,7 @@ def test_effective_precision_is_measured():
     """On a CPU, Accelerate accepts fp16 but autocast runs fp32: we must report 'no'."""
     from accelerate import Accelerator
 
-    from finetune.train import effective_mixed_precision
+    from finetune.precision import effective_mixed_precision
 
     accelerator = Accelerator(cpu=True, mixed_precision="fp16")
     assert effective_mixed_precision(accelerator) == "no"

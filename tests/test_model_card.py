@@ -11,7 +11,7 @@ import pytest
 from finetune.config import TrainConfig, parse_config
 from finetune.model_card import config_argv, render_model_card, reproduce_command, write_model_card
 from helpers import run_in_process
-from recipes import load_recipe
+from finetune.recipes import load_recipe
 
 
 @pytest.fixture(scope="module")

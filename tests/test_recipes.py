@@ -8,7 +8,7 @@ import pytest
 
 from finetune.config import TrainConfig, parse_config
 from finetune.errors import FinetuneError
-from recipes import RECIPES, REQUIRED_ATTRIBUTES, load_recipe
+from finetune.recipes import RECIPES, REQUIRED_ATTRIBUTES, load_recipe
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

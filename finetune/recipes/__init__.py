@@ -22,10 +22,10 @@ from types import ModuleType
 from finetune.errors import FinetuneError
 
 RECIPES: dict[str, str] = {
-    "bbc-news": "recipes.bbc_news",
-    "bbc-news-clm": "recipes.bbc_news_clm",
-    "glue-mrpc": "recipes.glue_mrpc",
-    "wikitext-clm": "recipes.wikitext_clm",
+    "bbc-news": "finetune.recipes.bbc_news",
+    "bbc-news-clm": "finetune.recipes.bbc_news_clm",
+    "glue-mrpc": "finetune.recipes.glue_mrpc",
+    "wikitext-clm": "finetune.recipes.wikitext_clm",
 }
 
 REQUIRED_ATTRIBUTES = ("NAME", "DESCRIPTION", "TASK", "DATASET", "NEEDS_HUB", "TEXT_COLUMNS", "METRICS", "DEFAULTS", "load_raw_datasets")
