@@ -37,8 +37,8 @@ from finetune.testing import build_tiny_bert, build_tiny_llama, write_variable_l
 __all__ = ["build_tiny_bert", "build_tiny_llama"]  # re-exported for the bench scripts
 
 MIB = 2**20
-# Flags every measurement gets: evaluation is kept negligible (8 samples, once at the end).
-QUIET_EVAL = ["--eval_strategy", "no", "--max_eval_samples", "8"]
+# Flags every measurement gets: evaluation is kept negligible (8 samples, after each epoch).
+QUIET_EVAL = ["--eval_strategy", "epoch", "--max_eval_samples", "8"]
 CPU_MEMORY_NOTE = ("On CPU, peak memory is the process max RSS (getrusage ru_maxrss): it includes the Python, torch "
                    "and data baseline, so ratios understate the difference in training memory; the difference in "
                    "MiB is the clearer figure.")

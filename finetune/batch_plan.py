@@ -19,7 +19,16 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable
 
+import gc
+
+import psutil
+import torch
+from accelerate import PartialState
+from accelerate.utils import parse_flag_from_env
+from accelerate.utils.memory import should_reduce_batch_size
+
 from finetune.errors import FinetuneError
+from finetune.tasks import get_task
 
 
 @dataclass(frozen=True)
@@ -182,8 +191,6 @@ def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
     graph (``torch.autograd.graph.saved_tensors_hooks``): the activation memory of a training step,
     measured exactly (RSS cannot see it in a long-lived process, whose freed heap is reused silently).
     ``run_step`` returns the loss; it is back-propagated here to free the graph."""
-    import torch
-
     storages: dict[int, int] = {}
 
     def pack(tensor):
@@ -209,13 +216,6 @@ def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int
       if what the process holds now, plus that, stays under the budget. Transient buffers are not
       modelled: keep a margin.
     """
-    import gc
-
-    import psutil
-    import torch
-
-    from finetune.tasks import get_task
-
     task = get_task(recipe.TASK)
     label_names = ["a", "b"] if task.name == "sequence-classification" else None
     model = task.load_model(config, label_names).to(device)
@@ -232,8 +232,6 @@ def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int
             return task.loss_sum(logits, labels)
 
     if device.type == "cuda":
-        from accelerate.utils.memory import should_reduce_batch_size
-
         def fits(m: int) -> bool:
             try:
                 step(m).backward()
@@ -288,3 +286,18 @@ def resolve_batch_plan(config, recipe, num_processes: int, device) -> BatchPlan 
         f"--total_batch_size {config.total_batch_size} with {num_processes} process(es) cannot use "
         f"--per_device_train_batch_size {micro}: it must divide {config.total_batch_size // num_processes}. "
         f"Valid micro-batches: {', '.join(str(m) for m, _ in plans)} (or pass --auto_find_batch_size).")
+
+
+def apply_batch_plan(config, recipe) -> None:
+    """With ``--total_batch_size``, set ``config.per_device_train_batch_size`` and
+    ``config.gradient_accumulation_steps`` from the batch planner before either engine builds anything
+    (Accelerate fixes the accumulation steps when the Accelerator is created). Called once by
+    ``run.main``; the plan is printed. Raises ``FinetuneError`` as ``resolve_batch_plan``."""
+    if not config.total_batch_size:
+        return
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    plan = resolve_batch_plan(config, recipe, state.num_processes, state.device)
+    config.per_device_train_batch_size = plan.per_device_train_batch_size
+    config.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    if state.is_main_process:
+        print(f"Batch plan for --total_batch_size {config.total_batch_size}: {plan}")

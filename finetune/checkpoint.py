@@ -42,10 +42,34 @@ class TrainerState:
     padded_tokens_seen: int = 0  # input positions incl. padding (what the model computed on)
     skipped_steps: int = 0
     consecutive_skipped: int = 0
-    losses: list = field(default_factory=list)
+    loss_sum: float = 0.0  # sum over optimizer steps of each step's mean loss (train_loss = loss_sum / step)
+    last_loss: float | None = None
+    best_metric: float | None = None  # --metric_for_best_model's best value so far, and where
+    best_step: int | None = None
+    evals_without_improvement: int = 0  # for --early_stopping_patience
     train_runtime: float = 0.0
     num_processes: int = 1
     step_meaning: dict = field(default_factory=dict)
+
+    def record_step(self, loss: float, skipped: bool) -> None:
+        """Count one optimizer step whose mean loss per item was ``loss``."""
+        self.step += 1
+        self.loss_sum += loss
+        self.last_loss = loss
+        self.skipped_steps += int(skipped)
+        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+
+    def record_evaluation(self, value: float | None, greater_is_better: bool) -> bool:
+        """Track ``--metric_for_best_model`` after an evaluation at ``self.step``; return whether it is the
+        best so far (strictly better, as Trainer's ``EarlyStoppingCallback`` with threshold 0)."""
+        if value is None:
+            return False
+        better = self.best_metric is None or (value > self.best_metric if greater_is_better else value < self.best_metric)
+        if better:
+            self.best_metric, self.best_step, self.evals_without_improvement = value, self.step, 0
+        else:
+            self.evals_without_improvement += 1
+        return better
 
 
 def checkpoints_dir(output_dir) -> Path:
@@ -117,15 +141,28 @@ def check_compatible(state: TrainerState, meaning: dict, path: Path, allow: bool
             "Resume with the checkpoint's settings, or pass --ignore_checkpoint_mismatch to continue anyway.")
 
 
-def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_limit: int | None) -> Path:
+def checkpoint_path(output_dir, step: int) -> Path:
+    """``<output_dir>/checkpoints/step_<8 digits>``."""
+    return checkpoints_dir(output_dir) / f"step_{step:08d}"
+
+
+def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_limit: int | None,
+                    model=None, tokenizer=None) -> Path:
     """Write a checkpoint for ``state.step`` atomically, then prune to ``save_total_limit`` (oldest first,
-    only complete ones, never the new one). Every process calls this (``save_state`` is collective).
+    only complete ones, never the new one, never the best one: ``state.best_step``). Every process calls
+    this (``save_state`` is collective).
+
+    With ``model`` and ``tokenizer``, the checkpoint is also a loadable model directory: the model's
+    ``config.json`` (and generation config) and the tokenizer beside ``save_state``'s ``model.safetensors``,
+    so ``from_pretrained(checkpoint)`` and the predict command work on it. (Where the state is sharded, as
+    with FSDP's SHARDED_STATE_DICT, the weights are in ``pytorch_model_fsdp_0/``: consolidate them with
+    ``accelerate merge-weights``.)
 
     Raises ``FinetuneError`` if the write fails (e.g. disk full): the partial write is removed and the
     previous checkpoints are untouched.
     """
     root = checkpoints_dir(output_dir)
-    final = root / f"step_{state.step:08d}"
+    final = checkpoint_path(output_dir, state.step)
     tmp = root / f".tmp-{final.name}"
     error = None
     if accelerator.is_main_process:
@@ -135,6 +172,13 @@ def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_lim
     try:
         accelerator.save_state(str(tmp), safe_serialization=True)
         if accelerator.is_main_process:
+            if model is not None:
+                unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+                unwrapped.config.save_pretrained(tmp)
+                if getattr(unwrapped, "generation_config", None) is not None and unwrapped.can_generate():
+                    unwrapped.generation_config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state)) + "\n")
             _fsync_tree(tmp)
             (tmp / MARKER).write_text(f"step {state.step}\n")
@@ -151,7 +195,8 @@ def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_lim
                             "Free disk space (or choose another --output_dir) and resume with "
                             "--resume_from_checkpoint latest.") from None
     if accelerator.is_main_process and save_total_limit:
-        complete = [p for p in list_checkpoints(output_dir) if is_complete(p) and p != final]
+        keep = {final, checkpoint_path(output_dir, state.best_step) if state.best_step is not None else final}
+        complete = [p for p in list_checkpoints(output_dir) if is_complete(p) and p not in keep]
         for old in complete[: max(len(complete) + 1 - save_total_limit, 0)]:
             shutil.rmtree(old, ignore_errors=True)
     return final

@@ -1,5 +1,5 @@
-"""Side-by-side comparison of the two engines: ``finetune/run.py --recipe NAME --compare`` (or
-``python finetune/compare.py --recipe NAME``, the same flags).
+"""Side-by-side comparison of the two engines: ``finetune compare --recipe NAME`` (or any training
+command with ``--compare``).
 
 Each backend runs in a fresh subprocess with the same resolved settings, one after the other, so its
 peak memory (``metrics.json``: process max RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU) and
@@ -9,6 +9,7 @@ wall time are its own. Writes into ``--output_dir``: ``accelerate/`` and ``train
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,16 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: import the package from the repository root, and keep
-    # this folder off sys.path, where its modules would shadow top-level packages of the same name
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-    sys.path.insert(0, os.path.dirname(_here))
-
+from finetune.config import config_argv, reproduce_command
 from finetune.errors import FinetuneError
+from finetune.recipes import load_recipe
 
 BACKENDS = ("accelerate", "trainer")
-RUN_PY = Path(__file__).resolve().parent / "run.py"
 # the batch plan is resolved once here, so both backends get the same explicit micro-batch and accumulation
 _NOT_PASSED = {"compare", "backend", "output_dir", "list_recipes", "overwrite_output_dir", "total_batch_size",
                "auto_find_batch_size", "max_memory_mb"}
@@ -34,8 +30,6 @@ _NOT_PASSED = {"compare", "backend", "output_dir", "list_recipes", "overwrite_ou
 def child_argv(config, recipe, backend: str, output_dir: Path) -> list[str]:
     """Flags that make ``run.py`` resolve exactly ``config`` for one ``backend`` (``config_argv``: the
     recipe plus every setting that differs from its defaults), into ``output_dir``."""
-    from finetune.model_card import config_argv
-
     return config_argv(config, recipe, exclude=_NOT_PASSED) + [
         "--backend", backend, "--output_dir", str(output_dir), "--overwrite_output_dir", "True"]
 
@@ -117,7 +111,7 @@ def render_markdown(summary: dict, config, command: str) -> str:
 
 def plot_loss_curves(summary: dict, path: Path) -> None:
     """``loss_curves.png``: both backends' loss per optimizer step, learning rate on a second axis."""
-    import matplotlib
+    import matplotlib  # lazy: an optional extra (pip install "finetune[compare]"), needed by --compare alone
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -141,7 +135,7 @@ def plot_loss_curves(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def compare(config, argv: list[str]) -> dict:
+def compare(config) -> dict:
     """Run both backends with ``config`` and write the comparison into ``config.output_dir``.
 
     Returns the summary dict (also ``comparison.json``). Raises ``FinetuneError`` when launched with
@@ -149,9 +143,10 @@ def compare(config, argv: list[str]) -> dict:
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise FinetuneError("--compare launches each backend itself in a single process; run it with "
-                            "`python finetune/run.py ... --compare` or a 1-process `accelerate launch`.")
-    from finetune.recipes import load_recipe
-
+                            "`finetune compare ...` or a 1-process `accelerate launch`.")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise FinetuneError("--compare draws loss_curves.png with matplotlib, which is not installed: "
+                            'pip install "finetune[compare]" (or pip install matplotlib).')
     recipe = load_recipe(config.recipe)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,7 +155,7 @@ def compare(config, argv: list[str]) -> dict:
     for backend in BACKENDS:
         print(f"\n=== {backend} backend ===", flush=True)
         start = time.time()
-        result = subprocess.run([sys.executable, str(RUN_PY), *child_argv(config, recipe, backend, out / backend)])
+        result = subprocess.run([sys.executable, "-m", "finetune.run", *child_argv(config, recipe, backend, out / backend)])
         if result.returncode != 0:
             raise FinetuneError(f"the {backend} backend failed (exit {result.returncode}); its output is above.")
         steps = [r for r in _read_jsonl(out / backend / "log.jsonl") if "loss" in r]
@@ -168,21 +163,10 @@ def compare(config, argv: list[str]) -> dict:
                          "wall_time": round(time.time() - start, 3)}
     summary = summarize(runs)
     summary["settings"] = config.to_dict()
-    command = "python finetune/run.py " + " ".join(argv)
+    command = reproduce_command(config_argv(config, recipe, exclude={"compare"})).replace(
+        "finetune train", "finetune compare", 1)
     (out / "comparison.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "comparison.md").write_text(render_markdown(summary, config, command))
     plot_loss_curves(summary, out / "loss_curves.png")
     print("\n" + (out / "comparison.md").read_text())
     return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python finetune/compare.py FLAGS`` = ``python finetune/run.py FLAGS --compare``."""
-    from finetune.run import main as run_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_main(argv + ["--compare", "True"])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

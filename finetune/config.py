@@ -7,11 +7,16 @@ Precedence: dataclass default < recipe ``DEFAULTS`` < command-line flag.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import shlex
 from dataclasses import dataclass, field
 from typing import Literal
 
+from transformers import HfArgumentParser
+
 from finetune.errors import FinetuneError
+from finetune.recipes import load_recipe
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16")
 LR_SCHEDULER_CHOICES = (
@@ -86,7 +91,10 @@ class TrainConfig:
     lr_scheduler_type: Literal[LR_SCHEDULER_CHOICES] = field(  # type: ignore[valid-type]
         default="linear", metadata={"help": "LR schedule, sized in optimizer steps."}
     )
-    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup length in optimizer steps."})
+    warmup_steps: float = field(
+        default=0, metadata={"help": "Linear warmup: a count of optimizer steps, or a float in [0, 1): that ratio of "
+                                     "the total optimizer steps (as TrainingArguments; there is no warmup_ratio)."}
+    )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm to this (0 disables)."})
     max_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
     block_size: int | None = field(
@@ -95,8 +103,17 @@ class TrainConfig:
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
-    eval_strategy: Literal["epoch", "no"] = field(
-        default="epoch", metadata={"help": "Evaluate after every epoch ('epoch') or only at the end ('no')."}
+    eval_strategy: Literal["no", "steps", "epoch"] = field(
+        default="epoch", metadata={"help": "When to evaluate: after every epoch, every --eval_steps optimizer steps "
+                                           "(and after the last one), or never ('no')."}
+    )
+    eval_steps: float | None = field(
+        default=None, metadata={"help": "With --eval_strategy steps: optimizer steps between evaluations, or a float in "
+                                        "[0, 1): that ratio of the total steps."}
+    )
+    logging_steps: float = field(
+        default=1, metadata={"help": "Optimizer steps between console/tracker updates (or a ratio in [0, 1) of the "
+                                     "total). log.jsonl always has one record per optimizer step."}
     )
     backend: Literal["accelerate", "trainer"] = field(
         default="accelerate",
@@ -106,9 +123,34 @@ class TrainConfig:
         default=False, metadata={"help": "Run both backends with the same settings and write comparison.md/json/png."}
     )
     eval_on_start: bool = field(default=False, metadata={"help": "Also evaluate before the first optimizer step."})
+    save_strategy: Literal["no", "steps", "epoch"] = field(
+        default="no", metadata={"help": "When to write a resumable checkpoint: every --save_steps optimizer steps, after "
+                                        "every epoch, or never. A signal (SIGTERM/SIGINT) always writes one."}
+    )
+    save_steps: float | None = field(
+        default=None, metadata={"help": "With --save_strategy steps (implied when only this is given): optimizer steps "
+                                        "between checkpoints, or a float in [0, 1): that ratio of the total steps."}
+    )
     checkpointing_steps: str | None = field(
         default=None,
-        metadata={"help": "Save a resumable checkpoint every N optimizer steps, or 'epoch' after every epoch."},
+        metadata={"help": "Older spelling: N means --save_strategy steps --save_steps N; 'epoch' means --save_strategy "
+                          "epoch."},
+    )
+    load_best_model_at_end: bool = field(
+        default=False, metadata={"help": "Keep the checkpoint with the best --metric_for_best_model and make it the final "
+                                         "model. Needs --save_strategy equal to --eval_strategy (steps: --save_steps a "
+                                         "multiple of --eval_steps)."}
+    )
+    metric_for_best_model: str | None = field(
+        default=None, metadata={"help": "The eval metric that decides the best model (default 'loss', i.e. eval_loss)."}
+    )
+    greater_is_better: bool | None = field(
+        default=None, metadata={"help": "Whether a larger --metric_for_best_model is better (default: False for a "
+                                        "loss, True otherwise)."}
+    )
+    early_stopping_patience: int | None = field(
+        default=None, metadata={"help": "Stop after this many evaluations in a row without improving "
+                                        "--metric_for_best_model (needs --load_best_model_at_end)."}
     )
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
     resume_from_checkpoint: str | None = field(
@@ -151,6 +193,28 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.torch_compile_mode is not None:
             self.torch_compile = True  # as TrainingArguments: a mode implies compilation
+        if self.checkpointing_steps is not None:  # the older flag, parsed once into the TrainingArguments pair
+            value, self.checkpointing_steps = str(self.checkpointing_steps), None
+            if value == "epoch":
+                self.save_strategy = "epoch"
+            elif value.isdigit() and int(value) >= 1:
+                self.save_strategy, self.save_steps = "steps", int(value)
+            else:
+                raise FinetuneError(f"--checkpointing_steps must be a positive integer (optimizer steps) or 'epoch', "
+                                    f"got {value!r}.")
+        if self.save_steps is not None and self.save_strategy == "no":
+            self.save_strategy = "steps"
+        if self.metric_for_best_model is None and self.load_best_model_at_end:
+            self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is not None and self.greater_is_better is None:
+            # TrainingArguments' rule: a metric named like a loss is minimised
+            self.greater_is_better = not self.metric_for_best_model.removeprefix("eval_").endswith("loss")
+
+    @property
+    def best_metric_key(self) -> str:
+        """The ``metrics`` key of ``metric_for_best_model`` (``eval_`` prefixed, as Trainer does)."""
+        name = self.metric_for_best_model or "loss"
+        return name if name.startswith("eval_") else f"eval_{name}"
 
     def validate(self) -> None:
         """Check values that argparse cannot; raise ``FinetuneError`` naming the flag and the fix."""
@@ -167,8 +231,38 @@ class TrainConfig:
             raise FinetuneError(f"--learning_rate must be > 0, got {self.learning_rate}.")
         if self.num_train_epochs <= 0 and self.max_steps <= 0:
             raise FinetuneError("--num_train_epochs must be > 0 (or set --max_steps to a positive number).")
-        if self.warmup_steps < 0:
-            raise FinetuneError(f"--warmup_steps must be >= 0, got {self.warmup_steps}.")
+        for name in ("warmup_steps", "logging_steps", "eval_steps", "save_steps"):
+            value = getattr(self, name)
+            if value is not None and (value < 0 or (value >= 1 and value != int(value))):
+                raise FinetuneError(f"--{name} must be a whole number of optimizer steps or a ratio in [0, 1) of the "
+                                    f"total steps, got {value}.")
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            if getattr(self, name) == 0:
+                raise FinetuneError(f"--{name} must be > 0 (a count of optimizer steps, or a ratio in (0, 1)).")
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            raise FinetuneError("--eval_strategy steps needs --eval_steps N (optimizer steps between evaluations).")
+        if self.eval_steps is not None and self.eval_strategy != "steps":
+            raise FinetuneError(f"--eval_steps is used only with --eval_strategy steps (it is {self.eval_strategy!r}); "
+                                "add --eval_strategy steps or drop --eval_steps.")
+        if self.save_strategy == "steps" and self.save_steps is None:
+            raise FinetuneError("--save_strategy steps needs --save_steps N (optimizer steps between checkpoints).")
+        if self.load_best_model_at_end:
+            if self.eval_strategy == "no":
+                raise FinetuneError("--load_best_model_at_end needs evaluations: set --eval_strategy epoch or steps.")
+            if self.save_strategy != self.eval_strategy:
+                raise FinetuneError(f"--load_best_model_at_end needs --save_strategy equal to --eval_strategy "
+                                    f"({self.eval_strategy!r}), got {self.save_strategy!r}: the best model is one of the "
+                                    "checkpoints, so one must be written at every evaluation.")
+            if self.eval_strategy == "steps" and ((self.save_steps < 1) != (self.eval_steps < 1) or
+                                                 (self.save_steps / self.eval_steps) != int(self.save_steps / self.eval_steps)):
+                raise FinetuneError(f"--load_best_model_at_end needs --save_steps ({self.save_steps}) to be a round "
+                                    f"multiple of --eval_steps ({self.eval_steps}).")
+        if self.early_stopping_patience is not None:
+            if self.early_stopping_patience < 1:
+                raise FinetuneError(f"--early_stopping_patience must be >= 1, got {self.early_stopping_patience}.")
+            if not self.load_best_model_at_end:
+                raise FinetuneError("--early_stopping_patience needs --load_best_model_at_end (as Trainer's "
+                                    "EarlyStoppingCallback): otherwise the run would end on a worse model.")
         if self.max_grad_norm < 0:
             raise FinetuneError(f"--max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
         for name in ("max_train_samples", "max_eval_samples"):
@@ -177,10 +271,6 @@ class TrainConfig:
                 raise FinetuneError(f"--{name} must be a positive integer, got {value}.")
         if self.block_size is not None and self.block_size < 2:
             raise FinetuneError(f"--block_size must be an integer >= 2 (tokens), got {self.block_size}.")
-        if self.checkpointing_steps is not None and self.checkpointing_steps != "epoch":
-            if not str(self.checkpointing_steps).isdigit() or int(self.checkpointing_steps) < 1:
-                raise FinetuneError(f"--checkpointing_steps must be a positive integer (optimizer steps) or 'epoch', "
-                                    f"got {self.checkpointing_steps!r}.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise FinetuneError(f"--save_total_limit must be >= 1, got {self.save_total_limit}.")
         if self.dataloader_num_workers < 0:
@@ -203,18 +293,32 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+def _refuse_unknown_flags(parser: HfArgumentParser, argv: list[str] | None) -> None:
+    """Raise ``FinetuneError`` naming the first flag the parser does not know, and the nearest known one
+    (``difflib``), instead of ``HfArgumentParser``'s ``ValueError`` traceback."""
+    _, remaining = parser.parse_known_args(args=argv)
+    if not remaining:
+        return
+    flag = next((a for a in remaining if a.startswith("-")), remaining[0])
+    name = flag.split("=", 1)[0]
+    known = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]}?" if close else " See --help for the flags."
+    if not flag.startswith("-"):
+        raise FinetuneError(f"unexpected argument {flag!r} (every setting is a --flag VALUE pair).{hint}")
+    raise FinetuneError(f"unknown flag {name}.{hint}")
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """Parse command-line flags into a ``TrainConfig``, with the recipe's defaults under the flags.
 
     Two passes: the first finds ``--recipe``; its ``DEFAULTS`` become the parser's defaults; the second
-    parses everything. Raises ``FinetuneError`` for an unknown recipe (listing the known ones) and
-    for a recipe default that is not a config field; argparse exits 2 on malformed flags.
+    parses everything. Raises ``FinetuneError`` for an unknown or misspelt flag (naming the nearest known
+    one), an unknown recipe (listing the known ones) and a recipe default that is not a config field;
+    argparse exits 2 on a malformed value.
     """
-    from transformers import HfArgumentParser
-
-    from finetune.recipes import load_recipe
-
     parser = HfArgumentParser(TrainConfig)
+    _refuse_unknown_flags(parser, argv)
     (first,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     if not first.list_recipes:
         recipe = load_recipe(first.recipe)
@@ -227,3 +331,48 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     if config.output_dir is None:
         config.output_dir = f"outputs/{config.recipe.removesuffix('.py').replace('/', '_')}"
     return config
+
+
+def config_argv(config: TrainConfig, recipe=None, exclude=frozenset()) -> list[str]:
+    """Flags that rebuild ``config`` with ``parse_config``: ``--recipe`` plus every field whose value
+    differs from its default (the recipe's ``DEFAULTS`` over the dataclass defaults), leaving out the
+    fields named in ``exclude``.
+
+    Used when the original command line is not at hand (e.g. inside ``train()``). Fields set to ``None``
+    against a non-``None`` default cannot be expressed as a flag and are left out.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+    if recipe is not None:
+        defaults.update(getattr(recipe, "DEFAULTS", {}))
+    argv = ["--recipe", str(config.recipe)]
+    for f in dataclasses.fields(config):
+        if f.name in ("recipe", "list_recipes") or f.name in exclude:
+            continue
+        value = getattr(config, f.name)
+        if value is None or (f.name in defaults and value == defaults[f.name]):
+            continue
+        if isinstance(value, bool):
+            argv += [f"--{f.name}"] if value else [f"--{f.name}", "False"]
+        else:
+            argv += [f"--{f.name}", repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
+def reproduce_command(argv: list[str], num_processes: int = 1, device: str | None = None) -> str:
+    """The command line that reruns a training run from any directory: ``finetune train ARGS``, every
+    argument quoted with ``shlex.quote`` (copy-pasteable into a POSIX shell).
+
+    ``argv``: the run's training flags (a leading ``.../run.py`` is dropped, so ``sys.argv`` works too).
+    ``num_processes`` > 1 adds ``--multi_gpu --num_processes N`` (Accelerate's launcher flags, which
+    ``finetune train`` takes), and on ``device="cpu"`` the ``ACCELERATE_USE_CPU=1`` prefix that gives N gloo
+    processes on a CPU.
+    """
+    args = list(argv)
+    if args and args[0].endswith("run.py"):
+        args = args[1:]
+    prefix, launch = [], ["finetune", "train"]
+    if num_processes > 1:
+        launch += ["--multi_gpu", "--num_processes", str(num_processes)]
+        if device == "cpu":
+            prefix = ["ACCELERATE_USE_CPU=1"]
+    return " ".join([*prefix, *(shlex.quote(a) for a in [*launch, *args])])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
+from finetune.checkpoint import is_complete, list_checkpoints
 from finetune.errors import FinetuneError
 
 # Settings whose change does not make a run "different" (where it goes, whether it may overwrite).
@@ -21,6 +23,11 @@ def check_output_dir(config) -> None:
     Raises ``FinetuneError`` naming the differing settings and the flags that fix it.
     """
     out = Path(config.output_dir)
+    if config.overwrite_output_dir and not config.resume_from_checkpoint:
+        resolved, cwd = out.expanduser().resolve(), Path.cwd().resolve()
+        if resolved in (cwd, *cwd.parents, Path.home().resolve()):
+            raise FinetuneError(f"--output_dir {str(out)!r} with --overwrite_output_dir would delete the current "
+                                "directory, one of its parents or your home directory. Choose a directory of its own.")
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"--output_dir {str(out)!r} is a file, not a directory. Choose another --output_dir.")
     previous = out / "run_config.json"
@@ -38,8 +45,6 @@ def check_output_dir(config) -> None:
                 "Choose another --output_dir, or pass --overwrite_output_dir to replace it."
             )
     if previous.is_file() and not config.overwrite_output_dir and not config.resume_from_checkpoint:
-        from finetune.checkpoint import is_complete, list_checkpoints
-
         if any(is_complete(p) for p in list_checkpoints(out)):
             raise FinetuneError(
                 f"--output_dir {str(out)!r} holds checkpoints of this run. Continue it with "
@@ -60,3 +65,18 @@ def check_output_dir(config) -> None:
     except OSError as err:
         raise FinetuneError(f"--output_dir {str(out)!r} cannot be written ({err.strerror or err}). "
                             "Choose a directory you can write to.") from None
+
+
+def clear_output_dir(out: Path) -> None:
+    """``--overwrite_output_dir``: remove everything in ``out`` (the previous run's model, metrics, model
+    card, log, checkpoints, TensorBoard runs), so that after the new run only its own files are there.
+    Called when training starts, never before: a run refused on bad input touches nothing."""
+    if not out.is_dir():
+        return
+    for entry in out.iterdir():
+        if entry.name.startswith(_PROBE):
+            continue  # another rank's write probe, gone in an instant
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)

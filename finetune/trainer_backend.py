@@ -3,42 +3,51 @@
 
 Only the loop differs. What we add to a plain Trainer:
 
-- ``compute_loss_func`` returns the micro-batch's summed cross-entropy divided by ``num_items_in_batch``
-  (the samples of the whole accumulation window, across processes). A plain Trainer with a model that
-  accepts loss kwargs (BERT in transformers 5) neither normalises by the window nor divides by the
-  accumulation steps, so its gradients and its logged loss are N times the mean (6.43 instead of 1.61 at
-  N = 4 on bbc-news).
-- ``TrueLossCallback`` (which also provides that loss function) writes our ``log.jsonl``: the mean loss per sample of each optimizer step, the
-  learning rate used and the pre-clip grad norm that Trainer reports.
+- ``compute_loss_func`` returns the micro-batch's summed loss divided by ``num_items_in_batch`` (the items
+  of the whole accumulation window, across processes). A plain Trainer with a model that accepts loss
+  kwargs (BERT in transformers 5) neither normalises by the window nor divides by the accumulation steps,
+  so its gradients and its logged loss are N times the mean (6.43 instead of 1.61 at N = 4 on bbc-news).
+- ``TrueLossCallback`` (which also provides that loss function) writes our ``log.jsonl`` (the mean loss
+  per item of each optimizer step, the learning rate used and the pre-clip grad norm that Trainer
+  reports) and runs the shared evaluation on our ``--eval_strategy``, tracking the best model and early
+  stopping. Checkpoints are Trainer's own (``<output_dir>/checkpoints/checkpoint-N``), plus the settings
+  that define a step, so a resume with other settings is refused as on the accelerate side.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
-from transformers import Trainer, TrainerCallback
+from finetune import checkpoint as ckpt
+from finetune.components import micro_batches_per_process, plan_steps
+from finetune.builders import build_components
+from finetune.errors import FinetuneError
+from finetune.evaluation import check_eval_set, evaluate
+from finetune.output import clear_output_dir
+from finetune.precision import effective_mixed_precision
+from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
+from finetune.tasks import get_task
 
-from finetune.train import effective_mixed_precision, evaluate, run_banner, run_metrics
+STEP_MEANING_FILE = "finetune_step_meaning.json"  # in each Trainer checkpoint
 
 
-def training_arguments(config, output_dir: str | None = None):
+def training_arguments(config, output_dir: str | None = None) -> TrainingArguments:
     """The ``TrainingArguments`` for ``config``: the one place our settings map to Trainer's.
 
     Every shared hyperparameter keeps its name and value (tested in ``tests/test_trainer_backend.py``).
-    Checkpointing and external reporting are off (``metrics.json``/``log.jsonl`` are ours); logging is
-    every optimizer step. fp16 is asked for only where it can run (a CUDA device), as on the accelerate
-    side, where a CPU silently runs fp32.
+    Checkpoints go to ``<output_dir>/checkpoints``; evaluation is ours (``TrueLossCallback``), so Trainer's is
+    off; logging is every optimizer step. fp16 is asked for only where it can run (a CUDA device), as on the
+    accelerate side, where a CPU silently runs fp32.
     """
-    from transformers import TrainingArguments
-
     fp16 = config.mixed_precision == "fp16" and torch.cuda.is_available()
     return TrainingArguments(
-        output_dir=output_dir or config.output_dir,
+        output_dir=str(ckpt.checkpoints_dir(output_dir or config.output_dir)),
         per_device_train_batch_size=config.per_device_train_batch_size,
         per_device_eval_batch_size=config.per_device_eval_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -62,7 +71,9 @@ def training_arguments(config, output_dir: str | None = None):
         # Evaluation runs in TrueLossCallback through the same evaluate() as the accelerate engine, so both
         # engines define eval_loss alike (Trainer's own averages per-batch means: not per-token exact).
         eval_strategy="no",
-        save_strategy="no",
+        save_strategy=config.save_strategy,
+        save_steps=config.save_steps if config.save_steps is not None else 500,
+        save_total_limit=config.save_total_limit,
         logging_strategy="steps",
         logging_steps=1,
         logging_nan_inf_filter=False,
@@ -79,20 +90,21 @@ def training_arguments(config, output_dir: str | None = None):
 
 
 class TrueLossCallback(TrainerCallback):
-    """Writes ``log.jsonl`` like the accelerate engine: one record per optimizer step with the mean loss
-    per item over the window (summed over processes), the learning rate used in the step and the
-    pre-clip grad norm (both as Trainer reports them), and Trainer's own logged loss for reference.
-    Evaluates at each epoch end (``eval_strategy="epoch"``) and at the end with the shared ``evaluate()``,
-    timing it so ``train_runtime`` excludes it, as in the other engine."""
+    """Our bookkeeping on Trainer: ``log.jsonl`` like the accelerate engine (one record per optimizer step
+    with the mean loss per item over the window, summed over processes, the learning rate used and the
+    pre-clip grad norm as Trainer reports them, and Trainer's own logged loss for reference); evaluation
+    with the shared ``evaluate()`` on ``--eval_strategy`` (timed, so ``train_runtime`` excludes it); the best
+    model (``--metric_for_best_model``, recorded in Trainer's state so its checkpoint rotation keeps it and
+    ``load_best_model_at_end`` loads it) and early stopping. ``totals``: a ``checkpoint.TrainerState``
+    holding the counts, rebuilt from ``log.jsonl`` on resume."""
 
-    def __init__(self, config, task, metric_specs: dict, log_path: Path | None, steps_per_epoch: int):
-        self.config, self.task, self.metric_specs = config, task, metric_specs
-        self.log_file = open(log_path, "w", encoding="utf-8") if log_path else None
-        self.steps_per_epoch = steps_per_epoch
+    def __init__(self, config, task, metric_specs: dict, log: JsonlLog, plan, totals: ckpt.TrainerState):
+        self.config, self.task, self.metric_specs, self.log, self.plan = config, task, metric_specs, log, plan
+        self.totals = totals
+        self.eval_steps = plan.steps(config.eval_steps)
         self.trainer = None  # set once the Trainer exists
         self.window_loss, self.window_items, self.window_samples, self.micro_batches = None, 0, 0, 0
-        self.losses, self.skipped_steps, self.samples, self.tokens = [], 0, 0, 0
-        self.eval_results, self.eval_runtime = {}, 0.0
+        self.eval_results, self.best_eval_results, self.eval_runtime, self.last_eval_step = {}, {}, 0.0, None
         self.pending = None
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
@@ -108,27 +120,23 @@ class TrueLossCallback(TrainerCallback):
         self.micro_batches += 1
         return loss_sum / num_items_in_batch
 
-    def _write(self, record):
-        if self.log_file:
-            self.log_file.write(json.dumps(record) + "\n")
-            self.log_file.flush()
-
     def on_step_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
         loss = (accelerator.reduce(self.window_loss, "sum") / self.window_items).item()
         samples = int(accelerator.reduce(torch.tensor(self.window_samples, device=accelerator.device), "sum").item())
         skipped = accelerator.optimizer_step_was_skipped
-        self.skipped_steps += int(skipped)
-        self.samples += samples
-        self.losses.append(loss)
-        self.pending = {"step": state.global_step, "epoch": round(state.global_step / self.steps_per_epoch, 4),
+        self.totals.record_step(loss, skipped)
+        self.totals.samples_seen += samples
+        self.pending = {"step": state.global_step, "epoch": round(self.plan.epoch_fraction(state.global_step), 4),
                         "loss": loss, "samples": samples, "micro_batches": self.micro_batches}
         if self.task.name == "causal-lm":
             self.pending["label_tokens"] = self.window_items
-            self.tokens += self.window_items
+            self.totals.tokens_seen += self.window_items
         if skipped:
             self.pending["skipped"] = True
         self.window_loss, self.window_samples, self.micro_batches = None, 0, 0
+        if self.config.eval_strategy == "steps" and state.global_step % self.eval_steps == 0:
+            self.run_evaluation(state, control)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -138,88 +146,136 @@ class TrueLossCallback(TrainerCallback):
             record.update(learning_rate=logs.get("learning_rate"),
                           grad_norm=float(grad_norm) if grad_norm is not None else None,
                           trainer_logged_loss=logs["loss"])
-            self._write(record)
+            self.log.write(record)
 
-    def run_evaluation(self, step: int):
-        """Evaluate with the shared ``evaluate()`` on Trainer's prepared eval dataloader; log the result."""
+    def run_evaluation(self, state, control) -> None:
+        """Evaluate with the shared ``evaluate()`` on Trainer's prepared eval dataloader; log the result;
+        track the best model and early stopping in Trainer's ``state``/``control``."""
         start = time.perf_counter()
-        trainer = self.trainer
-        self.eval_results = evaluate(trainer.accelerator, trainer.model_wrapped, trainer.get_eval_dataloader(),
-                                     self.task, self.metric_specs)
+        trainer, step = self.trainer, state.global_step
+        results = evaluate(trainer.accelerator, trainer.model_wrapped, trainer.get_eval_dataloader(), self.task,
+                           self.metric_specs)
         self.eval_runtime += time.perf_counter() - start
-        self._write({"step": step, "epoch": round(step / self.steps_per_epoch, 4), **self.eval_results})
+        self.eval_results, self.last_eval_step = results, step
+        self.log.write({"step": step, "epoch": round(self.plan.epoch_fraction(step), 4), **results})
         if trainer.args.process_index == 0:
-            print(f"eval at step {step}: " + ", ".join(
-                f"{k}={v:.4f}" for k, v in self.eval_results.items() if isinstance(v, float)))
+            print(f"eval at step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items() if isinstance(v, float)))
+        config = self.config
+        if config.metric_for_best_model is None:
+            return
+        if self.totals.record_evaluation(results.get(config.best_metric_key), config.greater_is_better):
+            self.best_eval_results = results
+            state.best_metric, state.best_global_step = self.totals.best_metric, step
+            state.best_model_checkpoint = str(Path(trainer.args.output_dir) / f"checkpoint-{step}")
+        patience = config.early_stopping_patience
+        if patience and self.totals.evals_without_improvement >= patience:
+            control.should_training_stop = True
+            if trainer.args.process_index == 0:
+                print(f"early stopping: {config.best_metric_key} has not improved for {patience} evaluation(s).")
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.config.eval_on_start:
-            self.run_evaluation(0)
+        if self.config.eval_on_start and state.global_step == 0:
+            self.run_evaluation(state, control)
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        if self.config.eval_strategy == "epoch" or state.global_step >= state.max_steps:
-            self.run_evaluation(state.global_step)
+        last = state.global_step >= state.max_steps or control.should_training_stop
+        strategy = self.config.eval_strategy
+        if strategy == "epoch" or (strategy == "steps" and last and self.last_eval_step != state.global_step):
+            self.run_evaluation(state, control)
 
-    def close(self):
-        """Close ``log.jsonl``."""
-        if self.log_file:
-            self.log_file.close()
+    def on_save(self, args, state, control, **kwargs):
+        # what a step means, beside Trainer's checkpoint, so a resume with other settings is refused
+        if args.process_index == 0:
+            path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STEP_MEANING_FILE
+            path.write_text(json.dumps(self.totals.step_meaning) + "\n")
+
+
+def _resume_checkpoint(config, meaning: dict) -> str | None:
+    """The Trainer checkpoint to resume from (``latest``: the newest under ``<output_dir>/checkpoints``),
+    after checking that it means the same step. Raises ``FinetuneError`` when there is none or it differs."""
+    spec = config.resume_from_checkpoint
+    if not spec:
+        return None
+    root = ckpt.checkpoints_dir(config.output_dir)
+    path = get_last_checkpoint(str(root)) if spec == "latest" and root.is_dir() else (None if spec == "latest" else spec)
+    if path is None or not Path(path, "trainer_state.json").is_file():
+        raise FinetuneError(f"--resume_from_checkpoint {spec}: no Trainer checkpoint {'under ' + str(root) if spec == 'latest' else 'there'}"
+                            ". Pass a checkpoint-N directory, or start without --resume_from_checkpoint.")
+    saved = Path(path, STEP_MEANING_FILE)
+    if saved.is_file():
+        state = ckpt.TrainerState(step_meaning=json.loads(saved.read_text()))
+        ckpt.check_compatible(state, meaning, Path(path), config.ignore_checkpoint_mismatch)
+    return str(path)
+
+
+def _totals_from_log(path: Path, step: int, totals: ckpt.TrainerState, config) -> None:
+    """On resume: keep ``log.jsonl`` up to ``step`` and rebuild the counts from it."""
+    restore_log(path, step)
+    if not path.is_file():
+        return
+    for record in map(json.loads, path.read_text().splitlines()):
+        if "loss" in record:
+            totals.record_step(record["loss"], record.get("skipped", False))
+            totals.samples_seen += record["samples"]
+            totals.tokens_seen += int(record.get("label_tokens", 0))
+        elif config.metric_for_best_model is not None:
+            totals.step = record["step"]
+            totals.record_evaluation(record.get(config.best_metric_key), config.greater_is_better)
+    totals.step = step
 
 
 def train(config, recipe, process_start: float | None = None) -> dict:
-    """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate
-    engine (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``); return the metrics.
+    """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate engine
+    (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``, model card); return the metrics.
     Units as in ``finetune.train.train``."""
-    from finetune.data import build_components
-    from finetune.errors import FinetuneError
-    from finetune.tasks import get_task
-
-    if config.checkpointing_steps or config.resume_from_checkpoint:
-        raise FinetuneError("--checkpointing_steps and --resume_from_checkpoint belong to the accelerate backend "
-                            "(exact mid-epoch resume); drop them or use --backend accelerate.")
     output_dir = Path(config.output_dir)
     args = training_arguments(config)
-    if args.process_index == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "run_config.json").write_text(config.to_json() + "\n")
     precision_hint = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
     tokenizer, datasets, _, model, collator = build_components(
         config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"))
-
+    check_eval_set(len(datasets["validation"]), config)
     processes = args.world_size
-    micro_batches = math.ceil(math.ceil(len(datasets["train"]) / config.per_device_train_batch_size) / processes)
-    steps_per_epoch = math.ceil(micro_batches / config.gradient_accumulation_steps)
-    max_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
-    task = get_task(recipe.TASK)
-    callback = TrueLossCallback(config, task, recipe.METRICS, output_dir / "log.jsonl" if args.process_index == 0 else None,
-                                steps_per_epoch)
+    plan = plan_steps(micro_batches_per_process(len(datasets["train"]), config.per_device_train_batch_size, processes),
+                      config)
+    totals = ckpt.TrainerState(num_processes=processes, step_meaning=ckpt.step_meaning(config, processes))
+    resume_from = _resume_checkpoint(config, totals.step_meaning)
+    main = args.process_index == 0
+    if main:
+        if config.overwrite_output_dir and resume_from is None:
+            clear_output_dir(output_dir)  # only now: a run refused before training touches nothing
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "run_config.json").write_text(config.to_json() + "\n")
+        if resume_from is not None:
+            step = json.loads(Path(resume_from, "trainer_state.json").read_text())["global_step"]
+            _totals_from_log(output_dir / "log.jsonl", step, totals, config)
+    log = JsonlLog(output_dir / "log.jsonl", main, append=resume_from is not None)
+    callback = TrueLossCallback(config, get_task(recipe.TASK), recipe.METRICS, log, plan, totals)
     trainer = Trainer(model=model, args=args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=callback.compute_loss,
                       callbacks=[callback])
     callback.trainer = trainer
+    # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets
+    # state.best_model_checkpoint, from which Trainer loads the best model at the end.
+    trainer.args.load_best_model_at_end = config.load_best_model_at_end
+    if config.metric_for_best_model is not None and totals.best_step is not None:
+        trainer.state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{totals.best_step}")
     precision = effective_mixed_precision(trainer.accelerator)
-    if args.process_index == 0:
-        print(run_banner(config, processes, micro_batches, steps_per_epoch, max_steps,
-                         math.ceil(max_steps / steps_per_epoch), precision, trainer.accelerator.device.type))
+    if main:
+        print(run_banner(config, processes, plan, precision, trainer.accelerator.device.type))
     try:
         start = time.perf_counter()
-        trainer.train()
-        train_runtime = time.perf_counter() - start - callback.eval_runtime
-        trainer.save_model(str(output_dir))
-        metrics = run_metrics(
-            config, callback.eval_results, step_losses=callback.losses, skipped_steps=callback.skipped_steps,
-            steps_per_epoch=steps_per_epoch, train_samples=callback.samples, train_tokens=callback.tokens,
-            train_input_tokens=int(trainer.state.num_input_tokens_seen),
-            num_parameters=sum(p.numel() for p in model.parameters()),
-            num_processes=processes,
-            precision=precision, device=trainer.accelerator.device, train_runtime=train_runtime,
-            eval_runtime=callback.eval_runtime, process_start=process_start)
-        if args.process_index == 0:
-            (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-            from finetune.model_card import config_argv, reproduce_command, write_model_card
-
-            write_model_card(output_dir, config, metrics, recipe, reproduce_command(
-                config_argv(config, recipe), num_processes=metrics["num_processes"], device=metrics.get("device")))
+        trainer.train(resume_from_checkpoint=resume_from)
+        totals.train_runtime = time.perf_counter() - start - callback.eval_runtime
+        totals.input_tokens_seen = int(trainer.state.num_input_tokens_seen)
+        eval_results = callback.eval_results
+        if config.load_best_model_at_end and callback.best_eval_results:
+            eval_results = callback.best_eval_results
+        metrics = run_metrics(config, totals, eval_results, plan=plan, num_processes=processes, precision=precision,
+                              device=trainer.accelerator.device, num_parameters=sum(p.numel() for p in model.parameters()),
+                              eval_runtime=callback.eval_runtime, process_start=process_start)
+        if resume_from is not None:
+            metrics["resumed_from"] = resume_from
+        write_outputs(trainer.accelerator, trainer.model_wrapped, tokenizer, config, recipe, metrics)
     finally:
-        callback.close()
+        log.close()
     return metrics

@@ -12,11 +12,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
-    """Run ``finetune.train.train`` on the bbc-news recipe with ``overrides``; return (metrics, output dir)."""
+    """Run the CLI's ``run.run`` in this process on the bbc-news recipe (or ``recipe=``) with ``overrides``
+    as flags; return (metrics, output dir)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from finetune.config import parse_config
-    from finetune.recipes import load_recipe
+    from finetune.run import run
 
     # Accelerate's state is process-wide; every in-process run starts from a clean one.
     AcceleratorState._reset_state(True)
@@ -27,16 +28,7 @@ def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
     argv = ["--recipe", overrides.pop("recipe", "bbc-news"), "--output_dir", str(out)]
     for key, value in overrides.items():
         argv += [f"--{key}", str(value)]
-    config = parse_config(argv)
-    config.validate()
-    from finetune.train import apply_batch_plan
-
-    apply_batch_plan(config, load_recipe(config.recipe))
-    if config.backend == "trainer":
-        from finetune.trainer_backend import train
-    else:
-        from finetune.train import train
-    return train(config, load_recipe(config.recipe)), out
+    return run(parse_config(argv)), out
 
 
 def load_params(output_dir: Path) -> dict:

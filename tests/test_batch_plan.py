@@ -228,7 +228,7 @@ def test_oom_in_evaluation_splits_eval_batches_not_the_training_micro_batch(tmp_
 
     kw = dict(model_name_or_path=tiny_bert, max_train_samples=16, max_eval_samples=13, per_device_eval_batch_size=8,
               per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2, max_length=32,
-              eval_strategy="no")  # one evaluation, at the end
+              eval_strategy="epoch")  # one epoch: one evaluation, at the end
     reference, _ = run_in_process(tmp_path, "ref", **kw)
     original = BertForSequenceClassification.forward
     evaluated_sizes = []

@@ -200,7 +200,7 @@ def test_full_mode_commands(tmp_path):
         assert f"--per_device_train_batch_size {micro} --gradient_accumulation_steps {accum} --max_steps {steps}" \
             in commands[label]
         assert "--max_train_samples 384" in commands[label] and "--model_name_or_path" not in commands[label]
-        assert "--eval_strategy no --max_eval_samples 8" in commands[label]
+        assert "--eval_strategy epoch --max_eval_samples 8" in commands[label]
     assert "3 repeat(s)" in lines[-1] and "1 warm-up" in lines[-1]
     out = run_bench("bench_backends.py", "--dry_run").stdout
     for backend in ("accelerate", "trainer"):

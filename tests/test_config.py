@@ -63,7 +63,7 @@ def test_model_path_that_is_not_a_model(tmp_path):
 def test_batchnorm_with_accumulation_gets_a_warning():
     import torch
 
-    from finetune.data import batchnorm_warning
+    from finetune.builders import batchnorm_warning
 
     with_bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     message = batchnorm_warning(with_bn, 4)

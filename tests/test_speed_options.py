@@ -33,10 +33,10 @@ def test_mfu_formula_and_named_peaks():
 def test_length_grouped_sampler_is_a_seeded_permutation_sorted_within_mega_batches():
     from accelerate.data_loader import SeedableRandomSampler
 
-    from finetune.train import length_grouped_sampler
+    from finetune.components import EpochSeededLengthGroupedSampler
 
     lengths = [(i * 37) % 101 + 1 for i in range(400)]
-    sampler = length_grouped_sampler({"input_ids": [[0] * n for n in lengths]}, batch_size=8, seed=5)
+    sampler = EpochSeededLengthGroupedSampler(8, lengths, seed=5)
     first = list(sampler)
     assert sorted(first) == list(range(400))  # every sample once per epoch
     assert list(sampler) == first  # same seed, same epoch: same order (resume, other processes)
@@ -88,7 +88,7 @@ def test_torch_compile_trains_the_same_model(tmp_path, tiny_bert):
 
     # all 24 articles truncate to 32 tokens and 24 = 3 windows of 4 x 2: one shape, one compilation
     kw = dict(model_name_or_path=tiny_bert, max_train_samples=24, max_eval_samples=8, per_device_train_batch_size=4,
-              gradient_accumulation_steps=2, num_train_epochs=1, max_length=32, eval_strategy="no",
+              gradient_accumulation_steps=2, num_train_epochs=1, max_length=32, eval_strategy="epoch",
               disable_dropout=True, per_device_eval_batch_size=8)
     eager, a = run_in_process(tmp_path, "eager", **kw)
     compiled, b = run_in_process(tmp_path, "compiled", torch_compile=True, **kw)

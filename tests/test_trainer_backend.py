@@ -76,7 +76,9 @@ def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
     logged loss (and the gradient) is N times the mean loss per sample."""
     from transformers import AutoModelForSequenceClassification, Trainer
 
-    from finetune.data import build_datasets, load_tokenizer
+    from finetune.builders import build_datasets
+    from finetune.data import load_tokenizer
+    from finetune.tasks import get_task
     from finetune.trainer_backend import training_arguments
     from finetune.recipes import load_recipe
 
@@ -89,7 +91,7 @@ def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
                            "1", "--disable_dropout", "--max_length", "32", "--eval_strategy", "no"])
     recipe = load_recipe("bbc-news")
     tokenizer = load_tokenizer(tiny_bert)
-    data, names = build_datasets(recipe, config, tokenizer)
+    data, names = build_datasets(recipe, config, tokenizer, get_task(recipe.TASK))
     from transformers import DataCollatorWithPadding, set_seed
 
     set_seed(config.seed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -55,3 +56,18 @@ def load_recipe(name_or_path: str) -> ModuleType:
     if missing:
         raise FinetuneError(f"recipe {name_or_path!r} lacks {', '.join(missing)} (see recipes/__init__.py).")
     return module
+
+
+def list_recipes() -> str:
+    """A table of the registered recipes: name, task, default model, dataset, and hub/offline."""
+    rows = [("name", "task", "model", "dataset", "data source")]
+    for name in sorted(RECIPES):
+        r = load_recipe(name)
+        model = r.DEFAULTS.get("model_name_or_path", "?")
+        if os.path.isabs(model):
+            model = os.path.basename(os.path.dirname(model)) if os.path.basename(model) == "model" else model
+        rows.append((name, r.TASK, model, r.DATASET, "needs hub" if r.NEEDS_HUB else "offline"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

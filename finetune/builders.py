@@ -1,0 +1,79 @@
+"""Builders both engines share: the recipe's tokenizer, tokenized datasets, model and collator.
+
+Recipes supply raw data (``load_raw_datasets``); tasks (``finetune.tasks``) say how to tokenize, build
+the model and collate; this module puts them together in the order both engines need.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torch.nn.modules.batchnorm import _BatchNorm
+from transformers import set_seed
+
+from finetune.data import LABEL_COLUMN, check_max_length, load_data_files, load_tokenizer
+from finetune.tasks import get_task
+
+
+def build_datasets(recipe, config, tokenizer, task):
+    """Raw data (the recipe's, or ``--train_file``/``--validation_file``), subsampled to
+    ``max_train_samples``/``max_eval_samples`` (first N after the split), then tokenized.
+
+    ``task``: the recipe's ``finetune.tasks`` task. Returns ``(tokenized DatasetDict, label_names)``.
+    """
+    if config.train_file:
+        needs_label = task.name == "sequence-classification"
+        raw = load_data_files(config.train_file, config.validation_file, recipe.TEXT_COLUMNS, config.cache_dir,
+                              with_labels=needs_label)
+    else:
+        raw = recipe.load_raw_datasets(config)
+    if config.max_train_samples is not None:
+        raw["train"] = raw["train"].select(range(min(config.max_train_samples, len(raw["train"]))))
+    if config.max_eval_samples is not None:
+        raw["validation"] = raw["validation"].select(range(min(config.max_eval_samples, len(raw["validation"]))))
+    label_feature = raw["train"].features.get(LABEL_COLUMN)
+    label_names = label_feature.names if hasattr(label_feature, "names") else None
+    return task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS), label_names
+
+
+def batchnorm_warning(model, gradient_accumulation_steps: int) -> str | None:
+    """A warning when ``model`` holds BatchNorm layers (any ``torch.nn.modules.batchnorm._BatchNorm``) and
+    gradients are accumulated: their statistics are per micro-batch, so accumulation is not equivalent to
+    the large batch. None otherwise."""
+    if gradient_accumulation_steps <= 1:
+        return None
+    layers = [name for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
+    if not layers:
+        return None
+    return (f"WARNING: the model has {len(layers)} BatchNorm layer(s) (e.g. {layers[0]!r}) and "
+            f"gradient_accumulation_steps={gradient_accumulation_steps}: BatchNorm statistics are computed per "
+            "micro-batch, so accumulated training is NOT equivalent to the large batch. Prefer a larger "
+            "micro-batch, or replace BatchNorm (GroupNorm/LayerNorm, or SyncBatchNorm across processes).")
+
+
+def build_components(config, recipe, precision: str, main_process_first):
+    """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator)``, built
+    by the recipe's task (``finetune.tasks``); ``label_names`` is None for causal LM.
+
+    ``main_process_first``: a context-manager factory (Accelerate's or TrainingArguments') so rank 0
+    tokenizes and caches before the others read the cache. The seed is set before the model is built
+    (the classifier head is random) and again after, as ``Trainer.__init__`` does, so both engines start
+    training from the same RNG state. ``precision`` is the one that really runs: under fp16/bf16 the
+    collator pads to a multiple of 8 tokens (tensor cores); fp32 gains nothing from it.
+    """
+    task = get_task(recipe.TASK)
+    set_seed(config.seed)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    with main_process_first():
+        datasets, label_names = build_datasets(recipe, config, tokenizer, task)
+    model = task.load_model(config, label_names)
+    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    check_max_length(config.block_size or config.max_length, model.config)
+    warning = batchnorm_warning(model, config.gradient_accumulation_steps)
+    if warning and int(os.environ.get("RANK", "0")) == 0:
+        print(warning, file=sys.stderr)
+    set_seed(config.seed)
+    collator = task.collator(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
+    return tokenizer, datasets, label_names, model, collator

@@ -1,0 +1,67 @@
+"""The ``finetune`` console command (``pip install .`` puts it on the PATH; works from any directory).
+
+    finetune train [accelerate launcher flags] --recipe NAME [training flags]
+    finetune recipes
+    finetune predict --model DIR TEXT ...
+    finetune compare --recipe NAME [training flags]
+
+Each subcommand hands its arguments to the module that owns it; imports are lazy so that ``finetune
+--help`` and ``finetune recipes`` start in well under a second, without importing torch's launcher.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from finetune import __version__
+
+USAGE = f"""usage: finetune COMMAND [ARGS]   (finetune {__version__})
+
+commands:
+  train     train a recipe: finetune train --recipe bbc-news [flags]. Takes Accelerate's launcher flags
+            (--config_file FILE, --num_processes N, --multi_gpu, --num_machines, --machine_rank, ...) and the
+            training flags (finetune train --help); passes SIGTERM/SIGINT on to the training processes
+  recipes   list the recipes
+  predict   predict with a trained model: finetune predict --model DIR "some text" (finetune predict --help)
+  compare   run the accelerate and Trainer engines side by side: finetune compare --recipe NAME [flags]
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``finetune COMMAND ARGS``; returns the exit code (2 for a usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(__version__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        if any(a in ("-h", "--help") for a in rest):
+            from finetune.run import main as run_main  # lazy: see the module docstring
+
+            return run_main(["--help"])
+        from finetune.launch import train_command
+
+        return train_command(rest)
+    if command == "recipes":
+        from finetune.recipes import list_recipes
+
+        print(list_recipes())
+        return 0
+    if command == "predict":
+        from finetune.predict import main as predict_main
+
+        return predict_main(rest)
+    if command == "compare":
+        from finetune.run import main as run_main
+
+        return run_main([*rest, "--compare", "True"])
+    print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare (finetune --help).",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Pieces both engines share: the Accelerator, the optimizer, the step plan, the training order.
+
+Units: batch sizes in samples, steps in optimizer steps unless named micro-batches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, TorchDynamoPlugin
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from finetune.errors import FinetuneError
+from finetune.precision import check_precision_supported
+
+_TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
+
+
+def make_accelerator(config) -> Accelerator:
+    """An ``Accelerator`` for ``config``: N-step accumulation that the engine aligns to its windows itself
+    (``sync_with_dataloader=False``), and a seeded sampler so every process and every resume sees the
+    same data order. Raises ``FinetuneError`` for bf16 on a device without bf16, or a ``--report_to``
+    tracker whose package is not installed."""
+    check_precision_supported(config.mixed_precision)
+    log_with = None if config.report_to == "none" else config.report_to
+    if log_with in _TRACKER_MODULES:
+        module = _TRACKER_MODULES[log_with]
+        if importlib.util.find_spec(module) is None and not (module == "tensorboard" and
+                                                             importlib.util.find_spec("tensorboardX")):
+            raise FinetuneError(f"--report_to {log_with}: the {module} package is not installed "
+                                f"(pip install {module}), or use --report_to none.")
+    compile_options = {}
+    if config.torch_compile:  # Accelerator.prepare wraps the model in torch.compile
+        compile_options["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode)
+    try:
+        return Accelerator(
+            **compile_options,
+            log_with=log_with,
+            project_dir=config.output_dir,
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+        )
+    except ValueError as err:
+        if "bf16" in str(err):
+            raise FinetuneError(f"--mixed_precision bf16 is not supported on this device ({err}). "
+                                "Use --mixed_precision fp16 (GPU) or no.") from None
+        raise
+
+
+def build_optimizer(model, config) -> torch.optim.AdamW:
+    """AdamW with weight decay on every trainable parameter except biases and normalisation weights (the
+    Transformers ``Trainer`` grouping), so both engines optimise the same thing. ``optim`` picks the
+    implementation as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused"."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                             eps=config.adam_epsilon, fused=config.optim == "adamw_torch_fused" or None)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How long a run is, in optimizer steps.
+
+    ``micro_batches_per_epoch``: per process. ``steps_per_epoch`` = ceil(micro-batches / N) (the last
+    window of an epoch may be partial). ``max_steps``: ``--max_steps`` if > 0, else ceil(epochs x steps
+    per epoch). ``num_epochs``: epochs started, ceil(max_steps / steps per epoch).
+    """
+
+    micro_batches_per_epoch: int
+    steps_per_epoch: int
+    max_steps: int
+    num_epochs: int
+
+    def steps(self, value: float | None) -> int | None:
+        """A TrainingArguments step value in optimizer steps: a count (>= 1) as is, a ratio in [0, 1) of
+        ``max_steps`` rounded up (``TrainingArguments.get_warmup_steps``'s rule); None stays None."""
+        if value is None:
+            return None
+        return int(value) if value >= 1 else math.ceil(self.max_steps * value)
+
+    def epoch_fraction(self, step: int) -> float:
+        """Epochs completed after ``step`` optimizer steps (e.g. 1.5)."""
+        return step / self.steps_per_epoch
+
+
+def plan_steps(micro_batches_per_epoch: int, config) -> StepPlan:
+    """The ``StepPlan`` for ``micro_batches_per_epoch`` micro-batches per process per epoch. Raises
+    ``FinetuneError`` if there is no data."""
+    if micro_batches_per_epoch == 0:
+        raise FinetuneError("the training set is empty after --max_train_samples; use more samples.")
+    steps_per_epoch = math.ceil(micro_batches_per_epoch / config.gradient_accumulation_steps)
+    max_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
+    return StepPlan(micro_batches_per_epoch, steps_per_epoch, max_steps, math.ceil(max_steps / steps_per_epoch))
+
+
+def micro_batches_per_process(num_samples: int, micro_batch: int, num_processes: int) -> int:
+    """Micro-batches each process runs per epoch: ceil(ceil(samples / micro-batch) / processes), as
+    Accelerate's sharded dataloader (``even_batches``) yields them."""
+    return math.ceil(math.ceil(num_samples / micro_batch) / num_processes)
+
+
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' ``LengthGroupedSampler`` (what ``TrainingArguments(train_sampling_strategy=
+    "group_by_length")`` uses) whose order depends on the seed and the epoch only.
+
+    Each epoch: a seeded permutation, cut into mega-batches of ``50 x batch_size`` samples (fewer on small
+    data), each sorted by length, longest first. ``batch_size`` is the global effective batch (samples per
+    optimizer step), as in Trainer, so every window holds samples of similar length. ``lengths`` in tokens.
+    ``set_epoch`` (called by Accelerate's dataloader) reseeds, so a resumed run and every process replay the
+    same order.
+    """
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths, generator=torch.Generator())
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order ``__iter__`` yields."""
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.generator.manual_seed(self.seed + self.epoch)
+        return super().__iter__()
+
+
+def iter_windows(dataloader, gradient_accumulation_steps: int):
+    """Group a dataloader's micro-batches into accumulation windows: lists of N micro-batches, the
+    last one possibly shorter. Prefetching a window lets the engine count its items before any backward."""
+    window = []
+    for batch in dataloader:
+        window.append(batch)
+        if len(window) == gradient_accumulation_steps:
+            yield window
+            window = []
+    if window:
+        yield window

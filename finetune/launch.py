@@ -1,0 +1,108 @@
+"""``finetune train``: start training through Accelerate's own launcher machinery, as torchtune's ``tune run``
+wraps torchrun, and do what a bare ``accelerate launch`` cannot:
+
+- pass SIGTERM/SIGINT on to the training processes and wait for their checkpoint (a 1-process
+  ``accelerate launch`` exits at once and leaves the training process running as an orphan);
+- end a user error with the training process's one ``error:`` line and its exit code (2), without the
+  launcher's ``CalledProcessError`` traceback.
+
+The command line takes Accelerate's launcher flags (``--config_file``, ``--num_processes``,
+``--multi_gpu``, ``--num_machines``, ``--machine_rank``, ``--main_process_ip``, ``--main_process_port``, ...)
+mixed with the training flags; a flag both know (``--mixed_precision``) is the training run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+
+from accelerate.commands.launch import _validate_launch_command, launch_command, launch_command_parser
+from accelerate.utils import prepare_simple_launcher_cmd_env
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from finetune.config import TrainConfig
+
+TRAINING_MODULE = "finetune.run"
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``finetune train`` arguments into (Accelerate launcher flags, training flags).
+
+    A flag goes to the launcher when ``accelerate launch`` knows it and ``TrainConfig`` does not; its value
+    (if the launcher flag takes one) goes with it. ``--flag=value`` forms are kept whole.
+    """
+    parser = launch_command_parser()
+    training = {f"--{name}" for name in TrainConfig.__dataclass_fields__}
+    takes_value = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            takes_value[option] = action.nargs != 0
+    launcher, rest = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in takes_value and name not in training and name not in ("-h", "--help", "-m", "--module"):
+            launcher.append(arg)
+            if takes_value[name] and "=" not in arg and i + 1 < len(argv):
+                launcher.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return launcher, rest
+
+
+def _exit_code(returncode: int) -> int:
+    # Popen reports a child killed by signal N as -N; a shell reports 128 + N
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
+    """Run the one training process, forwarding SIGINT/SIGTERM to it once each, and wait for it to end
+    (it finishes its optimizer step and writes a checkpoint). It runs in its own session, so a Ctrl-C in
+    the terminal reaches it once, through us, not twice."""
+    process = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, frame):
+        process.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _exit_code(process.wait())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def train_command(argv: list[str]) -> int:
+    """``finetune train [launcher flags] [training flags]``: returns the exit code of the training run
+    (0, 2 for a user error, 3 for a numerical failure, 128 + N after signal N)."""
+    launcher, training = split_argv(argv)
+    # Its "values were not passed ... defaults used" list is noise here: the run's banner says what it runs on.
+    logging.getLogger("accelerate.commands.launch").setLevel(logging.ERROR)
+    args = launch_command_parser().parse_args([*launcher, "--module", TRAINING_MODULE, *training])
+    args, defaults, mp_from_config = _validate_launch_command(args)
+    # the routing of accelerate's launch_command: --cpu, or no multi-process option, is its simple launcher
+    if args.cpu or not (args.use_deepspeed or args.use_fsdp or args.use_megatron_lm or args.multi_gpu or args.tpu):
+        cmd, env = prepare_simple_launcher_cmd_env(args)
+        return _run_forwarding_signals(cmd, env)
+    # Several processes: torchrun's elastic agent runs here, in this process. It passes SIGTERM/SIGINT on to
+    # every worker and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) seconds later; the workers checkpoint
+    # well within that. Its failures are reported by the workers' own error lines: no traceback here.
+    try:
+        launch_command(args)
+    except ChildFailedError as err:
+        return max((_exit_code(f.exitcode) for f in err.failures.values()), default=1)
+    except SignalException as err:
+        return 128 + int(err.sigval)
+    except subprocess.CalledProcessError as err:  # the DeepSpeed launcher's way of failing
+        return _exit_code(err.returncode)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(train_command(sys.argv[1:]))

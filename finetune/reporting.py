@@ -1,0 +1,177 @@
+"""What a run tells: the banner at the start, ``log.jsonl`` while it trains, and at the end the model
+directory, ``metrics.json``, the model card and the summary. One writer for both engines.
+
+Units: seconds, bytes, samples; losses are mean per item (sample, or label token for causal LM), nats.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from finetune.config import config_argv, reproduce_command
+from finetune.flops import model_flops_utilization
+from finetune.model_card import write_model_card
+from finetune.precision import PRECISION_NAMES
+
+
+def run_banner(config, num_processes: int, plan, precision: str, device_type: str) -> str:
+    """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
+    processes, in samples), the optimizer steps (``plan``: a ``components.StepPlan``), and the precision
+    that really runs, with a plain note when it is not the one requested (fp16 on a CPU)."""
+    n = config.gradient_accumulation_steps
+    effective = config.per_device_train_batch_size * n * num_processes
+    options = [name for name, on in (("torch.compile (inductor)", config.torch_compile),
+                                     ("length-grouped batches", config.train_sampling_strategy == "group_by_length"))
+               if on]
+    text = (f"Effective batch size: {config.per_device_train_batch_size} (micro-batch) x {n} (accumulation) x "
+            f"{num_processes} (processes) = {effective} samples per optimizer step\n"
+            f"Optimizer steps: {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches per "
+            f"process), {plan.max_steps} in total over {plan.num_epochs} epoch(s) [{config.backend} backend]\n"
+            + (f"Speed options: {', '.join(options)}\n" if options else "")
+            + f"Precision: {PRECISION_NAMES[precision]} on {device_type}")
+    if precision != config.mixed_precision:
+        text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
+                 f"does not run it, so this run is {PRECISION_NAMES[precision]}")
+    return text
+
+
+def peak_memory(device) -> tuple[int, str]:
+    """(bytes, what was measured): ``torch.cuda.max_memory_allocated`` on a CUDA device, else the
+    process's peak resident set size (``getrusage`` ``ru_maxrss``, KiB on Linux, returned in bytes)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+
+def _rate(count: float, seconds: float) -> float:
+    return round(count / seconds, 3) if seconds > 0 else 0.0
+
+
+def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, precision: str, device,
+                num_parameters: int, eval_runtime: float, process_start: float | None) -> dict:
+    """The ``metrics.json`` dict, the same for both engines.
+
+    ``state``: a ``checkpoint.TrainerState`` (counts over all processes: ``samples_seen``; ``tokens_seen``,
+    label tokens, 0 for classification; ``input_tokens_seen``, non-padding inputs; ``padded_tokens_seen``,
+    input positions with padding, 0 where the engine cannot see its batches; ``loss_sum`` over optimizer
+    steps of each step's mean loss; ``train_runtime`` seconds, evaluation excluded). ``plan``: the
+    ``components.StepPlan``. On a CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x input
+    tokens/s / peak FLOP/s (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``).
+    """
+    effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
+    memory, memory_kind = peak_memory(device)
+    runtime = state.train_runtime
+    metrics = {
+        **eval_results,
+        "train_loss": state.loss_sum / max(state.step, 1),
+        "final_train_loss": state.last_loss if state.last_loss is not None else float("nan"),
+        "optimizer_steps": state.step,
+        "skipped_optimizer_steps": state.skipped_steps,
+        "epochs": round(plan.epoch_fraction(state.step), 4),
+        "train_samples": state.samples_seen,
+        "effective_batch_size": effective_batch_size,
+        "per_device_train_batch_size": config.per_device_train_batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "num_processes": num_processes,
+        "num_parameters": num_parameters,
+        "mixed_precision": precision,
+        "mixed_precision_requested": config.mixed_precision,
+        "backend": config.backend,
+        "device": device.type,
+        "train_runtime": round(runtime, 3),
+        "train_samples_per_second": _rate(state.samples_seen, runtime),
+        **({"train_tokens": state.tokens_seen, "train_tokens_per_second": _rate(state.tokens_seen, runtime)}
+           if state.tokens_seen else {}),
+        "train_input_tokens": state.input_tokens_seen,
+        "train_input_tokens_per_second": _rate(state.input_tokens_seen, runtime),
+        **({"train_padding_fraction": round(1 - state.input_tokens_seen / state.padded_tokens_seen, 4)}
+           if state.padded_tokens_seen else {}),
+        "train_seconds_per_step": round(runtime / state.step, 4) if state.step else 0.0,
+        "eval_runtime": round(eval_runtime, 3),
+        "peak_memory_bytes": memory,
+        "peak_memory_kind": memory_kind,
+    }
+    if state.best_step is not None:
+        metrics.update(best_step=state.best_step, best_metric=state.best_metric)
+    if device.type == "cuda" and runtime > 0:
+        mfu = model_flops_utilization(num_parameters, state.input_tokens_seen / runtime,
+                                      torch.cuda.get_device_name(device))
+        if mfu is not None:
+            metrics["mfu"], metrics["mfu_peak_source"] = round(mfu[0], 4), mfu[1]
+    if process_start is not None:
+        metrics["wall_time"] = round(time.time() - process_start, 3)
+    return metrics
+
+
+class JsonlLog:
+    """``log.jsonl``: one JSON object per line, written by the main process only and flushed at once so a
+    run that dies keeps its log. ``append`` continues a resumed run's file."""
+
+    def __init__(self, path: Path, enabled: bool, append: bool = False):
+        self.file = open(path, "a" if append else "w", encoding="utf-8") if enabled else None
+
+    def write(self, record: dict) -> None:
+        """Append ``record`` as one line."""
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self.file:
+            self.file.close()
+            self.file = None
+
+
+def restore_log(path: Path, step: int) -> None:
+    """On resume: keep the log records up to the checkpoint's ``step`` (optimizer-step records up to and
+    including it, evaluations before it) and drop what a killed run wrote after it."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if (r := json.loads(line))["step"] < step or (r["step"] == step and "loss" in r)]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def save_model(accelerator, model, tokenizer, output_dir: Path) -> None:
+    """Write the model (safetensors) and tokenizer with ``save_pretrained``: a Hugging Face model directory
+    that ``AutoModel*.from_pretrained(output_dir)`` loads. Every process calls it (gathering a sharded
+    state dict is collective)."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    # a torch.compile'd model names every tensor "_orig_mod.<name>": from_pretrained needs the plain names
+    state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+
+
+def write_outputs(accelerator, model, tokenizer, config, recipe, metrics: dict) -> None:
+    """The end of a run, for both engines: the model directory, ``metrics.json`` and the model card
+    (``README.md``, with the command that reproduces the run) in ``config.output_dir``."""
+    output_dir = Path(config.output_dir)
+    save_model(accelerator, model, tokenizer, output_dir)
+    if accelerator.is_main_process:
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        command = reproduce_command(config_argv(config, recipe), num_processes=metrics["num_processes"],
+                                    device=metrics["device"])
+        write_model_card(output_dir, config, metrics, recipe, command)
+
+
+def format_summary(metrics: dict, output_dir: str) -> str:
+    """The closing summary: key metrics, one per line, and where the outputs are."""
+    keys = ["eval_accuracy", "eval_f1", "eval_loss", "eval_perplexity", "best_step", "train_loss", "optimizer_steps",
+            "skipped_optimizer_steps", "effective_batch_size", "mixed_precision", "train_samples_per_second",
+            "train_runtime", "wall_time"]
+    lines = ["", "=" * 60, "Run summary"]
+    for key in keys:
+        if key in metrics:
+            value = metrics[key]
+            lines.append(f"  {key:<26} {value:.4f}" if isinstance(value, float) else f"  {key:<26} {value}")
+    lines += [f"  outputs in {output_dir}/: model + tokenizer, metrics.json, log.jsonl, run_config.json", "=" * 60]
+    return "\n".join(lines)
