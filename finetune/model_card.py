@@ -111,7 +111,8 @@ def _eval_results(config, metrics: dict, recipe, hub, task: str) -> list[EvalRes
             kind = key.removeprefix("eval_")
             args = dict(specs.get(kind) or {}) or None
             results.append(EvalResult(
-                task_type=task, task_name=task.replace("-", " ").title(), metric_type=kind, metric_value=value,
+                task_type=task, task_name=task.replace("-", " ").title(), metric_type=kind,
+                metric_value=float(value) if isinstance(value, float) else int(value),  # numpy scalars: plain YAML
                 metric_name=f"eval {kind}" + (f" ({', '.join(f'{k}={v}' for k, v in args.items())})" if args else ""),
                 metric_args=args, **dataset))
     return results

@@ -132,6 +132,17 @@ def test_no_eval_metrics_gives_no_eval_results(run):
     assert "No evaluation was recorded." in card.text
 
 
+def test_numpy_metric_values_are_written_as_plain_numbers(run):
+    np = pytest.importorskip("numpy")
+    config, metrics = load_run(run)
+    metrics = {**metrics, "eval_accuracy": np.float64(0.75), "eval_correct": np.int64(6)}
+    card = card_of(render_model_card(config, metrics, load_recipe("bbc-news"), "cmd", output_dir=run))
+    values = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert values["accuracy"] == 0.75 and type(values["accuracy"]) is float
+    assert "correct" not in values  # not an int or float: in the body's table only
+    assert "| `eval_correct` | 6 |" in card.text
+
+
 def test_same_precision_has_no_mismatch_sentence(run):
     config, metrics = load_run(run)
     config.mixed_precision = "no"
