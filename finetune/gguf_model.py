@@ -12,10 +12,14 @@ The file for the ``bbc-news-clm`` recipe, SmolLM2-135M-Instruct Q4_1, is fetched
 from __future__ import annotations
 
 import os
-
+import struct
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
 from finetune.errors import FinetuneError
+from finetune.fetch import require_gguf_package
 
 GGUF_MAGIC = b"GGUF"
 _HEADER_BYTES = 24  # magic (4) + version (uint32) + tensor count (uint64) + metadata count (uint64)
@@ -24,8 +28,6 @@ _FETCH_HINT = "for SmolLM2, run `python -m finetune.fetch smollm2-gguf` (it re-d
 
 def _require_gguf_package() -> None:
     """Raise ``FinetuneError`` naming the fix if the ``gguf`` package (needed by transformers) is missing."""
-    from finetune.fetch import require_gguf_package
-
     require_gguf_package()
 
 
@@ -47,8 +49,6 @@ def _check_gguf_file(path: Path) -> None:
 
 def _loading(path: Path, what: str, load):
     """Run ``load()``; turn the errors a damaged or unsupported GGUF file produces into ``FinetuneError``."""
-    import struct
-
     try:
         return load()
     except ImportError as err:  # e.g. a `gguf` package too old for transformers
@@ -72,8 +72,6 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     path = Path(path).expanduser().resolve()
     _require_gguf_package()
     _check_gguf_file(path)
-    from transformers import AutoTokenizer
-
     tokenizer = _loading(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True))
     if tokenizer.pad_token is None:
@@ -104,17 +102,10 @@ def load_gguf_causal_lm(path: str | os.PathLike, **model_kwargs):
     path = Path(path).expanduser().resolve()
     tokenizer = load_gguf_tokenizer(path)  # checks the package and the file first
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
     model_kwargs.setdefault("dtype", torch.float32)
     model_kwargs.setdefault("local_files_only", True)
-    try:  # dense weights, also for architectures transformers can keep packed in GGUF blocks
-        from transformers import GgufConfig
-
-        model_kwargs.setdefault("quantization_config", GgufConfig(dequantize=True))
-    except ImportError:  # older transformers: GGUF files are always de-quantized
-        pass
+    # dense weights, also for architectures transformers can keep packed in GGUF blocks
+    model_kwargs.setdefault("quantization_config", GgufConfig(dequantize=True))
     model = _loading(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, **model_kwargs))
 

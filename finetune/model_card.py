@@ -5,7 +5,6 @@ trained, on what, how (as it ran), how well, and the command that reproduces it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -19,52 +18,6 @@ from finetune.precision import PRECISION_NAMES
 # eval_* keys that describe the evaluation run, not the model's quality: in the body's table, not in eval_results
 _EVAL_BOOKKEEPING = {"eval_samples", "eval_tokens", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
-
-
-# ------------------------------------------------------------------------------------------ commands
-def reproduce_command(argv: list[str], num_processes: int = 1, device: str | None = None) -> str:
-    """The command line that reruns a training run: ``accelerate launch finetune/run.py ARGS``, every
-    argument quoted with ``shlex.quote`` (copy-pasteable into a POSIX shell).
-
-    ``argv``: the run's arguments (``sys.argv[1:]``; a leading ``.../run.py`` is dropped, so
-    ``sys.argv`` works too). ``num_processes`` > 1 adds ``--multi_gpu --num_processes N``, and on
-    ``device="cpu"`` the ``ACCELERATE_USE_CPU=1`` prefix that gives N gloo processes on a CPU.
-    """
-    args = list(argv)
-    if args and args[0].endswith("run.py"):
-        args = args[1:]
-    prefix = []
-    launch = ["accelerate", "launch"]
-    if num_processes > 1:
-        launch += ["--multi_gpu", "--num_processes", str(num_processes)]
-        if device == "cpu":
-            prefix = ["ACCELERATE_USE_CPU=1"]
-    return " ".join([*prefix, *(shlex.quote(a) for a in [*launch, "finetune/run.py", *args])])
-
-
-def config_argv(config, recipe=None, exclude=frozenset()) -> list[str]:
-    """Flags that rebuild ``config`` with ``parse_config``: ``--recipe`` plus every field whose value
-    differs from its default (the recipe's ``DEFAULTS`` over the dataclass defaults), leaving out the
-    fields named in ``exclude``.
-
-    Used when the original command line is not at hand (e.g. inside ``train()``). Fields set to ``None``
-    against a non-``None`` default cannot be expressed as a flag and are left out.
-    """
-    defaults = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
-    if recipe is not None:
-        defaults.update(getattr(recipe, "DEFAULTS", {}))
-    argv = ["--recipe", str(config.recipe)]
-    for f in dataclasses.fields(config):
-        if f.name in ("recipe", "list_recipes") or f.name in exclude:
-            continue
-        value = getattr(config, f.name)
-        if value is None or (f.name in defaults and value == defaults[f.name]):
-            continue
-        if isinstance(value, bool):
-            argv += [f"--{f.name}"] if value else [f"--{f.name}", "False"]
-        else:
-            argv += [f"--{f.name}", repr(value) if isinstance(value, float) else str(value)]
-    return argv
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -203,7 +156,7 @@ def _usage(path: str, task: str, example: str) -> str:
     return (f"```python\nfrom transformers import {auto}, AutoTokenizer, pipeline\n\n"
             f'pipe = pipeline("{task}", model={p})\nprint(pipe({call}))\n\n'
             f"tokenizer = AutoTokenizer.from_pretrained({p})\nmodel = {auto}.from_pretrained({p})\n```\n\n"
-            f"Or from the command line:\n\n```bash\npython finetune/predict.py --model {shlex.quote(path)} "
+            f"Or from the command line:\n\n```bash\nfinetune predict --model {shlex.quote(path)} "
             f'"some text"\n```')
 
 

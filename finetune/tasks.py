@@ -13,6 +13,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from transformers import DataCollatorWithPadding
+
+from finetune.data import load_causal_lm, load_classifier, tokenize_datasets, tokenize_for_causal_lm
+from finetune.metrics import load_metric
 
 IGNORE_INDEX = -100  # label value that the loss skips (padding, and the prompt where masked)
 
@@ -24,20 +28,14 @@ class SequenceClassification:
 
     def load_model(self, config, label_names):
         """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.load_classifier``)."""
-        from finetune.data import load_classifier
-
         return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout)
 
     def tokenize(self, raw, tokenizer, config, text_columns):
         """Truncate to ``max_length`` tokens, no padding; columns input_ids, attention_mask, labels."""
-        from finetune.data import tokenize_datasets
-
         return tokenize_datasets(raw, tokenizer, text_columns, config.max_length)
 
     def collator(self, tokenizer, pad_to_multiple_of):
         """Dynamic padding per micro-batch."""
-        from transformers import DataCollatorWithPadding
-
         return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
@@ -55,8 +53,6 @@ class SequenceClassification:
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict:
         """``eval_loss`` (mean per sample), ``eval_samples`` and each metric of ``metric_specs``
         (shipped evaluate module -> compute kwargs)."""
-        from finetune.metrics import load_metric
-
         losses, predictions, labels = gathered
         results = {"eval_loss": losses.mean().item() if len(losses) else float("nan"), "eval_samples": len(labels)}
         for name, kwargs in metric_specs.items():
@@ -93,15 +89,11 @@ class CausalLM:
 
     def load_model(self, config, label_names=None):
         """``AutoModelForCausalLM`` from a hub id or model directory, or a de-quantized ``.gguf`` file."""
-        from finetune.data import load_causal_lm
-
         return load_causal_lm(config.model_name_or_path, disable_dropout=config.disable_dropout)
 
     def tokenize(self, raw, tokenizer, config, text_columns):
         """One sample per text truncated at ``max_length`` tokens (variable lengths), or, with
         ``block_size``, all texts concatenated and cut into blocks of ``block_size`` tokens."""
-        from finetune.data import tokenize_for_causal_lm
-
         return tokenize_for_causal_lm(raw, tokenizer, text_columns, config.max_length, config.block_size)
 
     def collator(self, tokenizer, pad_to_multiple_of):

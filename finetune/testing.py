@@ -8,15 +8,15 @@ import json
 import random
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+from finetune.recipes.bbc_news import default_model_path
+
 
 def build_tiny_bert(path: Path) -> Path:
     """Save a 2-layer, 32-wide BERT (random weights, seed 0) and the all-MiniLM-L6-v2 tokenizer to
     ``path``: a real model directory that loads in well under a second."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from finetune.recipes.bbc_news import default_model_path
-
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=128)
@@ -29,11 +29,6 @@ def build_tiny_bert(path: Path) -> Path:
 def build_tiny_llama(path: Path) -> Path:
     """Save a 2-layer, 32-wide Llama (random weights, seed 0) with the MiniLM WordPiece tokenizer (any
     tokenizer serves a causal LM; this one ships offline) to ``path``."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from finetune.recipes.bbc_news import default_model_path
-
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,

@@ -10,7 +10,8 @@ import pytest
 from huggingface_hub import ModelCard
 
 from finetune.config import TrainConfig, parse_config
-from finetune.model_card import config_argv, render_model_card, reproduce_command, write_model_card
+from finetune.config import config_argv, reproduce_command
+from finetune.model_card import render_model_card, write_model_card
 from helpers import run_in_process
 from finetune.recipes import load_recipe
 
@@ -154,13 +155,13 @@ def test_same_precision_has_no_mismatch_sentence(run):
 def test_reproduce_command_quotes_and_round_trips(tmp_path):
     argv = ["--recipe", "bbc-news", "--output_dir", str(tmp_path / "my run's dir"), "--learning_rate", "3e-05"]
     command = reproduce_command(argv)
-    assert command.startswith("accelerate launch finetune/run.py --recipe bbc-news --output_dir ")
-    assert shlex.split(command)[3:] == argv
+    assert command.startswith("finetune train --recipe bbc-news --output_dir ")  # works from any directory
+    assert shlex.split(command)[2:] == argv
     assert reproduce_command(["finetune/run.py", *argv]) == command  # sys.argv works too
     assert reproduce_command(argv, num_processes=2).startswith(
-        "accelerate launch --multi_gpu --num_processes 2 finetune/run.py --recipe bbc-news ")
+        "finetune train --multi_gpu --num_processes 2 --recipe bbc-news ")
     assert reproduce_command(argv, num_processes=2, device="cpu").startswith(
-        "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 finetune/run.py ")
+        "ACCELERATE_USE_CPU=1 finetune train --multi_gpu --num_processes 2 --recipe ")
 
 
 def test_config_argv_rebuilds_the_config(run, tmp_path):
@@ -171,7 +172,7 @@ def test_config_argv_rebuilds_the_config(run, tmp_path):
     assert "--weight_decay" not in argv  # equal to the recipe default: left out
     assert parse_config(argv) == config
     command = reproduce_command(argv)
-    assert parse_config(shlex.split(command)[3:]) == config
+    assert parse_config(shlex.split(command)[2:]) == config
 
     other = parse_config(["--recipe", "bbc-news", "--disable_dropout", "--output_dir", str(tmp_path / "x y"),
                           "--num_train_epochs", "0.5", "--max_eval_samples", "3"])

@@ -52,7 +52,7 @@ def test_length_grouped_sampler_is_a_seeded_permutation_sorted_within_mega_batch
         assert chunk[1:] == sorted(chunk[1:], reverse=True)
     assert lengths[first[0]] == max(lengths)
     # nothing to group (equal lengths): exactly Accelerate's seeded random order, so the option changes nothing
-    equal = length_grouped_sampler({"input_ids": [[0] * 16] * 50}, batch_size=8, seed=5)
+    equal = EpochSeededLengthGroupedSampler(8, [16] * 50, seed=5)
     accelerate_order = SeedableRandomSampler(range(50), data_seed=5)
     assert list(equal) == list(accelerate_order)
 

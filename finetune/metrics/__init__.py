@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import evaluate
+
 METRICS_DIR = Path(__file__).resolve().parent
 
 
@@ -23,8 +25,6 @@ def load_metric(name: str):
     Returns an ``evaluate.EvaluationModule``. Raises ``ValueError`` naming the available metrics if
     ``name`` is not one of them.
     """
-    import evaluate
-
     if name not in available_metrics():
         raise ValueError(f"unknown metric {name!r}; shipped metrics: {', '.join(available_metrics())}")
     # keep_in_memory: no cache file, so several processes computing the same metric never collide.
