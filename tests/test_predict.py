@@ -1,4 +1,5 @@
-"""finetune/predict.py: the library function and the CLI on a tiny model trained in-process."""
+"""finetune.predict: the library function and the CLI (``python -m finetune.predict``, or ``main()``
+in-process) on tiny models: a classifier trained in-process and a random GPT-2."""
 
 from __future__ import annotations
 
@@ -55,10 +56,37 @@ def tiny_gpt2(tmp_path_factory, tiny_bert) -> Path:
     return path
 
 
+def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int, max_length: int = 128) -> str:
+    """``model.generate`` run by hand on one prompt (left-truncated to ``max_length`` tokens), decoded."""
+    tokenizer.truncation_side = "left"
+    inputs = tokenizer([prompt], truncation=True, max_length=max_length, return_tensors="pt",
+                       return_token_type_ids=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def class_probabilities(model, tokenizer, text, max_length: int) -> dict[str, float]:
+    """label name -> softmax probability for one text (or (first, second) pair), the model run by hand."""
+    args = (list(text[:1]), list(text[1:])) if isinstance(text, tuple) else ([text],)
+    with torch.no_grad():
+        logits = model(**tokenizer(*args, truncation=True, max_length=max_length, return_tensors="pt")).logits
+    probs = torch.softmax(logits.float(), dim=-1)[0].tolist()
+    return {model.config.id2label[i]: p for i, p in enumerate(probs)}
+
+
+def assert_same_scores(result: dict, expected: dict[str, float], atol: float = 1e-5) -> None:
+    assert result["label"] == max(expected, key=expected.get)
+    assert set(result["scores"]) == set(expected)
+    for name, p in expected.items():
+        assert abs(result["scores"][name] - p) <= atol, (name, result["scores"][name], p)
+
+
 def run_predict(args: list[str], stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python finetune/predict.py ARGS`` with ``stdin`` (text) as its standard input."""
+    """``python -m finetune.predict ARGS`` (in the repository root) with ``stdin`` (text) as its standard input."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(REPO / "finetune" / "predict.py"), *args], input=stdin or "",
+    return subprocess.run([sys.executable, "-m", "finetune.predict", *args], input=stdin or "",
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
@@ -157,6 +185,34 @@ def test_causal_lm_generates_a_greedy_continuation(tiny_gpt2):
     out = model.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     expected = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert predict(tiny_gpt2, prompts[:1], max_new_tokens=5)[0]["generated"] == expected
+
+
+def test_causal_lm_batches_and_truncates_like_generate_by_hand(tiny_gpt2):
+    """Prompts of different lengths in one batch (left-padded by the pipeline) continue as each alone does;
+    a prompt longer than max_length keeps its last max_length tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2)
+    prompts = ["the match", "shares in the bank fell sharply after profits dropped at the end of the year"]
+    results = predict(tiny_gpt2, prompts, batch_size=2, max_new_tokens=6)
+    assert [r["generated"] for r in results] == [greedy_continuation(model, tokenizer, p, 6) for p in prompts]
+    long = predict(tiny_gpt2, prompts[1:], max_length=8, max_new_tokens=6)[0]["generated"]
+    assert long == greedy_continuation(model, tokenizer, prompts[1], 6, max_length=8)
+
+
+def test_sentence_pairs_are_encoded_as_pairs(trained):
+    """(first, second) pairs give the probabilities of the model run on tokenizer(first, second)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    pairs = [("Chelsea beat Arsenal.", "The cup final was on Saturday."), ("Shares fell.", "Profits dropped " * 30)]
+    model = AutoModelForSequenceClassification.from_pretrained(trained).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    for pair, result in zip(pairs, predict(trained, pairs, batch_size=2)):
+        assert result["text"] == pair
+        assert_same_scores(result, class_probabilities(model, tokenizer, pair, max_length=32))
+    with pytest.raises(FinetuneError, match="mix single texts and sentence pairs"):
+        predict(trained, [pairs[0], "a single text"])
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -263,7 +319,7 @@ def test_accelerate_launch_two_processes_gives_the_same_lines(tmp_path, trained)
     single = output_lines(run_predict(["--model", str(trained), "--file", str(tmp_path / "texts.txt")]))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(REPO / "finetune" / "predict.py"), "--model", str(trained), "--file", str(tmp_path / "texts.txt")]
+           "--module", "finetune.predict", "--model", str(trained), "--file", str(tmp_path / "texts.txt")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     lines = output_lines(result)
