@@ -2,7 +2,8 @@
 (``accelerate launch -m finetune.predict ...`` splits the texts over the processes).
 
 A thin CLI on ``transformers.pipeline``: "text-classification" for a sequence classifier, "text-generation"
-for a causal LM. ``--model`` is a training run's ``--output_dir``.
+for a causal LM. ``--model`` is a training run's ``--output_dir`` or a checkpoint inside it
+(``checkpoints/step_N``: the run's model with that step's weights).
 
 Texts come from positional arguments, ``--file`` (plain text: one text per line; ``.csv``/``.jsonl``/
 ``.json``: a ``text`` column, or ``sentence1`` + ``sentence2`` for sentence-pair models), or stdin
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from finetune.checkpoint import MARKER, STATE_FILE, is_complete
 from finetune.errors import FinetuneError
 
 # torch, transformers' pipelines and accelerate are imported where they are used: together they take ~4 s
@@ -36,9 +38,14 @@ PIPELINE_TASKS = {"classification": "text-classification", "generation": "text-g
 
 
 # ------------------------------------------------------------------------------------------ the model
-def _resolve_model_dir(model_dir) -> Path:
-    """Check that ``model_dir`` is a saved model directory (``config.json``, from ``save_pretrained``);
-    raise ``FinetuneError`` naming --model and the fix."""
+def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
+    """(the model directory, the checkpoint directory or ``None``) for ``--model model_dir``.
+
+    A model directory holds ``config.json`` (``save_pretrained``). A training checkpoint
+    (``<run>/checkpoints/step_N``, written by ``Accelerator.save_state``) resolves to its run's output
+    directory, whose config and tokenizer it is loaded with. Raises ``FinetuneError`` naming --model and
+    the fix.
+    """
     path = Path(model_dir).expanduser()
     where = f"--model {str(model_dir)!r}"
     if not path.exists():
@@ -46,12 +53,22 @@ def _resolve_model_dir(model_dir) -> Path:
                             "(it holds config.json and model.safetensors).")
     if not path.is_dir():
         raise FinetuneError(f"{where} is a file, not a model directory. Pass the --output_dir of a training run.")
-    if not (path / "config.json").is_file():
-        hint = (" It holds run_config.json but no model: the training run did not finish."
-                if (path / "run_config.json").is_file() else "")
-        raise FinetuneError(f"{where} is not a Hugging Face model directory (no config.json).{hint} "
-                            "Pass the --output_dir of a finished training run.")
-    return path
+    if (path / "config.json").is_file():
+        return path, None
+    if (path / STATE_FILE).is_file():  # a training checkpoint: weights only
+        run = path.parent.parent
+        if not is_complete(path):
+            raise FinetuneError(f"{where} is an incomplete checkpoint (no {MARKER} marker: its write did not "
+                                "finish). Pass another checkpoint of the run, or its --output_dir.")
+        if not (run / "config.json").is_file():
+            raise FinetuneError(f"{where} is a training checkpoint, but its run's output directory {str(run)!r} "
+                                "holds no finished model (config.json) to take the configuration and tokenizer "
+                                "from. Let the run finish (resume it with --resume_from_checkpoint), then predict.")
+        return run, path
+    hint = (" It holds run_config.json but no model: the training run did not finish."
+            if (path / "run_config.json").is_file() else "")
+    raise FinetuneError(f"{where} is not a Hugging Face model directory (no config.json).{hint} "
+                        "Pass the --output_dir of a finished training run.")
 
 
 def _run_max_length(path: Path) -> int:
@@ -83,10 +100,35 @@ def model_kind(config, where: str = "--model") -> str:
                         "causal-LM head to predict with. Pass the --output_dir of a finetune training run.")
 
 
+def _load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
+    """Overwrite ``model``'s weights with ``checkpoint/model.safetensors`` (``Accelerator.save_state``: names
+    may carry DDP's ``module.`` or torch.compile's ``_orig_mod.`` prefix, and one of two tied tensors is
+    left out). Raises ``FinetuneError`` if the file is missing or does not fit the model."""
+    from safetensors.torch import load_file
+
+    file = checkpoint / "model.safetensors"
+    if not file.is_file():
+        raise FinetuneError(f"{where} holds no model.safetensors. Pass a checkpoint written by finetune, "
+                            "or the run's --output_dir.")
+    state = {}
+    for name, tensor in load_file(str(file)).items():
+        while name.startswith(("module.", "_orig_mod.")):
+            name = name.split(".", 1)[1]
+        state[name] = tensor
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = model.state_dict()
+    loaded = {params[name].data_ptr() for name in state if name in params}
+    missing = [name for name in missing if params[name].data_ptr() not in loaded]  # a tied copy is loaded too
+    if missing or unexpected:
+        raise FinetuneError(f"{where}: the checkpoint's weights do not fit the run's model ({len(missing)} missing, "
+                            f"{len(unexpected)} unexpected, e.g. {(missing + unexpected)[0]!r}). Pass a checkpoint "
+                            "of the run whose --output_dir holds it.")
+
+
 class Predictor:
     """A ``transformers.pipeline`` for a model directory, ready for repeated ``predict`` calls.
 
-    ``model_dir``: a directory written by ``save_pretrained`` (a training run's ``--output_dir``).
+    ``model_dir``: a training run's ``--output_dir`` or a checkpoint directory inside it.
     ``max_length``: truncation in tokens; default: the run's ``max_length`` from
     ``run_config.json``, else 128. ``device``: a torch device (default: the pipeline's choice, the first
     GPU if there is one, else the CPU). Attributes: ``kind`` (``"classification"``/``"generation"``),
@@ -99,7 +141,7 @@ class Predictor:
         from transformers import pipeline
 
         where = f"--model {str(model_dir)!r}"
-        path = _resolve_model_dir(model_dir)
+        path, checkpoint = _resolve_model_dir(model_dir)
         self.max_length = _run_max_length(path) if max_length is None else max_length
         if not isinstance(self.max_length, int) or isinstance(self.max_length, bool) or self.max_length < 1:
             raise FinetuneError(f"--max_length must be a positive integer, got {self.max_length!r}.")
@@ -115,6 +157,8 @@ class Predictor:
         if limit is not None and self.max_length > limit:
             raise FinetuneError(f"--max_length {self.max_length} exceeds this model's position limit of {limit} "
                                 f"tokens; use --max_length {limit} or less.")
+        if checkpoint is not None:
+            _load_checkpoint_weights(model, checkpoint, where)
         if self.kind == "generation":
             tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the continuation starts
             if tokenizer.pad_token is None:  # batches are padded (on the left: the pipeline sees to that)
@@ -168,7 +212,8 @@ class Predictor:
 
 def predict(model_dir, texts: list, batch_size: int = 32, max_length: int | None = None, *,
             max_new_tokens: int = 40, device=None, progress: bool | None = None) -> list[dict]:
-    """Load the model in ``model_dir`` (a training run's output directory) and predict for ``texts``.
+    """Load the model in ``model_dir`` (a training run's output directory, or a checkpoint inside it) and
+    predict for ``texts``.
 
     ``texts``: N strings (or N (first, second) pairs for a sentence-pair classifier). ``batch_size``:
     texts per forward pass. ``max_length``: truncation in tokens (default: the run's ``max_length`` from
@@ -320,11 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of ``python -m finetune.predict``."""
     parser = argparse.ArgumentParser(
         prog="python -m finetune.predict",
-        description="Predict with a model trained by finetune (its --output_dir), through a transformers pipeline.",
+        description="Predict with a model trained by finetune (its --output_dir, or a checkpoint in it), through "
+                    "a transformers pipeline.",
         epilog="Texts: positional arguments, --file PATH (one per line; CSV/JSONL with a 'text' column), "
                "or stdin (no texts, or '-').")
     parser.add_argument("texts", nargs="*", help="texts to predict ('-' reads stdin)")
-    parser.add_argument("--model", required=True, help="a training run's --output_dir (a Hugging Face model directory)")
+    parser.add_argument("--model", required=True,
+                        help="a training run's --output_dir, or a checkpoint directory in it")
     parser.add_argument("--file", help="texts: one per line, or .csv/.jsonl/.json with a 'text' column ('-' = stdin)")
     parser.add_argument("--batch_size", type=int, default=32, help="texts per forward pass (default 32)")
     parser.add_argument("--max_length", type=int, default=None,

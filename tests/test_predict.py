@@ -1,5 +1,5 @@
 """finetune.predict: the library function and the CLI (``python -m finetune.predict``, or ``main()``
-in-process) on tiny models: a classifier trained in-process and a random GPT-2."""
+in-process) on tiny models: a classifier trained in-process (and its checkpoint) and a random GPT-2."""
 
 from __future__ import annotations
 
@@ -28,13 +28,14 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_bert) -> Path:
-    """A tiny bbc-news classifier (5 labels), trained 2 optimizer steps with max_length 32."""
+    """A tiny bbc-news classifier (5 labels), trained 2 optimizer steps with max_length 32, with the
+    checkpoint of step 1 (``checkpoints/step_00000001``; the last step is the final model)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     tmp = tmp_path_factory.mktemp("predict")
     _, out = run_in_process(tmp, "run", model_name_or_path=tiny_bert, max_train_samples=24, max_eval_samples=8,
                             per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
-                            max_length=32, learning_rate=5e-3, warmup_steps=0)
+                            max_length=32, learning_rate=5e-3, warmup_steps=0, checkpointing_steps=1)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -213,6 +214,37 @@ def test_sentence_pairs_are_encoded_as_pairs(trained):
         assert_same_scores(result, class_probabilities(model, tokenizer, pair, max_length=32))
     with pytest.raises(FinetuneError, match="mix single texts and sentence pairs"):
         predict(trained, [pairs[0], "a single text"])
+
+
+def test_checkpoint_directory_predicts_with_that_steps_weights(trained):
+    """--model <run>/checkpoints/step_N: the run's config and tokenizer with step N's weights: the
+    probabilities of the model with step 1's weights run by hand, not those of the final model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    first = trained / "checkpoints" / "step_00000001"
+    final = predict(trained, TEXTS)
+    model = AutoModelForSequenceClassification.from_pretrained(trained).eval()
+    model.load_state_dict(load_file(first / "model.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    early = Predictor(first)
+    assert early.max_length == 32  # the run's, from its run_config.json
+    results = early.predict(TEXTS)
+    for text, result in zip(TEXTS, results):
+        assert_same_scores(result, class_probabilities(model, tokenizer, text, max_length=32))
+    assert max(abs(r["scores"][k] - f["scores"][k]) for r, f in zip(results, final) for k in r["scores"]) > 1e-4
+
+
+def test_checkpoint_user_errors(tmp_path, trained):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained / "checkpoints" / "step_00000001", run / "checkpoints" / "step_00000001")
+    with pytest.raises(FinetuneError, match="holds no finished model .*Let the run finish"):
+        predict(run / "checkpoints" / "step_00000001", ["x"])
+    (run / "checkpoints" / "step_00000001" / "COMPLETE").unlink()
+    with pytest.raises(FinetuneError, match="incomplete checkpoint .*Pass another checkpoint"):
+        predict(run / "checkpoints" / "step_00000001", ["x"])
 
 
 # ------------------------------------------------------------------------------------------ CLI
