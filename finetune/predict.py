@@ -2,8 +2,9 @@
 (``accelerate launch -m finetune.predict ...`` splits the texts over the processes).
 
 A thin CLI on ``transformers.pipeline``: "text-classification" for a sequence classifier, "text-generation"
-for a causal LM. ``--model`` is a training run's ``--output_dir`` or a checkpoint inside it
-(``checkpoints/step_N``: the run's model with that step's weights).
+for a causal LM. ``--model`` is a training run's ``--output_dir``, a checkpoint inside it
+(``checkpoints/step_N``: the run's model with that step's weights), or a PEFT adapter directory (one
+holding ``adapter_config.json``).
 
 Texts come from positional arguments, ``--file`` (plain text: one text per line; ``.csv``/``.jsonl``/
 ``.json``: a ``text`` column, or ``sentence1`` + ``sentence2`` for sentence-pair models), or stdin
@@ -29,22 +30,24 @@ from tqdm.auto import tqdm
 from finetune.checkpoint import MARKER, STATE_FILE, is_complete
 from finetune.errors import FinetuneError
 
-# torch, transformers' pipelines and accelerate are imported where they are used: together they take ~4 s
-# to import, which `--help`, a mistyped --model or a bad input file should not wait for.
+# torch, transformers' pipelines, accelerate and peft are imported where they are used: together they take
+# ~6 s to import, which `--help`, a mistyped --model or a bad input file should not wait for (and peft is
+# optional: only adapter directories need it).
 
 DEFAULT_MAX_LENGTH = 128
 PAIR_COLUMNS = ("sentence1", "sentence2")
 PIPELINE_TASKS = {"classification": "text-classification", "generation": "text-generation"}
+ADAPTER_KINDS = {"SEQ_CLS": "classification", "CAUSAL_LM": "generation"}  # peft's task_type -> our kind
 
 
 # ------------------------------------------------------------------------------------------ the model
 def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
     """(the model directory, the checkpoint directory or ``None``) for ``--model model_dir``.
 
-    A model directory holds ``config.json`` (``save_pretrained``). A training checkpoint
-    (``<run>/checkpoints/step_N``, written by ``Accelerator.save_state``) resolves to its run's output
-    directory, whose config and tokenizer it is loaded with. Raises ``FinetuneError`` naming --model and
-    the fix.
+    A model directory holds ``config.json`` (``save_pretrained``) or ``adapter_config.json`` (a PEFT
+    adapter). A training checkpoint (``<run>/checkpoints/step_N``, written by ``Accelerator.save_state``)
+    resolves to its run's output directory, whose config and tokenizer it is loaded with. Raises
+    ``FinetuneError`` naming --model and the fix.
     """
     path = Path(model_dir).expanduser()
     where = f"--model {str(model_dir)!r}"
@@ -53,7 +56,7 @@ def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
                             "(it holds config.json and model.safetensors).")
     if not path.is_dir():
         raise FinetuneError(f"{where} is a file, not a model directory. Pass the --output_dir of a training run.")
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
         return path, None
     if (path / STATE_FILE).is_file():  # a training checkpoint: weights only
         run = path.parent.parent
@@ -100,6 +103,30 @@ def model_kind(config, where: str = "--model") -> str:
                         "causal-LM head to predict with. Pass the --output_dir of a finetune training run.")
 
 
+def _load_adapter(path: Path, adapter: dict, where: str):
+    """(the PEFT model: base model + adapter, the tokenizer) of the adapter directory ``path`` (``adapter``:
+    its adapter_config.json). The tokenizer is the adapter directory's if it holds one, else the base
+    model's. Raises ``FinetuneError`` without peft, or naming the base model if loading fails."""
+    from transformers import AutoTokenizer
+
+    try:
+        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    except ImportError:
+        raise FinetuneError(f"{where} is a PEFT adapter (adapter_config.json); loading it needs peft: "
+                            "pip install peft") from None
+    kind = ADAPTER_KINDS[adapter["task_type"]]
+    loader = AutoPeftModelForSequenceClassification if kind == "classification" else AutoPeftModelForCausalLM
+    base = adapter.get("base_model_name_or_path")
+    try:
+        model = loader.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if (path / "tokenizer_config.json").is_file() else base)
+    except (OSError, ValueError, TypeError) as err:
+        raise FinetuneError(f"{where}: the PEFT adapter or its base model {base!r} (base_model_name_or_path in "
+                            f"adapter_config.json) could not be loaded: {err} Point base_model_name_or_path "
+                            "at the base model's directory.") from None
+    return model, tokenizer
+
+
 def _load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
     """Overwrite ``model``'s weights with ``checkpoint/model.safetensors`` (``Accelerator.save_state``: names
     may carry DDP's ``module.`` or torch.compile's ``_orig_mod.`` prefix, and one of two tied tensors is
@@ -128,8 +155,8 @@ def _load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
 class Predictor:
     """A ``transformers.pipeline`` for a model directory, ready for repeated ``predict`` calls.
 
-    ``model_dir``: a training run's ``--output_dir`` or a checkpoint directory inside it.
-    ``max_length``: truncation in tokens; default: the run's ``max_length`` from
+    ``model_dir``: a training run's ``--output_dir``, a checkpoint directory inside it, or a PEFT adapter
+    directory. ``max_length``: truncation in tokens; default: the run's ``max_length`` from
     ``run_config.json``, else 128. ``device``: a torch device (default: the pipeline's choice, the first
     GPU if there is one, else the CPU). Attributes: ``kind`` (``"classification"``/``"generation"``),
     ``max_length``, ``pipe`` (the pipeline). Raises ``FinetuneError`` for a missing directory, one without
@@ -146,11 +173,19 @@ class Predictor:
         if not isinstance(self.max_length, int) or isinstance(self.max_length, bool) or self.max_length < 1:
             raise FinetuneError(f"--max_length must be a positive integer, got {self.max_length!r}.")
         try:
-            config = AutoConfig.from_pretrained(str(path))
-            self.kind = model_kind(config, where)
-            loader = AutoModelForSequenceClassification if self.kind == "classification" else AutoModelForCausalLM
-            model = loader.from_pretrained(str(path), config=config)
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            if (path / "adapter_config.json").is_file():
+                adapter = json.loads((path / "adapter_config.json").read_text())
+                if adapter.get("task_type") not in ADAPTER_KINDS:
+                    raise FinetuneError(f"{where} is a PEFT adapter for task_type {adapter.get('task_type')!r}; "
+                                        f"predict handles {' and '.join(ADAPTER_KINDS)} adapters.")
+                self.kind = ADAPTER_KINDS[adapter["task_type"]]
+                model, tokenizer = _load_adapter(path, adapter, where)
+            else:
+                config = AutoConfig.from_pretrained(str(path))
+                self.kind = model_kind(config, where)
+                loader = AutoModelForSequenceClassification if self.kind == "classification" else AutoModelForCausalLM
+                model = loader.from_pretrained(str(path), config=config)
+                tokenizer = AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError, KeyError) as err:
             raise FinetuneError(f"{where} could not be loaded: {err}") from None
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -212,8 +247,8 @@ class Predictor:
 
 def predict(model_dir, texts: list, batch_size: int = 32, max_length: int | None = None, *,
             max_new_tokens: int = 40, device=None, progress: bool | None = None) -> list[dict]:
-    """Load the model in ``model_dir`` (a training run's output directory, or a checkpoint inside it) and
-    predict for ``texts``.
+    """Load the model in ``model_dir`` (a training run's output directory, a checkpoint inside it, or a
+    PEFT adapter directory) and predict for ``texts``.
 
     ``texts``: N strings (or N (first, second) pairs for a sentence-pair classifier). ``batch_size``:
     texts per forward pass. ``max_length``: truncation in tokens (default: the run's ``max_length`` from
@@ -365,13 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of ``python -m finetune.predict``."""
     parser = argparse.ArgumentParser(
         prog="python -m finetune.predict",
-        description="Predict with a model trained by finetune (its --output_dir, or a checkpoint in it), through "
-                    "a transformers pipeline.",
+        description="Predict with a model trained by finetune (its --output_dir, a checkpoint in it, or a PEFT "
+                    "adapter directory), through a transformers pipeline.",
         epilog="Texts: positional arguments, --file PATH (one per line; CSV/JSONL with a 'text' column), "
                "or stdin (no texts, or '-').")
     parser.add_argument("texts", nargs="*", help="texts to predict ('-' reads stdin)")
-    parser.add_argument("--model", required=True,
-                        help="a training run's --output_dir, or a checkpoint directory in it")
+    parser.add_argument("--model", required=True, help="a training run's --output_dir, a checkpoint directory "
+                        "in it, or a PEFT adapter directory (adapter_config.json)")
     parser.add_argument("--file", help="texts: one per line, or .csv/.jsonl/.json with a 'text' column ('-' = stdin)")
     parser.add_argument("--batch_size", type=int, default=32, help="texts per forward pass (default 32)")
     parser.add_argument("--max_length", type=int, default=None,

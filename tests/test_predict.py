@@ -1,5 +1,5 @@
 """finetune.predict: the library function and the CLI (``python -m finetune.predict``, or ``main()``
-in-process) on tiny models: a classifier trained in-process (and its checkpoint) and a random GPT-2."""
+in-process) on tiny models: a classifier trained in-process, a random GPT-2, and PEFT adapters on both."""
 
 from __future__ import annotations
 
@@ -55,6 +55,53 @@ def tiny_gpt2(tmp_path_factory, tiny_bert) -> Path:
     GPT2LMHeadModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _randomize_lora(model, seed: int) -> None:
+    """LoRA's B matrices start at zero (the adapter is a no-op): give them, and the trained copy of a
+    classifier head, random values so that the adapter changes every prediction."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.normal_(0.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def lora_classifier(tmp_path_factory, tiny_bert):
+    """(adapter directory, the PEFT model in memory, the base directory): LoRA on a tiny 3-label BERT
+    classifier, saved without a tokenizer (predict takes the base model's)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("lora-classifier")
+    labels = {0: "sport", 1: "business", 2: "tech"}
+    torch.manual_seed(0)
+    base = BertForSequenceClassification.from_pretrained(tiny_bert, num_labels=3, id2label=labels,
+                                                         label2id={v: k for k, v in labels.items()})
+    base.save_pretrained(root / "base")
+    AutoTokenizer.from_pretrained(tiny_bert).save_pretrained(root / "base")
+    model = peft.get_peft_model(BertForSequenceClassification.from_pretrained(root / "base"),
+                                peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"]))
+    _randomize_lora(model, seed=1)
+    model.save_pretrained(root / "adapter")
+    return root / "adapter", model.eval(), root / "base"
+
+
+@pytest.fixture(scope="module")
+def lora_gpt2(tmp_path_factory, tiny_gpt2):
+    """(adapter directory, the PEFT model in memory): LoRA on the tiny GPT-2, saved with its tokenizer."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("lora-gpt2")
+    model = peft.get_peft_model(GPT2LMHeadModel.from_pretrained(tiny_gpt2),
+                                peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["c_attn"],
+                                                fan_in_fan_out=True))
+    _randomize_lora(model, seed=2)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_gpt2).save_pretrained(path)
+    return path, model.eval()
 
 
 def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int, max_length: int = 128) -> str:
@@ -247,6 +294,50 @@ def test_checkpoint_user_errors(tmp_path, trained):
         predict(run / "checkpoints" / "step_00000001", ["x"])
 
 
+def test_peft_classifier_adapter_gives_the_peft_models_probabilities(lora_classifier):
+    """An adapter directory loads with AutoPeftModelForSequenceClassification (base + LoRA + trained head)
+    and predicts what the PEFT model it was saved from predicts, which differs from the base model."""
+    from transformers import AutoTokenizer
+
+    adapter, model, base = lora_classifier
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    predictor = Predictor(adapter)
+    assert type(predictor.pipe.model).__name__ == "PeftModelForSequenceClassification"
+    results = predictor.predict(TEXTS, batch_size=2)
+    for text, result in zip(TEXTS, results):
+        assert_same_scores(result, class_probabilities(model, tokenizer, text, max_length=128))
+        assert abs(sum(result["scores"].values()) - 1.0) < 1e-5
+    base_results = predict(base, TEXTS)
+    assert max(abs(r["scores"][k] - b["scores"][k]) for r, b in zip(results, base_results) for k in r["scores"]) > 1e-2
+
+
+def test_peft_causal_lm_adapter_continues_like_the_peft_model(lora_gpt2, tiny_gpt2):
+    from transformers import AutoTokenizer
+
+    adapter, model = lora_gpt2
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    prompts = ["the match ended", "shares in the bank fell sharply after"]
+    results = predict(adapter, prompts, max_new_tokens=5, batch_size=2)
+    expected = [greedy_continuation(model, tokenizer, p, 5) for p in prompts]
+    assert [r["generated"] for r in results] == expected
+    assert expected != [r["generated"] for r in predict(tiny_gpt2, prompts, max_new_tokens=5)]  # the adapter matters
+
+
+def test_adapter_user_errors(tmp_path, lora_classifier):
+    import shutil
+
+    (tmp_path / "token" / "adapter_config.json").parent.mkdir()
+    (tmp_path / "token" / "adapter_config.json").write_text(json.dumps({"task_type": "TOKEN_CLS"}))
+    with pytest.raises(FinetuneError, match="task_type 'TOKEN_CLS'; predict handles SEQ_CLS and CAUSAL_LM"):
+        predict(tmp_path / "token", ["x"])
+    moved = shutil.copytree(lora_classifier[0], tmp_path / "adapter")
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone")  # the base model moved away
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(FinetuneError, match="base model .*gone.* could not be loaded.*Point base_model_name_or_path"):
+        predict(moved, ["x"])
+
+
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_prints_one_line_per_text(trained, monkeypatch, capsys):
     result = run_predict(["--model", str(trained), "text one", "text two"])
@@ -340,6 +431,16 @@ def test_cli_causal_lm(tiny_gpt2, monkeypatch, capsys):
     code, lines, _ = run_main(["--model", str(tiny_gpt2), "--max_new_tokens", "4", "the match", "shares fell"],
                               monkeypatch, capsys)
     assert code == 0 and len(lines) == 2 and [line[0] for line in lines] == ["the match", "shares fell"]
+
+
+def test_cli_peft_adapter(lora_classifier, monkeypatch, capsys):
+    adapter, _, _ = lora_classifier
+    code, lines, err = run_main(["--model", str(adapter), "--top_k", "3", TEXTS[0], TEXTS[1]], monkeypatch, capsys)
+    assert code == 0, err
+    for line, expected in zip(lines, predict(adapter, TEXTS[:2])):
+        ranked = sorted(expected["scores"].items(), key=lambda kv: -kv[1])
+        assert line[0:6:2] == [name for name, _ in ranked]
+        assert [float(p) for p in line[1:6:2]] == pytest.approx([p for _, p in ranked], abs=1e-4)
 
 
 @pytest.mark.integration
