@@ -311,7 +311,7 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
                  "print(model.config.id2label[int(probs.argmax(-1))], float(probs.max()))", "```"]
     parts += ["", "## Usage", ""] + usage
     parts += ["", "Or from the command line:", "", "```bash",
-              f"python finetune/predict.py --model {shlex.quote(path)} \"some text\"", "```", ""]
+              f"python -m finetune.predict --model {shlex.quote(path)} \"some text\"", "```", ""]
     return "\n".join(parts)
 
 
