@@ -1,56 +1,77 @@
-"""Predict with a trained model: ``python finetune/predict.py --model OUTPUT_DIR "some text" ...``
-(or ``accelerate launch finetune/predict.py ...``, which splits the texts over the processes).
+"""Predict with a trained model: ``python -m finetune.predict --model OUTPUT_DIR "some text" ...``
+(``accelerate launch -m finetune.predict ...`` splits the texts over the processes).
+
+A thin CLI on ``transformers.pipeline``: "text-classification" for a sequence classifier, "text-generation"
+for a causal LM. ``--model`` is a training run's ``--output_dir``, a checkpoint inside it
+(``checkpoints/step_N``: the run's model with that step's weights), or a PEFT adapter directory (one
+holding ``adapter_config.json``).
 
 Texts come from positional arguments, ``--file`` (plain text: one text per line; ``.csv``/``.jsonl``/
 ``.json``: a ``text`` column, or ``sentence1`` + ``sentence2`` for sentence-pair models), or stdin
-(neither given, or ``-``). A sequence classifier prints one line per text: the label, its softmax
-probability and the start of the text, tab-separated (``--top_k`` labels per line); a causal LM prints
-its greedy continuation. ``--output PATH`` also writes one JSON object per text.
+(neither given, or ``-``). A sequence classifier prints one line per text: the label, its probability and
+the start of the text, tab-separated (``--top_k`` labels per line); a causal LM prints its greedy
+continuation. ``--output PATH`` also writes one JSON object per text.
 
-User errors print one ``error:`` line and exit 2, without a traceback (as ``run.py``).
+User errors print one ``error:`` line and exit 2, without a traceback.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
+import io
+import json
 import os
 import sys
+from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: import the package from the repository root, and keep
-    # this folder off sys.path, where its modules would shadow top-level packages of the same name
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-    sys.path.insert(0, os.path.dirname(_here))
+from tqdm.auto import tqdm
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from finetune.checkpoint import MARKER, STATE_FILE, is_complete
+from finetune.errors import FinetuneError
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from finetune.errors import FinetuneError  # noqa: E402
+# torch, transformers' pipelines, accelerate and peft are imported where they are used: together they take
+# ~6 s to import, which `--help`, a mistyped --model or a bad input file should not wait for (and peft is
+# optional: only adapter directories need it).
 
 DEFAULT_MAX_LENGTH = 128
 PAIR_COLUMNS = ("sentence1", "sentence2")
+PIPELINE_TASKS = {"classification": "text-classification", "generation": "text-generation"}
+ADAPTER_KINDS = {"SEQ_CLS": "classification", "CAUSAL_LM": "generation"}  # peft's task_type -> our kind
 
 
 # ------------------------------------------------------------------------------------------ the model
-def _resolve_model_dir(model_dir) -> Path:
-    """Check that ``model_dir`` is a saved model directory; raise ``FinetuneError`` naming --model."""
+def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
+    """(the model directory, the checkpoint directory or ``None``) for ``--model model_dir``.
+
+    A model directory holds ``config.json`` (``save_pretrained``) or ``adapter_config.json`` (a PEFT
+    adapter). A training checkpoint (``<run>/checkpoints/step_N``, written by ``Accelerator.save_state``)
+    resolves to its run's output directory, whose config and tokenizer it is loaded with. Raises
+    ``FinetuneError`` naming --model and the fix.
+    """
     path = Path(model_dir).expanduser()
+    where = f"--model {str(model_dir)!r}"
     if not path.exists():
-        raise FinetuneError(f"--model {str(model_dir)!r}: no such directory. Pass the --output_dir of a training run "
+        raise FinetuneError(f"{where}: no such directory. Pass the --output_dir of a training run "
                             "(it holds config.json and model.safetensors).")
     if not path.is_dir():
-        raise FinetuneError(f"--model {str(model_dir)!r} is a file, not a model directory. Pass the --output_dir "
-                            "of a training run.")
-    if not (path / "config.json").is_file():
-        hint = (" It holds run_config.json but no model: the training run did not finish."
-                if (path / "run_config.json").is_file() else "")
-        raise FinetuneError(f"--model {str(model_dir)!r} is not a Hugging Face model directory (no config.json).{hint} "
-                            "Pass the --output_dir of a finished training run.")
-    return path
+        raise FinetuneError(f"{where} is a file, not a model directory. Pass the --output_dir of a training run.")
+    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+        return path, None
+    if (path / STATE_FILE).is_file():  # a training checkpoint: weights only
+        run = path.parent.parent
+        if not is_complete(path):
+            raise FinetuneError(f"{where} is an incomplete checkpoint (no {MARKER} marker: its write did not "
+                                "finish). Pass another checkpoint of the run, or its --output_dir.")
+        if not (run / "config.json").is_file():
+            raise FinetuneError(f"{where} is a training checkpoint, but its run's output directory {str(run)!r} "
+                                "holds no finished model (config.json) to take the configuration and tokenizer "
+                                "from. Let the run finish (resume it with --resume_from_checkpoint), then predict.")
+        return run, path
+    hint = (" It holds run_config.json but no model: the training run did not finish."
+            if (path / "run_config.json").is_file() else "")
+    raise FinetuneError(f"{where} is not a Hugging Face model directory (no config.json).{hint} "
+                        "Pass the --output_dir of a finished training run.")
 
 
 def _run_max_length(path: Path) -> int:
@@ -82,118 +103,158 @@ def model_kind(config, where: str = "--model") -> str:
                         "causal-LM head to predict with. Pass the --output_dir of a finetune training run.")
 
 
-class Predictor:
-    """A loaded model directory, ready for repeated ``predict`` calls (load once, predict many times).
+def _load_adapter(path: Path, adapter: dict, where: str):
+    """(the PEFT model: base model + adapter, the tokenizer) of the adapter directory ``path`` (``adapter``:
+    its adapter_config.json). The tokenizer is the adapter directory's if it holds one, else the base
+    model's. Raises ``FinetuneError`` without peft, or naming the base model if loading fails."""
+    from transformers import AutoTokenizer
 
-    ``model_dir``: a directory written by ``save_pretrained`` (a training run's ``--output_dir``).
-    ``max_length``: truncation in tokens; default: the run's ``max_length`` from ``run_config.json``, else 128.
-    ``device``: a torch device (default: CUDA if available, else CPU). Raises ``FinetuneError`` for a
-    missing directory, a directory without a loadable model/tokenizer, or a ``max_length`` above the
-    model's position limit.
+    try:
+        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    except ImportError:
+        raise FinetuneError(f"{where} is a PEFT adapter (adapter_config.json); loading it needs peft: "
+                            "pip install peft") from None
+    kind = ADAPTER_KINDS[adapter["task_type"]]
+    loader = AutoPeftModelForSequenceClassification if kind == "classification" else AutoPeftModelForCausalLM
+    base = adapter.get("base_model_name_or_path")
+    try:
+        model = loader.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if (path / "tokenizer_config.json").is_file() else base)
+    except (OSError, ValueError, TypeError) as err:
+        raise FinetuneError(f"{where}: the PEFT adapter or its base model {base!r} (base_model_name_or_path in "
+                            f"adapter_config.json) could not be loaded: {err} Point base_model_name_or_path "
+                            "at the base model's directory.") from None
+    return model, tokenizer
+
+
+def _load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
+    """Overwrite ``model``'s weights with ``checkpoint/model.safetensors`` (``Accelerator.save_state``: names
+    may carry DDP's ``module.`` or torch.compile's ``_orig_mod.`` prefix, and one of two tied tensors is
+    left out). Raises ``FinetuneError`` if the file is missing or does not fit the model."""
+    from safetensors.torch import load_file
+
+    file = checkpoint / "model.safetensors"
+    if not file.is_file():
+        raise FinetuneError(f"{where} holds no model.safetensors. Pass a checkpoint written by finetune, "
+                            "or the run's --output_dir.")
+    state = {}
+    for name, tensor in load_file(str(file)).items():
+        while name.startswith(("module.", "_orig_mod.")):
+            name = name.split(".", 1)[1]
+        state[name] = tensor
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = model.state_dict()
+    loaded = {params[name].data_ptr() for name in state if name in params}
+    missing = [name for name in missing if params[name].data_ptr() not in loaded]  # a tied copy is loaded too
+    if missing or unexpected:
+        raise FinetuneError(f"{where}: the checkpoint's weights do not fit the run's model ({len(missing)} missing, "
+                            f"{len(unexpected)} unexpected, e.g. {(missing + unexpected)[0]!r}). Pass a checkpoint "
+                            "of the run whose --output_dir holds it.")
+
+
+class Predictor:
+    """A ``transformers.pipeline`` for a model directory, ready for repeated ``predict`` calls.
+
+    ``model_dir``: a training run's ``--output_dir``, a checkpoint directory inside it, or a PEFT adapter
+    directory. ``max_length``: truncation in tokens; default: the run's ``max_length`` from
+    ``run_config.json``, else 128. ``device``: a torch device (default: the pipeline's choice, the first
+    GPU if there is one, else the CPU). Attributes: ``kind`` (``"classification"``/``"generation"``),
+    ``max_length``, ``pipe`` (the pipeline). Raises ``FinetuneError`` for a missing directory, one without
+    a loadable model/tokenizer, or a ``max_length`` above the model's position limit.
     """
 
     def __init__(self, model_dir, max_length: int | None = None, device=None):
-        import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import pipeline
 
-        path = _resolve_model_dir(model_dir)
-        self.path = path
+        where = f"--model {str(model_dir)!r}"
+        path, checkpoint = _resolve_model_dir(model_dir)
+        self.max_length = _run_max_length(path) if max_length is None else max_length
+        if not isinstance(self.max_length, int) or isinstance(self.max_length, bool) or self.max_length < 1:
+            raise FinetuneError(f"--max_length must be a positive integer, got {self.max_length!r}.")
         try:
-            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise FinetuneError(f"--model {str(model_dir)!r}: config.json could not be read: {err}") from None
-        self.kind = model_kind(config, f"--model {str(model_dir)!r}")
-        if max_length is None:
-            max_length = _run_max_length(path)
-        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
-            raise FinetuneError(f"--max_length must be a positive integer, got {max_length!r}.")
-        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        if limit is not None and max_length > limit:
-            raise FinetuneError(f"--max_length {max_length} exceeds this model's position limit of {limit} tokens; "
-                                f"use --max_length {limit} or less.")
-        self.max_length = max_length
-        loader = AutoModelForSequenceClassification if self.kind == "classification" else AutoModelForCausalLM
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-            self.model = loader.from_pretrained(str(path), config=config, local_files_only=True)
+            if (path / "adapter_config.json").is_file():
+                adapter = json.loads((path / "adapter_config.json").read_text())
+                if adapter.get("task_type") not in ADAPTER_KINDS:
+                    raise FinetuneError(f"{where} is a PEFT adapter for task_type {adapter.get('task_type')!r}; "
+                                        f"predict handles {' and '.join(ADAPTER_KINDS)} adapters.")
+                self.kind = ADAPTER_KINDS[adapter["task_type"]]
+                model, tokenizer = _load_adapter(path, adapter, where)
+            else:
+                config = AutoConfig.from_pretrained(str(path))
+                self.kind = model_kind(config, where)
+                loader = AutoModelForSequenceClassification if self.kind == "classification" else AutoModelForCausalLM
+                model = loader.from_pretrained(str(path), config=config)
+                tokenizer = AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError, KeyError) as err:
-            raise FinetuneError(f"--model {str(model_dir)!r} could not be loaded: {err}") from None
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
-        self.model.to(self.device).eval()
-        if self.kind == "classification":
-            self.labels = [str(self.model.config.id2label.get(i, i)) for i in range(self.model.config.num_labels)]
-        else:
-            # left padding and left truncation: every prompt ends where generation starts
-            self.tokenizer.padding_side = "left"
-            self.tokenizer.truncation_side = "left"
-            if self.tokenizer.pad_token is None and self.tokenizer.eos_token is not None:
-                self.tokenizer.pad_token = self.tokenizer.eos_token
-
-    def _encode(self, batch: list):
-        pairs = [t for t in batch if isinstance(t, (tuple, list))]
-        if pairs and len(pairs) != len(batch):
-            raise FinetuneError("texts mix single texts and sentence pairs; give one kind only.")
-        args = ([t[0] for t in batch], [t[1] for t in batch]) if pairs else (list(batch),)
-        extra = {"return_token_type_ids": False} if self.kind == "generation" else {}
-        enc = self.tokenizer(*args, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
-                             **extra)
-        return {k: v.to(self.device) for k, v in enc.items()}
+            raise FinetuneError(f"{where} could not be loaded: {err}") from None
+        limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        if limit is not None and self.max_length > limit:
+            raise FinetuneError(f"--max_length {self.max_length} exceeds this model's position limit of {limit} "
+                                f"tokens; use --max_length {limit} or less.")
+        if checkpoint is not None:
+            _load_checkpoint_weights(model, checkpoint, where)
+        if self.kind == "generation":
+            tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the continuation starts
+            if tokenizer.pad_token is None:  # batches are padded (on the left: the pipeline sees to that)
+                tokenizer.pad_token = tokenizer.eos_token
+        if device is not None:  # under torch.distributed the pipeline runs where the model is
+            model.to(device)
+        self.pipe = pipeline(PIPELINE_TASKS[self.kind], model=model, tokenizer=tokenizer, device=device)
 
     def predict(self, texts: list, batch_size: int = 32, max_new_tokens: int = 40, progress: bool | None = None):
-        """Predict for ``texts`` (a list of N strings, or of (first, second) string pairs), in batches of
-        ``batch_size`` texts (sorted by length, so a batch pads little; results come back in input order).
+        """Predict for ``texts`` (a list of N strings, or for a classifier of N (first, second) string pairs),
+        ``batch_size`` texts per forward pass (longest first, so that a batch pads little; the results come
+        back in input order).
 
-        Returns N dicts. Classification: ``{"text", "label", "score", "scores"}`` with ``score`` the softmax
-        probability (0..1) of ``label``, the argmax, and ``scores`` every label name -> probability (they
-        sum to 1). Causal LM: ``{"text", "generated"}``, the greedy continuation of up to ``max_new_tokens``
-        tokens, decoded. ``progress``: a tqdm bar on stderr; ``None`` shows it when there is more than one
-        batch. An empty ``texts`` returns ``[]``. Raises ``FinetuneError`` for a batch size below 1.
+        Returns N dicts. Classification: ``{"text", "label", "score", "scores"}``: ``scores`` maps every
+        label name to its probability (the pipeline's softmax over the labels, summing to 1, for a
+        single-label classifier), ``label`` is the most probable and ``score`` its probability.
+        Causal LM: ``{"text", "generated"}``, the greedy continuation of up to ``max_new_tokens`` tokens,
+        decoded without special tokens. ``progress``: a tqdm bar on stderr; ``None`` shows it when there is
+        more than one batch. An empty ``texts`` returns ``[]``. Raises ``FinetuneError`` for a
+        ``batch_size``/``max_new_tokens`` below 1, or sentence pairs mixed with single texts or given to a
+        causal LM.
         """
-        import torch
-        from tqdm.auto import tqdm
-
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise FinetuneError(f"--batch_size must be a positive integer, got {batch_size!r}.")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise FinetuneError(f"--max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+        for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FinetuneError(f"--{name} must be a positive integer, got {value!r}.")
         texts = list(texts)
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i] if isinstance(texts[i], str) else "".join(texts[i])))
-        results: list = [None] * len(texts)
+        pairs = sum(isinstance(t, (tuple, list)) for t in texts)
+        if pairs and pairs != len(texts):
+            raise FinetuneError("texts mix single texts and sentence pairs; give one kind only.")
+        if pairs and self.kind == "generation":
+            raise FinetuneError("a causal LM continues single texts; give texts, not sentence pairs.")
+        if self.kind == "classification":
+            options = {"top_k": None, "truncation": True, "max_length": self.max_length}  # top_k=None: every label
+        else:
+            options = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_full_text": False,
+                       "tokenizer_encode_kwargs": {"truncation": True, "max_length": self.max_length}}
+        order = sorted(range(len(texts)), key=lambda i: -len("".join(texts[i])))
+        inputs = ({"text": texts[i][0], "text_pair": texts[i][1]} if pairs else texts[i] for i in order)
+        outputs = self.pipe(inputs, batch_size=batch_size, **options) if texts else []
         show = len(texts) > batch_size if progress is None else progress
-        bar = tqdm(total=len(texts), desc="Predicting", unit="text", disable=not show, file=sys.stderr)
-        for start in range(0, len(order), batch_size):
-            index = order[start:start + batch_size]
-            batch = [texts[i] for i in index]
-            enc = self._encode(batch)
-            with torch.inference_mode():
-                if self.kind == "classification":
-                    probs = torch.softmax(self.model(**enc).logits.float(), dim=-1).cpu()
-                    for i, p in zip(index, probs.tolist()):
-                        best = max(range(len(p)), key=p.__getitem__)
-                        results[i] = {"text": texts[i], "label": self.labels[best], "score": p[best],
-                                      "scores": dict(zip(self.labels, p))}
-                else:
-                    out = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                              pad_token_id=self.tokenizer.pad_token_id)
-                    new = out[:, enc["input_ids"].shape[1]:].cpu()
-                    for i, tokens in zip(index, new):
-                        results[i] = {"text": texts[i],
-                                      "generated": self.tokenizer.decode(tokens, skip_special_tokens=True)}
-            bar.update(len(index))
-        bar.close()
+        results: list = [None] * len(texts)
+        bar = tqdm(outputs, total=len(texts), desc="Predicting", unit="text", disable=not show, file=sys.stderr)
+        for i, output in zip(order, bar):
+            if self.kind == "classification":  # output: {"label", "score"} per label, most probable first
+                results[i] = {"text": texts[i], "label": output[0]["label"], "score": output[0]["score"],
+                              "scores": {o["label"]: o["score"] for o in output}}
+            else:
+                results[i] = {"text": texts[i], "generated": output[0]["generated_text"]}
         return results
 
 
 def predict(model_dir, texts: list, batch_size: int = 32, max_length: int | None = None, *,
             max_new_tokens: int = 40, device=None, progress: bool | None = None) -> list[dict]:
-    """Load the model in ``model_dir`` (a training run's output directory) and predict for ``texts``.
+    """Load the model in ``model_dir`` (a training run's output directory, a checkpoint inside it, or a
+    PEFT adapter directory) and predict for ``texts``.
 
     ``texts``: N strings (or N (first, second) pairs for a sentence-pair classifier). ``batch_size``:
     texts per forward pass. ``max_length``: truncation in tokens (default: the run's ``max_length`` from
     ``run_config.json``, else 128). Returns N dicts in input order: for a sequence classifier
-    ``{"text", "label", "score", "scores"}`` (``score`` is the softmax probability, 0..1, of the argmax
-    ``label``; ``scores`` maps every label name to its probability, summing to 1); for a causal LM
+    ``{"text", "label", "score", "scores"}`` (``scores`` maps every label name to its probability, summing
+    to 1; ``label`` is the most probable, ``score`` its probability, 0..1); for a causal LM
     ``{"text", "generated"}`` (greedy, up to ``max_new_tokens`` new tokens).
 
     Raises ``FinetuneError`` for no texts, a missing directory, a directory that is not a loadable model,
@@ -336,26 +397,30 @@ def _jsonable(result: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line parser of ``finetune/predict.py``."""
+    """The command-line parser of ``python -m finetune.predict``."""
     parser = argparse.ArgumentParser(
-        prog="finetune/predict.py",
-        description="Predict with a model trained by finetune/run.py (its --output_dir).",
+        prog="python -m finetune.predict",
+        description="Predict with a model trained by finetune (its --output_dir, a checkpoint in it, or a PEFT "
+                    "adapter directory), through a transformers pipeline.",
         epilog="Texts: positional arguments, --file PATH (one per line; CSV/JSONL with a 'text' column), "
                "or stdin (no texts, or '-').")
     parser.add_argument("texts", nargs="*", help="texts to predict ('-' reads stdin)")
-    parser.add_argument("--model", required=True, help="a training run's --output_dir (a Hugging Face model directory)")
+    parser.add_argument("--model", required=True, help="a training run's --output_dir, a checkpoint directory "
+                        "in it, or a PEFT adapter directory (adapter_config.json)")
     parser.add_argument("--file", help="texts: one per line, or .csv/.jsonl/.json with a 'text' column ('-' = stdin)")
     parser.add_argument("--batch_size", type=int, default=32, help="texts per forward pass (default 32)")
     parser.add_argument("--max_length", type=int, default=None,
                         help="truncate to this many tokens (default: the run's max_length, else 128)")
     parser.add_argument("--top_k", type=int, default=1, help="labels printed per text, most probable first (default 1)")
-    parser.add_argument("--max_new_tokens", type=int, default=40, help="causal LMs: tokens to generate (default 40)")
+    parser.add_argument("--max_new_tokens", type=int, default=40,
+                        help="causal LMs: most tokens to generate, greedily (default 40)")
     parser.add_argument("--output", help="also write one JSON object per text to this JSON-lines file")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code (0 on success, 2 on a user error).
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); returns the process exit code (0 on success,
+    2 on a user error, printed as one ``error:`` line).
 
     Under ``accelerate launch`` with several processes, each predicts a contiguous share of the texts
     and the main process prints all results in input order.
@@ -366,18 +431,22 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # the CLI prints results; loading bars and load reports are noise
     hf_logging.set_verbosity_error()
     try:
-        if args.top_k < 1:
-            raise FinetuneError(f"--top_k must be a positive integer, got {args.top_k}.")
-        if args.batch_size < 1:
-            raise FinetuneError(f"--batch_size must be a positive integer, got {args.batch_size}.")
+        for name in ("top_k", "batch_size", "max_new_tokens"):
+            if getattr(args, name) < 1:
+                raise FinetuneError(f"--{name} must be a positive integer, got {getattr(args, name)}.")
         if args.output and Path(args.output).is_dir():
             raise FinetuneError(f"--output {args.output!r} is a directory; give a file path.")
         _resolve_model_dir(args.model)  # before reading stdin: a wrong --model fails at once
         state = _process_state()
         texts, bulk = _gather_texts_once(args, state)
         predictor = Predictor(args.model, max_length=args.max_length, device=state.device)
-        results = _predict_distributed(predictor, texts, args.batch_size, args.max_new_tokens, bulk, state)
-        if results is None:  # not the main process
+        with state.split_between_processes(texts) as share:
+            results = predictor.predict(share, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                                        progress=(None if bulk else False) if state.is_main_process else False)
+        from accelerate.utils import gather_object
+
+        results = gather_object(results)  # one process: unchanged; several: every share, in rank order
+        if not state.is_main_process:
             return 0
         if args.output:
             out = Path(args.output)
@@ -428,23 +497,6 @@ def _gather_texts_once(args, state) -> tuple[list, bool]:
     if status == "error":
         raise FinetuneError(value)
     return value
-
-
-def _predict_distributed(predictor: Predictor, texts: list, batch_size: int, max_new_tokens: int, bulk: bool,
-                         state):
-    """Predict on one process, or split the texts over the processes of ``accelerate launch`` (contiguous
-    shares) and gather them to the main process in input order. Returns the results on the main
-    process, ``None`` on the others."""
-    progress = None if bulk else False
-    if state.num_processes <= 1:
-        return predictor.predict(texts, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
-    from accelerate.utils import gather_object
-
-    with state.split_between_processes(texts) as shard:
-        results = predictor.predict(shard, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                    progress=progress if state.is_main_process else False)
-    gathered = gather_object(results)
-    return gathered if state.is_main_process else None
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""finetune/predict.py: the library function and the CLI on a tiny model trained in-process."""
+"""finetune.predict: the library function and the CLI (``python -m finetune.predict``, or ``main()``
+in-process) on tiny models: a classifier trained in-process, a random GPT-2, and PEFT adapters on both."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_bert) -> Path:
-    """A tiny bbc-news classifier (5 labels), trained 2 optimizer steps with max_length 32."""
+    """A tiny bbc-news classifier (5 labels), trained 2 optimizer steps with max_length 32, with the
+    checkpoint of step 1 (``checkpoints/step_00000001``; the last step is the final model)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     tmp = tmp_path_factory.mktemp("predict")
     _, out = run_in_process(tmp, "run", model_name_or_path=tiny_bert, max_train_samples=24, max_eval_samples=8,
                             per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
-                            max_length=32, learning_rate=5e-3, warmup_steps=0)
+                            max_length=32, learning_rate=5e-3, warmup_steps=0, checkpointing_steps=1)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -55,10 +57,84 @@ def tiny_gpt2(tmp_path_factory, tiny_bert) -> Path:
     return path
 
 
+def _randomize_lora(model, seed: int) -> None:
+    """LoRA's B matrices start at zero (the adapter is a no-op): give them, and the trained copy of a
+    classifier head, random values so that the adapter changes every prediction."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.normal_(0.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def lora_classifier(tmp_path_factory, tiny_bert):
+    """(adapter directory, the PEFT model in memory, the base directory): LoRA on a tiny 3-label BERT
+    classifier, saved without a tokenizer (predict takes the base model's)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("lora-classifier")
+    labels = {0: "sport", 1: "business", 2: "tech"}
+    torch.manual_seed(0)
+    base = BertForSequenceClassification.from_pretrained(tiny_bert, num_labels=3, id2label=labels,
+                                                         label2id={v: k for k, v in labels.items()})
+    base.save_pretrained(root / "base")
+    AutoTokenizer.from_pretrained(tiny_bert).save_pretrained(root / "base")
+    model = peft.get_peft_model(BertForSequenceClassification.from_pretrained(root / "base"),
+                                peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"]))
+    _randomize_lora(model, seed=1)
+    model.save_pretrained(root / "adapter")
+    return root / "adapter", model.eval(), root / "base"
+
+
+@pytest.fixture(scope="module")
+def lora_gpt2(tmp_path_factory, tiny_gpt2):
+    """(adapter directory, the PEFT model in memory): LoRA on the tiny GPT-2, saved with its tokenizer."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("lora-gpt2")
+    model = peft.get_peft_model(GPT2LMHeadModel.from_pretrained(tiny_gpt2),
+                                peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["c_attn"],
+                                                fan_in_fan_out=True))
+    _randomize_lora(model, seed=2)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_gpt2).save_pretrained(path)
+    return path, model.eval()
+
+
+def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int, max_length: int = 128) -> str:
+    """``model.generate`` run by hand on one prompt (left-truncated to ``max_length`` tokens), decoded."""
+    tokenizer.truncation_side = "left"
+    inputs = tokenizer([prompt], truncation=True, max_length=max_length, return_tensors="pt",
+                       return_token_type_ids=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def class_probabilities(model, tokenizer, text, max_length: int) -> dict[str, float]:
+    """label name -> softmax probability for one text (or (first, second) pair), the model run by hand."""
+    args = (list(text[:1]), list(text[1:])) if isinstance(text, tuple) else ([text],)
+    with torch.no_grad():
+        logits = model(**tokenizer(*args, truncation=True, max_length=max_length, return_tensors="pt")).logits
+    probs = torch.softmax(logits.float(), dim=-1)[0].tolist()
+    return {model.config.id2label[i]: p for i, p in enumerate(probs)}
+
+
+def assert_same_scores(result: dict, expected: dict[str, float], atol: float = 1e-5) -> None:
+    assert result["label"] == max(expected, key=expected.get)
+    assert set(result["scores"]) == set(expected)
+    for name, p in expected.items():
+        assert abs(result["scores"][name] - p) <= atol, (name, result["scores"][name], p)
+
+
 def run_predict(args: list[str], stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python finetune/predict.py ARGS`` with ``stdin`` (text) as its standard input."""
+    """``python -m finetune.predict ARGS`` (in the repository root) with ``stdin`` (text) as its standard input."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(REPO / "finetune" / "predict.py"), *args], input=stdin or "",
+    return subprocess.run([sys.executable, "-m", "finetune.predict", *args], input=stdin or "",
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
@@ -159,6 +235,109 @@ def test_causal_lm_generates_a_greedy_continuation(tiny_gpt2):
     assert predict(tiny_gpt2, prompts[:1], max_new_tokens=5)[0]["generated"] == expected
 
 
+def test_causal_lm_batches_and_truncates_like_generate_by_hand(tiny_gpt2):
+    """Prompts of different lengths in one batch (left-padded by the pipeline) continue as each alone does;
+    a prompt longer than max_length keeps its last max_length tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2)
+    prompts = ["the match", "shares in the bank fell sharply after profits dropped at the end of the year"]
+    results = predict(tiny_gpt2, prompts, batch_size=2, max_new_tokens=6)
+    assert [r["generated"] for r in results] == [greedy_continuation(model, tokenizer, p, 6) for p in prompts]
+    long = predict(tiny_gpt2, prompts[1:], max_length=8, max_new_tokens=6)[0]["generated"]
+    assert long == greedy_continuation(model, tokenizer, prompts[1], 6, max_length=8)
+
+
+def test_sentence_pairs_are_encoded_as_pairs(trained):
+    """(first, second) pairs give the probabilities of the model run on tokenizer(first, second)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    pairs = [("Chelsea beat Arsenal.", "The cup final was on Saturday."), ("Shares fell.", "Profits dropped " * 30)]
+    model = AutoModelForSequenceClassification.from_pretrained(trained).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    for pair, result in zip(pairs, predict(trained, pairs, batch_size=2)):
+        assert result["text"] == pair
+        assert_same_scores(result, class_probabilities(model, tokenizer, pair, max_length=32))
+    with pytest.raises(FinetuneError, match="mix single texts and sentence pairs"):
+        predict(trained, [pairs[0], "a single text"])
+
+
+def test_checkpoint_directory_predicts_with_that_steps_weights(trained):
+    """--model <run>/checkpoints/step_N: the run's config and tokenizer with step N's weights: the
+    probabilities of the model with step 1's weights run by hand, not those of the final model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    first = trained / "checkpoints" / "step_00000001"
+    final = predict(trained, TEXTS)
+    model = AutoModelForSequenceClassification.from_pretrained(trained).eval()
+    model.load_state_dict(load_file(first / "model.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    early = Predictor(first)
+    assert early.max_length == 32  # the run's, from its run_config.json
+    results = early.predict(TEXTS)
+    for text, result in zip(TEXTS, results):
+        assert_same_scores(result, class_probabilities(model, tokenizer, text, max_length=32))
+    assert max(abs(r["scores"][k] - f["scores"][k]) for r, f in zip(results, final) for k in r["scores"]) > 1e-4
+
+
+def test_checkpoint_user_errors(tmp_path, trained):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained / "checkpoints" / "step_00000001", run / "checkpoints" / "step_00000001")
+    with pytest.raises(FinetuneError, match="holds no finished model .*Let the run finish"):
+        predict(run / "checkpoints" / "step_00000001", ["x"])
+    (run / "checkpoints" / "step_00000001" / "COMPLETE").unlink()
+    with pytest.raises(FinetuneError, match="incomplete checkpoint .*Pass another checkpoint"):
+        predict(run / "checkpoints" / "step_00000001", ["x"])
+
+
+def test_peft_classifier_adapter_gives_the_peft_models_probabilities(lora_classifier):
+    """An adapter directory loads with AutoPeftModelForSequenceClassification (base + LoRA + trained head)
+    and predicts what the PEFT model it was saved from predicts, which differs from the base model."""
+    from transformers import AutoTokenizer
+
+    adapter, model, base = lora_classifier
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    predictor = Predictor(adapter)
+    assert type(predictor.pipe.model).__name__ == "PeftModelForSequenceClassification"
+    results = predictor.predict(TEXTS, batch_size=2)
+    for text, result in zip(TEXTS, results):
+        assert_same_scores(result, class_probabilities(model, tokenizer, text, max_length=128))
+        assert abs(sum(result["scores"].values()) - 1.0) < 1e-5
+    base_results = predict(base, TEXTS)
+    assert max(abs(r["scores"][k] - b["scores"][k]) for r, b in zip(results, base_results) for k in r["scores"]) > 1e-2
+
+
+def test_peft_causal_lm_adapter_continues_like_the_peft_model(lora_gpt2, tiny_gpt2):
+    from transformers import AutoTokenizer
+
+    adapter, model = lora_gpt2
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    prompts = ["the match ended", "shares in the bank fell sharply after"]
+    results = predict(adapter, prompts, max_new_tokens=5, batch_size=2)
+    expected = [greedy_continuation(model, tokenizer, p, 5) for p in prompts]
+    assert [r["generated"] for r in results] == expected
+    assert expected != [r["generated"] for r in predict(tiny_gpt2, prompts, max_new_tokens=5)]  # the adapter matters
+
+
+def test_adapter_user_errors(tmp_path, lora_classifier):
+    import shutil
+
+    (tmp_path / "token" / "adapter_config.json").parent.mkdir()
+    (tmp_path / "token" / "adapter_config.json").write_text(json.dumps({"task_type": "TOKEN_CLS"}))
+    with pytest.raises(FinetuneError, match="task_type 'TOKEN_CLS'; predict handles SEQ_CLS and CAUSAL_LM"):
+        predict(tmp_path / "token", ["x"])
+    moved = shutil.copytree(lora_classifier[0], tmp_path / "adapter")
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone")  # the base model moved away
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(FinetuneError, match="base model .*gone.* could not be loaded.*Point base_model_name_or_path"):
+        predict(moved, ["x"])
+
+
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_prints_one_line_per_text(trained, monkeypatch, capsys):
     result = run_predict(["--model", str(trained), "text one", "text two"])
@@ -254,6 +433,16 @@ def test_cli_causal_lm(tiny_gpt2, monkeypatch, capsys):
     assert code == 0 and len(lines) == 2 and [line[0] for line in lines] == ["the match", "shares fell"]
 
 
+def test_cli_peft_adapter(lora_classifier, monkeypatch, capsys):
+    adapter, _, _ = lora_classifier
+    code, lines, err = run_main(["--model", str(adapter), "--top_k", "3", TEXTS[0], TEXTS[1]], monkeypatch, capsys)
+    assert code == 0, err
+    for line, expected in zip(lines, predict(adapter, TEXTS[:2])):
+        ranked = sorted(expected["scores"].items(), key=lambda kv: -kv[1])
+        assert line[0:6:2] == [name for name, _ in ranked]
+        assert [float(p) for p in line[1:6:2]] == pytest.approx([p for _, p in ranked], abs=1e-4)
+
+
 @pytest.mark.integration
 def test_accelerate_launch_two_processes_gives_the_same_lines(tmp_path, trained):
     """Under ``accelerate launch`` with 2 CPU processes, each predicts half and the main process prints
@@ -263,7 +452,7 @@ def test_accelerate_launch_two_processes_gives_the_same_lines(tmp_path, trained)
     single = output_lines(run_predict(["--model", str(trained), "--file", str(tmp_path / "texts.txt")]))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(REPO / "finetune" / "predict.py"), "--model", str(trained), "--file", str(tmp_path / "texts.txt")]
+           "--module", "finetune.predict", "--model", str(trained), "--file", str(tmp_path / "texts.txt")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     lines = output_lines(result)
