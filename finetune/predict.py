@@ -1,4 +1,4 @@
-"""Predict with a trained model: ``python -m finetune.predict --model OUTPUT_DIR "some text" ...``
+"""Predict with a trained model: ``finetune predict --model OUTPUT_DIR "some text" ...`` (or ``python -m finetune.predict``)
 (``accelerate launch -m finetune.predict ...`` splits the texts over the processes).
 
 A thin CLI on ``transformers.pipeline``: "text-classification" for a sequence classifier, "text-generation"
@@ -399,7 +399,7 @@ def _jsonable(result: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of ``python -m finetune.predict``."""
     parser = argparse.ArgumentParser(
-        prog="python -m finetune.predict",
+        prog="finetune predict",
         description="Predict with a model trained by finetune (its --output_dir, a checkpoint in it, or a PEFT "
                     "adapter directory), through a transformers pipeline.",
         epilog="Texts: positional arguments, --file PATH (one per line; CSV/JSONL with a 'text' column), "
