@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import shlex
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,6 +20,8 @@ from finetune.errors import FinetuneError
 from finetune.recipes import load_recipe
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16")
+# The precision this project is defined by: Accelerator(mixed_precision="fp16"), loss scaling included.
+DEFAULT_MIXED_PRECISION = "fp16"
 LR_SCHEDULER_CHOICES = (
     "linear",
     "cosine",
@@ -75,8 +78,9 @@ class TrainConfig:
     gradient_accumulation_steps: int = field(
         default=1, metadata={"help": "Micro-batches per optimizer step (N). Effective batch = micro x N x processes."}
     )
-    mixed_precision: Literal["no", "fp16", "bf16"] = field(
-        default="no", metadata={"help": "Autocast precision. fp16 uses loss scaling. fp16 does not run on CPU."}
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
+        default=None, metadata={"help": "Autocast precision; fp16 uses loss scaling (on a CPU it does not run: fp32). "
+                                        "Default: the accelerate config's or launcher's fp16/bf16, else fp16."}
     )
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak AdamW learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and LayerNorm)."})
@@ -191,6 +195,16 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        # Precedence: --mixed_precision, then the accelerate config or `accelerate launch --mixed_precision`
+        # (the launcher exports it as ACCELERATE_MIXED_PRECISION), then our default. The launcher's "no" is
+        # also its value when nothing was configured, so only its fp16/bf16 count as a choice.
+        self.precision_source = "--mixed_precision"
+        if self.mixed_precision is None:
+            launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+            if launcher in ("fp16", "bf16"):
+                self.mixed_precision, self.precision_source = launcher, "the accelerate config/launcher"
+            else:
+                self.mixed_precision, self.precision_source = DEFAULT_MIXED_PRECISION, "the default"
         if self.torch_compile_mode is not None:
             self.torch_compile = True  # as TrainingArguments: a mode implies compilation
         if self.checkpointing_steps is not None:  # the older flag, parsed once into the TrainingArguments pair

@@ -12,7 +12,8 @@ from finetune.errors import FinetuneError
 
 # Settings whose change does not make a run "different" (where it goes, whether it may overwrite).
 _IGNORED = {"output_dir", "overwrite_output_dir", "list_recipes", "resume_from_checkpoint",
-            "ignore_checkpoint_mismatch", "checkpointing_steps", "save_total_limit"}
+            "ignore_checkpoint_mismatch", "checkpointing_steps", "save_strategy", "save_steps", "save_total_limit",
+            "logging_steps"}
 _PROBE = ".write_test"  # + "-<pid>": each process probes with its own file
 
 
@@ -57,9 +58,14 @@ def check_output_dir(config) -> None:
             f"--output_dir {str(out)!r} is not empty and does not hold a finetune run. "
             "Choose another --output_dir, or pass --overwrite_output_dir."
         )
-    try:  # a real write, not os.access: root passes access checks, and file systems can be read-only
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f"{_PROBE}-{os.getpid()}"
+    # a real write, not os.access: root passes access checks, and file systems can be read-only. A directory
+    # that does not exist yet is not created here (a refused run must leave nothing behind): its nearest
+    # existing parent is probed instead.
+    where = out
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        probe = where / f"{_PROBE}-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:

@@ -33,7 +33,8 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
             f"Optimizer steps: {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches per "
             f"process), {plan.max_steps} in total over {plan.num_epochs} epoch(s) [{config.backend} backend]\n"
             + (f"Speed options: {', '.join(options)}\n" if options else "")
-            + f"Precision: {PRECISION_NAMES[precision]} on {device_type}")
+            + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {config.mixed_precision}, "
+              f"from {getattr(config, 'precision_source', '--mixed_precision')})")
     if precision != config.mixed_precision:
         text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")

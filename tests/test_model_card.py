@@ -86,7 +86,7 @@ def test_model_card_of_a_real_run(run):
     assert "--mixed_precision fp16` was requested" in body and "fp16 does not run on CPU" in body
     # the reproduce command, in a code block
     assert f"```bash\n{command}\n```" in body
-    assert command.startswith("accelerate launch finetune/run.py --recipe bbc-news")
+    assert command.startswith("finetune train --recipe bbc-news")
     # data, speed and usage
     assert "| training subset | first 24 samples (--max_train_samples) |" in body
     assert f"| `train_samples_per_second` (samples/s) | {metrics['train_samples_per_second']} |" in body

@@ -40,7 +40,7 @@ def test_every_shared_hyperparameter_reaches_training_arguments(tmp_path):
     assert args.data_seed == config.seed  # same data order as our seeded sampler
     assert args.bf16 and not args.fp16
     assert args.eval_strategy.value == "no" and args.logging_steps == 1  # evaluation runs in our callback
-    assert args.output_dir == str(tmp_path)
+    assert args.output_dir == str(tmp_path / "checkpoints")  # Trainer's checkpoint-N dirs go there
 
 
 @pytest.mark.parametrize("accum", [1, 4])
