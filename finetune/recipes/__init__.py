@@ -25,6 +25,7 @@ from finetune.errors import FinetuneError
 RECIPES: dict[str, str] = {
     "bbc-news": "finetune.recipes.bbc_news",
     "bbc-news-clm": "finetune.recipes.bbc_news_clm",
+    "bbc-headlines": "finetune.recipes.bbc_headlines",
     "glue-mrpc": "finetune.recipes.glue_mrpc",
     "wikitext-clm": "finetune.recipes.wikitext_clm",
 }

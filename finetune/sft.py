@@ -1,0 +1,517 @@
+"""Instruction fine-tuning (SFT) with completion-only loss: conversations rendered with the model's chat
+template, the loss on the assistant's tokens only.
+
+Data: rows in TRL's dataset formats (https://huggingface.co/docs/trl/dataset_formats):
+
+- prompt-completion: ``{"prompt": str, "completion": str}`` or, conversational,
+  ``{"prompt": [{"role", "content"}, ...], "completion": [{"role": "assistant", "content"}, ...]}``;
+- conversational language modelling: ``{"messages": [{"role", "content"}, ...]}``.
+
+Plain strings become one user turn and one assistant turn, rendered with the chat template (TRL applies no
+template to plain strings and appends EOS; we render them, so training matches how the model is prompted
+at inference).
+
+Labels (TRL's ``completion_only_loss`` / ``assistant_only_loss``; torchtune's ``train_on_input=False``):
+``IGNORE_INDEX`` (-100) everywhere except each trained assistant turn and its end-of-turn token. A turn's
+tokens are found as TRL's ``SFTTrainer`` finds a completion in prompt-completion data (its tokenizing step
+renders the prompt with ``add_generation_prompt=True`` and the prompt + completion, and masks the prompt's
+length): the conversation before the turn, rendered with ``add_generation_prompt=True``, must be a token
+prefix of the rendered conversation (TRL only warns on a mismatch; we raise ``FinetuneError``); the turn
+runs from there to the end of the conversation rendered through the turn, minus the whitespace the
+template writes after the end-of-turn token (SmolLM2's ChatML puts ``"\\n"`` after ``<|im_end|>``: that newline is a prompt
+token of the next turn, not something the model must learn to emit; the model stops at ``<|im_end|>``).
+
+Length: sequences hold at most ``max_length`` tokens. Only the prompt is shortened: the content of the last
+user turn before the last trained turn (e.g. the article) loses its tail; the completion is never cut
+(torchtune truncates the whole sequence, TRL the end of it, which can drop the completion; we don't).
+
+Loss (``InstructionCausalLM``): the causal-LM task's summed, shifted cross-entropy over label tokens, so
+items = trained completion tokens and ``eval_loss`` is per completion token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+
+import datasets
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from finetune.errors import FinetuneError
+from finetune.metrics import load_metric
+from finetune.tasks import IGNORE_INDEX, CausalLM
+
+FORMATS = ("prompt-completion", "messages")
+_NO_TEMPLATE_FIX = ("use an instruction-tuned (chat) model whose tokenizer has a chat template, such as the default "
+                    "SmolLM2-135M-Instruct (`python -m finetune.fetch smollm2-gguf`), or set `tokenizer.chat_template` "
+                    "to a Jinja chat template before tokenizing")
+
+
+def _supports_sanitizing() -> bool:
+    """Whether ``apply_chat_template`` takes ``sanitize_control_tokens`` (recent transformers 5.x)."""
+    return "sanitize_control_tokens" in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+
+
+# Control tokens typed inside a message (an article quoting "<|im_end|>") are encoded as text, so only the
+# template itself can open or close a turn. Older transformers lack the option and encode them as written.
+_SANITIZE = {"sanitize_control_tokens": True} if _supports_sanitizing() else {}
+
+
+# ----------------------------------------------------------------------------------------- rows -> turns
+
+def _check_messages(messages, row: str, field: str) -> list[dict]:
+    """``messages`` as a list of ``{"role": str, "content": str}`` dicts (other keys kept, ``None``
+    values dropped as ``apply_chat_template`` does); ``FinetuneError`` naming ``row`` and ``field`` if not."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise FinetuneError(f"{row}: {field!r} must be a non-empty list of {{'role', 'content'}} messages, "
+                            f"got {_describe(messages)}.")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise FinetuneError(f"{row}: {field}[{i}] must be a dict with 'role' and 'content', "
+                                f"got {_describe(message)}.")
+        message = {k: v for k, v in message.items() if v is not None}
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise FinetuneError(f"{row}: {field}[{i}][{key!r}] must be a string, got {_describe(message.get(key))}"
+                                    + (" (multimodal content parts are not supported)" if key == "content"
+                                       and isinstance(message.get(key), list) else "") + ".")
+        checked.append(message)
+    return checked
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "nothing (missing or null)"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def row_format(row: dict, row_name: str = "row") -> str:
+    """The TRL format of one row: ``"prompt-completion"`` (``prompt`` and ``completion`` keys) or
+    ``"messages"``. Raises ``FinetuneError`` naming ``row_name`` if it has neither, or both."""
+    if not isinstance(row, dict):
+        raise FinetuneError(f"{row_name}: expected a dict with 'prompt' and 'completion', or 'messages'; "
+                            f"got {_describe(row)}.")
+    has_pc, has_messages = "prompt" in row or "completion" in row, "messages" in row
+    if has_pc and has_messages:
+        raise FinetuneError(f"{row_name}: has both 'messages' and 'prompt'/'completion'; keep one format per dataset.")
+    if has_messages:
+        return "messages"
+    if has_pc:
+        return "prompt-completion"
+    raise FinetuneError(f"{row_name}: has neither 'prompt' + 'completion' nor 'messages' (keys: {sorted(row)}); "
+                        "see https://huggingface.co/docs/trl/dataset_formats.")
+
+
+def row_to_conversation(row: dict, row_name: str = "row") -> tuple[list[dict], list[int]]:
+    """One dataset row -> ``(messages, trained)``: the whole conversation and the indices of the assistant
+    turns to train on (the completion's turns; for ``messages``, every assistant turn).
+
+    Plain-string prompt/completion become ``[{"role": "user", ...}, {"role": "assistant", ...}]``.
+    Raises ``FinetuneError`` naming ``row_name`` and the problem: missing or null field, a string mixed
+    with a message list, a message without string ``role``/``content``, an empty completion, a completion
+    turn that is not an assistant turn, no assistant turn, or an assistant turn with nothing before it.
+    """
+    if row_format(row, row_name) == "messages":
+        messages = _check_messages(row["messages"], row_name, "messages")
+        trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not trained:
+            raise FinetuneError(f"{row_name}: 'messages' has no assistant turn, so there is nothing to train on.")
+    else:
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            prompt = [{"role": "user", "content": prompt}]
+            completion = [{"role": "assistant", "content": completion}]
+        elif isinstance(prompt, str) or isinstance(completion, str):
+            raise FinetuneError(f"{row_name}: 'prompt' and 'completion' must both be strings or both be message lists; "
+                                f"got prompt={_describe(prompt)}, completion={_describe(completion)}.")
+        prompt = _check_messages(prompt, row_name, "prompt")
+        completion = _check_messages(completion, row_name, "completion")
+        wrong = [m["role"] for m in completion if m["role"] != "assistant"]
+        if wrong:
+            raise FinetuneError(f"{row_name}: 'completion' may hold only assistant turns, found role {wrong[0]!r}.")
+        messages, trained = prompt + completion, list(range(len(prompt), len(prompt) + len(completion)))
+    if trained[0] == 0:
+        raise FinetuneError(f"{row_name}: the conversation starts with an assistant turn; put a user (or system) turn "
+                            "before it.")
+    empty = [i for i in trained if not messages[i]["content"].strip()]
+    if empty:
+        raise FinetuneError(f"{row_name}: assistant turn {empty[0]} is empty; there is nothing to learn but the "
+                            "end-of-turn token. Drop the row or fill in the completion.")
+    return messages, trained
+
+
+# --------------------------------------------------------------------------------- rendering, encoding
+
+def require_chat_template(tokenizer) -> None:
+    """Raise ``FinetuneError`` naming the fix if ``tokenizer`` has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise FinetuneError(f"the tokenizer ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) "
+                            f"has no chat template, so conversations cannot be rendered. Fix: {_NO_TEMPLATE_FIX}.")
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template (no special tokens added beyond the
+    template's own, as ``apply_chat_template`` does)."""
+    if not messages:  # an empty conversation: apply_chat_template refuses it, the rendering is empty
+        return []
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                              return_dict=True, **_SANITIZE)["input_ids"])
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _check_prefix(tokenizer, prefix: list[int], full: list[int], what: str, row_name: str) -> None:
+    """Raise ``FinetuneError`` unless ``prefix`` is a token prefix of ``full``."""
+    if full[:len(prefix)] == prefix:
+        return
+    at = _first_difference(prefix, full)
+    show = lambda ids: repr(tokenizer.decode(ids[max(0, at - 3):at + 3], skip_special_tokens=False))  # noqa: E731
+    raise FinetuneError(
+        f"{row_name}: {what} is not a token prefix of the rendered conversation (they differ at token {at}: "
+        f"{show(prefix)} vs {show(full)}), so the completion's tokens cannot be located. The chat template renders "
+        "earlier turns differently once later turns follow (or the generation prompt differs from the assistant "
+        "header, or text merges into one token across the boundary). Fix: use a chat template whose rendering of "
+        "the prompt with add_generation_prompt=True is a prefix of the full conversation (ChatML, as SmolLM2's).")
+
+
+def _is_trailing_whitespace(tokenizer, token_id: int) -> bool:
+    """A non-special token that decodes to whitespace only (the ``"\\n"`` after ``<|im_end|>``)."""
+    return token_id not in tokenizer.all_special_ids and not tokenizer.decode([token_id]).strip()
+
+
+def _is_control_token(tokenizer, token_id: int) -> bool:
+    """A special token, or an added token marked special (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``)."""
+    if token_id in tokenizer.all_special_ids:
+        return True
+    added = tokenizer.added_tokens_decoder.get(token_id)
+    return bool(added is not None and added.special)
+
+
+def _turn_spans(tokenizer, messages: list[dict], trained: list[int], ids: list[int],
+                row_name: str) -> list[tuple[int, int]]:
+    """``[(start, end), ...]``: the token range of each trained turn in ``ids`` (the rendered
+    ``messages``), its end-of-turn token included, the whitespace the template writes after it excluded."""
+    spans = []
+    for turn in trained:
+        prompt = _render(tokenizer, messages[:turn], add_generation_prompt=True)
+        through = _render(tokenizer, messages[:turn + 1])
+        _check_prefix(tokenizer, prompt, through, f"the prompt of assistant turn {turn} rendered with "
+                      "add_generation_prompt=True", row_name)
+        _check_prefix(tokenizer, through, ids, f"the conversation through assistant turn {turn}", row_name)
+        start, end = len(prompt), len(through)
+        while end > start and _is_trailing_whitespace(tokenizer, ids[end - 1]):
+            end -= 1
+        if end <= start or not _is_control_token(tokenizer, ids[end - 1]):
+            last = tokenizer.decode(ids[end - 1:end], skip_special_tokens=False) if end > start else ""
+            raise FinetuneError(
+                f"{row_name}: the chat template does not close assistant turn {turn} with a special end-of-turn token "
+                f"(the turn ends with {last!r}), so the model could not learn to stop. Fix: use a chat model's "
+                "tokenizer whose template ends each assistant turn with a special token (e.g. ChatML's <|im_end|>).")
+        spans.append((start, end))
+    return spans
+
+
+def _content_cut_points(tokenizer, content: str) -> list[int]:
+    """Character offsets at which ``content`` can be cut after k = 1, 2, ... of its tokens."""
+    if getattr(tokenizer, "is_fast", False):
+        offsets = tokenizer(content, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return [end for _, end in offsets]
+    ids = tokenizer(content, add_special_tokens=False)["input_ids"]  # slow tokenizer: decode prefixes
+    return [len(tokenizer.decode(ids[:k], clean_up_tokenization_spaces=False)) for k in range(1, len(ids) + 1)]
+
+
+def _fit(tokenizer, messages: list[dict], cut: int | None, budget: int, render, row_name: str, what: str):
+    """Shorten the content of ``messages[cut]`` from its end until ``render(messages)`` holds at most
+    ``budget`` tokens. Returns ``(messages, ids)``. Raises ``FinetuneError`` if even an empty
+    ``messages[cut]`` (or, with ``cut=None``, the untouched conversation) is too long."""
+    ids = render(messages)
+    if len(ids) <= budget:
+        return messages, ids
+    if cut is not None:
+        content = messages[cut]["content"]
+        cuts = _content_cut_points(tokenizer, content)
+        keep = len(cuts)
+        while keep > 0:  # each pass removes at least the excess, so this ends; usually after one pass
+            keep = max(0, keep - (len(ids) - budget))
+            shortened = [*messages[:cut], {**messages[cut], "content": content[:cuts[keep - 1]] if keep else ""},
+                         *messages[cut + 1:]]
+            ids = render(shortened)
+            if len(ids) <= budget:
+                return shortened, ids
+        cause = "with the last user turn emptied"
+    else:
+        cause = "and there is no user turn before it to shorten"
+    raise FinetuneError(
+        f"{row_name}: {what} and the chat template need {len(ids)} tokens {cause}, more than the limit of {budget}. "
+        "The completion is never cut. Fix: raise --max_length (at least to that count), or drop or shorten such rows.")
+
+
+def _last_user_turn(messages: list[dict], before: int) -> int | None:
+    return next((i for i in range(before - 1, -1, -1) if messages[i]["role"] == "user"), None)
+
+
+def _encode(tokenizer, messages: list[dict], trained: list[int], max_length: int, row_name: str) -> dict:
+    require_chat_template(tokenizer)
+    if max_length < 1:
+        raise FinetuneError(f"max_length must be a positive number of tokens, got {max_length}.")
+    messages, ids = _fit(tokenizer, messages, _last_user_turn(messages, trained[-1]), max_length,
+                         lambda m: _render(tokenizer, m), row_name, "the completion")
+    labels = [IGNORE_INDEX] * len(ids)
+    for start, end in _turn_spans(tokenizer, messages, trained, ids, row_name):
+        labels[start:end] = ids[start:end]
+    return {"input_ids": ids, "labels": labels}
+
+
+def _as_messages(value, role: str) -> list[dict]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else value
+
+
+def encode_conversation(tokenizer, prompt_messages, completion_messages, max_length: int) -> dict:
+    """Tokenize one prompt-completion pair for completion-only training.
+
+    ``prompt_messages``: a string (one user turn) or a list of ``{"role", "content"}`` messages;
+    ``completion_messages``: a string (one assistant turn) or a list of assistant messages.
+    Returns ``{"input_ids": [int] * n, "labels": [int] * n}``, ``n <= max_length`` tokens, where ``labels``
+    is ``IGNORE_INDEX`` (-100) except on the completion's tokens and its end-of-turn token (for SmolLM2:
+    ``"<headline><|im_end|>"``, without the ``"\\n"`` the template adds after it). If the conversation is
+    longer than ``max_length``, the content of the prompt's last user turn loses its tail (never the
+    completion).
+
+    Raises ``FinetuneError`` if the tokenizer has no chat template, the pair is malformed, the rendered
+    prompt is not a token prefix of the rendered conversation, the template ends the assistant turn
+    without a special token, or the completion plus the template's overhead exceed ``max_length``.
+    """
+    messages, trained = row_to_conversation({"prompt": _as_messages(prompt_messages, "user"),
+                                             "completion": _as_messages(completion_messages, "assistant")},
+                                            "the conversation")
+    return _encode(tokenizer, messages, trained, max_length, "the conversation")
+
+
+def encode_messages(tokenizer, messages, max_length: int) -> dict:
+    """Tokenize one ``messages`` conversation, training on every assistant turn (TRL's
+    ``assistant_only_loss``, without needing ``{% generation %}`` markers in the template): each
+    assistant turn and its end-of-turn token are labelled, everything else is ``IGNORE_INDEX``. Each
+    turn's start is located by rendering the conversation before it with ``add_generation_prompt=True``
+    (prefix-checked). Truncation shortens the last user turn before the last assistant turn.
+    Returns and raises as ``encode_conversation``."""
+    messages, trained = row_to_conversation({"messages": messages}, "the conversation")
+    return _encode(tokenizer, messages, trained, max_length, "the conversation")
+
+
+def encode_row(tokenizer, row: dict, max_length: int, row_name: str = "row") -> dict:
+    """``encode_conversation`` or ``encode_messages`` for one dataset row in either TRL format; errors
+    name ``row_name``."""
+    messages, trained = row_to_conversation(row, row_name)
+    return _encode(tokenizer, messages, trained, max_length, row_name)
+
+
+def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering conversations"):
+    """Tokenize rows for completion-only training with ``Dataset.map`` (batched; cached by the datasets
+    library when ``rows`` is an on-disk ``Dataset``).
+
+    ``rows``: a ``datasets.Dataset`` or a list of dicts in one TRL format (prompt + completion, strings or
+    message lists; or messages). Returns a ``datasets.Dataset`` with columns ``input_ids`` and ``labels``
+    (lists of ints, equal lengths, at most ``max_length``), one row per input row, in order; the input
+    columns are dropped.
+
+    Raises ``FinetuneError`` naming the row (0-based index) and the problem for a malformed row (a list
+    mixing formats included), and the fix if the tokenizer has no chat template.
+    """
+    require_chat_template(tokenizer)
+    if not isinstance(rows, datasets.Dataset):
+        rows = list(rows)
+        formats = [row_format(row, f"row {i}") for i, row in enumerate(rows)]
+        for i, row in enumerate(rows):  # validate before Arrow sees the rows: it would fail on mixed types
+            if formats[i] != formats[0]:
+                raise FinetuneError(f"row {i}: is in the {formats[i]} format but row 0 is in the {formats[0]} format; "
+                                    "use one format for the whole dataset.")
+            row_to_conversation(row, f"row {i}")
+        rows = datasets.Dataset.from_list(rows)
+    if not len(rows):  # map would return no columns at all
+        features = datasets.Features({k: datasets.List(datasets.Value("int64")) for k in ("input_ids", "labels")})
+        return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
+    columns = rows.column_names
+    if "messages" not in columns and not {"prompt", "completion"} <= set(columns):
+        raise FinetuneError(f"the dataset has columns {columns}; it needs 'prompt' and 'completion', or 'messages' "
+                            "(see https://huggingface.co/docs/trl/dataset_formats).")
+
+    def encode(batch, indices):
+        out = {"input_ids": [], "labels": []}
+        for offset, index in enumerate(indices):
+            row = {c: batch[c][offset] for c in columns if c in ("prompt", "completion", "messages")}
+            encoded = encode_row(tokenizer, row, max_length, f"row {index}")
+            out["input_ids"].append(encoded["input_ids"])
+            out["labels"].append(encoded["labels"])
+        return out
+
+    return rows.map(encode, batched=True, with_indices=True, remove_columns=columns, desc=desc)
+
+
+# ------------------------------------------------------------------------------------------- the task
+
+class SFTCollator:
+    """Right-pads ``input_ids`` (with the pad token) and ``labels`` (with ``IGNORE_INDEX``) to the
+    micro-batch's longest sequence, rounded up to ``pad_to_multiple_of``; ``attention_mask`` is 0 on
+    padding. Right padding keeps every token's position independent of its batch (exact accumulation)."""
+
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None = None):
+        # the pad id's value is irrelevant (masked out of attention and loss); 0 if the tokenizer has none
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: list[dict]) -> dict:
+        """``features``: [{"input_ids": [int] * n_i, "labels": [int] * n_i}, ...] -> int64 tensors of
+        shape (batch, seq): input_ids, attention_mask, labels."""
+        length = max((len(f["input_ids"]) for f in features), default=0)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(features), length), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(features), length), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(features), length), dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            if len(f["labels"]) != n:
+                raise ValueError(f"feature {i}: {n} input_ids but {len(f['labels'])} labels")
+            input_ids[i, :n] = torch.tensor(f["input_ids"], dtype=torch.long)
+            labels[i, :n] = torch.tensor(f["labels"], dtype=torch.long)
+            attention_mask[i, :n] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class InstructionCausalLM(CausalLM):
+    """Instruction fine-tuning with completion-only loss. Items = trained completion tokens (labels
+    shifted by one, ``IGNORE_INDEX`` skipped; the first token is always prompt, so no label is lost to the
+    shift). ``load_model``, ``count``, ``loss_sum`` and ``eval_outputs`` are the causal-LM task's.
+    Metrics from the loss pass: ``eval_loss`` (nats per completion token), ``eval_perplexity``,
+    ``eval_tokens``, ``eval_samples``; generation metrics (ROUGE-L, exact match) come from
+    ``generation_metrics``, which the engine calls separately (it needs the raw prompts)."""
+
+    name = "sft"
+
+    def tokenize(self, raw, tokenizer, config, text_columns=None):
+        """Every split of the ``DatasetDict`` ``raw`` through ``rows_to_features`` at ``config.max_length``
+        (``text_columns`` is unused: the format is read from the column names)."""
+        return datasets.DatasetDict({split: rows_to_features(ds, tokenizer, config.max_length,
+                                                             desc=f"Rendering conversations ({split})")
+                                     for split, ds in raw.items()})
+
+    def collator(self, tokenizer, pad_to_multiple_of):
+        """``SFTCollator``: right padding, labels padded with ``IGNORE_INDEX``."""
+        return SFTCollator(tokenizer, pad_to_multiple_of)
+
+    def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict | None = None) -> dict:
+        """From the gathered ``eval_outputs`` (summed loss per sample, label tokens per sample): ``eval_loss``
+        per completion token over the whole set, ``eval_perplexity``, ``eval_tokens``, ``eval_samples``. An
+        empty set (the engine may pass any number of empty tensors) gives NaN loss and perplexity, 0 counts.
+        ``metric_specs`` (generation metrics) is ignored here: see ``generation_metrics``."""
+        if not gathered or not len(gathered[0]):
+            return {"eval_loss": float("nan"), "eval_perplexity": float("nan"), "eval_tokens": 0, "eval_samples": 0}
+        loss_sums, counts = gathered[0], gathered[1]
+        tokens = int(counts.sum().item())
+        loss = loss_sums.sum().item() / tokens if tokens else float("nan")
+        perplexity = float("nan") if math.isnan(loss) else math.exp(loss) if loss < 700 else float("inf")
+        return {"eval_loss": loss, "eval_perplexity": perplexity, "eval_tokens": tokens, "eval_samples": len(counts)}
+
+
+SFT_TASK = InstructionCausalLM()
+
+
+# ------------------------------------------------------------------------------------------ generation
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """Token ids that end an assistant turn: the template's end-of-turn token (found by rendering a probe
+    conversation, as training labels it) and the tokenizer's eos token, deduplicated."""
+    probe = encode_conversation(tokenizer, "Hi", "Hello", max_length=1 << 20)
+    trained = [t for t in probe["labels"] if t != IGNORE_INDEX]
+    ids = [trained[-1]] + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    return list(dict.fromkeys(ids))
+
+
+def _prompt_ids(tokenizer, prompt, budget: int | None) -> list[int]:
+    messages = _check_messages(_as_messages(prompt, "user"), "prompt", "prompt")
+    render = lambda m: _render(tokenizer, m, add_generation_prompt=True)  # noqa: E731
+    if budget is None:
+        return render(messages)
+    return _fit(tokenizer, messages, _last_user_turn(messages, len(messages)), budget, render, "prompt",
+                "the prompt")[1]
+
+
+def generate_completions(model, tokenizer, prompts_messages: Sequence, max_new_tokens: int = 32, batch_size: int = 8,
+                         max_length: int | None = None) -> list[str]:
+    """Greedy completions for prompts, in order.
+
+    ``prompts_messages``: prompts, each a string (one user turn) or a list of ``{"role", "content"}``
+    messages; each is rendered with the chat template and ``add_generation_prompt=True``. Batches of
+    ``batch_size`` prompts are left-padded (generation appends on the right, so every prompt must end at
+    the same position). At most ``max_new_tokens`` tokens are generated per prompt; generation of a prompt
+    stops at its end-of-turn token (``end_of_turn_ids``). With ``max_length``, the last user turn of a
+    prompt longer than ``max_length - max_new_tokens`` tokens loses its tail, as in training.
+    ``model``: an unwrapped ``PreTrainedModel`` (call ``accelerator.unwrap_model`` first); it is put in
+    eval mode and restored afterwards.
+
+    Returns the decoded new tokens of each prompt (special tokens dropped, whitespace stripped).
+    Raises ``FinetuneError`` if the tokenizer has no chat template, ``max_new_tokens`` or ``batch_size``
+    is not positive, or a prompt cannot be fitted into ``max_length``.
+    """
+    require_chat_template(tokenizer)
+    if max_new_tokens < 1 or batch_size < 1:
+        raise FinetuneError(f"max_new_tokens and batch_size must be positive, got {max_new_tokens} and {batch_size}.")
+    budget = None if max_length is None else max_length - max_new_tokens
+    if budget is not None and budget < 1:
+        raise FinetuneError(f"max_length {max_length} leaves no room for a prompt with max_new_tokens "
+                            f"{max_new_tokens}.")
+    stop_ids = end_of_turn_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
+                              pad_token_id=pad_id)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    completions = []
+    try:
+        for begin in range(0, len(prompts_messages), batch_size):
+            encoded = [_prompt_ids(tokenizer, p, budget) for p in prompts_messages[begin:begin + batch_size]]
+            width = max(len(ids) for ids in encoded)
+            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded], device=device)
+            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
+            with torch.no_grad():
+                output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            for row in output[:, width:].tolist():
+                stop = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+                completions.append(tokenizer.decode(row[:stop], skip_special_tokens=True).strip())
+    finally:
+        model.train(was_training)
+    return completions
+
+
+def prompt_and_reference(row: dict, row_name: str = "row") -> tuple[list[dict], str]:
+    """For generation eval: the prompt messages and the reference text of a row (prompt-completion: the
+    completion's assistant text, turns joined by newlines; messages: everything before the last
+    assistant turn, and that turn's text). Raises ``FinetuneError`` for a malformed row."""
+    messages, trained = row_to_conversation(row, row_name)
+    if row_format(row, row_name) == "messages":
+        return messages[:trained[-1]], messages[trained[-1]]["content"]
+    return messages[:trained[0]], "\n".join(messages[i]["content"] for i in trained)
+
+
+def generation_metrics(model, tokenizer, rows, metric_specs: dict, max_new_tokens: int = 32, batch_size: int = 8,
+                       max_length: int | None = None) -> tuple[dict, list[str]]:
+    """Generate a completion for every row of ``rows`` (raw rows, as ``rows_to_features`` takes them:
+    a ``datasets.Dataset`` or a list of dicts) with ``generate_completions`` and score it against the
+    row's reference with each shipped metric of ``metric_specs`` (name -> compute kwargs, e.g.
+    ``{"rouge": {}}``). Returns ``(metrics, predictions)``: metrics ``{"eval_<key>": float, ...,
+    "eval_generated": n}`` (NaN for every key of the ``rouge`` metric when ``rows`` is empty), and the
+    ``n`` predicted strings in row order."""
+    pairs = [prompt_and_reference(row, f"row {i}") for i, row in enumerate(rows)]
+    predictions = generate_completions(model, tokenizer, [p for p, _ in pairs], max_new_tokens, batch_size, max_length)
+    results = {"eval_generated": len(predictions)}
+    for name, kwargs in metric_specs.items():
+        computed = load_metric(name).compute(predictions=predictions, references=[r for _, r in pairs], **kwargs)
+        results.update({f"eval_{k}": v for k, v in (computed or {}).items()})
+    return results, predictions
