@@ -27,8 +27,8 @@ from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
 from accelerate.utils.memory import should_reduce_batch_size
 
+from finetune.builders import get_task
 from finetune.errors import FinetuneError
-from finetune.tasks import get_task
 
 
 @dataclass(frozen=True)

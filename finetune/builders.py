@@ -12,17 +12,31 @@ import sys
 from torch.nn.modules.batchnorm import _BatchNorm
 from transformers import set_seed
 
-from finetune.data import LABEL_COLUMN, check_max_length, load_data_files, load_tokenizer
-from finetune.tasks import get_task
+from finetune.data import LABEL_COLUMN, check_max_length, load_conversation_files, load_data_files, load_tokenizer
+from finetune.sft import SFT_TASK
+from finetune.tasks import CausalLM, SequenceClassification
+
+# A recipe's TASK -> the task object (finetune.tasks, finetune.sft)
+TASKS = {task.name: task for task in (SequenceClassification(), CausalLM(), SFT_TASK)}
+
+
+def get_task(name: str):
+    """The task object for a recipe's ``TASK``. Raises ``KeyError`` naming the known tasks."""
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    return TASKS[name]
 
 
 def build_datasets(recipe, config, tokenizer, task):
     """Raw data (the recipe's, or ``--train_file``/``--validation_file``), subsampled to
     ``max_train_samples``/``max_eval_samples`` (first N after the split), then tokenized.
 
-    ``task``: the recipe's ``finetune.tasks`` task. Returns ``(tokenized DatasetDict, label_names)``.
+    ``task``: the recipe's task. Returns ``(tokenized DatasetDict, label_names, raw validation split)``; the
+    raw split is what generation evaluates (instruction tuning), the tokenized one what the loss sees.
     """
-    if config.train_file:
+    if config.train_file and task.name == "sft":
+        raw = load_conversation_files(config.train_file, config.validation_file, config.cache_dir)
+    elif config.train_file:
         needs_label = task.name == "sequence-classification"
         raw = load_data_files(config.train_file, config.validation_file, recipe.TEXT_COLUMNS, config.cache_dir,
                               with_labels=needs_label)
@@ -34,7 +48,7 @@ def build_datasets(recipe, config, tokenizer, task):
         raw["validation"] = raw["validation"].select(range(min(config.max_eval_samples, len(raw["validation"]))))
     label_feature = raw["train"].features.get(LABEL_COLUMN)
     label_names = label_feature.names if hasattr(label_feature, "names") else None
-    return task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS), label_names
+    return task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS), label_names, raw["validation"]
 
 
 def batchnorm_warning(model, gradient_accumulation_steps: int) -> str | None:
@@ -53,8 +67,8 @@ def batchnorm_warning(model, gradient_accumulation_steps: int) -> str | None:
 
 
 def build_components(config, recipe, precision: str, main_process_first):
-    """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator)``, built
-    by the recipe's task (``finetune.tasks``); ``label_names`` is None for causal LM.
+    """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator, raw validation
+    split)``, built by the recipe's task; ``label_names`` is None for causal LM.
 
     ``main_process_first``: a context-manager factory (Accelerate's or TrainingArguments') so rank 0
     tokenizes and caches before the others read the cache. The seed is set before the model is built
@@ -66,7 +80,7 @@ def build_components(config, recipe, precision: str, main_process_first):
     set_seed(config.seed)
     tokenizer = load_tokenizer(config.model_name_or_path)
     with main_process_first():
-        datasets, label_names = build_datasets(recipe, config, tokenizer, task)
+        datasets, label_names, raw_validation = build_datasets(recipe, config, tokenizer, task)
     model = task.load_model(config, label_names)
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -76,4 +90,4 @@ def build_components(config, recipe, precision: str, main_process_first):
         print(warning, file=sys.stderr)
     set_seed(config.seed)
     collator = task.collator(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
-    return tokenizer, datasets, label_names, model, collator
+    return tokenizer, datasets, label_names, model, collator, raw_validation

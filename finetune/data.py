@@ -269,3 +269,35 @@ def check_max_length(max_length: int, model_config) -> None:
     if limit is not None and max_length > limit:
         raise FinetuneError(f"--max_length {max_length} exceeds this model's position limit of {limit} tokens; "
                             f"use --max_length {limit} or less.")
+
+
+def load_conversation_files(train_file: str, validation_file: str | None, cache_dir=None):
+    """Instruction data as a DatasetDict (``train``, ``validation``): JSON lines in TRL's formats,
+    ``prompt`` + ``completion`` (strings, or lists of role/content turns) or ``messages``. Rows are checked
+    when they are rendered (``finetune.sft``, which names a malformed row). Without ``validation_file``, 20%
+    of ``train_file`` is held out (seed 42). Raises ``FinetuneError`` for a missing, empty or unreadable file
+    or one with neither format's columns."""
+    import datasets  # noqa: PLC0415 - as the other loaders here
+
+    def read(path_str: str, flag: str):
+        path = Path(path_str)
+        if not path.is_file() or path.stat().st_size == 0:
+            raise FinetuneError(f"{flag} {path_str!r} does not exist or is empty. Pass a JSON-lines file of "
+                                "prompt/completion or messages rows.")
+        if path.suffix.lower() not in (".json", ".jsonl"):
+            raise FinetuneError(f"{flag} {path_str!r}: instruction data must be JSON lines (.jsonl or .json) with "
+                                "prompt/completion or messages.")
+        try:
+            ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        except Exception as err:  # the datasets library raises many types for malformed files
+            raise FinetuneError(f"{flag} {path_str!r} could not be read as JSON lines: {err}") from None
+        if not ({"prompt", "completion"} <= set(ds.column_names) or "messages" in ds.column_names):
+            raise FinetuneError(f"{flag} {path_str!r} has columns {', '.join(ds.column_names)}; instruction data "
+                                "needs prompt + completion, or messages (TRL's dataset formats).")
+        return ds
+
+    train = read(train_file, "--train_file")
+    if validation_file:
+        return datasets.DatasetDict({"train": train, "validation": read(validation_file, "--validation_file")})
+    split = train.train_test_split(test_size=0.2, seed=42)
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.errors import FinetuneError
+from finetune.sft import generation_metrics, prompt_and_reference
+
+GENERATIONS_FILE = "generations.jsonl"  # in the output dir: generated completions beside the references
 
 # Sharded engines run collectives inside every forward: a rank that retries a forward alone would put
 # them out of step (a hang), so evaluation never splits a batch there.
@@ -66,3 +72,32 @@ def _eval_outputs(model, batch: dict, labels, task, splittable: bool) -> tuple:
     first = _eval_outputs(model, {k: v[:half] for k, v in batch.items()}, labels[:half], task, splittable)
     second = _eval_outputs(model, {k: v[half:] for k, v in batch.items()}, labels[half:], task, splittable)
     return tuple(torch.cat([a, b]) for a, b in zip(first, second))
+
+
+def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tuple[dict, list[str]]:
+    """For recipes with ``GENERATION`` settings (instruction tuning): greedy completions of the raw
+    validation ``rows`` (the first ``GENERATION["num_samples"]`` of them, all if unset), scored with the
+    recipe's ``METRICS`` (e.g. ROUGE-L and exact match). Generated on the main process (unwrapped model)
+    and broadcast, so every rank logs the same figures and judges the best model alike. Returns
+    ``(metrics, predictions)``; ``({}, [])`` for other recipes."""
+    spec = dict(getattr(recipe, "GENERATION", None) or {})
+    if not spec or rows is None:
+        return {}, []
+    count = spec.pop("num_samples", None)
+    if count is not None:
+        rows = rows.select(range(min(count, len(rows)))) if hasattr(rows, "select") else rows[:count]
+    result = [None]
+    if accelerator.is_main_process:
+        result = [generation_metrics(accelerator.unwrap_model(model), tokenizer, rows, recipe.METRICS,
+                                     max_length=config.max_length, **spec)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(result)
+    return result[0]
+
+
+def write_generations(output_dir: Path, rows, predictions: list[str]) -> None:
+    """``generations.jsonl``: one line per evaluated validation row, ``{"generated", "reference"}``, from the
+    latest evaluation (the model card shows a few)."""
+    with open(Path(output_dir) / GENERATIONS_FILE, "w", encoding="utf-8") as f:
+        for i, (row, generated) in enumerate(zip(rows, predictions)):
+            f.write(json.dumps({"generated": generated, "reference": prompt_and_reference(row, f"row {i}")[1]}) + "\n")

@@ -160,6 +160,18 @@ def _usage(path: str, task: str, example: str) -> str:
             f'"some text"\n```')
 
 
+def _generations(output_dir: Path, count: int = 5) -> str:
+    """A table of the first ``count`` generated completions beside the references, from the final
+    evaluation's ``generations.jsonl`` (instruction recipes); "" when there is none."""
+    path = output_dir / "generations.jsonl"
+    if not path.is_file():
+        return ""
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:count]]
+    cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    return "\n".join(["| generated | reference |", "| --- | --- |",
+                      *(f"| {cell(r['generated'])} | {cell(r['reference'])} |" for r in rows)])
+
+
 # ------------------------------------------------------------------------------------------ the card
 def render_model_card(config, metrics: dict, recipe, command: str, output_dir=None) -> str:
     """The model card's text (``str`` of a ``huggingface_hub.ModelCard``): YAML metadata, then Markdown.
@@ -195,6 +207,9 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
         "Training hyperparameters": _table(_hyperparameters(config, metrics)),
         "Precision": _precision(config, metrics), "Evaluation results": results, "Training speed": speed,
         "Reproduce": f"```bash\n{command}\n```", "Usage": _usage(str(output_dir), task, example)}
+    samples = _generations(output_dir)
+    if samples:
+        sections["Sample generations"] = samples
     body = (f"\n# {model_name}\n\n`{base}`{where} fine-tuned for {task} with finetune (Hugging Face Accelerate, exact "
             f"gradient accumulation) on the `{recipe_name}` recipe.\n\n"
             + "\n\n".join(f"## {title}\n\n{text}" for title, text in sections.items()) + "\n")

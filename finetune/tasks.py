@@ -123,13 +123,3 @@ class CausalLM:
         loss = loss_sums.sum().item() / tokens if tokens else float("nan")
         return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
                 "eval_tokens": tokens, "eval_samples": len(counts)}
-
-
-TASKS = {task.name: task for task in (SequenceClassification(), CausalLM())}
-
-
-def get_task(name: str):
-    """The task object for a recipe's ``TASK``. Raises ``KeyError`` naming the known tasks."""
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    return TASKS[name]

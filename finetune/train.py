@@ -33,13 +33,13 @@ from finetune import checkpoint as ckpt
 from finetune.components import (EpochSeededLengthGroupedSampler, StepPlan, build_optimizer, iter_windows,
                                  make_accelerator, plan_steps)
 from finetune.config import config_argv, reproduce_command
-from finetune.builders import build_components
+from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
-from finetune.evaluation import check_eval_set, evaluate
+from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
 from finetune.output import clear_output_dir
 from finetune.precision import effective_mixed_precision
+from finetune.tasks import CausalLM
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
-from finetune.tasks import get_task
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -58,6 +58,7 @@ class Setup:
     precision: str  # as it runs: "no", "fp16" or "bf16"
     task: object
     metric_specs: dict
+    raw_validation: object  # the validation split before tokenizing (generation evaluates it)
 
 
 def setup(config, recipe) -> Setup:
@@ -65,7 +66,7 @@ def setup(config, recipe) -> Setup:
     ``FinetuneError`` for inputs that cannot run (before anything is written)."""
     accelerator = make_accelerator(config)
     precision = effective_mixed_precision(accelerator)
-    tokenizer, datasets, _, model, collator = build_components(
+    tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision, accelerator.main_process_first)
     check_eval_set(len(datasets["validation"]), config)
     # Own generators: otherwise every new iterator (each epoch, each evaluation, a resume's skip) draws a
@@ -95,7 +96,7 @@ def setup(config, recipe) -> Setup:
                               num_training_steps=plan.max_steps)
     accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
     return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader, plan,
-                 precision, get_task(recipe.TASK), recipe.METRICS)
+                 precision, get_task(recipe.TASK), recipe.METRICS, raw_validation)
 
 
 @dataclass
@@ -290,7 +291,7 @@ class RunState:
         record = {"step": state.step, "epoch": round(self.plan.epoch_fraction(state.step), 4), "loss": loss,
                   "learning_rate": learning_rate, "grad_norm": float(grad_norm), "samples": counts.samples,
                   "micro_batches": micro_batches}
-        if self.s.task.name == "causal-lm":
+        if isinstance(self.s.task, CausalLM):  # items are label tokens (also completion-only)
             record["label_tokens"] = counts.items
             state.tokens_seen += int(counts.items)
         if skipped:
@@ -337,10 +338,15 @@ class RunState:
         """Evaluate now; log it; track the best model and early stopping."""
         start = time.perf_counter()
         results = evaluate(self.accelerator, self.s.model, self.s.eval_dataloader, self.s.task, self.s.metric_specs)
+        generated, predictions = generation_eval(self.accelerator, self.s.model, self.s.tokenizer,
+                                                 self.s.raw_validation, self.recipe, self.config)
+        results.update(generated)
         self.eval_runtime += time.perf_counter() - start
         self.eval_results, self.last_eval_step = results, self.state.step
         epoch = self.plan.epoch_fraction(self.state.step)
         self.log.write({"step": self.state.step, "epoch": round(epoch, 4), **results})
+        if predictions and self.accelerator.is_main_process:
+            write_generations(self.output_dir, self.s.raw_validation, predictions)
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()}, step=self.state.step)
         self.accelerator.print(f"eval at step {self.state.step} (epoch {epoch:.2f}): " + ", ".join(

@@ -26,13 +26,13 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
 from finetune.components import micro_batches_per_process, plan_steps
-from finetune.builders import build_components
+from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError
-from finetune.evaluation import check_eval_set, evaluate
+from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
 from finetune.output import clear_output_dir
 from finetune.precision import effective_mixed_precision
+from finetune.tasks import CausalLM
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
-from finetune.tasks import get_task
 
 STEP_MEANING_FILE = "finetune_step_meaning.json"  # in each Trainer checkpoint
 
@@ -98,8 +98,9 @@ class TrueLossCallback(TrainerCallback):
     ``load_best_model_at_end`` loads it) and early stopping. ``totals``: a ``checkpoint.TrainerState``
     holding the counts, rebuilt from ``log.jsonl`` on resume."""
 
-    def __init__(self, config, task, metric_specs: dict, log: JsonlLog, plan, totals: ckpt.TrainerState):
-        self.config, self.task, self.metric_specs, self.log, self.plan = config, task, metric_specs, log, plan
+    def __init__(self, config, recipe, task, log: JsonlLog, plan, totals: ckpt.TrainerState, raw_validation=None):
+        self.config, self.recipe, self.task, self.log, self.plan = config, recipe, task, log, plan
+        self.metric_specs, self.raw_validation = recipe.METRICS, raw_validation
         self.totals = totals
         self.eval_steps = plan.steps(config.eval_steps)
         self.trainer = None  # set once the Trainer exists
@@ -129,7 +130,7 @@ class TrueLossCallback(TrainerCallback):
         self.totals.samples_seen += samples
         self.pending = {"step": state.global_step, "epoch": round(self.plan.epoch_fraction(state.global_step), 4),
                         "loss": loss, "samples": samples, "micro_batches": self.micro_batches}
-        if self.task.name == "causal-lm":
+        if isinstance(self.task, CausalLM):  # items are label tokens (also completion-only)
             self.pending["label_tokens"] = self.window_items
             self.totals.tokens_seen += self.window_items
         if skipped:
@@ -155,6 +156,11 @@ class TrueLossCallback(TrainerCallback):
         trainer, step = self.trainer, state.global_step
         results = evaluate(trainer.accelerator, trainer.model_wrapped, trainer.get_eval_dataloader(), self.task,
                            self.metric_specs)
+        generated, predictions = generation_eval(trainer.accelerator, trainer.model_wrapped, trainer.processing_class,
+                                                 self.raw_validation, self.recipe, self.config)
+        results.update(generated)
+        if predictions and trainer.args.process_index == 0:
+            write_generations(Path(self.config.output_dir), self.raw_validation, predictions)
         self.eval_runtime += time.perf_counter() - start
         self.eval_results, self.last_eval_step = results, step
         self.log.write({"step": step, "epoch": round(self.plan.epoch_fraction(step), 4), **results})
@@ -231,7 +237,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     output_dir = Path(config.output_dir)
     args = training_arguments(config)
     precision_hint = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
-    tokenizer, datasets, _, model, collator = build_components(
+    tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"))
     check_eval_set(len(datasets["validation"]), config)
     processes = args.world_size
@@ -249,7 +255,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
             step = json.loads(Path(resume_from, "trainer_state.json").read_text())["global_step"]
             _totals_from_log(output_dir / "log.jsonl", step, totals, config)
     log = JsonlLog(output_dir / "log.jsonl", main, append=resume_from is not None)
-    callback = TrueLossCallback(config, get_task(recipe.TASK), recipe.METRICS, log, plan, totals)
+    callback = TrueLossCallback(config, recipe, get_task(recipe.TASK), log, plan, totals, raw_validation)
     trainer = Trainer(model=model, args=args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=callback.compute_loss,
                       callbacks=[callback])

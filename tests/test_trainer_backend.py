@@ -78,7 +78,7 @@ def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
 
     from finetune.builders import build_datasets
     from finetune.data import load_tokenizer
-    from finetune.tasks import get_task
+    from finetune.builders import get_task
     from finetune.trainer_backend import training_arguments
     from finetune.recipes import load_recipe
 
