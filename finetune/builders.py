@@ -13,6 +13,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from transformers import set_seed
 
 from finetune.data import LABEL_COLUMN, check_max_length, load_conversation_files, load_data_files, load_tokenizer
+from finetune.errors import FinetuneError
+from finetune.lora import apply_lora
 from finetune.sft import SFT_TASK
 from finetune.tasks import CausalLM, SequenceClassification
 
@@ -85,6 +87,12 @@ def build_components(config, recipe, precision: str, main_process_first):
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     check_max_length(config.block_size or config.max_length, model.config)
+    if config.use_peft:
+        try:
+            model = apply_lora(model, config, task.name)
+        except ValueError as err:  # e.g. target modules the model does not have
+            raise FinetuneError(f"--use_peft: {err} Check --lora_target_modules against the model's module "
+                                "names (or leave it unset for peft's default).") from None
     warning = batchnorm_warning(model, config.gradient_accumulation_steps)
     if warning and int(os.environ.get("RANK", "0")) == 0:
         print(warning, file=sys.stderr)

@@ -25,7 +25,8 @@ _NAME = re.compile(r"^step_(\d{8})$")
 # Settings that change what one optimizer step means, or which samples it sees: resuming under a change
 # of any of them would not continue the same run.
 STEP_MEANING = ("recipe", "train_file", "max_train_samples", "max_length", "block_size", "model_name_or_path",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "train_sampling_strategy")
+                "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "train_sampling_strategy",
+                "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 
 @dataclass
@@ -172,7 +173,9 @@ def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_lim
     try:
         accelerator.save_state(str(tmp), safe_serialization=True)
         if accelerator.is_main_process:
-            if model is not None:
+            if model is not None and hasattr(accelerator.unwrap_model(model), "peft_config"):
+                accelerator.unwrap_model(model).save_pretrained(tmp)  # a PEFT adapter dir (adapter weights are small)
+            elif model is not None:
                 unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
                 unwrapped.config.save_pretrained(tmp)
                 if getattr(unwrapped, "generation_config", None) is not None and unwrapped.can_generate():

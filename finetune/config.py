@@ -186,6 +186,21 @@ class TrainConfig:
     dataloader_pin_memory: bool = field(
         default=True, metadata={"help": "Pin host memory for faster copies to a GPU (ignored on a CPU)."}
     )
+    use_peft: bool = field(
+        default=False, metadata={"help": "Train LoRA adapters (peft) instead of every weight: the base model stays "
+                                         "frozen (no gradients, no optimizer state); a classifier head stays trainable."}
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (TRL's default)."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the update is scaled by alpha / r."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
+    lora_target_modules: str | None = field(
+        default=None, metadata={"help": "Comma-separated module names to adapt, or 'all-linear' (default: peft's "
+                                        "choice for the architecture, e.g. the attention projections)."}
+    )
+    merge_adapter: bool = field(
+        default=False, metadata={"help": "With --use_peft: also write the base model with the adapter merged in, to "
+                                         "<output_dir>/merged (a plain model directory)."}
+    )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
     disable_dropout: bool = field(
         default=False, metadata={"help": "Set every dropout probability to 0 (deterministic, comparable runs)."}
@@ -295,6 +310,11 @@ class TrainConfig:
             raise FinetuneError("--auto_find_batch_size needs --total_batch_size (the effective batch it must keep).")
         if self.total_batch_size is not None and self.total_batch_size < 1:
             raise FinetuneError(f"--total_batch_size must be a positive integer, got {self.total_batch_size}.")
+        if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
+            raise FinetuneError(f"LoRA needs --lora_r >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1), got r="
+                                f"{self.lora_r}, alpha={self.lora_alpha}, dropout={self.lora_dropout}.")
+        if self.merge_adapter and not self.use_peft:
+            raise FinetuneError("--merge_adapter needs --use_peft (there is no adapter to merge otherwise).")
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
 

@@ -109,16 +109,11 @@ def _load_adapter(path: Path, adapter: dict, where: str):
     model's. Raises ``FinetuneError`` without peft, or naming the base model if loading fails."""
     from transformers import AutoTokenizer
 
-    try:
-        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
-    except ImportError:
-        raise FinetuneError(f"{where} is a PEFT adapter (adapter_config.json); loading it needs peft: "
-                            "pip install peft") from None
-    kind = ADAPTER_KINDS[adapter["task_type"]]
-    loader = AutoPeftModelForSequenceClassification if kind == "classification" else AutoPeftModelForCausalLM
+    from finetune.lora import load_adapter_model
+
     base = adapter.get("base_model_name_or_path")
     try:
-        model = loader.from_pretrained(str(path))
+        model = load_adapter_model(path)  # a classification adapter's labels come from its config.json
         tokenizer = AutoTokenizer.from_pretrained(str(path) if (path / "tokenizer_config.json").is_file() else base)
     except (OSError, ValueError, TypeError) as err:
         raise FinetuneError(f"{where}: the PEFT adapter or its base model {base!r} (base_model_name_or_path in "

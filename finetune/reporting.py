@@ -14,12 +14,15 @@ from pathlib import Path
 import torch
 
 from finetune.config import config_argv, reproduce_command
+from peft import PeftModel
+
 from finetune.flops import model_flops_utilization
+from finetune.lora import parameter_counts, save_adapter
 from finetune.model_card import write_model_card
 from finetune.precision import PRECISION_NAMES
 
 
-def run_banner(config, num_processes: int, plan, precision: str, device_type: str) -> str:
+def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
     """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
     processes, in samples), the optimizer steps (``plan``: a ``components.StepPlan``), and the precision
     that really runs, with a plain note when it is not the one requested (fp16 on a CPU)."""
@@ -33,6 +36,9 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
             f"Optimizer steps: {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches per "
             f"process), {plan.max_steps} in total over {plan.num_epochs} epoch(s) [{config.backend} backend]\n"
             + (f"Speed options: {', '.join(options)}\n" if options else "")
+            + (f"Parameters: {parameter_counts(model)[0]:,} trainable of {parameter_counts(model)[1]:,}"
+               + (f" (LoRA r={config.lora_r}, alpha={config.lora_alpha})" if config.use_peft else "") + "\n"
+               if model is not None else "")
             + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {config.mixed_precision}, "
               f"from {getattr(config, 'precision_source', '--mixed_precision')})")
     if precision != config.mixed_precision:
@@ -54,16 +60,18 @@ def _rate(count: float, seconds: float) -> float:
 
 
 def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, precision: str, device,
-                num_parameters: int, eval_runtime: float, process_start: float | None) -> dict:
+                model, eval_runtime: float, process_start: float | None) -> dict:
     """The ``metrics.json`` dict, the same for both engines.
 
     ``state``: a ``checkpoint.TrainerState`` (counts over all processes: ``samples_seen``; ``tokens_seen``,
     label tokens, 0 for classification; ``input_tokens_seen``, non-padding inputs; ``padded_tokens_seen``,
     input positions with padding, 0 where the engine cannot see its batches; ``loss_sum`` over optimizer
     steps of each step's mean loss; ``train_runtime`` seconds, evaluation excluded). ``plan``: the
-    ``components.StepPlan``. On a CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x input
-    tokens/s / peak FLOP/s (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``).
+    ``components.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
+    CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x input tokens/s / peak FLOP/s
+    (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``).
     """
+    trainable_parameters, num_parameters = parameter_counts(model)
     effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
     memory, memory_kind = peak_memory(device)
     runtime = state.train_runtime
@@ -80,6 +88,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "num_processes": num_processes,
         "num_parameters": num_parameters,
+        "trainable_parameters": trainable_parameters,
         "mixed_precision": precision,
         "mixed_precision_requested": config.mixed_precision,
         "backend": config.backend,
@@ -139,14 +148,18 @@ def restore_log(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def save_model(accelerator, model, tokenizer, output_dir: Path) -> None:
+def save_model(accelerator, model, tokenizer, output_dir: Path, config) -> None:
     """Write the model (safetensors) and tokenizer with ``save_pretrained``: a Hugging Face model directory
-    that ``AutoModel*.from_pretrained(output_dir)`` loads. Every process calls it (gathering a sharded
-    state dict is collective)."""
+    that ``AutoModel*.from_pretrained(output_dir)`` loads, or with ``--use_peft`` a PEFT adapter directory
+    (``lora.save_adapter``). Every process calls it (gathering a sharded state dict is collective)."""
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     # a torch.compile'd model names every tensor "_orig_mod.<name>": from_pretrained needs the plain names
     state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
+    if isinstance(unwrapped, PeftModel):
+        save_adapter(unwrapped, state_dict, tokenizer, output_dir, config.model_name_or_path,
+                     accelerator.is_main_process, merge=config.merge_adapter)
+        return
     unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
@@ -156,7 +169,7 @@ def write_outputs(accelerator, model, tokenizer, config, recipe, metrics: dict) 
     """The end of a run, for both engines: the model directory, ``metrics.json`` and the model card
     (``README.md``, with the command that reproduces the run) in ``config.output_dir``."""
     output_dir = Path(config.output_dir)
-    save_model(accelerator, model, tokenizer, output_dir)
+    save_model(accelerator, model, tokenizer, output_dir, config)
     if accelerator.is_main_process:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         command = reproduce_command(config_argv(config, recipe), num_processes=metrics["num_processes"],

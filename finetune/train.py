@@ -205,7 +205,8 @@ class RunState:
                 restore_log(self.output_dir / "log.jsonl", self.state.step)
         accelerator.wait_for_everyone()
         self.log = JsonlLog(self.output_dir / "log.jsonl", accelerator.is_main_process, append=self.resume_from is not None)
-        accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.s.precision, accelerator.device.type))
+        accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.s.precision,
+                                     accelerator.device.type, self.s.model))
         if self.resume_from is not None:
             accelerator.print(f"Resuming from {self.resume_from}: optimizer step {self.state.step}, epoch "
                               f"{self.state.epoch}, skipping {self.state.micro_batches_done} micro-batches of it "
@@ -395,7 +396,7 @@ class RunState:
                 accelerator.load_state(str(best))
         metrics = run_metrics(self.config, state, eval_results, plan=self.plan, num_processes=accelerator.num_processes,
                               precision=self.s.precision, device=accelerator.device,
-                              num_parameters=sum(p.numel() for p in self.s.model.parameters()),
+                              model=self.s.model,
                               eval_runtime=self.eval_runtime, process_start=self.process_start)
         if self.resume_from is not None:
             metrics["resumed_from"] = str(self.resume_from)

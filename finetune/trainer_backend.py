@@ -267,7 +267,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         trainer.state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{totals.best_step}")
     precision = effective_mixed_precision(trainer.accelerator)
     if main:
-        print(run_banner(config, processes, plan, precision, trainer.accelerator.device.type))
+        print(run_banner(config, processes, plan, precision, trainer.accelerator.device.type, model))
     try:
         start = time.perf_counter()
         trainer.train(resume_from_checkpoint=resume_from)
@@ -277,7 +277,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         if config.load_best_model_at_end and callback.best_eval_results:
             eval_results = callback.best_eval_results
         metrics = run_metrics(config, totals, eval_results, plan=plan, num_processes=processes, precision=precision,
-                              device=trainer.accelerator.device, num_parameters=sum(p.numel() for p in model.parameters()),
+                              device=trainer.accelerator.device, model=model,
                               eval_runtime=callback.eval_runtime, process_start=process_start)
         if resume_from is not None:
             metrics["resumed_from"] = resume_from
