@@ -6,6 +6,7 @@ the model and collate; this module puts them together in the order both engines 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -68,6 +69,18 @@ def batchnorm_warning(model, gradient_accumulation_steps: int) -> str | None:
             "micro-batch, or replace BatchNorm (GroupNorm/LayerNorm, or SyncBatchNorm across processes).")
 
 
+def enable_activation_checkpointing(model, config) -> None:
+    """Turn on transformers' activation (gradient) checkpointing, non-reentrant unless
+    ``--activation_checkpointing_kwargs`` says otherwise: reentrant checkpointing breaks DDP's
+    ready-once bookkeeping (accelerate issue 389). Frozen input embeddings (LoRA) would give the
+    checkpointed layers inputs that do not require grad, so no gradient would reach the adapters: the
+    inputs are made to require grad (``enable_input_require_grads``), as peft's docs ask."""
+    kwargs = {"use_reentrant": False, **json.loads(config.activation_checkpointing_kwargs or "{}")}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if config.use_peft:
+        model.enable_input_require_grads()
+
+
 def build_components(config, recipe, precision: str, main_process_first):
     """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator, raw validation
     split)``, built by the recipe's task; ``label_names`` is None for causal LM.
@@ -87,6 +100,8 @@ def build_components(config, recipe, precision: str, main_process_first):
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     check_max_length(config.block_size or config.max_length, model.config)
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model, config)
     if config.use_peft:
         try:
             model = apply_lora(model, config, task.name)

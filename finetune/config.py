@@ -186,6 +186,17 @@ class TrainConfig:
     dataloader_pin_memory: bool = field(
         default=True, metadata={"help": "Pin host memory for faster copies to a GPU (ignored on a CPU)."}
     )
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute each layer's activations in the backward pass instead of keeping "
+                                         "them (less memory, about one more forward of time); non-reentrant."}
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of --activation_checkpointing (as in TrainingArguments)."}
+    )
+    activation_checkpointing_kwargs: str | None = field(
+        default=None, metadata={"help": "JSON object of keyword arguments for gradient_checkpointing_enable's "
+                                        "gradient_checkpointing_kwargs (default {\"use_reentrant\": false})."}
+    )
     use_peft: bool = field(
         default=False, metadata={"help": "Train LoRA adapters (peft) instead of every weight: the base model stays "
                                          "frozen (no gradients, no optimizer state); a classifier head stays trainable."}
@@ -220,6 +231,9 @@ class TrainConfig:
                 self.mixed_precision, self.precision_source = launcher, "the accelerate config/launcher"
             else:
                 self.mixed_precision, self.precision_source = DEFAULT_MIXED_PRECISION, "the default"
+        if self.gradient_checkpointing is not None:  # the deprecated alias, folded into the new name once
+            self.activation_checkpointing = self.activation_checkpointing or self.gradient_checkpointing
+            self.gradient_checkpointing = None
         if self.torch_compile_mode is not None:
             self.torch_compile = True  # as TrainingArguments: a mode implies compilation
         if self.checkpointing_steps is not None:  # the older flag, parsed once into the TrainingArguments pair
@@ -313,6 +327,14 @@ class TrainConfig:
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             raise FinetuneError(f"LoRA needs --lora_r >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1), got r="
                                 f"{self.lora_r}, alpha={self.lora_alpha}, dropout={self.lora_dropout}.")
+        if self.activation_checkpointing_kwargs is not None:
+            try:
+                if not isinstance(json.loads(self.activation_checkpointing_kwargs), dict):
+                    raise ValueError("not an object")
+            except ValueError as err:
+                raise FinetuneError(f"--activation_checkpointing_kwargs must be a JSON object such as "
+                                    f"'{{\"use_reentrant\": false}}', got {self.activation_checkpointing_kwargs!r} "
+                                    f"({err}).") from None
         if self.merge_adapter and not self.use_peft:
             raise FinetuneError("--merge_adapter needs --use_peft (there is no adapter to merge otherwise).")
         if self.validation_file and not self.train_file:

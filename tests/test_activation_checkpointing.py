@@ -1,0 +1,69 @@
+"""Activation checkpointing recomputes activations in the backward pass: it must not change what is
+trained. The same weights as without it (dropout off), for BERT and Llama, with accumulation, both
+engines, LoRA, and two gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import launch, load_params, run_in_process, train_steps
+
+BERT = dict(max_train_samples=24, max_eval_samples=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            max_steps=3, max_length=32, disable_dropout=True, learning_rate=2e-3, warmup_steps=0, seed=4,
+            eval_strategy="no")
+
+
+def same_weights(a_dir, b_dir, rtol=1e-5):
+    a, b = load_params(a_dir), load_params(b_dir)
+    assert a.keys() == b.keys()
+    diff = torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a)) / torch.sqrt(sum((a[k] ** 2).sum() for k in a))
+    assert diff < rtol, diff  # relative norm of the whole difference (see DESIGN: Adam and float noise)
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_bert_same_weights_with_and_without(tmp_path, tiny_bert, backend):
+    kw = dict(model_name_or_path=tiny_bert, backend=backend, **BERT)
+    _, plain = run_in_process(tmp_path, "plain", **kw)
+    _, ckpt = run_in_process(tmp_path, "ckpt", activation_checkpointing=True, **kw)
+    same_weights(plain, ckpt)
+    assert [r["loss"] for r in train_steps(ckpt)] == pytest.approx([r["loss"] for r in train_steps(plain)], rel=1e-6)
+
+
+def test_llama_same_weights_and_the_alias(tmp_path, tiny_llama, clm_texts):
+    train, valid = clm_texts
+    kw = dict(recipe="bbc-news-clm", model_name_or_path=tiny_llama, train_file=train, validation_file=valid,
+              per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3, max_length=64,
+              disable_dropout=True, learning_rate=3e-3, warmup_steps=0, eval_strategy="no", mixed_precision="no")
+    _, plain = run_in_process(tmp_path, "plain", **kw)
+    _, ckpt = run_in_process(tmp_path, "ckpt", gradient_checkpointing=True, **kw)  # the deprecated alias
+    same_weights(plain, ckpt)
+
+
+def test_lora_gradients_reach_the_adapters(tmp_path, tiny_bert):
+    """With a frozen embedding, checkpointed layers would see inputs that need no grad: without
+    enable_input_require_grads the adapters would not train. The adapters equal the run without it."""
+    from safetensors.torch import load_file
+
+    kw = dict(model_name_or_path=tiny_bert, use_peft=True, lora_r=4, lora_dropout=0.0, **BERT)
+    _, plain = run_in_process(tmp_path, "plain", **kw)
+    _, ckpt = run_in_process(tmp_path, "ckpt", activation_checkpointing=True, **kw)
+    a, b = load_file(str(plain / "adapter_model.safetensors")), load_file(str(ckpt / "adapter_model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7)
+    assert any("lora_B" in k and a[k].abs().sum() > 0 for k in a)
+
+
+@pytest.mark.integration
+def test_two_gloo_processes_same_weights(tmp_path, tiny_bert):
+    """DDP with non-reentrant checkpointing: the same weights as without it (reentrant would break DDP)."""
+    args = ["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--max_train_samples", "24",
+            "--max_eval_samples", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            "--max_steps", "3", "--max_length", "32", "--disable_dropout", "--learning_rate", "2e-3",
+            "--warmup_steps", "0", "--eval_strategy", "no", "--mixed_precision", "no"]
+    runs = {}
+    for name, extra in (("plain", []), ("ckpt", ["--activation_checkpointing"])):
+        runs[name] = tmp_path / name
+        result = launch(args + ["--output_dir", str(runs[name]), *extra], num_processes=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+    same_weights(runs["plain"], runs["ckpt"])
