@@ -53,6 +53,28 @@ def make_accelerator(config) -> Accelerator:
         raise
 
 
+def loss_scale(accelerator: Accelerator) -> float | None:
+    """The fp16 GradScaler's current loss scale (a Python float; a device sync), or None when the run has
+    no loss scaling (fp32, bf16)."""
+    return accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+
+
+def optimizer_step_skipped(accelerator: Accelerator, scale_before: float | None) -> bool:
+    """Whether the optimizer step just taken (on a sync micro-batch) was skipped for an fp16 overflow.
+    ``scale_before``: ``loss_scale(accelerator)`` read just before ``optimizer.step()``.
+
+    Two signals, either suffices: Accelerate's ``optimizer_step_was_skipped``, and a drop of the loss scale
+    across the step (``AcceleratedOptimizer.step`` calls ``scaler.update()``, which lowers the scale only
+    after inf/NaN gradients, i.e. only when ``scaler.step`` skipped the update). Accelerate's flag alone
+    misses skips with a fused optimizer (``--optim adamw_torch_fused``): GradScaler then always calls the
+    optimizer's ``step``, whose kernel skips the update itself, so the flag stays False (accelerate issue
+    4242). Always False without loss scaling.
+    """
+    if accelerator.optimizer_step_was_skipped:
+        return True
+    return scale_before is not None and loss_scale(accelerator) < scale_before
+
+
 def build_optimizer(model, config) -> torch.optim.AdamW:
     """AdamW with weight decay on every trainable parameter except biases and normalisation weights (the
     Transformers ``Trainer`` grouping), so both engines optimise the same thing. ``optim`` picks the
