@@ -9,7 +9,8 @@ Exactness rules (tested in ``tests/test_accumulation.py``):
   items it holds, and a partial last window is weighted by its true size (Accelerate's own
   ``accelerator.backward`` divides by N, which under-weights it; we multiply N back in).
 - Gradients are clipped only on the sync (last) micro-batch of a window; the LR schedule is sized in
-  optimizer steps and advances only when the optimizer really stepped (fp16 overflow skips do not).
+  optimizer steps and advances only when the optimizer really stepped (fp16 overflow skips do not; a
+  skip is Accelerate's flag or a drop of the GradScaler's scale, see ``components.optimizer_step_skipped``).
 
 Everything that is not the accumulation step (counters, the log record, trackers, progress, guards,
 checkpoint and evaluation cadence) is ``RunState``'s.
@@ -31,15 +32,15 @@ from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
 from finetune.components import (EpochSeededLengthGroupedSampler, StepPlan, build_optimizer, iter_windows,
-                                 make_accelerator, plan_steps)
+                                 loss_scale, make_accelerator, optimizer_step_skipped, plan_steps)
 from finetune.config import config_argv, reproduce_command
 from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
 from finetune.output import clear_output_dir
 from finetune.precision import effective_mixed_precision
-from finetune.tasks import CausalLM
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
+from finetune.tasks import CausalLM
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -156,13 +157,15 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                             run.check_finite(grad_norm, len(window))
+                            scale_before = loss_scale(accelerator)  # fp16: a drop across step() means skipped
                         learning_rate = scheduler.get_last_lr()[0]
                         optimizer.step()  # a no-op until the sync micro-batch
-                        if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                            scheduler.step()
+                        if accelerator.sync_gradients:
+                            skipped = optimizer_step_skipped(accelerator, scale_before)
+                            if not skipped:
+                                scheduler.step()
                         optimizer.zero_grad()
-                run.end_step(window_loss, counts, len(window), learning_rate, grad_norm,
-                             skipped=accelerator.optimizer_step_was_skipped, stop=stop)
+                run.end_step(window_loss, counts, len(window), learning_rate, grad_norm, skipped=skipped, stop=stop)
                 if run.done:
                     break
             run.end_epoch()
@@ -295,6 +298,8 @@ class RunState:
         if isinstance(self.s.task, CausalLM):  # items are label tokens (also completion-only)
             record["label_tokens"] = counts.items
             state.tokens_seen += int(counts.items)
+        if (scale := loss_scale(accelerator)) is not None:
+            record["loss_scale"] = scale  # fp16: after this step's GradScaler update (halved by a skip)
         if skipped:
             record["skipped"] = True
         self.log.write(record)

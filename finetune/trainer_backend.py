@@ -25,14 +25,15 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
-from finetune.components import micro_batches_per_process, plan_steps
+from finetune.components import (cpu_fp16_test_switch_on, enable_test_cpu_fp16, loss_scale, micro_batches_per_process,
+                                 optimizer_step_skipped, plan_steps)
 from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
 from finetune.output import clear_output_dir
 from finetune.precision import effective_mixed_precision
-from finetune.tasks import CausalLM
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
+from finetune.tasks import CausalLM
 
 STEP_MEANING_FILE = "finetune_step_meaning.json"  # in each Trainer checkpoint
 
@@ -43,9 +44,10 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
     Every shared hyperparameter keeps its name and value (tested in ``tests/test_trainer_backend.py``).
     Checkpoints go to ``<output_dir>/checkpoints``; evaluation is ours (``TrueLossCallback``), so Trainer's is
     off; logging is every optimizer step. fp16 is asked for only where it can run (a CUDA device), as on the
-    accelerate side, where a CPU silently runs fp32.
+    accelerate side, where a CPU silently runs fp32; or on a CPU under the TEST-ONLY switch
+    ``FINETUNE_TEST_CPU_FP16=1`` (``components.enable_test_cpu_fp16``).
     """
-    fp16 = config.mixed_precision == "fp16" and torch.cuda.is_available()
+    fp16 = config.mixed_precision == "fp16" and (torch.cuda.is_available() or cpu_fp16_test_switch_on())
     return TrainingArguments(
         output_dir=str(ckpt.checkpoints_dir(output_dir or config.output_dir)),
         per_device_train_batch_size=config.per_device_train_batch_size,
@@ -95,7 +97,9 @@ class TrueLossCallback(TrainerCallback):
     pre-clip grad norm as Trainer reports them, and Trainer's own logged loss for reference); evaluation
     with the shared ``evaluate()`` on ``--eval_strategy`` (timed, so ``train_runtime`` excludes it); the best
     model (``--metric_for_best_model``, recorded in Trainer's state so its checkpoint rotation keeps it and
-    ``load_best_model_at_end`` loads it) and early stopping. ``totals``: a ``checkpoint.TrainerState``
+    ``load_best_model_at_end`` loads it) and early stopping; fp16 overflow skips, detected as on the
+    accelerate side (``components.optimizer_step_skipped``: Accelerate's flag or a drop of the loss scale),
+    counted, logged, and held out of Trainer's LR schedule. ``totals``: a ``checkpoint.TrainerState``
     holding the counts, rebuilt from ``log.jsonl`` on resume."""
 
     def __init__(self, config, recipe, task, log: JsonlLog, plan, totals: ckpt.TrainerState, raw_validation=None):
@@ -107,6 +111,7 @@ class TrueLossCallback(TrainerCallback):
         self.window_loss, self.window_items, self.window_samples, self.micro_batches = None, 0, 0, 0
         self.eval_results, self.best_eval_results, self.eval_runtime, self.last_eval_step = {}, {}, 0.0, None
         self.pending = None
+        self.scale_before, self.step_skipped = None, False
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
         """Trainer's ``compute_loss_func``: the micro-batch's summed loss (fp32; the task's: samples or
@@ -121,11 +126,25 @@ class TrueLossCallback(TrainerCallback):
         self.micro_batches += 1
         return loss_sum / num_items_in_batch
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.scale_before = loss_scale(self.trainer.accelerator)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # Called after optimizer.step(), before Trainer steps the LR schedule unless
+        # accelerator.optimizer_step_was_skipped. That flag misses fp16 skips of a fused optimizer (see
+        # components.optimizer_step_skipped); set it then, through the flag Accelerate's optimizer wrapper
+        # reads, so Trainer holds the schedule on every skipped step as the accelerate engine does.
+        accelerator = self.trainer.accelerator
+        self.step_skipped = optimizer_step_skipped(accelerator, self.scale_before)
+        if self.step_skipped and not accelerator.optimizer_step_was_skipped:
+            for optimizer in accelerator._optimizers:
+                optimizer._is_overflow = True
+
     def on_step_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
         loss = (accelerator.reduce(self.window_loss, "sum") / self.window_items).item()
         samples = int(accelerator.reduce(torch.tensor(self.window_samples, device=accelerator.device), "sum").item())
-        skipped = accelerator.optimizer_step_was_skipped
+        skipped, self.step_skipped = self.step_skipped, False
         self.totals.record_step(loss, skipped)
         self.totals.samples_seen += samples
         self.pending = {"step": state.global_step, "epoch": round(self.plan.epoch_fraction(state.global_step), 4),
@@ -133,6 +152,8 @@ class TrueLossCallback(TrainerCallback):
         if isinstance(self.task, CausalLM):  # items are label tokens (also completion-only)
             self.pending["label_tokens"] = self.window_items
             self.totals.tokens_seen += self.window_items
+        if (scale := loss_scale(accelerator)) is not None:
+            self.pending["loss_scale"] = scale  # fp16: after this step's GradScaler update (halved by a skip)
         if skipped:
             self.pending["skipped"] = True
         self.window_loss, self.window_samples, self.micro_batches = None, 0, 0
@@ -260,6 +281,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=callback.compute_loss,
                       callbacks=[callback])
     callback.trainer = trainer
+    enable_test_cpu_fp16(trainer.accelerator)  # TEST ONLY; Trainer prepares model and optimizer in train()
     # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets
     # state.best_model_checkpoint, from which Trainer loads the best model at the end.
     trainer.args.load_best_model_at_end = config.load_best_model_at_end
