@@ -104,3 +104,23 @@ def test_trainer_backend_matches_and_generation_is_scored(tmp_path, chat_llama, 
         assert len(lines) == 6 and {"generated", "reference"} <= json.loads(lines[0]).keys()
         assert "## Sample generations" in (out / "README.md").read_text()
     assert any("eval_rougeL" in r for r in read_log(ours))
+
+
+@pytest.mark.integration
+def test_two_gloo_processes_equal_one(tmp_path, chat_llama, sft_files):
+    """Completion-only loss normalised over the whole window on every process: 2 processes x micro-batch
+    2 x 2 equal 1 process x micro-batch 4 x 2 (the same 8 samples per optimizer step)."""
+    from helpers import launch
+
+    _, one = run_in_process(tmp_path, "one", **_kw(**common(chat_llama, sft_files), per_device_train_batch_size=4,
+                                                   gradient_accumulation_steps=2))
+    args = ["--output_dir", str(tmp_path / "two"), "--per_device_train_batch_size", "2",
+            "--gradient_accumulation_steps", "2"]
+    for key, value in _kw(**common(chat_llama, sft_files)).items():
+        args += [f"--{key}", str(value)]
+    result = launch(args, num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = load_params(one), load_params(tmp_path / "two")
+    diff = torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a)) / torch.sqrt(sum((a[k] ** 2).sum() for k in a))
+    assert diff < 1e-5, diff
+    assert [r["label_tokens"] for r in train_steps(tmp_path / "two")] == [r["label_tokens"] for r in train_steps(one)]
