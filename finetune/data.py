@@ -7,10 +7,9 @@ recipe, so it lives in one place.
 from __future__ import annotations
 
 import os
-import socket
 import sys
+import threading
 from pathlib import Path
-from urllib.parse import urlparse
 
 from finetune.errors import FinetuneError, HubUnreachableError
 
@@ -19,28 +18,46 @@ LABEL_COLUMN = "label"
 
 # --------------------------------------------------------------------------------------- the hub
 def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub answers a TCP connection within ``timeout_s`` seconds.
+    """Whether the Hugging Face Hub answers an HTTP request within ``timeout_s`` seconds.
 
-    False at once when ``HF_HUB_OFFLINE`` is set. Used to fail in seconds instead of after the ~45 s
-    of retries that `from_pretrained` spends on an unreachable hub.
+    The request (``HEAD {endpoint}/``) goes through huggingface_hub's own HTTP client
+    (``huggingface_hub.get_session()``), so it honours what every hub download honours: ``HF_ENDPOINT``
+    (``huggingface_hub.constants.ENDPOINT``) and the ``HTTP(S)_PROXY``/``NO_PROXY`` variables. Any answer
+    below 500 counts as reachable (a 4xx is still the hub answering); a 5xx (e.g. a proxy's 502), a
+    connection or proxy error, or no answer within ``timeout_s`` counts as unreachable. False at once,
+    without a request, in huggingface_hub's offline mode (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``,
+    read when huggingface_hub is imported). Never raises.
+
+    The whole check, name resolution included, is bounded by ``timeout_s`` (the request runs in a daemon
+    thread), so callers fail in seconds instead of after the ~45 s of retries that ``from_pretrained``
+    spends on an unreachable hub.
     """
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+    from huggingface_hub import constants, get_session
+
+    if constants.is_offline_mode():
         return False
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        with socket.create_connection((endpoint.hostname, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    answers: list[bool] = []
+
+    def probe() -> None:
+        try:
+            response = get_session().head(constants.ENDPOINT + "/", timeout=timeout_s)
+            answers.append(response.status_code < 500)
+        except Exception:  # httpx2 connect/proxy/timeout errors, and anything else: not reachable
+            answers.append(False)
+
+    thread = threading.Thread(target=probe, name="finetune-hub-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(answers) and answers[0]
 
 
 def require_hub(what: str, alternative: str) -> None:
-    """Raise ``HubUnreachableError`` naming ``what`` needs the hub and the local ``alternative``."""
+    """Raise ``HubUnreachableError`` naming ``what`` needs the hub and the local ``alternative``, unless
+    ``hub_reachable()`` (at most ~3 s)."""
     if not hub_reachable():
         raise HubUnreachableError(
             f"{what} must be downloaded from the Hugging Face Hub, which cannot be reached from this machine "
-            f"(offline, or HF_HUB_OFFLINE is set). To run without the hub, {alternative}."
+            f"(offline, HF_HUB_OFFLINE is set, or HF_ENDPOINT/HTTPS_PROXY lead nowhere). To run without the hub, {alternative}."
         )
 
 
