@@ -6,9 +6,11 @@ recipe, so it lives in one place.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 from finetune.errors import FinetuneError, HubUnreachableError
@@ -191,14 +193,56 @@ def _read_data_file(path_str: str, flag: str, text_columns, cache_dir, with_labe
     return ds.select_columns(list(needed))
 
 
+HOLDOUT_FRACTION = 0.2  # of --train_file held out for validation when no --validation_file is given
+
+
+def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | None = None) -> None:
+    """Raise ``FinetuneError`` unless ``HOLDOUT_FRACTION`` of ``train_file``'s ``n_rows`` rows can be held
+    out for validation with rows left to train on, which is what ``Dataset.train_test_split`` needs.
+
+    With ``label_counts`` (label name -> rows; a stratified split) every label needs 2+ rows (one on each
+    side), and the held-out ``ceil(20% of n)`` rows, like the rest, must hold one of each of the k labels:
+    n >= 5k - 4. The message names the file, the labels with too few rows, and the fix (more rows, or
+    ``--validation_file``), instead of datasets' "Minimum class count error" traceback.
+    """
+    n_test = math.ceil(HOLDOUT_FRACTION * n_rows)
+    fix = "Add rows, or pass --validation_file with your own validation data."
+    if label_counts is None:
+        if n_rows - n_test < 1:
+            raise FinetuneError(
+                f"--train_file {train_file!r} is too small to hold out 20% for validation (no --validation_file): "
+                f"it has {n_rows} row(s) and needs at least 2. {fix}"
+            )
+        return
+    k = len(label_counts)
+    min_rows = max(5 * k - 4, 2 * k)
+    short = [(name, count) for name, count in label_counts.items() if count < 2]
+    n_train = n_rows - n_test
+    if not short and n_test >= k and n_train >= k:
+        return
+    problems = []
+    if short:
+        listed = ", ".join(f"{name!r} ({count} row{'' if count == 1 else 's'})" for name, count in short)
+        problems.append(f"label(s) {listed} need at least 2 rows each, one to train on and one to validate on")
+    if n_test < k or n_train < k:
+        problems.append(f"its {n_rows} rows give a hold-out of {n_test} row{'' if n_test == 1 else 's'} and "
+                        f"{n_train} to train on, too few to hold one of each of its {k} labels on both sides "
+                        f"(that needs at least {min_rows} rows)")
+    raise FinetuneError(
+        f"--train_file {train_file!r} is too small to hold out a stratified 20% for validation "
+        f"(no --validation_file): {'; '.join(problems)}. {fix}"
+    )
+
+
 def load_data_files(train_file: str, validation_file: str | None, text_columns, cache_dir=None, with_labels=True):
     """Your own data as a DatasetDict (``train``, ``validation``) with a ``ClassLabel`` ``label``
     (``with_labels=False``: text columns only, for causal LM).
 
     Labels may be strings or integers; the class names are the sorted distinct train labels. Without
-    ``validation_file``, 20% of ``train_file`` is held out (stratified, seed 42). Raises ``FinetuneError``
-    for a missing/empty/unreadable file, missing columns, empty texts, or validation labels that the
-    training data never shows.
+    ``validation_file``, 20% of ``train_file`` (rounded up) is held out (stratified, seed 42). Raises
+    ``FinetuneError`` for a missing/empty/unreadable file, missing columns, empty texts, validation labels
+    that the training data never shows, or (without ``validation_file``) a ``train_file`` too small to
+    hold out 20%: see ``_check_holdout``.
     """
     import datasets
 
@@ -207,7 +251,8 @@ def load_data_files(train_file: str, validation_file: str | None, text_columns, 
         if validation_file:
             validation = _read_data_file(validation_file, "--validation_file", text_columns, cache_dir, False)
             return datasets.DatasetDict({"train": train, "validation": validation})
-        split = train.train_test_split(test_size=0.2, seed=42)
+        _check_holdout(train_file, len(train))
+        split = train.train_test_split(test_size=HOLDOUT_FRACTION, seed=42)
         return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
     distinct = {str(x) for x in train[LABEL_COLUMN]}
     # integer labels keep their numeric order (so label 1 stays id 1); strings sort alphabetically
@@ -233,7 +278,9 @@ def load_data_files(train_file: str, validation_file: str | None, text_columns, 
         validation = to_class(_read_data_file(validation_file, "--validation_file", text_columns, cache_dir),
                               "--validation_file", validation_file)
         return datasets.DatasetDict({"train": train, "validation": validation})
-    split = train.train_test_split(test_size=0.2, stratify_by_column=LABEL_COLUMN, seed=42)
+    counts = Counter(train[LABEL_COLUMN])
+    _check_holdout(train_file, len(train), label_counts={name: counts[i] for i, name in enumerate(names)})
+    split = train.train_test_split(test_size=HOLDOUT_FRACTION, stratify_by_column=LABEL_COLUMN, seed=42)
     return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
 
 
