@@ -1,45 +1,65 @@
-"""Shared builders: tokenizer, model, and tokenized datasets for a recipe.
-
-Recipes supply raw data (``load_raw_datasets``); everything here is the same for every classification
-recipe, so it lives in one place.
+"""Loading what a run needs: models and tokenizers (hub ids, local directories, GGUF files) with fast,
+clear failures when the hub is out of reach; data files; tokenization. Put together per task by
+``finetune.tasks`` and ``finetune.builders``.
 """
 
 from __future__ import annotations
 
-import os
-import socket
+import math
+import threading
+from collections import Counter
 from pathlib import Path
-from urllib.parse import urlparse
+
+import datasets
+from huggingface_hub import constants, get_session
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from finetune.errors import FinetuneError, HubUnreachableError
+from finetune.gguf_model import load_gguf_causal_lm, load_gguf_tokenizer
 
 LABEL_COLUMN = "label"
 
 
 # --------------------------------------------------------------------------------------- the hub
 def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub answers a TCP connection within ``timeout_s`` seconds.
+    """Whether the Hugging Face Hub answers an HTTP request within ``timeout_s`` seconds.
 
-    False at once when ``HF_HUB_OFFLINE`` is set. Used to fail in seconds instead of after the ~45 s
-    of retries that `from_pretrained` spends on an unreachable hub.
+    The request (``HEAD {endpoint}/``) goes through huggingface_hub's own HTTP client
+    (``huggingface_hub.get_session()``), so it honours what every hub download honours: ``HF_ENDPOINT``
+    (``huggingface_hub.constants.ENDPOINT``) and the ``HTTP(S)_PROXY``/``NO_PROXY`` variables. Any answer
+    below 500 counts as reachable (a 4xx is still the hub answering); a 5xx (e.g. a proxy's 502), a
+    connection or proxy error, or no answer within ``timeout_s`` counts as unreachable. False at once,
+    without a request, in huggingface_hub's offline mode (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``,
+    read when huggingface_hub is imported). Never raises.
+
+    The whole check, name resolution included, is bounded by ``timeout_s`` (the request runs in a daemon
+    thread), so callers fail in seconds instead of after the ~45 s of retries that ``from_pretrained``
+    spends on an unreachable hub.
     """
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+    if constants.is_offline_mode():
         return False
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        with socket.create_connection((endpoint.hostname, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    answers: list[bool] = []
+
+    def probe() -> None:
+        try:
+            response = get_session().head(constants.ENDPOINT + "/", timeout=timeout_s)
+            answers.append(response.status_code < 500)
+        except Exception:  # httpx2 connect/proxy/timeout errors, and anything else: not reachable
+            answers.append(False)
+
+    thread = threading.Thread(target=probe, name="finetune-hub-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(answers) and answers[0]
 
 
 def require_hub(what: str, alternative: str) -> None:
-    """Raise ``HubUnreachableError`` naming ``what`` needs the hub and the local ``alternative``."""
+    """Raise ``HubUnreachableError`` naming ``what`` needs the hub and the local ``alternative``, unless
+    ``hub_reachable()`` (at most ~3 s)."""
     if not hub_reachable():
         raise HubUnreachableError(
             f"{what} must be downloaded from the Hugging Face Hub, which cannot be reached from this machine "
-            f"(offline, or HF_HUB_OFFLINE is set). To run without the hub, {alternative}."
+            f"(offline, HF_HUB_OFFLINE is set, or HF_ENDPOINT/HTTPS_PROXY lead nowhere). To run without the hub, {alternative}."
         )
 
 
@@ -75,11 +95,7 @@ def load_tokenizer(name_or_path: str):
     """The tokenizer of a hub id, a local model directory, or a ``.gguf`` file (``AutoTokenizer``).
     A tokenizer without a pad token (most causal LMs) pads with its end-of-sequence token.
     Errors as ``_from_pretrained``."""
-    from transformers import AutoTokenizer
-
     if name_or_path.endswith(".gguf"):
-        from finetune.gguf_model import load_gguf_tokenizer
-
         tokenizer = load_gguf_tokenizer(name_or_path)
     else:
         tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
@@ -98,11 +114,7 @@ def load_causal_lm(name_or_path: str, disable_dropout: bool = False):
     """``AutoModelForCausalLM`` from a hub id, a model directory, or a ``.gguf`` file (de-quantized to
     fp32 by transformers through the ``gguf`` package). Errors as ``_from_pretrained``; a ``.gguf`` path
     that does not exist names the command that fetches the default one."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if name_or_path.endswith(".gguf"):
-        from finetune.gguf_model import load_gguf_causal_lm
-
         model, _ = load_gguf_causal_lm(name_or_path)
         if disable_dropout:
             _disable_dropout(model.config)  # Llama-style models read attention_dropout at call time
@@ -119,8 +131,6 @@ def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: 
 
     ``disable_dropout`` sets every ``*dropout*`` probability in the config to 0 (deterministic runs).
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     config = _from_pretrained(
         AutoConfig,
         name_or_path,
@@ -135,8 +145,6 @@ def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: 
 
 # --------------------------------------------------------------------------------------- data files
 def _read_data_file(path_str: str, flag: str, text_columns, cache_dir, with_labels: bool = True):
-    import datasets
-
     needed = (*text_columns, LABEL_COLUMN) if with_labels else tuple(text_columns)
 
     path = Path(path_str)
@@ -173,23 +181,64 @@ def _read_data_file(path_str: str, flag: str, text_columns, cache_dir, with_labe
     return ds.select_columns(list(needed))
 
 
+HOLDOUT_FRACTION = 0.2  # of --train_file held out for validation when no --validation_file is given
+
+
+def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | None = None) -> None:
+    """Raise ``FinetuneError`` unless ``HOLDOUT_FRACTION`` of ``train_file``'s ``n_rows`` rows can be held
+    out for validation with rows left to train on, which is what ``Dataset.train_test_split`` needs.
+
+    With ``label_counts`` (label name -> rows; a stratified split) every label needs 2+ rows (one on each
+    side), and the held-out ``ceil(20% of n)`` rows, like the rest, must hold one of each of the k labels:
+    n >= 5k - 4. The message names the file, the labels with too few rows, and the fix (more rows, or
+    ``--validation_file``), instead of datasets' "Minimum class count error" traceback.
+    """
+    n_test = math.ceil(HOLDOUT_FRACTION * n_rows)
+    fix = "Add rows, or pass --validation_file with your own validation data."
+    if label_counts is None:
+        if n_rows - n_test < 1:
+            raise FinetuneError(
+                f"--train_file {train_file!r} is too small to hold out 20% for validation (no --validation_file): "
+                f"it has {n_rows} row(s) and needs at least 2. {fix}"
+            )
+        return
+    k = len(label_counts)
+    min_rows = max(5 * k - 4, 2 * k)
+    short = [(name, count) for name, count in label_counts.items() if count < 2]
+    n_train = n_rows - n_test
+    if not short and n_test >= k and n_train >= k:
+        return
+    problems = []
+    if short:
+        listed = ", ".join(f"{name!r} ({count} row{'' if count == 1 else 's'})" for name, count in short)
+        problems.append(f"label(s) {listed} need at least 2 rows each, one to train on and one to validate on")
+    if n_test < k or n_train < k:
+        problems.append(f"its {n_rows} rows give a hold-out of {n_test} row{'' if n_test == 1 else 's'} and "
+                        f"{n_train} to train on, too few to hold one of each of its {k} labels on both sides "
+                        f"(that needs at least {min_rows} rows)")
+    raise FinetuneError(
+        f"--train_file {train_file!r} is too small to hold out a stratified 20% for validation "
+        f"(no --validation_file): {'; '.join(problems)}. {fix}"
+    )
+
+
 def load_data_files(train_file: str, validation_file: str | None, text_columns, cache_dir=None, with_labels=True):
     """Your own data as a DatasetDict (``train``, ``validation``) with a ``ClassLabel`` ``label``
     (``with_labels=False``: text columns only, for causal LM).
 
     Labels may be strings or integers; the class names are the sorted distinct train labels. Without
-    ``validation_file``, 20% of ``train_file`` is held out (stratified, seed 42). Raises ``FinetuneError``
-    for a missing/empty/unreadable file, missing columns, empty texts, or validation labels that the
-    training data never shows.
+    ``validation_file``, 20% of ``train_file`` (rounded up) is held out (stratified, seed 42). Raises
+    ``FinetuneError`` for a missing/empty/unreadable file, missing columns, empty texts, validation labels
+    that the training data never shows, or (without ``validation_file``) a ``train_file`` too small to
+    hold out 20%: see ``_check_holdout``.
     """
-    import datasets
-
     train = _read_data_file(train_file, "--train_file", text_columns, cache_dir, with_labels)
     if not with_labels:
         if validation_file:
             validation = _read_data_file(validation_file, "--validation_file", text_columns, cache_dir, False)
             return datasets.DatasetDict({"train": train, "validation": validation})
-        split = train.train_test_split(test_size=0.2, seed=42)
+        _check_holdout(train_file, len(train))
+        split = train.train_test_split(test_size=HOLDOUT_FRACTION, seed=42)
         return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
     distinct = {str(x) for x in train[LABEL_COLUMN]}
     # integer labels keep their numeric order (so label 1 stays id 1); strings sort alphabetically
@@ -215,7 +264,9 @@ def load_data_files(train_file: str, validation_file: str | None, text_columns, 
         validation = to_class(_read_data_file(validation_file, "--validation_file", text_columns, cache_dir),
                               "--validation_file", validation_file)
         return datasets.DatasetDict({"train": train, "validation": validation})
-    split = train.train_test_split(test_size=0.2, stratify_by_column=LABEL_COLUMN, seed=42)
+    counts = Counter(train[LABEL_COLUMN])
+    _check_holdout(train_file, len(train), label_counts={name: counts[i] for i, name in enumerate(names)})
+    split = train.train_test_split(test_size=HOLDOUT_FRACTION, stratify_by_column=LABEL_COLUMN, seed=42)
     return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
 
 
@@ -277,8 +328,6 @@ def load_conversation_files(train_file: str, validation_file: str | None, cache_
     when they are rendered (``finetune.sft``, which names a malformed row). Without ``validation_file``, 20%
     of ``train_file`` is held out (seed 42). Raises ``FinetuneError`` for a missing, empty or unreadable file
     or one with neither format's columns."""
-    import datasets  # noqa: PLC0415 - as the other loaders here
-
     def read(path_str: str, flag: str):
         path = Path(path_str)
         if not path.is_file() or path.stat().st_size == 0:

@@ -79,8 +79,18 @@ def test_partial_last_window_weighted_by_true_size(tmp_path, tiny_bert):
     assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in train_steps(ref_dir)], rel=1e-5)
 
 
-def test_schedule_sized_in_optimizer_steps(tmp_path, tiny_bert):
+def test_schedule_sized_in_optimizer_steps(tmp_path, tiny_bert, monkeypatch):
     """The linear schedule warms up over `warmup_steps` optimizer steps and reaches 0 after the last one."""
+    # The lr after the last step is in no log (each record holds the lr its step used), so keep the
+    # scheduler itself: transformers' schedules are LambdaLR instances, whatever imports them.
+    schedulers = []
+    original_init = torch.optim.lr_scheduler.LambdaLR.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        schedulers.append(self)
+
+    monkeypatch.setattr(torch.optim.lr_scheduler.LambdaLR, "__init__", recording_init)
     metrics, out = run_in_process(tmp_path, "sched", model_name_or_path=tiny_bert, max_train_samples=36,
                                   per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                   num_train_epochs=2, **{**COMMON, "warmup_steps": 2})
@@ -92,7 +102,12 @@ def test_schedule_sized_in_optimizer_steps(tmp_path, tiny_bert):
     # transformers' linear schedule: lr_k = peak*k/w during warmup, then peak*(T-k)/(T-w)
     expected = [peak * k / 2 if k < 2 else peak * (total - k) / (total - 2) for k in range(total)]
     assert lrs == pytest.approx(expected, rel=1e-6)
-    assert lrs[-1] > 0 and peak * (total - total) / (total - 2) == 0  # the step after the last would be 0
+    assert lrs[-1] > 0  # the last step still learns
+    # ... and the schedule reaches 0 after it: stepped once per optimizer step, sized for exactly `total`
+    (scheduler,) = schedulers
+    assert scheduler.last_epoch == total
+    groups = scheduler.optimizer.param_groups  # with and without weight decay
+    assert scheduler.get_last_lr() == [0.0] * len(groups) and [g["lr"] for g in groups] == [0.0] * len(groups)
 
 
 def test_grad_norm_clipped_only_on_sync_steps(tmp_path, tiny_bert):
