@@ -9,7 +9,8 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from finetune.recipes.bbc_news import default_model_path
 
@@ -30,10 +31,16 @@ def build_tiny_llama(path: Path) -> Path:
     """Save a 2-layer, 32-wide Llama (random weights, seed 0) with the MiniLM WordPiece tokenizer (any
     tokenizer serves a causal LM; this one ships offline) to ``path``."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
-                         eos_token_id=tokenizer.sep_token_id, tie_word_embeddings=True)
+    return _save_tiny_llama(path, tokenizer, tokenizer.vocab_size, bos=tokenizer.cls_token_id,
+                            eos=tokenizer.sep_token_id, max_positions=256)
+
+
+def _save_tiny_llama(path: Path, tokenizer, vocab_size: int, bos: int, eos: int, max_positions: int) -> Path:
+    """A 2-layer, 32-wide Llama (random weights, seed 0, tied embeddings) and ``tokenizer``, saved to ``path``."""
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=bos, eos_token_id=eos,
+                         tie_word_embeddings=True)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -72,10 +79,6 @@ def build_tiny_chat_llama(path: Path) -> Path:
     ``<|im_start|>`` (1, bos), ``<|im_end|>`` (2, eos and pad), no token added around texts, and
     SmolLM2's own chat template (``SMOLLM2_CHAT_TEMPLATE``: default system prompt, ``"\\n"`` after
     ``<|im_end|>``)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -90,11 +93,5 @@ def build_tiny_chat_llama(path: Path) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>", bos_token="<|im_start|>",
                                         eos_token="<|im_end|>", pad_token="<|im_end|>")
     tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save_tiny_llama(path, tokenizer, len(tokenizer), bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id,
+                            max_positions=512)
