@@ -36,6 +36,7 @@ from finetune.config import config_argv, reproduce_command
 from finetune.builders import build_components
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 from finetune.evaluation import check_eval_set, evaluate
+from finetune.lifeline import launcher_gone
 from finetune.output import clear_output_dir
 from finetune.precision import effective_mixed_precision
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
@@ -399,10 +400,15 @@ class RunState:
 
 class GracefulStop:
     """SIGINT/SIGTERM handling: the first signal sets ``signum`` (the loop finishes the optimizer step in
-    progress, writes a checkpoint and exits); a second one exits at once."""
+    progress, writes a checkpoint and exits); a second one exits at once.
+
+    Except a SIGTERM after the launcher died (``finetune.lifeline``): that is the kernel's notice of the
+    launcher's death, which follows the Ctrl-C that a terminal sends to the launcher and this process
+    alike, and must not cut short the checkpoint that Ctrl-C started."""
 
     def __init__(self):
         self.signum = None
+        self._launcher_noted = False
         self._previous = {}
 
     def __enter__(self) -> "GracefulStop":
@@ -415,9 +421,18 @@ class GracefulStop:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
+        launcher_died = signum == signal.SIGTERM and launcher_gone()
+        if self.signum is not None and launcher_died:  # the kernel may signal once per launcher thread
+            if not self._launcher_noted:
+                print("\nthe launcher exited: finishing the checkpoint (the bare launcher does not wait for it).",
+                      file=sys.stderr)
+            self._launcher_noted = True
+            return
         if self.signum is not None:
             print(f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint.", file=sys.stderr)
             os._exit(128 + signum)
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this optimizer step, then saving a checkpoint "
-              "(send it again to exit at once).", file=sys.stderr)
+        self.signum, self._launcher_noted = signum, launcher_died
+        cause = " (the launcher exited)" if launcher_died else ""
+        again = "SIGINT" if launcher_died else "it"
+        print(f"\n{signal.Signals(signum).name}{cause}: finishing this optimizer step, then saving a checkpoint "
+              f"(send {again} again to exit at once).", file=sys.stderr)
