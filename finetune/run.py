@@ -30,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize in
 
 import torch  # noqa: E402 - after the path set-up above
 
-from finetune import compare, trainer_backend  # noqa: E402
+from finetune import compare, nodes, trainer_backend  # noqa: E402
 from finetune import train as accelerate_engine  # noqa: E402
 from finetune.batch_plan import apply_batch_plan  # noqa: E402
 from finetune.config import parse_config  # noqa: E402
@@ -70,7 +70,8 @@ def run(config) -> dict | None:
     ``--compare`` both). Returns the metrics (None for ``--compare``). Raises ``FinetuneError``."""
     recipe = load_recipe(config.recipe)
     config.validate()
-    check_output_dir(config)
+    # the same outcome on every process: on machines of their own, one output dir can fail alone
+    nodes.agree(lambda: check_output_dir(config))
     use_available_cpu_cores()
     apply_batch_plan(config, recipe)
     if config.compare:

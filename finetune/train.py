@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
+from finetune import nodes
 from finetune.components import (EpochSeededLengthGroupedSampler, StepPlan, build_optimizer, iter_windows,
                                  make_accelerator, plan_steps)
 from finetune.config import config_argv, reproduce_command
@@ -59,12 +60,16 @@ class Setup:
     precision: str  # as it runs: "no", "fp16" or "bf16"
     task: object
     metric_specs: dict
+    layout: nodes.StorageLayout  # who writes the run's files (one process, or one per machine)
 
 
 def setup(config, recipe) -> Setup:
     """Build accelerator, tokenizer, datasets, model, optimizer and schedule for ``train()``. Raises
     ``FinetuneError`` for inputs that cannot run (before anything is written)."""
     accelerator = make_accelerator(config)
+    layout = nodes.plan_storage(accelerator, config.output_dir)
+    # each machine's local main process writes its own copy of the model, optimizer and scheduler states
+    accelerator.project_configuration.save_on_each_node = layout.per_machine
     precision = effective_mixed_precision(accelerator)
     tokenizer, datasets, _, model, collator = build_components(
         config, recipe, precision, accelerator.main_process_first)
@@ -96,7 +101,7 @@ def setup(config, recipe) -> Setup:
                               num_training_steps=plan.max_steps)
     accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
     return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader, plan,
-                 precision, get_task(recipe.TASK), recipe.METRICS)
+                 precision, get_task(recipe.TASK), recipe.METRICS, layout)
 
 
 @dataclass
@@ -178,6 +183,7 @@ class RunState:
     def __init__(self, s: Setup, config, recipe, process_start: float | None):
         self.s, self.config, self.recipe, self.process_start = s, config, recipe, process_start
         self.accelerator = s.accelerator
+        self.writes = s.layout.writes  # this process writes the files of its --output_dir
         self.output_dir = Path(config.output_dir)
         self.plan = s.plan
         self.eval_steps, self.save_steps = self.plan.steps(config.eval_steps), self.plan.steps(config.save_steps)
@@ -194,9 +200,10 @@ class RunState:
     def __enter__(self) -> "RunState":
         config, accelerator = self.config, self.accelerator
         if config.resume_from_checkpoint:
-            self.resume_from = ckpt.find_resume_checkpoint(self.output_dir, config.resume_from_checkpoint)
-            self._resume(self.resume_from)
-        if accelerator.is_main_process:
+            # every process must resume from the same step, also where each machine has its own files
+            self.resume_from = nodes.agree_on_checkpoint(accelerator, self.output_dir, config.resume_from_checkpoint)
+            nodes.agree(lambda: self._resume(self.resume_from), accelerator)
+        if self.writes:
             if config.overwrite_output_dir and self.resume_from is None:
                 clear_output_dir(self.output_dir)  # only now: a run refused before training touches nothing
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +211,7 @@ class RunState:
             if self.resume_from is not None:
                 restore_log(self.output_dir / "log.jsonl", self.state.step)
         accelerator.wait_for_everyone()
-        self.log = JsonlLog(self.output_dir / "log.jsonl", accelerator.is_main_process, append=self.resume_from is not None)
+        self.log = JsonlLog(self.output_dir / "log.jsonl", self.writes, append=self.resume_from is not None)
         accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.s.precision, accelerator.device.type))
         if self.resume_from is not None:
             accelerator.print(f"Resuming from {self.resume_from}: optimizer step {self.state.step}, epoch "
@@ -363,17 +370,19 @@ class RunState:
         """Write a checkpoint of the state after the current optimizer step (collective)."""
         self.state.train_runtime = self.runtime_before + time.perf_counter() - self.train_start - self.eval_runtime
         path = ckpt.save_checkpoint(self.accelerator, self.output_dir, self.state, self.config.save_total_limit,
-                                    model=self.s.model, tokenizer=self.s.tokenizer)
+                                    model=self.s.model, tokenizer=self.s.tokenizer, layout=self.s.layout)
         self.accelerator.print(f"checkpoint ({reason}): {path}")
         return path
 
     def resume_command(self) -> str:
-        """The command that continues this run from its newest checkpoint."""
+        """The command that continues this run from its newest checkpoint (on several machines: the one for
+        this machine, run on each with its own ``--machine_rank``)."""
         argv = config_argv(self.config, self.recipe, exclude={"resume_from_checkpoint"})
         if "--output_dir" not in argv:
             argv += ["--output_dir", str(self.config.output_dir)]
         return reproduce_command(argv + ["--resume_from_checkpoint", "latest"],
-                                 num_processes=self.accelerator.num_processes, device=self.accelerator.device.type)
+                                 num_processes=self.accelerator.num_processes, device=self.accelerator.device.type,
+                                 machine_flags=nodes.machine_flags(self.s.layout))
 
     def finish(self) -> dict:
         """After the loop: load the best checkpoint if asked, write the model, ``metrics.json`` and the model
@@ -394,7 +403,7 @@ class RunState:
                               eval_runtime=self.eval_runtime, process_start=self.process_start)
         if self.resume_from is not None:
             metrics["resumed_from"] = str(self.resume_from)
-        write_outputs(accelerator, self.s.model, self.s.tokenizer, self.config, self.recipe, metrics)
+        write_outputs(accelerator, self.s.model, self.s.tokenizer, self.config, self.recipe, metrics, writes=self.writes)
         return metrics
 
 
