@@ -16,6 +16,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from accelerate.utils import gather_object
+
 from finetune.errors import FinetuneError
 
 MARKER = "COMPLETE"
@@ -148,7 +150,7 @@ def checkpoint_path(output_dir, step: int) -> Path:
 
 
 def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_limit: int | None,
-                    model=None, tokenizer=None) -> Path:
+                    model=None, tokenizer=None, layout=None) -> Path:
     """Write a checkpoint for ``state.step`` atomically, then prune to ``save_total_limit`` (oldest first,
     only complete ones, never the new one, never the best one: ``state.best_step``). Every process calls
     this (``save_state`` is collective).
@@ -159,20 +161,42 @@ def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_lim
     with FSDP's SHARDED_STATE_DICT, the weights are in ``pytorch_model_fsdp_0/``: consolidate them with
     ``accelerate merge-weights``.)
 
-    Raises ``FinetuneError`` if the write fails (e.g. disk full): the partial write is removed and the
-    previous checkpoints are untouched.
+    ``layout`` (``nodes.StorageLayout``; None: global rank 0 writes) says who finalises: with
+    ``per_machine``, each machine's local main process writes its own complete copy (Accelerate's
+    ``save_on_each_node`` writes the model, optimizer and scheduler files there; the random-number states,
+    one file per rank, are exchanged so that each machine's copy holds every rank's and can be copied to
+    another machine).
+
+    Raises ``FinetuneError`` on every process if the write fails on any (e.g. disk full): the partial write
+    is removed and the previous checkpoints are untouched.
     """
+    writes = accelerator.is_main_process if layout is None else layout.writes
+    per_machine = layout is not None and layout.per_machine
     root = checkpoints_dir(output_dir)
     final = checkpoint_path(output_dir, state.step)
     tmp = root / f".tmp-{final.name}"
     error = None
-    if accelerator.is_main_process:
+    if writes:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp), safe_serialization=True)
-        if accelerator.is_main_process:
+    except OSError as err:
+        error = err
+    if per_machine:  # collective: every process, also one whose write failed
+        name = f"random_states_{accelerator.process_index}.pkl"
+        try:
+            own = (tmp / name).read_bytes() if error is None else None
+        except OSError as err:
+            own, error = None, err
+        rng_states = gather_object([(name, own)])
+    try:
+        if writes and error is None:
+            if per_machine:
+                for name, data in rng_states:
+                    if data is not None and not (tmp / name).exists():
+                        (tmp / name).write_bytes(data)
             if model is not None and hasattr(accelerator.unwrap_model(model), "peft_config"):
                 accelerator.unwrap_model(model).save_pretrained(tmp)  # a PEFT adapter dir (adapter weights are small)
             elif model is not None:
@@ -190,14 +214,15 @@ def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_lim
             os.replace(tmp, final)
     except OSError as err:
         error = err
-    accelerator.wait_for_everyone()
-    if error is not None:
-        if accelerator.is_main_process:
+    errors = gather_object([None if error is None else str(error)]) if accelerator.num_processes > 1 else [error]
+    failed = [e for e in errors if e is not None]
+    if failed:
+        if writes:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise FinetuneError(f"writing checkpoint {final.name} failed ({error}); the previous checkpoints are intact. "
-                            "Free disk space (or choose another --output_dir) and resume with "
+        raise FinetuneError(f"writing checkpoint {final.name} failed ({failed[0]}); the previous checkpoints are "
+                            "intact. Free disk space (or choose another --output_dir) and resume with "
                             "--resume_from_checkpoint latest.") from None
-    if accelerator.is_main_process and save_total_limit:
+    if writes and save_total_limit:
         keep = {final, checkpoint_path(output_dir, state.best_step) if state.best_step is not None else final}
         complete = [p for p in list_checkpoints(output_dir) if is_complete(p) and p not in keep]
         for old in complete[: max(len(complete) + 1 - save_total_limit, 0)]:

@@ -414,14 +414,16 @@ def config_argv(config: TrainConfig, recipe=None, exclude=frozenset()) -> list[s
     return argv
 
 
-def reproduce_command(argv: list[str], num_processes: int = 1, device: str | None = None) -> str:
+def reproduce_command(argv: list[str], num_processes: int = 1, device: str | None = None,
+                      machine_flags: list[str] | None = None) -> str:
     """The command line that reruns a training run from any directory: ``finetune train ARGS``, every
     argument quoted with ``shlex.quote`` (copy-pasteable into a POSIX shell).
 
     ``argv``: the run's training flags (a leading ``.../run.py`` is dropped, so ``sys.argv`` works too).
     ``num_processes`` > 1 adds ``--multi_gpu --num_processes N`` (Accelerate's launcher flags, which
     ``finetune train`` takes), and on ``device="cpu"`` the ``ACCELERATE_USE_CPU=1`` prefix that gives N gloo
-    processes on a CPU.
+    processes on a CPU. ``machine_flags``: launcher flags of a run over several machines (``--num_machines M
+    --machine_rank R --main_process_ip IP --main_process_port P``), added after those.
     """
     args = list(argv)
     if args and args[0].endswith("run.py"):
@@ -431,4 +433,5 @@ def reproduce_command(argv: list[str], num_processes: int = 1, device: str | Non
         launch += ["--multi_gpu", "--num_processes", str(num_processes)]
         if device == "cpu":
             prefix = ["ACCELERATE_USE_CPU=1"]
+    launch += machine_flags or []
     return " ".join([*prefix, *(shlex.quote(a) for a in [*launch, *args])])

@@ -148,29 +148,42 @@ def restore_log(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def save_model(accelerator, model, tokenizer, output_dir: Path, config) -> None:
+def save_model(accelerator, model, tokenizer, output_dir: Path, config, writes: bool | None = None) -> None:
     """Write the model (safetensors) and tokenizer with ``save_pretrained``: a Hugging Face model directory
     that ``AutoModel*.from_pretrained(output_dir)`` loads, or with ``--use_peft`` a PEFT adapter directory
-    (``lora.save_adapter``). Every process calls it (gathering a sharded state dict is collective)."""
+    (``lora.save_adapter``). Every process calls it (gathering a sharded state dict is collective); those
+    with ``writes`` (default: global rank 0; one per machine where the machines share no filesystem) write."""
+    writes = accelerator.is_main_process if writes is None else writes
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     # a torch.compile'd model names every tensor "_orig_mod.<name>": from_pretrained needs the plain names
     state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
     if isinstance(unwrapped, PeftModel):
-        save_adapter(unwrapped, state_dict, tokenizer, output_dir, config.model_name_or_path,
-                     accelerator.is_main_process, merge=config.merge_adapter)
+        save_adapter(unwrapped, state_dict, tokenizer, output_dir, config.model_name_or_path, writes,
+                     merge=config.merge_adapter)
         return
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
-    if accelerator.is_main_process:
+    if writes and not accelerator.is_main_process and hasattr(unwrapped, "should_save_on_this_rank"):
+        # a machine's own copy: transformers 5 writes on global rank 0 only once torch.distributed is up,
+        # whatever is_main_process says (DistributedMixin.should_save_on_this_rank)
+        unwrapped.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            unwrapped.save_pretrained(output_dir, is_main_process=True, state_dict=state_dict)
+        finally:
+            del unwrapped.should_save_on_this_rank
+    else:
+        unwrapped.save_pretrained(output_dir, is_main_process=writes, state_dict=state_dict)
+    if writes:
         tokenizer.save_pretrained(output_dir)
 
 
-def write_outputs(accelerator, model, tokenizer, config, recipe, metrics: dict) -> None:
+def write_outputs(accelerator, model, tokenizer, config, recipe, metrics: dict, writes: bool | None = None) -> None:
     """The end of a run, for both engines: the model directory, ``metrics.json`` and the model card
-    (``README.md``, with the command that reproduces the run) in ``config.output_dir``."""
+    (``README.md``, with the command that reproduces the run) in ``config.output_dir``, written by the
+    processes with ``writes`` (default: global rank 0)."""
     output_dir = Path(config.output_dir)
-    save_model(accelerator, model, tokenizer, output_dir, config)
-    if accelerator.is_main_process:
+    writes = accelerator.is_main_process if writes is None else writes
+    save_model(accelerator, model, tokenizer, output_dir, config, writes)
+    if writes:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         command = reproduce_command(config_argv(config, recipe), num_processes=metrics["num_processes"],
                                     device=metrics["device"])

@@ -21,15 +21,21 @@ if __package__ in (None, ""):  # run as a script (accelerate launch finetune/run
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
+if __name__ == "__main__":  # before the slow imports: stop with the launcher (see finetune.lifeline)
+    from finetune.lifeline import watch_launcher
+
+    watch_launcher()
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize inside forked workers
 
 import torch  # noqa: E402 - after the path set-up above
 
-from finetune import compare, trainer_backend  # noqa: E402
+from finetune import compare, nodes, trainer_backend  # noqa: E402
 from finetune import train as accelerate_engine  # noqa: E402
 from finetune.batch_plan import apply_batch_plan  # noqa: E402
 from finetune.config import parse_config  # noqa: E402
 from finetune.errors import FinetuneError  # noqa: E402
+from finetune.lifeline import watch_launcher  # noqa: E402
 from finetune.output import check_output_dir  # noqa: E402
 from finetune.recipes import list_recipes, load_recipe  # noqa: E402
 from finetune.reporting import format_summary  # noqa: E402
@@ -64,7 +70,8 @@ def run(config) -> dict | None:
     ``--compare`` both). Returns the metrics (None for ``--compare``). Raises ``FinetuneError``."""
     recipe = load_recipe(config.recipe)
     config.validate()
-    check_output_dir(config)
+    # the same outcome on every process: on machines of their own, one output dir can fail alone
+    nodes.agree(lambda: check_output_dir(config))
     use_available_cpu_cores()
     apply_batch_plan(config, recipe)
     if config.compare:
@@ -76,7 +83,13 @@ def run(config) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (0 on success, ``FinetuneError.exit_code`` on a user
-    error: 2, or 3 for a numerical failure, 128 + N after signal N)."""
+    error: 2, or 3 for a numerical failure, 128 + N after signal N).
+
+    Launched by accelerate, the process stops with its launcher: when the launcher dies (a bare 1-process
+    ``accelerate launch`` killed by SIGTERM exits at once), this process gets SIGTERM, finishes its optimizer
+    step, checkpoints and exits 143 (``finetune.lifeline``). The bare launcher has returned by then, before
+    the checkpoint is written; ``finetune train`` waits for it."""
+    watch_launcher()
     try:
         config = parse_config(argv)
         if config.list_recipes:

@@ -31,12 +31,14 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
+from finetune import nodes
 from finetune.components import (EpochSeededLengthGroupedSampler, StepPlan, build_optimizer, iter_windows,
                                  loss_scale, make_accelerator, optimizer_step_skipped, plan_steps)
 from finetune.config import config_argv, reproduce_command
 from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
+from finetune.lifeline import launcher_gone
 from finetune.output import clear_output_dir
 from finetune.precision import effective_mixed_precision
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
@@ -60,12 +62,16 @@ class Setup:
     task: object
     metric_specs: dict
     raw_validation: object  # the validation split before tokenizing (generation evaluates it)
+    layout: nodes.StorageLayout  # who writes the run's files (one process, or one per machine)
 
 
 def setup(config, recipe) -> Setup:
     """Build accelerator, tokenizer, datasets, model, optimizer and schedule for ``train()``. Raises
     ``FinetuneError`` for inputs that cannot run (before anything is written)."""
     accelerator = make_accelerator(config)
+    layout = nodes.plan_storage(accelerator, config.output_dir)
+    # each machine's local main process writes its own copy of the model, optimizer and scheduler states
+    accelerator.project_configuration.save_on_each_node = layout.per_machine
     precision = effective_mixed_precision(accelerator)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision, accelerator.main_process_first)
@@ -97,7 +103,7 @@ def setup(config, recipe) -> Setup:
                               num_training_steps=plan.max_steps)
     accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
     return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader, plan,
-                 precision, get_task(recipe.TASK), recipe.METRICS, raw_validation)
+                 precision, get_task(recipe.TASK), recipe.METRICS, raw_validation, layout)
 
 
 @dataclass
@@ -181,6 +187,7 @@ class RunState:
     def __init__(self, s: Setup, config, recipe, process_start: float | None):
         self.s, self.config, self.recipe, self.process_start = s, config, recipe, process_start
         self.accelerator = s.accelerator
+        self.writes = s.layout.writes  # this process writes the files of its --output_dir
         self.output_dir = Path(config.output_dir)
         self.plan = s.plan
         self.eval_steps, self.save_steps = self.plan.steps(config.eval_steps), self.plan.steps(config.save_steps)
@@ -197,9 +204,10 @@ class RunState:
     def __enter__(self) -> "RunState":
         config, accelerator = self.config, self.accelerator
         if config.resume_from_checkpoint:
-            self.resume_from = ckpt.find_resume_checkpoint(self.output_dir, config.resume_from_checkpoint)
-            self._resume(self.resume_from)
-        if accelerator.is_main_process:
+            # every process must resume from the same step, also where each machine has its own files
+            self.resume_from = nodes.agree_on_checkpoint(accelerator, self.output_dir, config.resume_from_checkpoint)
+            nodes.agree(lambda: self._resume(self.resume_from), accelerator)
+        if self.writes:
             if config.overwrite_output_dir and self.resume_from is None:
                 clear_output_dir(self.output_dir)  # only now: a run refused before training touches nothing
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +215,7 @@ class RunState:
             if self.resume_from is not None:
                 restore_log(self.output_dir / "log.jsonl", self.state.step)
         accelerator.wait_for_everyone()
-        self.log = JsonlLog(self.output_dir / "log.jsonl", accelerator.is_main_process, append=self.resume_from is not None)
+        self.log = JsonlLog(self.output_dir / "log.jsonl", self.writes, append=self.resume_from is not None)
         accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.s.precision,
                                      accelerator.device.type, self.s.model))
         if self.resume_from is not None:
@@ -351,7 +359,7 @@ class RunState:
         self.eval_results, self.last_eval_step = results, self.state.step
         epoch = self.plan.epoch_fraction(self.state.step)
         self.log.write({"step": self.state.step, "epoch": round(epoch, 4), **results})
-        if predictions and self.accelerator.is_main_process:
+        if predictions and self.writes:
             write_generations(self.output_dir, self.s.raw_validation, predictions)
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()}, step=self.state.step)
@@ -374,17 +382,19 @@ class RunState:
         """Write a checkpoint of the state after the current optimizer step (collective)."""
         self.state.train_runtime = self.runtime_before + time.perf_counter() - self.train_start - self.eval_runtime
         path = ckpt.save_checkpoint(self.accelerator, self.output_dir, self.state, self.config.save_total_limit,
-                                    model=self.s.model, tokenizer=self.s.tokenizer)
+                                    model=self.s.model, tokenizer=self.s.tokenizer, layout=self.s.layout)
         self.accelerator.print(f"checkpoint ({reason}): {path}")
         return path
 
     def resume_command(self) -> str:
-        """The command that continues this run from its newest checkpoint."""
+        """The command that continues this run from its newest checkpoint (on several machines: the one for
+        this machine, run on each with its own ``--machine_rank``)."""
         argv = config_argv(self.config, self.recipe, exclude={"resume_from_checkpoint"})
         if "--output_dir" not in argv:
             argv += ["--output_dir", str(self.config.output_dir)]
         return reproduce_command(argv + ["--resume_from_checkpoint", "latest"],
-                                 num_processes=self.accelerator.num_processes, device=self.accelerator.device.type)
+                                 num_processes=self.accelerator.num_processes, device=self.accelerator.device.type,
+                                 machine_flags=nodes.machine_flags(self.s.layout))
 
     def finish(self) -> dict:
         """After the loop: load the best checkpoint if asked, write the model, ``metrics.json`` and the model
@@ -405,16 +415,21 @@ class RunState:
                               eval_runtime=self.eval_runtime, process_start=self.process_start)
         if self.resume_from is not None:
             metrics["resumed_from"] = str(self.resume_from)
-        write_outputs(accelerator, self.s.model, self.s.tokenizer, self.config, self.recipe, metrics)
+        write_outputs(accelerator, self.s.model, self.s.tokenizer, self.config, self.recipe, metrics, writes=self.writes)
         return metrics
 
 
 class GracefulStop:
     """SIGINT/SIGTERM handling: the first signal sets ``signum`` (the loop finishes the optimizer step in
-    progress, writes a checkpoint and exits); a second one exits at once."""
+    progress, writes a checkpoint and exits); a second one exits at once.
+
+    Except a SIGTERM after the launcher died (``finetune.lifeline``): that is the kernel's notice of the
+    launcher's death, which follows the Ctrl-C that a terminal sends to the launcher and this process
+    alike, and must not cut short the checkpoint that Ctrl-C started."""
 
     def __init__(self):
         self.signum = None
+        self._launcher_noted = False
         self._previous = {}
 
     def __enter__(self) -> "GracefulStop":
@@ -427,9 +442,18 @@ class GracefulStop:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
+        launcher_died = signum == signal.SIGTERM and launcher_gone()
+        if self.signum is not None and launcher_died:  # the kernel may signal once per launcher thread
+            if not self._launcher_noted:
+                print("\nthe launcher exited: finishing the checkpoint (the bare launcher does not wait for it).",
+                      file=sys.stderr)
+            self._launcher_noted = True
+            return
         if self.signum is not None:
             print(f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint.", file=sys.stderr)
             os._exit(128 + signum)
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this optimizer step, then saving a checkpoint "
-              "(send it again to exit at once).", file=sys.stderr)
+        self.signum, self._launcher_noted = signum, launcher_died
+        cause = " (the launcher exited)" if launcher_died else ""
+        again = "SIGINT" if launcher_died else "it"
+        print(f"\n{signal.Signals(signum).name}{cause}: finishing this optimizer step, then saving a checkpoint "
+              f"(send {again} again to exit at once).", file=sys.stderr)

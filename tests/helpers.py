@@ -48,19 +48,43 @@ def train_steps(output_dir: Path) -> list[dict]:
     return [r for r in read_log(output_dir) if "loss" in r]
 
 
+def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, int, int] | None = None) -> list[str]:
+    """The ``accelerate launch finetune/run.py ARGS`` command line on CPU; ``num_processes`` > 1 gives gloo
+    ranks. ``machine``: (machine rank, number of machines, main process port) for one "machine" of a run
+    over several, all on 127.0.0.1 (``num_processes`` is then the total over all machines)."""
+    machines = machine[1] if machine else 1
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", str(machines), "--mixed_precision",
+           "no", "--dynamo_backend", "no"]
+    # several CPU processes: --multi_gpu with ACCELERATE_USE_CPU=1 gives gloo ranks (--cpu with it is refused)
+    # one process: like the README command, no --cpu (ACCELERATE_USE_CPU=1 keeps it on the CPU)
+    cmd += ["--multi_gpu", "--num_processes", str(num_processes)] if num_processes > 1 else ["--num_processes", "1"]
+    if machine:
+        cmd += ["--machine_rank", str(machine[0]), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                str(machine[2])]
+    return cmd + [str(REPO / "finetune" / "run.py"), *args]
+
+
+def launch_env(env: dict | None = None) -> dict:
+    """The environment of a launch: CPU only, hub offline, plus ``env``."""
+    return {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+
+
 def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dict | None = None):
     """Run ``accelerate launch finetune/run.py ARGS`` on CPU; ``num_processes`` > 1 gives gloo ranks.
 
     Returns the ``CompletedProcess`` (stdout and stderr captured as text).
     """
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no"]
-    # several CPU processes: --multi_gpu with ACCELERATE_USE_CPU=1 gives gloo ranks (--cpu with it is refused)
-    # one process: like the README command, no --cpu (ACCELERATE_USE_CPU=1 keeps it on the CPU)
-    cmd += ["--multi_gpu", "--num_processes", str(num_processes)] if num_processes > 1 else ["--num_processes", "1"]
-    cmd += [str(REPO / "finetune" / "run.py"), *args]
-    full_env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    return subprocess.run(launch_command(args, num_processes), capture_output=True, text=True, timeout=timeout,
+                          env=launch_env(env), cwd=REPO)
+
+
+def start_launch(args: list[str], logs: Path, num_processes: int = 1, machine: tuple[int, int, int] | None = None):
+    """Start ``accelerate launch finetune/run.py ARGS`` (see ``launch_command``) in the background, its stdout
+    and stderr going to ``logs``.out and ``logs``.err (files, not pipes: a full pipe would stall a run nobody
+    reads). Returns the ``Popen``."""
+    with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:
+        return subprocess.Popen(launch_command(args, num_processes, machine), stdout=out, stderr=err,
+                                env=launch_env(), cwd=REPO)
 
 
 def run_script(args: list[str], timeout: int = 300, env: dict | None = None):

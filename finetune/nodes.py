@@ -1,0 +1,231 @@
+"""Runs over several machines (``accelerate launch --num_machines M --machine_rank R ...`` on each), with
+or without a shared filesystem, and the agreement every process of a run needs before it goes on.
+
+Storage: at start the machines find out whether they see one output directory (a shared filesystem:
+global rank 0 writes the run's files, as on one machine) or each its own (each machine's local main
+process writes a full copy: ``run_config.json``, ``log.jsonl``, checkpoints, the final model). A mix
+(some machines share a directory, others do not) is refused.
+
+Agreement: a check whose answer can differ between machines (the output directory, the checkpoint to
+resume from) must end the same way on every process. If one process raised while the others went on,
+they would wait for it in the next collective until the process-group timeout (30 minutes with gloo).
+So each process runs the check, the outcomes are exchanged (``accelerate.utils.gather_object``), and
+if any failed, every process raises the same ``FinetuneError`` naming which machine and rank failed how.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelerate import PartialState
+from accelerate.utils import gather_object, parse_flag_from_env
+
+from finetune import checkpoint as ckpt
+from finetune.errors import FinetuneError
+
+_PROBE = ".write_test"  # the prefix check_output_dir's own probes use: no rank mistakes it for content
+
+
+def distributed_state():
+    """Accelerate's process-wide ``PartialState`` (starting the process group if the launcher asked for
+    several processes), or None for a single process, where there is nothing to agree on."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+
+
+def machine_index(state) -> int:
+    """This process's machine (node rank, 0-based): torchrun's ``GROUP_RANK``, else the process index
+    divided by the processes per machine."""
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+    return state.process_index // max(per_machine, 1)
+
+
+def num_machines(state) -> int:
+    """How many machines the run spans (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``, homogeneous machines)."""
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+    return max(state.num_processes // max(per_machine, 1), 1)
+
+
+def _ranges(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else ("ranks " + ", ".join(str(r) for r in ranks))
+
+
+def describe(where: list[tuple[int, int]], machines: int) -> str:
+    """Name a group of processes given as (machine, rank) pairs: "machine 1 (rank 1)", or "rank 1" on one
+    machine."""
+    if machines <= 1:
+        return _ranges([rank for _, rank in where])
+    by_machine: dict[int, list[int]] = {}
+    for machine, rank in where:
+        by_machine.setdefault(machine, []).append(rank)
+    return ", ".join(f"machine {m} ({_ranges(r)})" for m, r in sorted(by_machine.items()))
+
+
+def _group(outcomes: list[dict], key: str) -> dict[str, list[tuple[int, int]]]:
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for o in outcomes:
+        if o.get(key) is not None:
+            groups.setdefault(o[key], []).append((o["machine"], o["rank"]))
+    return groups
+
+
+def agree(check, state=None):
+    """Run ``check()`` on every process and return its value; if it raised ``FinetuneError`` on any
+    process, raise on every process a ``FinetuneError`` with the same message: the error itself when every
+    process failed alike (so one process, or one machine, sees what it always saw), else each distinct
+    message prefixed with the machine(s) and rank(s) it came from.
+
+    ``state``: an ``Accelerator`` or ``PartialState``; None takes ``distributed_state()``. Collective when
+    there are several processes (one ``gather_object``): every process must call it.
+    """
+    state = distributed_state() if state is None else state
+    try:
+        value, caught = check(), None
+    except FinetuneError as err:
+        value, caught = None, err
+    if state is None or state.num_processes <= 1:
+        if caught is not None:
+            raise caught
+        return value
+    error = None if caught is None else str(caught)
+    outcomes = gather_object([{"machine": machine_index(state), "rank": state.process_index, "error": error}])
+    failed = _group(outcomes, "error")
+    if not failed:
+        return value
+    if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
+        raise caught
+    machines = num_machines(state)
+    text = " / ".join(f"on {describe(where, machines)}: {message}" for message, where in failed.items())
+    fine = [(o["machine"], o["rank"]) for o in outcomes if o["error"] is None]
+    if fine:
+        text += f" ({describe(fine, machines)} had no error, but the run needs every process: all stop.)"
+    raise FinetuneError(text) from None
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    """Who writes the run's files. ``writes``: this process writes ``run_config.json``, ``log.jsonl``,
+    the checkpoints' shared files and the final model into its ``--output_dir``. ``per_machine``: each
+    machine keeps its own copy (no shared filesystem); else one process (global rank 0) writes for all.
+    ``machine``: this process's machine index; ``machines``: how many."""
+
+    writes: bool
+    per_machine: bool
+    machine: int = 0
+    machines: int = 1
+
+
+def machine_flags(layout: StorageLayout) -> list[str]:
+    """The ``accelerate launch`` flags that start this machine's part of the run again (``--num_machines M
+    --machine_rank R --main_process_ip IP --main_process_port P``, from torchrun's ``MASTER_ADDR`` and
+    ``MASTER_PORT``); empty on one machine."""
+    if layout.machines <= 1:
+        return []
+    flags = ["--num_machines", str(layout.machines), "--machine_rank", str(layout.machine)]
+    if "MASTER_ADDR" in os.environ:
+        flags += ["--main_process_ip", os.environ["MASTER_ADDR"]]
+    if "MASTER_PORT" in os.environ:
+        flags += ["--main_process_port", os.environ["MASTER_PORT"]]
+    return flags
+
+
+def plan_storage(state, output_dir) -> StorageLayout:
+    """Find out whether the machines share ``output_dir`` (collective; every process calls it).
+
+    On one machine: global rank 0 writes. On several: each machine's local main process drops a probe
+    file (``.write_test-machine<M>-<token>``) into its ``output_dir`` and lists the probes it sees. If every
+    machine sees all of them, the directory is shared and global rank 0 writes; if each sees only its
+    own, each machine's local main process writes its own copy. Raises ``FinetuneError`` (on every
+    process) when some machines share a directory and others do not.
+    """
+    machines = num_machines(state) if state.num_processes > 1 else 1
+    if machines <= 1:
+        return StorageLayout(writes=state.is_main_process, per_machine=False)
+    machine, out = machine_index(state), Path(output_dir)
+    token = gather_object([uuid.uuid4().hex])[0]  # rank 0's
+    probe = out / f"{_PROBE}-machine{machine}-{token}"
+    if state.is_local_main_process:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe.write_text("probe\n")
+        except OSError:
+            pass  # check_output_dir has shown the directory writable; a failure here only hides the probe
+    state.wait_for_everyone()
+    seen = None
+    if state.is_local_main_process:
+        seen = sorted(int(p.name.split("-")[1].removeprefix("machine"))
+                      for p in out.glob(f"{_PROBE}-machine*-{token}"))
+    state.wait_for_everyone()
+    if state.is_local_main_process:
+        probe.unlink(missing_ok=True)
+    views = {m: s for m, s in gather_object([(machine, seen)]) if s is not None}
+    everyone = sorted(views)
+    if all(s == everyone for s in views.values()):
+        return StorageLayout(writes=state.is_main_process, per_machine=False, machine=machine, machines=machines)
+    if all(s == [m] for m, s in views.items()):
+        return StorageLayout(writes=state.is_local_main_process, per_machine=True, machine=machine,
+                             machines=machines)
+    shared = "; ".join(f"machine {m} sees the output dirs of machines {', '.join(map(str, s))}"
+                       for m, s in sorted(views.items()))
+    raise FinetuneError(f"--output_dir: some machines share it and others do not ({shared}). Give every machine "
+                        "the same directory on one shared filesystem, or each machine a directory of its own.")
+
+
+def agree_on_checkpoint(state, output_dir, spec: str) -> Path:
+    """The checkpoint to resume from (``checkpoint.find_resume_checkpoint`` in this process's
+    ``output_dir``), checked to be the same step on every process (collective; every process calls it).
+
+    Each process resolves ``spec`` on its own machine and also checks that the checkpoint holds its own
+    random-number state (``random_states_<rank>.pkl``; without it Accelerate resumes with other dropout
+    masks, silently). The results are exchanged; if any process has none, or they differ, every process
+    raises the same ``FinetuneError`` naming which machine and rank lacks what, and how to fix it: copy
+    the checkpoint to the machine that lacks it, or resume every machine from a step all of them hold.
+    """
+    mine: dict = {"name": None, "error": None, "step": None}
+    try:
+        path = ckpt.find_resume_checkpoint(output_dir, spec)
+        saved = ckpt.read_state(path)
+        rng = path / f"random_states_{state.process_index}.pkl"
+        if saved.num_processes == state.num_processes and not rng.is_file():
+            raise FinetuneError(f"checkpoint {path} lacks this process's random-number state ({rng.name})")
+        mine.update(name=path.name, step=saved.step)
+    except FinetuneError as err:
+        path, caught, mine["error"] = None, err, str(err)
+    if state.num_processes <= 1:
+        if path is None:
+            raise caught
+        return path
+    held = [int(p.name.removeprefix("step_")) for p in ckpt.list_checkpoints(output_dir) if ckpt.is_complete(p)]
+    mine.update(machine=machine_index(state), rank=state.process_index, held=held, dir=str(Path(output_dir).resolve()))
+    outcomes = gather_object([mine])
+    names = {o["name"] for o in outcomes}
+    if len(names) == 1 and None not in names:
+        return path
+    failed = _group(outcomes, "error")
+    if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
+        raise caught  # the same on every process: as on one process
+    machines = num_machines(state)
+    parts = [f"{describe(where, machines)} would resume from {name}" for name, where in _group(outcomes, "name").items()]
+    parts += [f"{describe(where, machines)} cannot: {message}" for message, where in failed.items()]
+    newest = max((o["step"] for o in outcomes if o["step"] is not None), default=None)
+    fixes = []
+    if newest is not None:
+        name = ckpt.checkpoint_path("", newest).name
+        source = next(o for o in outcomes if o["step"] == newest)
+        targets = {o["machine"]: o["dir"] for o in outcomes if o["step"] != newest}
+        fixes.append(f"copy {name} from {ckpt.checkpoints_dir(source['dir'])} on machine {source['machine']} to "
+                     + ", ".join(f"{ckpt.checkpoints_dir(d)} on machine {m}" for m, d in sorted(targets.items())))
+    common = set.intersection(*(set(o["held"]) for o in outcomes))
+    if common:
+        fixes.append(f"resume every machine from step {max(common)}, which all hold: --resume_from_checkpoint "
+                     f"<its --output_dir>/checkpoints/{ckpt.checkpoint_path('', max(common)).name}")
+    fix = (", or ".join(fixes) + ".") if fixes else "start the run again without --resume_from_checkpoint."
+    raise FinetuneError(f"--resume_from_checkpoint {spec}: every process must resume from the same checkpoint, "
+                        f"but {'; '.join(parts)}. To fix it, {fix}")

@@ -1,0 +1,125 @@
+"""Two "machines" without a shared filesystem: two `accelerate launch --num_machines 2 --machine_rank 0|1`
+on 127.0.0.1, each with its own --output_dir. Each machine keeps a complete copy of the run; a stopped run
+resumes on both to the weights of one process with twice the micro-batch; and machines that hold different
+checkpoints fail alike with one clear error instead of one of them waiting forever in a collective."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import time
+
+import pytest
+
+from helpers import launch, start_launch, train_steps
+from test_launcher_signals import assert_same_weights
+
+pytestmark = pytest.mark.integration
+
+# 96 samples; 2 machines x 1 process x micro-batch 2 = one process with micro-batch 4: 24 optimizer steps
+STEPS = 24
+
+
+def common(model: str) -> list[str]:
+    return ["--recipe", "bbc-news", "--model_name_or_path", model, "--max_train_samples", "96", "--max_eval_samples",
+            "8", "--gradient_accumulation_steps", "1", "--num_train_epochs", "1", "--max_length", "32",
+            "--disable_dropout", "--eval_strategy", "no", "--learning_rate", "1e-3", "--warmup_steps", "0",
+            "--seed", "5"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_machines(tmp_path, name: str, args: list[str]) -> list:
+    """Start machine 0 and machine 1 (one process each), each writing into ``tmp_path/m<rank>``."""
+    port = free_port()
+    return [start_launch([*args, "--output_dir", str(tmp_path / f"m{rank}")], tmp_path / f"{name}.m{rank}",
+                         num_processes=2, machine=(rank, 2, port)) for rank in (0, 1)]
+
+
+def wait_all(processes, timeout: float) -> list[int]:
+    """The launchers' exit codes; all are killed (and the test fails) if one still runs after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_two_machines_with_their_own_output_dirs_stop_resume_and_disagree(tmp_path, tiny_bert):
+    args = [*common(tiny_bert), "--per_device_train_batch_size", "2"]
+    reference = tmp_path / "reference"
+    one = launch([*common(tiny_bert), "--per_device_train_batch_size", "4", "--output_dir", str(reference)], timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    # train with a checkpoint every 3 steps; stop both machines by SIGTERM to their launchers after the first
+    machines = start_machines(tmp_path, "stopped", [*args, "--save_steps", "3"])
+    try:
+        deadline = time.monotonic() + 240
+        while not any((tmp_path / "m1" / "checkpoints").glob("step_*/COMPLETE")):
+            assert all(p.poll() is None for p in machines) and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.05)
+        for p in machines:
+            p.send_signal(signal.SIGTERM)
+    finally:
+        wait_all(machines, timeout=120)
+    stopped_at = len(train_steps(tmp_path / "m0"))
+    assert 3 <= stopped_at < STEPS
+    for rank in (0, 1):
+        out, stderr = tmp_path / f"m{rank}", (tmp_path / f"stopped.m{rank}.err").read_text()
+        # each machine tells the checkpoint it really wrote, in its own directory
+        assert f"error: stopped by SIGTERM after optimizer step {stopped_at}; checkpoint: {out}/checkpoints/" in stderr
+        assert f"--machine_rank {rank}" in stderr  # its own resume command
+        assert (out / "run_config.json").is_file() and len(train_steps(out)) == stopped_at
+        for step in (3, stopped_at):
+            checkpoint = out / "checkpoints" / f"step_{step:08d}"
+            assert (checkpoint / "COMPLETE").is_file(), sorted(p.name for p in out.rglob("*"))
+            # both ranks' random-number states on both machines: either copy resumes anywhere
+            assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl",
+                                                                                 "random_states_1.pkl"}
+        assert not list((out / "checkpoints").glob(".tmp-*"))
+
+    # resume on both: each from its own copy; both end with the weights of one process with twice the micro-batch
+    resumed = start_machines(tmp_path, "resumed", [*args, "--save_steps", "3", "--resume_from_checkpoint", "latest"])
+    assert wait_all(resumed, timeout=300) == [0, 0], (tmp_path / "resumed.m1.err").read_text()[-3000:]
+    reference_losses = [r["loss"] for r in train_steps(reference)]
+    for rank in (0, 1):
+        out = tmp_path / f"m{rank}"
+        assert [r["step"] for r in train_steps(out)] == list(range(1, STEPS + 1))
+        assert [r["loss"] for r in train_steps(out)] == pytest.approx(reference_losses, rel=1e-5)
+        assert_same_weights(out, reference)
+        assert (out / "metrics.json").is_file() and (out / "config.json").is_file()
+
+    # machine 1 loses its newest checkpoint: both machines refuse alike, naming it and the fixes, in bounded time
+    newest = sorted((tmp_path / "m1" / "checkpoints").glob("step_*"))[-1]
+    shutil.rmtree(newest)
+    started = time.monotonic()
+    refused = start_machines(tmp_path, "refused", [*args, "--save_steps", "3", "--resume_from_checkpoint", "latest"])
+    codes = wait_all(refused, timeout=180)
+    assert all(code != 0 for code in codes), codes
+    assert time.monotonic() - started < 180
+    lines = []
+    for rank in (0, 1):
+        stderr = (tmp_path / f"refused.m{rank}.err").read_text()
+        errors = sorted({line for line in stderr.splitlines() if line.startswith("error: ")})
+        assert len(errors) == 1, stderr[-3000:]
+        lines.append(errors[0])
+    assert lines[0] == lines[1]  # the same message on both machines
+    previous = int(newest.name.removeprefix("step_")) - 3
+    for fragment in ("every process must resume from the same checkpoint",
+                     f"machine 0 (rank 0) would resume from {newest.name}",
+                     f"machine 1 (rank 1) would resume from step_{previous:08d}",
+                     f"copy {newest.name} from {tmp_path / 'm0' / 'checkpoints'} on machine 0 to "
+                     f"{tmp_path / 'm1' / 'checkpoints'} on machine 1",
+                     f"resume every machine from step {previous}, which all hold"):
+        assert fragment in lines[0], (fragment, lines[0])
+    for rank in (0, 1):  # a user error: no traceback from our code (torchrun adds its own ChildFailedError)
+        stderr = (tmp_path / f"refused.m{rank}.err").read_text()
+        assert not [line for line in stderr.splitlines() if line.strip().startswith("File ") and "/finetune/" in line]
