@@ -201,6 +201,7 @@ def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_lim
                 accelerator.unwrap_model(model).save_pretrained(tmp)  # a PEFT adapter dir (adapter weights are small)
             elif model is not None:
                 unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+                unwrapped.config.architectures = [type(unwrapped).__name__]  # as save_pretrained records it
                 unwrapped.config.save_pretrained(tmp)
                 if getattr(unwrapped, "generation_config", None) is not None and unwrapped.can_generate():
                     unwrapped.generation_config.save_pretrained(tmp)
