@@ -75,7 +75,10 @@ def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
 
 
 def _run_max_length(path: Path) -> int:
-    """``max_length`` of the run that wrote ``path`` (its ``run_config.json``), else 128."""
+    """``max_length`` of the run that wrote ``path`` (its ``run_config.json``; for a checkpoint, its run's),
+    else 128."""
+    if not (path / "run_config.json").is_file() and (path / STATE_FILE).is_file():
+        path = path.parent.parent  # <run>/checkpoints/step_N
     try:
         value = json.loads((path / "run_config.json").read_text()).get("max_length")
     except (OSError, ValueError, AttributeError):

@@ -287,6 +287,9 @@ def test_checkpoint_user_errors(tmp_path, trained):
 
     run = tmp_path / "run"
     shutil.copytree(trained / "checkpoints" / "step_00000001", run / "checkpoints" / "step_00000001")
+    # a checkpoint is a loadable model of its own (config, tokenizer, weights): it predicts before the run ends
+    assert predict(run / "checkpoints" / "step_00000001", ["x"])[0]["label"]
+    (run / "checkpoints" / "step_00000001" / "config.json").unlink()  # one written before checkpoints held it
     with pytest.raises(FinetuneError, match="holds no finished model .*Let the run finish"):
         predict(run / "checkpoints" / "step_00000001", ["x"])
     (run / "checkpoints" / "step_00000001" / "COMPLETE").unlink()
