@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, TorchDynamoPlugin
+from accelerate.state import GradientState
+from accelerate.utils import DataLoaderConfiguration, DistributedType, TorchDynamoPlugin
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from finetune.errors import FinetuneError
 from finetune.precision import check_precision_supported
+from finetune.sharded import accumulation_plugin, sync_each_batch
 
 _TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
 
@@ -23,8 +25,9 @@ _TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb":
 def make_accelerator(config) -> Accelerator:
     """An ``Accelerator`` for ``config``: N-step accumulation that the engine aligns to its windows itself
     (``sync_with_dataloader=False``), and a seeded sampler so every process and every resume sees the
-    same data order. Raises ``FinetuneError`` for bf16 on a device without bf16, or a ``--report_to``
-    tracker whose package is not installed."""
+    same data order. Under FSDP, gradients are synchronised on every micro-batch (``sharded.sync_each_batch``).
+    Raises ``FinetuneError`` for bf16 on a device without bf16, or a ``--report_to`` tracker whose package is
+    not installed."""
     check_precision_supported(config.mixed_precision)
     log_with = None if config.report_to == "none" else config.report_to
     if log_with in _TRACKER_MODULES:
@@ -37,34 +40,58 @@ def make_accelerator(config) -> Accelerator:
     if config.torch_compile:  # Accelerator.prepare wraps the model in torch.compile
         compile_options["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode)
     try:
-        return Accelerator(
+        accelerator = Accelerator(
             **compile_options,
             log_with=log_with,
             project_dir=config.output_dir,
             mixed_precision=config.mixed_precision,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False),
+            gradient_accumulation_plugin=accumulation_plugin(config.gradient_accumulation_steps, DistributedType.NO),
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+            # The schedule is stepped by hand, once per optimizer step that really happened. Only where
+            # Accelerate wraps it (DeepSpeed, see sharded.deepspeed_optimizer_and_scheduler) does this matter:
+            # each call then steps once, not once per process.
+            step_scheduler_with_optimizer=False,
         )
     except ValueError as err:
         if "bf16" in str(err):
             raise FinetuneError(f"--mixed_precision bf16 is not supported on this device ({err}). "
                                 "Use --mixed_precision fp16 (GPU) or no.") from None
         raise
+    use_accumulation_plugin(accelerator, config.gradient_accumulation_steps)
+    return accelerator
+
+
+def use_accumulation_plugin(accelerator, num_steps: int) -> None:
+    """Give ``accelerator`` the accumulation plugin for its distributed type (``sharded.accumulation_plugin``),
+    which is known only once the Accelerator exists (FSDP comes from the launcher's environment). Accelerate
+    keeps the plugin in the process-wide ``GradientState``, whose constructor replaces a different plugin
+    (accelerate 1.15 ``state.py``: "Allow plugin to be updated"); ``accumulate()`` reads ``sync_each_batch``
+    from it at every call. Nothing changes where the distributed type does not sync each batch."""
+    if sync_each_batch(accelerator.distributed_type):
+        GradientState(gradient_accumulation_plugin=accumulation_plugin(num_steps, accelerator.distributed_type))
+    if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False) != sync_each_batch(accelerator.distributed_type):
+        raise RuntimeError(f"the gradient accumulation plugin was not updated: {accelerator.gradient_state.plugin_kwargs}")
 
 
 def build_optimizer(model, config) -> torch.optim.AdamW:
     """AdamW with weight decay on every trainable parameter except biases and normalisation weights (the
     Transformers ``Trainer`` grouping), so both engines optimise the same thing. ``optim`` picks the
     implementation as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused"."""
+    return torch.optim.AdamW(parameter_groups(model, config), lr=config.learning_rate,
+                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+                             fused=config.optim == "adamw_torch_fused" or None)
+
+
+def parameter_groups(model, config) -> list[dict]:
+    """The optimizer's two parameter groups (the Transformers ``Trainer`` grouping): every trainable
+    parameter with ``config.weight_decay``, except biases and normalisation weights (1-D or named "norm"),
+    which get none."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_epsilon, fused=config.optim == "adamw_torch_fused" or None)
+    return [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ Exactness rules (tested in ``tests/test_accumulation.py``):
   ``accelerator.backward`` divides by N, which under-weights it; we multiply N back in).
 - Gradients are clipped only on the sync (last) micro-batch of a window; the LR schedule is sized in
   optimizer steps and advances only when the optimizer really stepped (fp16 overflow skips do not).
+- Under DeepSpeed the same loop runs through Accelerate's DeepSpeed integration: ``accelerator.backward``
+  runs DeepSpeed's backward (which divides by its ``gradient_accumulation_steps``, set to N) and, on the
+  sync micro-batch, DeepSpeed's optimizer step with its clipping (set from ``--max_grad_norm``) and its
+  overflow skip; ``optimizer.step()``/``zero_grad()`` are no-ops there, ``clip_grad_norm_`` reports the
+  norm DeepSpeed computed (``finetune/sharded.py``).
 
 Everything that is not the accumulation step (counters, the log record, trackers, progress, guards,
 checkpoint and evaluation cadence) is ``RunState``'s.
@@ -25,20 +30,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
 from finetune.components import (EpochSeededLengthGroupedSampler, StepPlan, build_optimizer, iter_windows,
-                                 make_accelerator, plan_steps)
+                                 make_accelerator, micro_batches_per_process, parameter_groups, plan_steps)
 from finetune.config import config_argv, reproduce_command
 from finetune.builders import build_components
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 from finetune.evaluation import check_eval_set, evaluate
 from finetune.output import clear_output_dir
-from finetune.precision import effective_mixed_precision
+from finetune.precision import running_precision
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
+from finetune.sharded import (count_parameters, deepspeed_config_updates, deepspeed_note,
+                              deepspeed_optimizer_and_scheduler, grad_norm_value, sync_each_batch)
 from finetune.tasks import get_task
 
 
@@ -58,13 +66,34 @@ class Setup:
     precision: str  # as it runs: "no", "fp16" or "bf16"
     task: object
     metric_specs: dict
+    num_parameters: int = 0  # counted before any sharding
+    engine_note: str | None = None  # a banner line for FSDP / DeepSpeed
+
+    def learning_rate(self) -> float:
+        """The learning rate the next optimizer step uses. Under DeepSpeed, read from the optimizer's
+        parameter groups (a schedule from the DeepSpeed config may not answer ``get_last_lr`` before its
+        first step); elsewhere the schedule's ``get_last_lr``."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return self.optimizer.param_groups[0]["lr"]
+        return self.scheduler.get_last_lr()[0]
 
 
 def setup(config, recipe) -> Setup:
     """Build accelerator, tokenizer, datasets, model, optimizer and schedule for ``train()``. Raises
     ``FinetuneError`` for inputs that cannot run (before anything is written)."""
     accelerator = make_accelerator(config)
-    precision = effective_mixed_precision(accelerator)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    engine_note = None
+    if deepspeed:  # before prepare, which hands this config to deepspeed.initialize
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config.update(deepspeed_config_updates(
+            ds_config, max_grad_norm=config.max_grad_norm, micro_batch=config.per_device_train_batch_size,
+            accumulation_steps=config.gradient_accumulation_steps))
+        engine_note = deepspeed_note(ds_config)
+    elif sync_each_batch(accelerator.distributed_type):
+        engine_note = ("FSDP: gradients are reduce-scattered on every micro-batch (sync_each_batch), so each rank "
+                       "keeps only its gradient shard while accumulating")
+    precision = running_precision(accelerator)
     tokenizer, datasets, _, model, collator = build_components(
         config, recipe, precision, accelerator.main_process_first)
     check_eval_set(len(datasets["validation"]), config)
@@ -85,17 +114,49 @@ def setup(config, recipe) -> Setup:
                                   **loader_options)
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
-    optimizer = build_optimizer(model, config)
-    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader)
-    plan = plan_steps(len(train_dataloader), config)
-    # Not passed to accelerator.prepare: its wrapper steps the schedule once per process per call and
-    # assumes a schedule sized for that. Ours is sized in optimizer steps and stepped by hand.
-    scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=plan.steps(config.warmup_steps),
-                              num_training_steps=plan.max_steps)
-    accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
+    num_parameters = count_parameters(model)
+    if deepspeed:
+        model, optimizer, scheduler, train_dataloader, eval_dataloader, plan = _prepare_deepspeed(
+            accelerator, config, model, train_dataloader, eval_dataloader)
+    else:
+        optimizer = build_optimizer(model, config)
+        model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+            model, optimizer, train_dataloader, eval_dataloader)
+        plan = plan_steps(len(train_dataloader), config)
+        # Not passed to accelerator.prepare: its wrapper steps the schedule once per process per call and
+        # assumes a schedule sized for that. Ours is sized in optimizer steps and stepped by hand.
+        scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=plan.steps(config.warmup_steps),
+                                  num_training_steps=plan.max_steps)
+        accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
     return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader, plan,
-                 precision, get_task(recipe.TASK), recipe.METRICS)
+                 precision, get_task(recipe.TASK), recipe.METRICS, num_parameters, engine_note)
+
+
+def _prepare_deepspeed(accelerator, config, model, train_dataloader, eval_dataloader):
+    """DeepSpeed's ``prepare``: model, optimizer and schedule go into one ``accelerator.prepare`` call
+    (it runs ``deepspeed.initialize``), so the schedule is sized before the dataloaders are sharded, from
+    the micro-batches Accelerate will give each process (``micro_batches_per_process``). Which optimizer
+    and schedule: ``sharded.deepspeed_optimizer_and_scheduler``. A prepared schedule is checkpointed by
+    ``save_state`` (ours, through Accelerate; one from the DeepSpeed config, inside DeepSpeed's checkpoint).
+    Returns (model, optimizer, scheduler, train_dataloader, eval_dataloader, plan)."""
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    plan = plan_steps(micro_batches_per_process(len(train_dataloader.dataset), config.per_device_train_batch_size,
+                                                accelerator.num_processes), config)
+    warmup = plan.steps(config.warmup_steps)
+
+    def make_schedule(optimizer):
+        return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                             num_training_steps=plan.max_steps)
+
+    optimizer, scheduler = deepspeed_optimizer_and_scheduler(
+        parameter_groups(model, config), config, plan.max_steps, warmup, ds_config, accelerator.num_processes,
+        make_optimizer=lambda: build_optimizer(model, config), make_schedule=make_schedule)
+    model, optimizer, train_dataloader, eval_dataloader, scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, scheduler)
+    if len(train_dataloader) != plan.micro_batches_per_epoch:
+        raise RuntimeError(f"DeepSpeed: the schedule was sized for {plan.micro_batches_per_epoch} micro-batches per "
+                           f"process per epoch, but the prepared dataloader has {len(train_dataloader)}")
+    return model, optimizer, scheduler, train_dataloader, eval_dataloader, plan
 
 
 @dataclass
@@ -155,7 +216,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                             run.check_finite(grad_norm, len(window))
-                        learning_rate = scheduler.get_last_lr()[0]
+                        learning_rate = s.learning_rate()
                         optimizer.step()  # a no-op until the sync micro-batch
                         if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                             scheduler.step()
@@ -205,6 +266,8 @@ class RunState:
         accelerator.wait_for_everyone()
         self.log = JsonlLog(self.output_dir / "log.jsonl", accelerator.is_main_process, append=self.resume_from is not None)
         accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.s.precision, accelerator.device.type))
+        if self.s.engine_note:
+            accelerator.print(self.s.engine_note)
         if self.resume_from is not None:
             accelerator.print(f"Resuming from {self.resume_from}: optimizer step {self.state.step}, epoch "
                               f"{self.state.epoch}, skipping {self.state.micro_batches_done} micro-batches of it "
@@ -260,8 +323,10 @@ class RunState:
 
     def check_finite(self, grad_norm, micro_batches: int) -> None:
         """Raise ``NumericalError`` for a non-finite gradient norm (fp32/bf16: it must not reach the weights;
-        fp16 overflows are the GradScaler's to skip). A sync point per optimizer step."""
-        if self.s.precision == "fp16" or torch.isfinite(grad_norm).item():
+        fp16 overflows are the GradScaler's to skip). A sync point per optimizer step. ``grad_norm``: a tensor,
+        or under DeepSpeed a float (its optimizer step, and under fp32 its skip of a non-finite gradient, have
+        already run) or None (DeepSpeed computed no norm: nothing to check)."""
+        if self.s.precision == "fp16" or grad_norm is None or torch.isfinite(torch.as_tensor(grad_norm)).item():
             return
         first = self.state.micro_batches_done
         raise NumericalError(
@@ -288,7 +353,7 @@ class RunState:
         state.input_tokens_seen += counts.input_tokens
         state.padded_tokens_seen += counts.padded_tokens
         record = {"step": state.step, "epoch": round(self.plan.epoch_fraction(state.step), 4), "loss": loss,
-                  "learning_rate": learning_rate, "grad_norm": float(grad_norm), "samples": counts.samples,
+                  "learning_rate": learning_rate, "grad_norm": grad_norm_value(grad_norm), "samples": counts.samples,
                   "micro_batches": micro_batches}
         if self.s.task.name == "causal-lm":
             record["label_tokens"] = counts.items
@@ -299,9 +364,10 @@ class RunState:
         self.progress.update(1)
         if state.step % self.logging_steps == 0:
             elapsed = max(time.perf_counter() - self.train_start - self.eval_runtime, 1e-9)
-            accelerator.log({"train/loss": loss, "train/learning_rate": learning_rate, "train/grad_norm": record["grad_norm"],
-                             "train/samples_per_second": (state.samples_seen - self.samples_at_start) / elapsed,
-                             "train/epoch": record["epoch"]}, step=state.step)
+            values = {"train/loss": loss, "train/learning_rate": learning_rate, "train/grad_norm": record["grad_norm"],
+                      "train/samples_per_second": (state.samples_seen - self.samples_at_start) / elapsed,
+                      "train/epoch": record["epoch"]}
+            accelerator.log({k: v for k, v in values.items() if v is not None}, step=state.step)
             self.progress.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
         if state.consecutive_skipped > self.config.max_skipped_steps:
             raise NumericalError(
@@ -389,7 +455,7 @@ class RunState:
                 accelerator.load_state(str(best))
         metrics = run_metrics(self.config, state, eval_results, plan=self.plan, num_processes=accelerator.num_processes,
                               precision=self.s.precision, device=accelerator.device,
-                              num_parameters=sum(p.numel() for p in self.s.model.parameters()),
+                              num_parameters=self.s.num_parameters,
                               eval_runtime=self.eval_runtime, process_start=self.process_start)
         if self.resume_from is not None:
             metrics["resumed_from"] = str(self.resume_from)
