@@ -271,3 +271,30 @@ def test_deepspeed_schedule_plan_matches_accelerates_sharding():
         batches = BatchSampler(SequentialSampler(range(samples)), micro, drop_last=False)
         lengths = {len(BatchSamplerShard(batches, processes, rank, even_batches=True)) for rank in range(processes)}
         assert lengths == {micro_batches_per_process(samples, micro, processes)}
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+@pytest.mark.parametrize("distributed_type", [DistributedType.FSDP, DistributedType.DEEPSPEED,
+                                              DistributedType.MULTI_GPU, DistributedType.NO])
+def test_evaluation_never_splits_a_batch_under_a_sharded_engine(distributed_type):
+    """An out-of-memory evaluation batch is split and retried on one rank only where no collective runs
+    inside the forward: under FSDP (versions 1 and 2 are both DistributedType.FSDP) and DeepSpeed a rank
+    retrying alone would desynchronise the all-gathers, so the error propagates instead."""
+    from finetune.evaluation import evaluate
+    from finetune.tasks import get_task
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            if input_ids.shape[0] > 2:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], 3))
+
+    accelerator = SimpleNamespace(distributed_type=distributed_type, gather_for_metrics=lambda outputs: outputs)
+    batch = {"input_ids": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5, dtype=torch.long),
+             "labels": torch.zeros(4, dtype=torch.long)}
+    task = get_task("sequence-classification")
+    if distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            evaluate(accelerator, Model(), [dict(batch)], task, {})
+    else:
+        assert evaluate(accelerator, Model(), [dict(batch)], task, {})["eval_samples"] == 4
