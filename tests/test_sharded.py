@@ -298,3 +298,49 @@ def test_evaluation_never_splits_a_batch_under_a_sharded_engine(distributed_type
             evaluate(accelerator, Model(), [dict(batch)], task, {})
     else:
         assert evaluate(accelerator, Model(), [dict(batch)], task, {})["eval_samples"] == 4
+
+
+# ------------------------------------------------------------------------------------------ the DeepSpeed prepare
+class FakeDeepSpeedAccelerator:
+    """What ``train._prepare_deepspeed`` uses of an Accelerator: the DeepSpeed config, the process count,
+    and ``prepare`` (here returning the objects it got, with the training loader sharded as Accelerate's)."""
+
+    num_processes = 2
+
+    def __init__(self, ds_config: dict):
+        self.state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds_config))
+        self.prepared = None
+
+    def prepare(self, model, optimizer, train_dataloader, eval_dataloader, scheduler):
+        self.prepared = (model, optimizer, train_dataloader, eval_dataloader, scheduler)
+        sharded = list(range(-(-len(train_dataloader) // self.num_processes)))  # even_batches: ceil
+        return model, optimizer, sharded, eval_dataloader, scheduler
+
+
+@pytest.mark.parametrize("ds_config", [{}, {"optimizer": {}}, {"scheduler": {}}])
+def test_prepare_deepspeed_hands_model_optimizer_and_schedule_to_one_prepare(tmp_path, ds_config):
+    from accelerate.utils.deepspeed import DummyScheduler
+    from torch.utils.data import DataLoader
+
+    from finetune.config import TrainConfig
+    from finetune.train import _prepare_deepspeed
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), per_device_train_batch_size=8,
+                         gradient_accumulation_steps=2, num_train_epochs=1, warmup_steps=1, lr_scheduler_type="linear")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    accelerator = FakeDeepSpeedAccelerator(ds_config)
+    train = DataLoader(list(range(100)), batch_size=8)  # 13 batches: 7 per process
+    _, optimizer, scheduler, _, _, plan = _prepare_deepspeed(accelerator, config, model, train, [])
+    assert accelerator.prepared[0] is model and accelerator.prepared[1] is optimizer
+    assert accelerator.prepared[4] is scheduler
+    assert (plan.micro_batches_per_epoch, plan.max_steps) == (7, 4)
+    if ds_config == {}:
+        assert isinstance(optimizer, torch.optim.AdamW) and scheduler.optimizer is optimizer
+        assert [group["weight_decay"] for group in optimizer.param_groups] == [config.weight_decay, 0.0]
+        for _ in range(4):
+            scheduler.step()
+        assert scheduler.get_last_lr()[0] == 0.0  # sized in optimizer steps: linear decay reaches 0 at step 4
+    elif "optimizer" in ds_config:
+        assert isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None
+    else:
+        assert isinstance(scheduler, DummyScheduler) and scheduler.total_num_steps == 4 * 2
