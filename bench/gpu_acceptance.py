@@ -71,6 +71,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -321,11 +322,27 @@ def overflow_checks(metrics: dict, steps: list[dict]) -> list[Check]:
     return checks
 
 
+def deepspeed_printed(output: str, key: str) -> str | None:
+    """The value DeepSpeed printed for config ``key`` at initialisation (rank 0 logs its whole config, as
+    ``key ...... value`` lines and as the user JSON), or None if it printed none."""
+    match = (re.search(rf"\b{re.escape(key)} \.+ (\S+)", output)
+             or re.search(rf'"{re.escape(key)}":\s*([^,}}\s]+)', output))
+    return match.group(1) if match else None
+
+
 def sharded_checks(run: Run) -> list[Check]:
     """A sharded config with one process: it trained every step, ran the precision requested (DeepSpeed's
     read from its config), printed the engine note (DeepSpeed: the clipping from --max_grad_norm), logged
-    finite gradient norms (DeepSpeed's float), evaluated, and saved a full model.safetensors."""
+    finite gradient norms (DeepSpeed's float), evaluated, and saved a full model.safetensors. Under
+    DeepSpeed also: the clipping DeepSpeed itself printed is ``--max_grad_norm`` (None, not run, if it
+    printed no config)."""
     m = run.metrics
+    extra = []
+    if "deepspeed" in run.key:
+        printed = deepspeed_printed(run.output, "gradient_clipping")
+        extra.append(Check(f"DeepSpeed's own config clips at {DS_CLIP}",
+                           None if printed is None else _finite(_float(printed)) and _float(printed) == DS_CLIP,
+                           "DeepSpeed printed no config" if printed is None else f"gradient_clipping {printed}"))
     requested = m.get("mixed_precision_requested")
     norms = [r.get("grad_norm") for r in _steps(run) if not r.get("skipped")]
     deepspeed = "deepspeed" in run.key
@@ -340,7 +357,14 @@ def sharded_checks(run: Run) -> list[Check]:
                   f"{len(norms)} applied steps"),
             Check("evaluated", _finite(m.get("eval_accuracy")), str(m.get("eval_accuracy"))),
             Check("model.safetensors saved", model_file.is_file() and model_file.stat().st_size > 10 * MIB,
-                  f"{model_file.stat().st_size / MIB:.0f} MiB" if model_file.is_file() else "missing")]
+                  f"{model_file.stat().st_size / MIB:.0f} MiB" if model_file.is_file() else "missing")] + extra
+
+
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -491,7 +515,8 @@ def fabricate(run: Run) -> None:
     elif run.section == "sharded":
         steps = [{"step": s, "loss": 1.0, "learning_rate": 1e-4, "grad_norm": 0.4} for s in range(1, SHARDED_STEPS + 1)]
         metrics.update(optimizer_steps=SHARDED_STEPS)
-        output += (f"DeepSpeed ZeRO stage 2: gradient clipping at norm {DS_CLIP} (--max_grad_norm)\n" if "deepspeed" in run.key
+        output += (f"DeepSpeed ZeRO stage 2: gradient clipping at norm {DS_CLIP} (--max_grad_norm)\n"
+                   f"[INFO] [config.py:678:print]   gradient_clipping ............ {DS_CLIP}\n" if "deepspeed" in run.key
                    else "FSDP: gradients are reduce-scattered on every micro-batch (sync_each_batch)\n")
         (out / "model.safetensors").write_bytes(b"\0" * (11 * MIB))
     elif run.section == "clm":
