@@ -174,3 +174,22 @@ def test_oom_probe_lets_other_errors_through():
     fits = oom_probe(model, torch.optim.AdamW(model.parameters()), lambda m: (_ for _ in ()).throw(ValueError("bad")))
     with pytest.raises(ValueError, match="bad"):
         fits(1)
+
+
+@pytest.mark.integration
+def test_two_gloo_ranks_run_auto_find_batch_size_end_to_end(tmp_path, tiny_bert):
+    """The real path: `accelerate launch` with two CPU ranks, --auto_find_batch_size: each rank probes, the
+    answers go through all_reduce_max on Accelerate's process group, and both ranks train the plan printed."""
+    import json
+
+    from helpers import launch
+
+    out = tmp_path / "auto"
+    result = launch(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--max_train_samples", "32",
+                     "--max_eval_samples", "8", "--max_length", "32", "--total_batch_size", "16",
+                     "--auto_find_batch_size", "True", "--max_steps", "1", "--eval_strategy", "no",
+                     "--output_dir", str(out)], num_processes=2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Batch plan for --total_batch_size 16: micro-batch 8 x accumulation 1 x 2 processes" in result.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (8, 1)
