@@ -73,11 +73,12 @@ def use_accumulation_plugin(accelerator, num_steps: int) -> None:
         raise RuntimeError(f"the gradient accumulation plugin was not updated: {accelerator.gradient_state.plugin_kwargs}")
 
 
-def build_optimizer(model, config) -> torch.optim.AdamW:
+def build_optimizer(model, config, groups: list[dict] | None = None) -> torch.optim.AdamW:
     """AdamW with weight decay on every trainable parameter except biases and normalisation weights (the
     Transformers ``Trainer`` grouping), so both engines optimise the same thing. ``optim`` picks the
-    implementation as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused"."""
-    return torch.optim.AdamW(parameter_groups(model, config), lr=config.learning_rate,
+    implementation as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused". ``groups``:
+    the parameter groups to use instead of ``parameter_groups(model, config)``."""
+    return torch.optim.AdamW(groups if groups is not None else parameter_groups(model, config), lr=config.learning_rate,
                              betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
                              fused=config.optim == "adamw_torch_fused" or None)
 
@@ -85,12 +86,14 @@ def build_optimizer(model, config) -> torch.optim.AdamW:
 def parameter_groups(model, config) -> list[dict]:
     """The optimizer's two parameter groups (the Transformers ``Trainer`` grouping): every trainable
     parameter with ``config.weight_decay``, except biases and normalisation weights (1-D or named "norm"),
-    which get none."""
+    which get none. A parameter's shape is its true one also where DeepSpeed ZeRO-3 has partitioned it at
+    load time into a 1-D placeholder (``ds_shape``: transformers loads under ``deepspeed.zero.Init`` then)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+        ndim = len(getattr(param, "ds_shape", param.shape))
+        (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(param)
     return [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

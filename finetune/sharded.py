@@ -155,14 +155,40 @@ def deepspeed_optimizer_and_scheduler(parameter_groups: list[dict], config, max_
     return optimizer, scheduler
 
 
-def deepspeed_note(ds_config: Mapping) -> str:
-    """One banner line: the ZeRO stage, the clipping DeepSpeed applies, and who owns optimizer and schedule."""
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", "?")
-    clip = ds_config.get("gradient_clipping", 0.0)
+def deepspeed_engine_settings(engine) -> dict:
+    """What a prepared DeepSpeed engine (``accelerator.deepspeed_engine_wrapped.engine``) really runs, from
+    its own getters: ZeRO stage, gradient clipping (L2 norm; 0 = none), accumulation steps, micro-batch
+    (samples) and precision ("fp16", "bf16" or "no")."""
+    return {"zero_stage": engine.zero_optimization_stage(), "gradient_clipping": float(engine.gradient_clipping()),
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+            "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
+            "precision": "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "no"}
+
+
+def check_deepspeed_engine(settings: Mapping, *, max_grad_norm: float, micro_batch: int, accumulation_steps: int,
+                           precision: str) -> None:
+    """Raise ``RuntimeError`` if the engine (``deepspeed_engine_settings``) runs something other than the flags
+    and the reported ``precision`` say: the values written before ``prepare`` (``deepspeed_config_updates``)
+    must be the ones DeepSpeed took, or the run's report would be wrong."""
+    wanted = {"gradient_clipping": float(max_grad_norm) if max_grad_norm > 0 else 0.0,
+              "gradient_accumulation_steps": accumulation_steps, "train_micro_batch_size_per_gpu": micro_batch,
+              "precision": precision}
+    wrong = {k: (settings.get(k), v) for k, v in wanted.items() if settings.get(k) != v}
+    if wrong:
+        raise RuntimeError("DeepSpeed runs other settings than the run asked for (engine, asked): "
+                           + ", ".join(f"{k} {got!r} vs {want!r}" for k, (got, want) in wrong.items()))
+
+
+def deepspeed_note(settings: Mapping, ds_config: Mapping) -> str:
+    """One banner line from the engine's own settings (``deepspeed_engine_settings``): the ZeRO stage, the
+    clipping DeepSpeed applies, and who owns optimizer and schedule (``ds_config``)."""
+    clip = settings["gradient_clipping"]
     owns_optimizer, owns_scheduler = deepspeed_owns(ds_config)
-    clipping = f"gradient clipping at norm {clip}" if clip else "no gradient clipping"
-    return (f"DeepSpeed ZeRO stage {stage}: {clipping} (--max_grad_norm), applied inside DeepSpeed's optimizer "
-            f"step; optimizer from {'the DeepSpeed config' if owns_optimizer else 'the run (AdamW)'}, LR schedule "
+    clipping = f"gradient clipping at norm {clip:g}" if clip else "no gradient clipping"
+    return (f"DeepSpeed ZeRO stage {settings['zero_stage']} (as the engine reports it): {clipping} "
+            f"(--max_grad_norm), applied inside DeepSpeed's optimizer step; accumulation "
+            f"{settings['gradient_accumulation_steps']} x micro-batch {settings['train_micro_batch_size_per_gpu']}; "
+            f"optimizer from {'the DeepSpeed config' if owns_optimizer else 'the run (AdamW)'}, LR schedule "
             f"from {'the DeepSpeed config' if owns_scheduler else 'the run (--lr_scheduler_type)'}")
 
 

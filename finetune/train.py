@@ -45,8 +45,9 @@ from finetune.evaluation import check_eval_set, evaluate
 from finetune.output import clear_output_dir
 from finetune.precision import running_precision
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
-from finetune.sharded import (count_parameters, deepspeed_config_updates, deepspeed_note,
-                              deepspeed_optimizer_and_scheduler, grad_norm_value, sync_each_batch)
+from finetune.sharded import (check_deepspeed_engine, count_parameters, deepspeed_config_updates,
+                              deepspeed_engine_settings, deepspeed_note, deepspeed_optimizer_and_scheduler,
+                              grad_norm_value, sync_each_batch)
 from finetune.testing import forced_overflow_steps
 from finetune.tasks import get_task
 
@@ -90,7 +91,6 @@ def setup(config, recipe) -> Setup:
         ds_config.update(deepspeed_config_updates(
             ds_config, max_grad_norm=config.max_grad_norm, micro_batch=config.per_device_train_batch_size,
             accumulation_steps=config.gradient_accumulation_steps))
-        engine_note = deepspeed_note(ds_config)
     elif sync_each_batch(accelerator.distributed_type):
         engine_note = ("FSDP: gradients are reduce-scattered on every micro-batch (sync_each_batch), so each rank "
                        "keeps only its gradient shard while accumulating")
@@ -119,6 +119,11 @@ def setup(config, recipe) -> Setup:
     if deepspeed:
         model, optimizer, scheduler, train_dataloader, eval_dataloader, plan = _prepare_deepspeed(
             accelerator, config, model, train_dataloader, eval_dataloader)
+        settings = deepspeed_engine_settings(accelerator.deepspeed_engine_wrapped.engine)
+        check_deepspeed_engine(settings, max_grad_norm=config.max_grad_norm, precision=precision,
+                               micro_batch=config.per_device_train_batch_size,
+                               accumulation_steps=config.gradient_accumulation_steps)
+        engine_note = deepspeed_note(settings, accelerator.state.deepspeed_plugin.deepspeed_config)
     else:
         optimizer = build_optimizer(model, config)
         model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
@@ -139,6 +144,8 @@ def _prepare_deepspeed(accelerator, config, model, train_dataloader, eval_datalo
     the micro-batches Accelerate will give each process (``micro_batches_per_process``). Which optimizer
     and schedule: ``sharded.deepspeed_optimizer_and_scheduler``. A prepared schedule is checkpointed by
     ``save_state`` (ours, through Accelerate; one from the DeepSpeed config, inside DeepSpeed's checkpoint).
+    Under ZeRO-3 the model arrives partitioned (transformers loaded it under ``deepspeed.zero.Init``), which
+    ``parameter_groups`` and ``count_parameters`` see through.
     Returns (model, optimizer, scheduler, train_dataloader, eval_dataloader, plan)."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
     plan = plan_steps(micro_batches_per_process(len(train_dataloader.dataset), config.per_device_train_batch_size,
@@ -149,9 +156,12 @@ def _prepare_deepspeed(accelerator, config, model, train_dataloader, eval_datalo
         return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                              num_training_steps=plan.max_steps)
 
+    # DeepSpeed drops an empty parameter group (e.g. no biases or norms under LoRA) from the optimizer, and a
+    # schedule built before that would then hold one learning rate too many: leave empty groups out first.
+    groups = [group for group in parameter_groups(model, config) if group["params"]]
     optimizer, scheduler = deepspeed_optimizer_and_scheduler(
-        parameter_groups(model, config), config, plan.max_steps, warmup, ds_config, accelerator.num_processes,
-        make_optimizer=lambda: build_optimizer(model, config), make_schedule=make_schedule)
+        groups, config, plan.max_steps, warmup, ds_config, accelerator.num_processes,
+        make_optimizer=lambda: build_optimizer(model, config, groups), make_schedule=make_schedule)
     model, optimizer, train_dataloader, eval_dataloader, scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, scheduler)
     if len(train_dataloader) != plan.micro_batches_per_epoch:

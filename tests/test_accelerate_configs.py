@@ -194,12 +194,12 @@ def test_deepspeed_zero3_config_reaches_the_plugin():
     assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
     assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
     assert env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] == "true"
-    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "false"
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
     assert "ACCELERATE_GRADIENT_CLIPPING" not in env
 
     with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}):
         plugin = DeepSpeedPlugin()
-    assert plugin.zero_stage == 3 and plugin.zero3_init_flag is False
+    assert plugin.zero_stage == 3 and plugin.zero3_init_flag is True
     zero = plugin.deepspeed_config["zero_optimization"]
     assert zero["stage3_gather_16bit_weights_on_model_save"] is True  # needed by accelerator.get_state_dict
     assert zero["offload_optimizer"]["device"] == "none" and zero["offload_param"]["device"] == "none"

@@ -307,15 +307,12 @@ def test_gpu_acceptance_skips_what_the_budget_cannot_fit(tmp_path):
         ga.parse_args(["--only", "precision,nonsense"])
 
 
-def test_gpu_acceptance_reads_the_clipping_deepspeed_printed(tmp_path):
+def test_gpu_acceptance_needs_the_engines_stage_and_clipping(tmp_path):
     import gpu_acceptance as ga
 
-    run = next(r for r in ga.build_runs(tmp_path, tmp_path / "clm", 1) if r.key == "sharded-deepspeed_zero2")
+    run = next(r for r in ga.build_runs(tmp_path, tmp_path / "clm", 1) if r.key == "sharded-deepspeed_zero3")
     ga.fabricate(run)
-    name = f"DeepSpeed's own config clips at {ga.DS_CLIP}"
-    assert {c.name: c.ok for c in ga.check_run(run)}[name] is True
-    run.output = run.output.replace(f"gradient_clipping ............ {ga.DS_CLIP}", "gradient_clipping ............ 1.0")
-    assert {c.name: c.ok for c in ga.check_run(run)}[name] is False  # Accelerate's `auto` 1.0 would be caught
-    run.output = 'json = {\n    "gradient_clipping":0.5,\n    "train_batch_size":32}'
-    assert ga.deepspeed_printed(run.output, "gradient_clipping") == "0.5"
-    assert ga.deepspeed_printed("no config printed", "gradient_clipping") is None
+    assert all(c.ok for c in ga.check_run(run))
+    assert "DeepSpeed ZeRO stage 3 (as the engine reports it): gradient clipping at norm 0.5" in run.output
+    run.output = run.output.replace("at norm 0.5", "at norm 1")  # Accelerate's `auto` 1.0 would be caught
+    assert {c.name: c.ok for c in ga.check_run(run)}["engine note printed"] is False

@@ -85,7 +85,49 @@ def test_max_grad_norm_survives_accelerates_own_filling(name):
     assert config["gradient_clipping"] == 0.25
     assert config["gradient_accumulation_steps"] == 4
     assert config["train_micro_batch_size_per_gpu"] == 8 and config["train_batch_size"] == 64
-    assert "gradient clipping at norm 0.25" in deepspeed_note(config)
+
+
+class FakeEngine:
+    """The getters of a DeepSpeed engine that ``deepspeed_engine_settings`` reads."""
+
+    def __init__(self, clip=0.5, stage=2, accumulation=4, micro=8, fp16=False, bf16=True):
+        self.values = clip, stage, accumulation, micro, fp16, bf16
+
+    def gradient_clipping(self):
+        return self.values[0]
+
+    def zero_optimization_stage(self):
+        return self.values[1]
+
+    def gradient_accumulation_steps(self):
+        return self.values[2]
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.values[3]
+
+    def fp16_enabled(self):
+        return self.values[4]
+
+    def bfloat16_enabled(self):
+        return self.values[5]
+
+
+def test_the_engine_must_run_what_was_asked():
+    from finetune.sharded import check_deepspeed_engine, deepspeed_engine_settings
+
+    settings = deepspeed_engine_settings(FakeEngine())
+    assert settings == {"zero_stage": 2, "gradient_clipping": 0.5, "gradient_accumulation_steps": 4,
+                        "train_micro_batch_size_per_gpu": 8, "precision": "bf16"}
+    check_deepspeed_engine(settings, precision="bf16", **FLAGS)
+    note = deepspeed_note(settings, {})
+    assert note.startswith("DeepSpeed ZeRO stage 2 (as the engine reports it): gradient clipping at norm 0.5 ")
+    assert "optimizer from the run (AdamW), LR schedule from the run" in note
+    assert "no gradient clipping" in deepspeed_note(dict(settings, gradient_clipping=0.0), {"optimizer": {}})
+    # Accelerate's `auto` fill (1.0), or an fp16 run that DeepSpeed does not run in fp16, must not pass unnoticed
+    with pytest.raises(RuntimeError, match="gradient_clipping 1.0 vs 0.5"):
+        check_deepspeed_engine(deepspeed_engine_settings(FakeEngine(clip=1.0)), precision="bf16", **FLAGS)
+    with pytest.raises(RuntimeError, match="precision 'no' vs 'fp16'"):
+        check_deepspeed_engine(deepspeed_engine_settings(FakeEngine(bf16=False)), precision="fp16", **FLAGS)
 
 
 # ------------------------------------------------------------------------------------------ precision
@@ -344,3 +386,34 @@ def test_prepare_deepspeed_hands_model_optimizer_and_schedule_to_one_prepare(tmp
         assert isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None
     else:
         assert isinstance(scheduler, DummyScheduler) and scheduler.total_num_steps == 4 * 2
+
+
+def test_parameter_groups_see_through_zero3_partitioned_parameters():
+    """Under ZeRO-3 transformers loads the model under deepspeed.zero.Init: every parameter is a 1-D
+    placeholder with its true shape in ``ds_shape``. The weight-decay grouping must use the true shape
+    (found on a CPU DeepSpeed run: every weight had landed in the no-decay group)."""
+    from finetune.components import parameter_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    decay, no_decay = parameter_groups(model, SimpleNamespace(weight_decay=0.1))
+    assert [tuple(p.ds_shape) for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+
+
+def test_prepare_deepspeed_leaves_out_an_empty_parameter_group(tmp_path):
+    """DeepSpeed drops an empty parameter group from the optimizer; our schedule must not hold a learning
+    rate for it (LoRA-like: only 2-D weights, no biases or norms)."""
+    from torch.utils.data import DataLoader
+
+    from finetune.config import TrainConfig
+    from finetune.train import _prepare_deepspeed
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), per_device_train_batch_size=8,
+                         gradient_accumulation_steps=2, num_train_epochs=1)
+    model = torch.nn.Linear(4, 4, bias=False)
+    _, optimizer, scheduler, _, _, _ = _prepare_deepspeed(FakeDeepSpeedAccelerator({}), config, model,
+                                                          DataLoader(list(range(32)), batch_size=8), [])
+    assert len(optimizer.param_groups) == 1 and len(scheduler.base_lrs) == 1
