@@ -217,6 +217,9 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 # also for a short last window (it syncs when its counter reaches a multiple of N).
                 accelerator.step = N - len(window)
                 window_loss = torch.zeros((), device=accelerator.device)
+                # Read before any backward: under DeepSpeed the last one runs the optimizer step, and with a
+                # schedule DeepSpeed owns, the schedule step too.
+                learning_rate = s.learning_rate()
                 for batch in window:
                     with accelerator.accumulate(model):
                         labels = batch.pop("labels")
@@ -231,7 +234,6 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                             run.check_finite(grad_norm, len(window))
-                        learning_rate = s.learning_rate()
                         optimizer.step()  # a no-op until the sync micro-batch
                         if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                             scheduler.step()
