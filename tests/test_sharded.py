@@ -417,3 +417,52 @@ def test_prepare_deepspeed_leaves_out_an_empty_parameter_group(tmp_path):
     _, optimizer, scheduler, _, _, _ = _prepare_deepspeed(FakeDeepSpeedAccelerator({}), config, model,
                                                           DataLoader(list(range(32)), batch_size=8), [])
     assert len(optimizer.param_groups) == 1 and len(scheduler.base_lrs) == 1
+
+
+FSDP2_SCRIPT = '''
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+def train(sync_each_batch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1 + dist.get_rank())
+    for step in range(3):
+        for micro in range(4):  # what Accelerate's accumulate() does with FSDP2, with and without sync_each_batch
+            model.set_requires_gradient_sync(sync_each_batch or micro == 3)
+            model(torch.randn(5, 8, generator=data)).pow(2).sum().backward()
+            if sync_each_batch:  # reduce-scattered at once: each rank holds only its shard of the gradient
+                assert all(p.grad.to_local().shape == p.to_local().shape for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+dist.init_process_group("gloo")
+each, once = train(True), train(False)
+difference = max((each[k] - once[k]).abs().max().item() for k in each)
+if dist.get_rank() == 0:
+    open(sys.argv[1], "w").write(str(difference))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.integration
+def test_fsdp2_sync_each_batch_trains_the_same_weights(tmp_path):
+    """The exactness argument for sync_each_batch, checked with PyTorch's FSDP2 on two gloo CPU ranks (FSDP
+    runs on a CPU through torch, not through Accelerate): reduce-scattering every micro-batch and reducing
+    once per window give the same weights after three accumulated AdamW steps, up to float rounding."""
+    import subprocess
+    import sys
+
+    script, result = tmp_path / "fsdp2.py", tmp_path / "difference"
+    script.write_text(FSDP2_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                          str(result)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(result.read_text()) < 1e-6
