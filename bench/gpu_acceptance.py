@@ -266,7 +266,7 @@ def check_run(run: Run) -> list[Check]:
     if run.not_run:
         return [Check("ran", None, run.not_run)]
     checks = [Check("exit 0", run.returncode == 0, "" if run.returncode == 0 else
-                    f"exit {run.returncode}: " + " | ".join(run.output.strip().splitlines()[-3:]))]
+                    f"exit {run.returncode}: {failure_reason(run.output)}")]
     if run.metrics is None:
         return checks + [Check("metrics.json written", False)]
     m = run.metrics
@@ -295,6 +295,18 @@ def check_run(run: Run) -> list[Check]:
     elif run.section == "backends":
         checks.append(Check("samples/s reported", _finite(m.get("train_samples_per_second"))))
     return checks
+
+
+def failure_reason(output: str) -> str:
+    """Why a run failed, from its output: its ``error:`` line, else the last line naming an Error, else its
+    last line (progress bars, which redraw with carriage returns, left out)."""
+    lines = [line.split("\r")[-1].strip() for line in output.splitlines()]
+    lines = [line for line in lines if line]
+    for pick in (lambda l: l.startswith("error:"), lambda l: "Error" in l):
+        found = [line for line in lines if pick(line)]
+        if found:
+            return found[-1]
+    return lines[-1] if lines else "no output"
 
 
 def overflow_checks(metrics: dict, steps: list[dict]) -> list[Check]:
@@ -723,11 +735,17 @@ def main(argv: list[str] | None = None) -> int:
                     indent=2, default=str) + "\n")
             return report
 
+        clm_missing = None
         if not args.smoke and any(r.section == "clm" for r in runs):
-            random_clm_model(clm_model)
+            if (CLM_ARCH / "config.json").is_file():
+                random_clm_model(clm_model)
+            else:
+                clm_missing = f"not run: {CLM_ARCH.relative_to(REPO)} is missing (--prepare, then carry it)"
         for run in runs:
             if args.smoke:
                 fabricate(run)
+            elif run.section == "clm" and clm_missing:
+                run.not_run = clm_missing
             else:
                 execute(run, args.budget - (time.perf_counter() - started))
                 write_report()  # after every run: a cut-off session keeps what was measured

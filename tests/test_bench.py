@@ -316,3 +316,12 @@ def test_gpu_acceptance_needs_the_engines_stage_and_clipping(tmp_path):
     assert "DeepSpeed ZeRO stage 3 (as the engine reports it): gradient clipping at norm 0.5" in run.output
     run.output = run.output.replace("at norm 0.5", "at norm 1")  # Accelerate's `auto` 1.0 would be caught
     assert {c.name: c.ok for c in ga.check_run(run)}["engine note printed"] is False
+
+
+def test_gpu_acceptance_names_why_a_run_failed():
+    import gpu_acceptance as ga
+
+    assert ga.failure_reason("Training: 1/6\rTraining: 2/6\nerror: non-finite loss at step 2\n") == \
+        "error: non-finite loss at step 2"
+    assert ga.failure_reason("Traceback\nValueError: bad value\n[timed out after 30 s]\n") == "ValueError: bad value"
+    assert ga.failure_reason("") == "no output"
