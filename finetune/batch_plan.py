@@ -10,6 +10,11 @@ Whether m fits is the caller's question, asked through ``fits(m)``: on a GPU, a 
 run out of memory (Accelerate's ``find_executable_batch_size``); on a CPU with a ``--max_memory_mb``
 budget, the linear model of ``estimate_fits_from_memory``. ``fits`` must be monotone: if m fits,
 every smaller m fits.
+
+With several processes every rank must follow the same plan (a rank with another accumulation count would
+wait in a collective the others never reach: a hang). So every answer is agreed on: ``fits(m)`` holds
+only if m fits on every rank (``agreed_fits``, one MAX all-reduce per question), and since every rank then
+sees the same answers, every rank's search asks the same questions and ends on the same plan.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from accelerate.utils import parse_flag_from_env
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.builders import get_task
+from finetune.components import build_optimizer
 from finetune.errors import FinetuneError
 
 
@@ -185,6 +191,59 @@ def estimate_fits_from_memory(bytes_per_sample: float, fixed_bytes: float,
     return fits
 
 
+# ----------------------------------------------------------------------------------------- agreement
+# What a rank answers, ordered so that the maximum over the ranks is the answer for all of them.
+FITS, DOES_NOT_FIT, FAILED = 0, 1, 2
+
+
+def agree(answer: Callable[[], bool], max_over_processes: Callable[[int], int]) -> bool:
+    """Ask ``answer()`` on this rank and agree with every rank: True only if it is True on all of them.
+
+    ``max_over_processes(code)``: the maximum of an int over all ranks (a collective every rank must call
+    the same number of times; the identity for one process). The codes: ``FITS`` 0, ``DOES_NOT_FIT`` 1,
+    ``FAILED`` 2 (``answer()`` raised). An error is agreed on too, so no rank is left waiting in the next
+    collective: the rank that failed re-raises its own exception, the others raise ``FinetuneError``
+    ("another process failed ..."). Exceptions other than ``Exception`` (KeyboardInterrupt) propagate at
+    once."""
+    error = None
+    try:
+        code = FITS if answer() else DOES_NOT_FIT
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks know
+        code, error = FAILED, err
+    worst = max_over_processes(code)
+    if error is not None:
+        raise error
+    if worst == FAILED:
+        raise FinetuneError("another process failed while probing the batch size for --auto_find_batch_size; "
+                            "its error is printed above.")
+    return worst == FITS
+
+
+def agreed_fits(fits: Callable[[int], bool], max_over_processes: Callable[[int], int]) -> Callable[[int], bool]:
+    """``fits`` agreed over all ranks (``agree``): m fits only if it fits on every rank. Called in the same
+    order on every rank (``plan_batch`` is deterministic given the answers, and the answers are the same
+    everywhere), it keeps the ranks' collectives in step and gives every rank the same plan."""
+    def fits_everywhere(micro_batch: int) -> bool:
+        return agree(lambda: fits(micro_batch), max_over_processes)
+
+    return fits_everywhere
+
+
+def all_reduce_max(state) -> Callable[[int], int]:
+    """``max_over_processes`` for ``agree`` over Accelerate ``state``'s processes (a ``PartialState``): a MAX
+    all-reduce of one integer on ``state.device`` (NCCL needs a GPU tensor, gloo a CPU one); the identity
+    for one process."""
+    if state.num_processes == 1:
+        return lambda code: code
+
+    def reduce(code: int) -> int:
+        value = torch.tensor([code], dtype=torch.int64, device=state.device)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return int(value.item())
+
+    return reduce
+
+
 # ----------------------------------------------------------------------------------------- probing
 def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
     """Bytes of the distinct tensor storages autograd saves for backward while ``run_step()`` builds its
@@ -204,12 +263,56 @@ def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
     return sum(storages.values())
 
 
-def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int) -> Callable[[int], bool]:
-    """A ``fits(m)`` for ``plan_batch`` from real forward/backward probe steps of the recipe's model on
-    worst-case batches (every sample ``max_length`` tokens, or ``block_size``).
+def oom_probe(model, optimizer, loss_at: Callable[[int], "torch.Tensor"],
+              release: Callable[[], None] = lambda: None) -> Callable[[int], bool]:
+    """A ``fits(m)`` that tries a whole training step: ``loss_at(m)`` (forward at micro-batch m, returning
+    the loss), backward, and ``optimizer.step()``; out-of-memory (Accelerate's ``should_reduce_batch_size``,
+    as ``find_executable_batch_size`` recognises it) answers False, any other error propagates.
 
-    - CUDA: a probe step at micro-batch m either runs or raises out-of-memory (recognised with
-      Accelerate's ``should_reduce_batch_size``, as ``find_executable_batch_size`` does).
+    The optimizer's state is allocated before the first probe (one step on zero gradients, on this probe
+    copy of the model) and kept, as it is through training: AdamW holds two moments per parameter, as large
+    as the weights, which a forward/backward probe alone leaves out. After each probe the gradients are
+    freed (``zero_grad(set_to_none=True)``) and ``release()`` runs (e.g. ``torch.cuda.empty_cache``)."""
+    state_ready = False
+
+    def allocate_state() -> None:
+        nonlocal state_ready
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        state_ready = True
+
+    def fits(micro_batch: int) -> bool:
+        try:
+            if not state_ready:
+                allocate_state()
+                optimizer.zero_grad(set_to_none=True)
+            loss_at(micro_batch).backward()
+            optimizer.step()
+            return True
+        except Exception as err:  # noqa: BLE001 - the OOM types differ by backend
+            if should_reduce_batch_size(err):
+                return False
+            raise
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            release()
+
+    return fits
+
+
+def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int) -> Callable[[int], bool]:
+    """A ``fits(m)`` for ``plan_batch`` from real probe steps of the recipe's model on worst-case batches
+    (every sample ``max_length`` tokens, or ``block_size``), on this process alone (``resolve_batch_plan``
+    agrees the answers over the ranks).
+
+    - CUDA: a whole training step at micro-batch m, forward, backward and the run's AdamW step with its
+      state allocated (``oom_probe``), either runs or raises out-of-memory. The probe runs the unwrapped
+      model: DDP's gradient buckets (about one more copy of the gradients) are not in it, and FSDP or
+      DeepSpeed, which shard, need less than it measures.
     - CPU: no OOM to catch, so the budget is ``--max_memory_mb`` (default: the memory available now).
       Activation bytes saved for backward at micro-batch 1 and 2 give a linear model (bytes per sample,
       plus a fixed part); gradients and AdamW's two moments add 3x the parameter bytes. A micro-batch fits
@@ -232,20 +335,7 @@ def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int
             return task.loss_sum(logits, labels)
 
     if device.type == "cuda":
-        def fits(m: int) -> bool:
-            try:
-                step(m).backward()
-                return True
-            except Exception as err:  # noqa: BLE001 - the OOM types differ by backend
-                if should_reduce_batch_size(err):
-                    return False
-                raise
-            finally:
-                model.zero_grad(set_to_none=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-
-        return fits
+        return oom_probe(model, build_optimizer(model, config), step, release=torch.cuda.empty_cache)
 
     budget = (config.max_memory_mb * 2**20) if config.max_memory_mb else psutil.virtual_memory().available
     one, two = saved_tensor_bytes(lambda: step(1)), saved_tensor_bytes(lambda: step(2))
@@ -265,19 +355,34 @@ def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int
     return estimate_fits_from_memory(per_sample, fixed, budget - held)
 
 
-def resolve_batch_plan(config, recipe, num_processes: int, device) -> BatchPlan | None:
+def resolve_batch_plan(config, recipe, num_processes: int, device,
+                       max_over_processes: Callable[[int], int] = lambda code: code) -> BatchPlan | None:
     """The (micro-batch, accumulation) for ``--total_batch_size``, or None when it is not set.
 
     Without ``--auto_find_batch_size``: the given ``per_device_train_batch_size`` must divide
     ``total_batch_size / processes`` (else ``FinetuneError`` listing the valid micro-batches). With it: the
-    largest valid micro-batch that fits (``probe_fits``), accumulation raised to keep the total exact.
+    largest valid micro-batch that fits on every rank (``probe_fits`` on each, answers agreed with
+    ``max_over_processes``, see ``agree``), accumulation raised to keep the total exact; every rank returns
+    the same plan. The probe model is freed before returning.
     """
     if not config.total_batch_size:
         return None
     plans = valid_plans(config.total_batch_size, num_processes)
     if config.auto_find_batch_size:
-        fits = probe_fits(config, recipe, num_processes, device, config.total_batch_size)
-        return plan_batch(config.total_batch_size, num_processes, fits)
+        probe = {}
+
+        def build_probe() -> bool:  # may fail on one rank only (e.g. --max_memory_mb leaves no room there)
+            probe["fits"] = probe_fits(config, recipe, num_processes, device, config.total_batch_size)
+            return True
+
+        agree(build_probe, max_over_processes)
+        try:
+            return plan_batch(config.total_batch_size, num_processes, agreed_fits(probe["fits"], max_over_processes))
+        finally:
+            probe.clear()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     micro = config.per_device_train_batch_size
     for m, n in plans:
         if m == micro:
@@ -296,7 +401,7 @@ def apply_batch_plan(config, recipe) -> None:
     if not config.total_batch_size:
         return
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    plan = resolve_batch_plan(config, recipe, state.num_processes, state.device)
+    plan = resolve_batch_plan(config, recipe, state.num_processes, state.device, all_reduce_max(state))
     config.per_device_train_batch_size = plan.per_device_train_batch_size
     config.gradient_accumulation_steps = plan.gradient_accumulation_steps
     if state.is_main_process:

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, TorchDynamoPlugin
+from accelerate.state import GradientState
+from accelerate.utils import DataLoaderConfiguration, DistributedType, TorchDynamoPlugin
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from finetune.errors import FinetuneError
 from finetune.precision import check_precision_supported
+from finetune.sharded import accumulation_plugin, sync_each_batch
 
 _TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
 
@@ -28,9 +30,10 @@ TEST_CPU_FP16_ENV = "FINETUNE_TEST_CPU_FP16"
 def make_accelerator(config) -> Accelerator:
     """An ``Accelerator`` for ``config``: N-step accumulation that the engine aligns to its windows itself
     (``sync_with_dataloader=False``), and a seeded sampler so every process and every resume sees the
-    same data order. Raises ``FinetuneError`` for bf16 on a device without bf16, or a ``--report_to``
-    tracker whose package is not installed. TEST ONLY: with ``FINETUNE_TEST_CPU_FP16=1`` in the environment,
-    fp16 on a CPU really runs fp16 (``enable_test_cpu_fp16``)."""
+    same data order. Under FSDP, gradients are synchronised on every micro-batch (``sharded.sync_each_batch``).
+    Raises ``FinetuneError`` for bf16 on a device without bf16, or a ``--report_to`` tracker whose package is
+    not installed. TEST ONLY: with ``FINETUNE_TEST_CPU_FP16=1`` in the environment, fp16 on a CPU really runs
+    fp16 (``enable_test_cpu_fp16``)."""
     check_precision_supported(config.mixed_precision)
     log_with = None if config.report_to == "none" else config.report_to
     if log_with in _TRACKER_MODULES:
@@ -48,15 +51,19 @@ def make_accelerator(config) -> Accelerator:
             log_with=log_with,
             project_dir=config.output_dir,
             mixed_precision=config.mixed_precision,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False),
+            gradient_accumulation_plugin=accumulation_plugin(config.gradient_accumulation_steps, DistributedType.NO),
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+            # The schedule is stepped by hand, once per optimizer step that really happened. Only where
+            # Accelerate wraps it (DeepSpeed, see sharded.deepspeed_optimizer_and_scheduler) does this matter:
+            # each call then steps once, not once per process.
+            step_scheduler_with_optimizer=False,
         )
     except ValueError as err:
         if "bf16" in str(err):
             raise FinetuneError(f"--mixed_precision bf16 is not supported on this device ({err}). "
                                 "Use --mixed_precision fp16 (GPU) or no.") from None
         raise
+    use_accumulation_plugin(accelerator, config.gradient_accumulation_steps)
     enable_test_cpu_fp16(accelerator)  # before prepare(): the optimizer wrapper takes the scaler then
     return accelerator
 
@@ -114,18 +121,40 @@ def optimizer_step_skipped(accelerator: Accelerator, scale_before: float | None)
     return scale_before is not None and loss_scale(accelerator) < scale_before
 
 
-def build_optimizer(model, config) -> torch.optim.AdamW:
+def use_accumulation_plugin(accelerator, num_steps: int) -> None:
+    """Give ``accelerator`` the accumulation plugin for its distributed type (``sharded.accumulation_plugin``),
+    which is known only once the Accelerator exists (FSDP comes from the launcher's environment). Accelerate
+    keeps the plugin in the process-wide ``GradientState``, whose constructor replaces a different plugin
+    (accelerate 1.15 ``state.py``: "Allow plugin to be updated"); ``accumulate()`` reads ``sync_each_batch``
+    from it at every call. Nothing changes where the distributed type does not sync each batch."""
+    if sync_each_batch(accelerator.distributed_type):
+        GradientState(gradient_accumulation_plugin=accumulation_plugin(num_steps, accelerator.distributed_type))
+    if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False) != sync_each_batch(accelerator.distributed_type):
+        raise RuntimeError(f"the gradient accumulation plugin was not updated: {accelerator.gradient_state.plugin_kwargs}")
+
+
+def build_optimizer(model, config, groups: list[dict] | None = None) -> torch.optim.AdamW:
     """AdamW with weight decay on every trainable parameter except biases and normalisation weights (the
     Transformers ``Trainer`` grouping), so both engines optimise the same thing. ``optim`` picks the
-    implementation as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused"."""
+    implementation as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused". ``groups``:
+    the parameter groups to use instead of ``parameter_groups(model, config)``."""
+    return torch.optim.AdamW(groups if groups is not None else parameter_groups(model, config), lr=config.learning_rate,
+                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+                             fused=config.optim == "adamw_torch_fused" or None)
+
+
+def parameter_groups(model, config) -> list[dict]:
+    """The optimizer's two parameter groups (the Transformers ``Trainer`` grouping): every trainable
+    parameter with ``config.weight_decay``, except biases and normalisation weights (1-D or named "norm"),
+    which get none. A parameter's shape is its true one also where DeepSpeed ZeRO-3 has partitioned it at
+    load time into a 1-D placeholder (``ds_shape``: transformers loads under ``deepspeed.zero.Init`` then)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_epsilon, fused=config.optim == "adamw_torch_fused" or None)
+        ndim = len(getattr(param, "ds_shape", param.shape))
+        (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(param)
+    return [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 @dataclass(frozen=True)

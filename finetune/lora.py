@@ -37,9 +37,10 @@ def apply_lora(model, config, task_name: str) -> PeftModel:
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(trainable parameters, all parameters), in elements."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    """(trainable parameters, all parameters), in elements; true counts also where DeepSpeed ZeRO-3 has
+    replaced the parameters by empty placeholders (it keeps the count in ``ds_numel``)."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return sum(n for n, trainable in sizes if trainable), sum(n for n, _ in sizes)
 
 
 def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_dir: Path, base_name_or_path: str,

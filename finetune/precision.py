@@ -1,7 +1,8 @@
 """Precision: the one table of precision names, and the precision that really runs.
 
 ``mixed_precision`` values are Accelerate's ("no", "fp16", "bf16"). What runs can differ from what was
-asked: on a CPU Accelerate accepts fp16 and silently runs fp32, so every report uses the measured value.
+asked: on a CPU Accelerate accepts fp16 and silently runs fp32, so every report uses the measured value
+(under DeepSpeed, the value its config enables: DeepSpeed, not autocast, runs the precision there).
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ def effective_mixed_precision(accelerator) -> str:
     with accelerator.autocast():
         dtype = (a @ a).dtype
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "no")
+
+
+def running_precision(accelerator) -> str:
+    """The precision a run with ``accelerator`` trains in: "fp16", "bf16" or "no". Under DeepSpeed, the one
+    its config enables (``sharded.deepspeed_precision``: DeepSpeed casts the model itself and Accelerate's
+    autocast is off, so a measurement would say fp32); everywhere else, measured
+    (``effective_mixed_precision``)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from finetune.sharded import deepspeed_precision
+
+        return deepspeed_precision(accelerator.state.deepspeed_plugin.deepspeed_config)
+    return effective_mixed_precision(accelerator)
 
 
 def check_precision_supported(mixed_precision: str) -> None:

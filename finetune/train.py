@@ -11,6 +11,11 @@ Exactness rules (tested in ``tests/test_accumulation.py``):
 - Gradients are clipped only on the sync (last) micro-batch of a window; the LR schedule is sized in
   optimizer steps and advances only when the optimizer really stepped (fp16 overflow skips do not; a
   skip is Accelerate's flag or a drop of the GradScaler's scale, see ``components.optimizer_step_skipped``).
+- Under DeepSpeed the same loop runs through Accelerate's DeepSpeed integration: ``accelerator.backward``
+  runs DeepSpeed's backward (which divides by its ``gradient_accumulation_steps``, set to N) and, on the
+  sync micro-batch, DeepSpeed's optimizer step with its clipping (set from ``--max_grad_norm``) and its
+  overflow skip; ``optimizer.step()``/``zero_grad()`` are no-ops there, ``clip_grad_norm_`` reports the
+  norm DeepSpeed computed (``finetune/sharded.py``).
 
 Everything that is not the accumulation step (counters, the log record, trackers, progress, guards,
 checkpoint and evaluation cadence) is ``RunState``'s.
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -33,16 +39,21 @@ from transformers import get_scheduler
 from finetune import checkpoint as ckpt
 from finetune import nodes
 from finetune.components import (EpochSeededLengthGroupedSampler, StepPlan, build_optimizer, iter_windows,
-                                 loss_scale, make_accelerator, optimizer_step_skipped, plan_steps)
+                                 loss_scale, make_accelerator, micro_batches_per_process, optimizer_step_skipped,
+                                 parameter_groups, plan_steps)
 from finetune.config import config_argv, reproduce_command
 from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
 from finetune.lifeline import launcher_gone
 from finetune.output import clear_output_dir
-from finetune.precision import effective_mixed_precision
+from finetune.precision import running_precision
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
+from finetune.sharded import (check_deepspeed_engine, deepspeed_config_updates,
+                              deepspeed_engine_settings, deepspeed_note, deepspeed_optimizer_and_scheduler,
+                              grad_norm_value, sync_each_batch)
 from finetune.tasks import CausalLM
+from finetune.testing import forced_overflow_steps
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -63,6 +74,15 @@ class Setup:
     metric_specs: dict
     raw_validation: object  # the validation split before tokenizing (generation evaluates it)
     layout: nodes.StorageLayout  # who writes the run's files (one process, or one per machine)
+    engine_note: str | None = None  # a banner line for FSDP / DeepSpeed
+
+    def learning_rate(self) -> float:
+        """The learning rate the next optimizer step uses. Under DeepSpeed, read from the optimizer's
+        parameter groups (a schedule from the DeepSpeed config may not answer ``get_last_lr`` before its
+        first step); elsewhere the schedule's ``get_last_lr``."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return self.optimizer.param_groups[0]["lr"]
+        return self.scheduler.get_last_lr()[0]
 
 
 def setup(config, recipe) -> Setup:
@@ -72,7 +92,17 @@ def setup(config, recipe) -> Setup:
     layout = nodes.plan_storage(accelerator, config.output_dir)
     # each machine's local main process writes its own copy of the model, optimizer and scheduler states
     accelerator.project_configuration.save_on_each_node = layout.per_machine
-    precision = effective_mixed_precision(accelerator)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    engine_note = None
+    if deepspeed:  # before prepare, which hands this config to deepspeed.initialize
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config.update(deepspeed_config_updates(
+            ds_config, max_grad_norm=config.max_grad_norm, micro_batch=config.per_device_train_batch_size,
+            accumulation_steps=config.gradient_accumulation_steps))
+    elif sync_each_batch(accelerator.distributed_type):
+        engine_note = ("FSDP: gradients are reduce-scattered on every micro-batch (sync_each_batch), so each rank "
+                       "keeps only its gradient shard while accumulating")
+    precision = running_precision(accelerator)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision, accelerator.main_process_first)
     check_eval_set(len(datasets["validation"]), config)
@@ -93,17 +123,58 @@ def setup(config, recipe) -> Setup:
                                   **loader_options)
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
-    optimizer = build_optimizer(model, config)
-    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader)
-    plan = plan_steps(len(train_dataloader), config)
-    # Not passed to accelerator.prepare: its wrapper steps the schedule once per process per call and
-    # assumes a schedule sized for that. Ours is sized in optimizer steps and stepped by hand.
-    scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=plan.steps(config.warmup_steps),
-                              num_training_steps=plan.max_steps)
-    accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
+    if deepspeed:
+        model, optimizer, scheduler, train_dataloader, eval_dataloader, plan = _prepare_deepspeed(
+            accelerator, config, model, train_dataloader, eval_dataloader)
+        settings = deepspeed_engine_settings(accelerator.deepspeed_engine_wrapped.engine)
+        check_deepspeed_engine(settings, max_grad_norm=config.max_grad_norm, precision=precision,
+                               micro_batch=config.per_device_train_batch_size,
+                               accumulation_steps=config.gradient_accumulation_steps)
+        engine_note = deepspeed_note(settings, accelerator.state.deepspeed_plugin.deepspeed_config)
+    else:
+        optimizer = build_optimizer(model, config)
+        model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+            model, optimizer, train_dataloader, eval_dataloader)
+        plan = plan_steps(len(train_dataloader), config)
+        # Not passed to accelerator.prepare: its wrapper steps the schedule once per process per call and
+        # assumes a schedule sized for that. Ours is sized in optimizer steps and stepped by hand.
+        scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=plan.steps(config.warmup_steps),
+                                  num_training_steps=plan.max_steps)
+        accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
     return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader, plan,
-                 precision, get_task(recipe.TASK), recipe.METRICS, raw_validation, layout)
+                 precision, get_task(recipe.TASK), recipe.METRICS, raw_validation, layout, engine_note)
+
+
+def _prepare_deepspeed(accelerator, config, model, train_dataloader, eval_dataloader):
+    """DeepSpeed's ``prepare``: model, optimizer and schedule go into one ``accelerator.prepare`` call
+    (it runs ``deepspeed.initialize``), so the schedule is sized before the dataloaders are sharded, from
+    the micro-batches Accelerate will give each process (``micro_batches_per_process``). Which optimizer
+    and schedule: ``sharded.deepspeed_optimizer_and_scheduler``. A prepared schedule is checkpointed by
+    ``save_state`` (ours, through Accelerate; one from the DeepSpeed config, inside DeepSpeed's checkpoint).
+    Under ZeRO-3 the model arrives partitioned (transformers loaded it under ``deepspeed.zero.Init``), which
+    ``parameter_groups`` and ``lora.parameter_counts`` see through.
+    Returns (model, optimizer, scheduler, train_dataloader, eval_dataloader, plan)."""
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    plan = plan_steps(micro_batches_per_process(len(train_dataloader.dataset), config.per_device_train_batch_size,
+                                                accelerator.num_processes), config)
+    warmup = plan.steps(config.warmup_steps)
+
+    def make_schedule(optimizer):
+        return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                             num_training_steps=plan.max_steps)
+
+    # DeepSpeed drops an empty parameter group (e.g. no biases or norms under LoRA) from the optimizer, and a
+    # schedule built before that would then hold one learning rate too many: leave empty groups out first.
+    groups = [group for group in parameter_groups(model, config) if group["params"]]
+    optimizer, scheduler = deepspeed_optimizer_and_scheduler(
+        groups, config, plan.max_steps, warmup, ds_config, accelerator.num_processes,
+        make_optimizer=lambda: build_optimizer(model, config, groups), make_schedule=make_schedule)
+    model, optimizer, train_dataloader, eval_dataloader, scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, scheduler)
+    if len(train_dataloader) != plan.micro_batches_per_epoch:
+        raise RuntimeError(f"DeepSpeed: the schedule was sized for {plan.micro_batches_per_epoch} micro-batches per "
+                           f"process per epoch, but the prepared dataloader has {len(train_dataloader)}")
+    return model, optimizer, scheduler, train_dataloader, eval_dataloader, plan
 
 
 @dataclass
@@ -143,6 +214,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     accelerator, model, optimizer, scheduler, task = s.accelerator, s.model, s.optimizer, s.scheduler, s.task
     N, P = config.gradient_accumulation_steps, accelerator.num_processes
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+    overflow_steps = forced_overflow_steps()  # empty unless a test sets FINETUNE_TEST_FORCE_OVERFLOW_STEPS
     with RunState(s, config, recipe, process_start) as run, GracefulStop() as stop:
         model.train()
         while not run.done:
@@ -152,19 +224,24 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 # also for a short last window (it syncs when its counter reaches a multiple of N).
                 accelerator.step = N - len(window)
                 window_loss = torch.zeros((), device=accelerator.device)
+                # Read before any backward: under DeepSpeed the last one runs the optimizer step, and with a
+                # schedule DeepSpeed owns, the schedule step too.
+                learning_rate = s.learning_rate()
                 for batch in window:
                     with accelerator.accumulate(model):
                         labels = batch.pop("labels")
                         loss_sum = task.loss_sum(model(**batch).logits, labels)
                         # accelerator.backward divides by N and DDP averages over P processes: undo both, so
                         # the summed gradient is sum(per-item gradients) / items in the window.
-                        accelerator.backward(loss_sum * (N * P / counts.items))
+                        scaled = loss_sum * (N * P / counts.items)
+                        if overflow_steps and run.state.step + 1 in overflow_steps:
+                            scaled = scaled * float("inf")  # test hook: an overflow on this optimizer step
+                        accelerator.backward(scaled)
                         window_loss += loss_sum.detach()
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                             run.check_finite(grad_norm, len(window))
                             scale_before = loss_scale(accelerator)  # fp16: a drop across step() means skipped
-                        learning_rate = scheduler.get_last_lr()[0]
                         optimizer.step()  # a no-op until the sync micro-batch
                         if accelerator.sync_gradients:
                             skipped = optimizer_step_skipped(accelerator, scale_before)
@@ -218,6 +295,8 @@ class RunState:
         self.log = JsonlLog(self.output_dir / "log.jsonl", self.writes, append=self.resume_from is not None)
         accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.s.precision,
                                      accelerator.device.type, self.s.model))
+        if self.s.engine_note:
+            accelerator.print(self.s.engine_note)
         if self.resume_from is not None:
             accelerator.print(f"Resuming from {self.resume_from}: optimizer step {self.state.step}, epoch "
                               f"{self.state.epoch}, skipping {self.state.micro_batches_done} micro-batches of it "
@@ -273,8 +352,10 @@ class RunState:
 
     def check_finite(self, grad_norm, micro_batches: int) -> None:
         """Raise ``NumericalError`` for a non-finite gradient norm (fp32/bf16: it must not reach the weights;
-        fp16 overflows are the GradScaler's to skip). A sync point per optimizer step."""
-        if self.s.precision == "fp16" or torch.isfinite(grad_norm).item():
+        fp16 overflows are the GradScaler's to skip). A sync point per optimizer step. ``grad_norm``: a tensor,
+        or under DeepSpeed a float (its optimizer step, and under fp32 its skip of a non-finite gradient, have
+        already run) or None (DeepSpeed computed no norm: nothing to check)."""
+        if self.s.precision == "fp16" or grad_norm is None or torch.isfinite(torch.as_tensor(grad_norm)).item():
             return
         first = self.state.micro_batches_done
         raise NumericalError(
@@ -301,7 +382,7 @@ class RunState:
         state.input_tokens_seen += counts.input_tokens
         state.padded_tokens_seen += counts.padded_tokens
         record = {"step": state.step, "epoch": round(self.plan.epoch_fraction(state.step), 4), "loss": loss,
-                  "learning_rate": learning_rate, "grad_norm": float(grad_norm), "samples": counts.samples,
+                  "learning_rate": learning_rate, "grad_norm": grad_norm_value(grad_norm), "samples": counts.samples,
                   "micro_batches": micro_batches}
         if isinstance(self.s.task, CausalLM):  # items are label tokens (also completion-only)
             record["label_tokens"] = counts.items
@@ -314,9 +395,10 @@ class RunState:
         self.progress.update(1)
         if state.step % self.logging_steps == 0:
             elapsed = max(time.perf_counter() - self.train_start - self.eval_runtime, 1e-9)
-            accelerator.log({"train/loss": loss, "train/learning_rate": learning_rate, "train/grad_norm": record["grad_norm"],
-                             "train/samples_per_second": (state.samples_seen - self.samples_at_start) / elapsed,
-                             "train/epoch": record["epoch"]}, step=state.step)
+            values = {"train/loss": loss, "train/learning_rate": learning_rate, "train/grad_norm": record["grad_norm"],
+                      "train/samples_per_second": (state.samples_seen - self.samples_at_start) / elapsed,
+                      "train/epoch": record["epoch"]}
+            accelerator.log({k: v for k, v in values.items() if v is not None}, step=state.step)
             self.progress.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
         if state.consecutive_skipped > self.config.max_skipped_steps:
             raise NumericalError(

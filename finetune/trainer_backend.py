@@ -31,7 +31,7 @@ from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
 from finetune.output import clear_output_dir
-from finetune.precision import effective_mixed_precision
+from finetune.precision import running_precision
 from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
 from finetune.tasks import CausalLM
 
@@ -287,7 +287,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     trainer.args.load_best_model_at_end = config.load_best_model_at_end
     if config.metric_for_best_model is not None and totals.best_step is not None:
         trainer.state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{totals.best_step}")
-    precision = effective_mixed_precision(trainer.accelerator)
+    precision = running_precision(trainer.accelerator)
     if main:
         print(run_banner(config, processes, plan, precision, trainer.accelerator.device.type, model))
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -25,7 +26,9 @@ EXPECTED_TYPE = {
     "multi_gpu.yaml": DistributedType.MULTI_GPU,
     "multi_cpu_2proc.yaml": DistributedType.MULTI_GPU,  # + ACCELERATE_USE_CPU=1: two gloo ranks on the CPU
     "fsdp.yaml": DistributedType.FSDP,
+    "fsdp2.yaml": DistributedType.FSDP,
     "deepspeed_zero2.yaml": DistributedType.DEEPSPEED,
+    "deepspeed_zero3.yaml": DistributedType.DEEPSPEED,
     "multi_node.yaml": DistributedType.MULTI_GPU,
 }
 
@@ -142,7 +145,66 @@ def test_deepspeed_config_reaches_the_plugin():
     assert plugin.get_value("gradient_accumulation_steps") == "auto"
     plugin.fill_match("gradient_accumulation_steps", must_match=False, gradient_accumulation_steps=4)
     assert plugin.get_value("gradient_accumulation_steps") == 4
-    assert plugin.get_value("gradient_clipping") == 1.0  # == the default --max_grad_norm
+    # left to --max_grad_norm, which the run writes before prepare (tests/test_sharded.py)
+    assert plugin.get_value("gradient_clipping") == "auto"
+
+
+def test_fsdp2_config_reaches_the_plugin():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from torch.distributed.fsdp import StateDictType
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    args, config = _launcher_args("fsdp2.yaml")
+    fsdp1_only = {"fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_use_orig_params",
+                  "fsdp_sync_module_states"}
+    assert not fsdp1_only & set(config.fsdp_config), "FSDP1-only keys do nothing under FSDP2"
+    with mock.patch("accelerate.utils.launch.is_port_in_use", return_value=False):
+        env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_USE_FSDP"] == "true"
+    assert env["FSDP_VERSION"] == "2"
+    assert env["FSDP_RESHARD_AFTER_FORWARD"] == "true"
+    assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
+    assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "BertLayer"
+    assert env["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
+    assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+
+    plugin_env = {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    with mock.patch.dict(os.environ, plugin_env), warnings.catch_warnings():
+        warnings.simplefilter("error")  # Accelerate warns about settings FSDP2 ignores: there must be none
+        plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward is True  # FULL_SHARD
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)  # fsdp_offload_params: false
+    assert plugin.use_orig_params is None and plugin.sync_module_states is None and plugin.backward_prefetch is None
+    plugin.set_auto_wrap_policy(_tiny_bert_classifier())
+    assert plugin.auto_wrap_policy.keywords["transformer_layer_cls"] == {BertLayer}
+
+
+def test_deepspeed_zero3_config_reaches_the_plugin():
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    args, defaults = _launcher_args("deepspeed_zero3.yaml")
+    args.deepspeed_fields_from_accelerate_config = list(defaults.deepspeed_config)
+    _, env = prepare_deepspeed_cmd_env(args)
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+    assert "ACCELERATE_GRADIENT_CLIPPING" not in env
+
+    with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}):
+        plugin = DeepSpeedPlugin()
+    assert plugin.zero_stage == 3 and plugin.zero3_init_flag is True
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is True  # needed by accelerator.get_state_dict
+    assert zero["offload_optimizer"]["device"] == "none" and zero["offload_param"]["device"] == "none"
+    assert plugin.get_value("gradient_accumulation_steps") == "auto"
+    assert plugin.get_value("gradient_clipping") == "auto"
 
 
 def test_multi_node_config_splits_processes_per_machine():

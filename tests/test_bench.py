@@ -232,3 +232,96 @@ def test_safetensors_parameter_count(tmp_path):
     save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
     assert count_safetensors_params(tmp_path) == 17
     assert count_safetensors_params(tmp_path / "nothing") is None
+
+
+# ------------------------------------------------------------------------------------------ GPU acceptance
+def test_gpu_acceptance_smoke(tmp_path):
+    """The acceptance script's CPU side on fabricated outputs: commands, parsing, checks and the report."""
+    md, js = tmp_path / "gpu.md", tmp_path / "gpu.json"
+    out = run_bench("gpu_acceptance.py", "--smoke", "--markdown", str(md), "--json", str(js), timeout=120).stdout
+    report = md.read_text()
+    assert out.strip() == report.strip()
+    assert report.startswith("# GPU acceptance (SMOKE") and "- Device: **SMOKE (no GPU run)**" in report
+    for heading in ("## 1. bbc-news main job: fp32, fp16, bf16", "## 2. fp16 overflow path",
+                    "## 3. Sharded configs with one process", "## 4. bbc-news-clm", "## 5. accelerate vs Trainer",
+                    "## 6. --auto_find_batch_size on CUDA"):
+        assert heading in report, heading
+    assert "UNTESTED with one GPU" in report and "sync_each_batch" in report and "agreement" in report
+    assert re.search(r"Checks: \d+ passed, 0 failed, 0 not run", report)
+    assert table_row(report, "bbc-news fp16")[1] == "fp16"
+    assert table_row(report, "the schedule holds on a skipped step")[1] == "pass"
+    assert "ratio accelerate / trainer 1.100 (goal >= 1.10: met)" in report
+
+    data = json.loads(js.read_text())
+    runs = {r["key"]: r for r in data["runs"]}
+    assert len(runs) == 13 and all(c["ok"] is True for r in runs.values() for c in r["checks"])
+    for config in ("fsdp2.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
+        assert (REPO / "accelerate_configs" / config).is_file()
+        command = runs[f"sharded-{config.removesuffix('.yaml')}"]["command"]
+        assert command.startswith(f"python -m finetune.cli train --config_file accelerate_configs/{config} "
+                                  "--num_processes 1 --recipe bbc-news"), command
+        assert "--max_grad_norm 0.5" in command and "--output_dir $WORKDIR/sharded-" in command
+    assert runs["overflow-fp16"]["command"].startswith("FINETUNE_TEST_FORCE_OVERFLOW_STEPS=2,3 python -m finetune.run ")
+    assert "--backend trainer" in runs["backends-trainer-r1"]["command"]
+    assert "--auto_find_batch_size True" in runs["autobatch"]["command"]
+
+
+def _acceptance_run(section: str, tmp_path):
+    import gpu_acceptance as ga
+
+    run = next(r for r in ga.build_runs(tmp_path, tmp_path / "clm", 1) if r.section == section)
+    ga.fabricate(run)
+    return ga, run
+
+
+def test_gpu_acceptance_overflow_checks_catch_a_schedule_that_advances_on_a_skip(tmp_path):
+    ga, run = _acceptance_run("overflow", tmp_path)
+    assert all(c.ok for c in ga.check_run(run))
+    bad = [dict(r, learning_rate=1e-4 / r["step"]) for r in ga._steps(run)]  # the lr moves on every step
+    checks = {c.name: c.ok for c in ga.overflow_checks(run.metrics, bad)}
+    assert checks["the schedule holds on a skipped step"] is False
+    assert checks["steps 2, 3 skipped"] is True
+    unskipped = [dict(r, skipped=False) for r in ga._steps(run)]
+    checks = {c.name: c.ok for c in ga.overflow_checks(dict(run.metrics, skipped_optimizer_steps=0), unskipped)}
+    assert checks["steps 2, 3 skipped"] is False and checks["skipped_optimizer_steps counts them"] is False
+
+
+def test_gpu_acceptance_sharded_checks_need_the_note_and_the_precision(tmp_path):
+    ga, run = _acceptance_run("sharded", tmp_path)
+    assert all(c.ok for c in ga.check_run(run))
+    run.output = "Run summary\n"  # no engine note printed
+    run.metrics["mixed_precision"] = "no"  # e.g. fp16 DeepSpeed reported as fp32
+    failed = {c.name for c in ga.check_run(run) if c.ok is False}
+    assert failed == {"engine note printed", "ran in the precision requested"}
+    assert ga._verdict(ga.check_run(run)).startswith("FAIL: ")
+
+
+def test_gpu_acceptance_skips_what_the_budget_cannot_fit(tmp_path):
+    import gpu_acceptance as ga
+
+    run = ga.build_runs(tmp_path, tmp_path / "clm", 1)[0]
+    ga.execute(run, seconds_left=10)
+    assert run.returncode is None and [c.ok for c in ga.check_run(run)] == [None]
+    assert ga._verdict(ga.check_run(run)) == "not run"
+    with pytest.raises(SystemExit):
+        ga.parse_args(["--only", "precision,nonsense"])
+
+
+def test_gpu_acceptance_needs_the_engines_stage_and_clipping(tmp_path):
+    import gpu_acceptance as ga
+
+    run = next(r for r in ga.build_runs(tmp_path, tmp_path / "clm", 1) if r.key == "sharded-deepspeed_zero3")
+    ga.fabricate(run)
+    assert all(c.ok for c in ga.check_run(run))
+    assert "DeepSpeed ZeRO stage 3 (as the engine reports it): gradient clipping at norm 0.5" in run.output
+    run.output = run.output.replace("at norm 0.5", "at norm 1")  # Accelerate's `auto` 1.0 would be caught
+    assert {c.name: c.ok for c in ga.check_run(run)}["engine note printed"] is False
+
+
+def test_gpu_acceptance_names_why_a_run_failed():
+    import gpu_acceptance as ga
+
+    assert ga.failure_reason("Training: 1/6\rTraining: 2/6\nerror: non-finite loss at step 2\n") == \
+        "error: non-finite loss at step 2"
+    assert ga.failure_reason("Traceback\nValueError: bad value\n[timed out after 30 s]\n") == "ValueError: bad value"
+    assert ga.failure_reason("") == "no output"

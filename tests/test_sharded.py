@@ -1,0 +1,474 @@
+"""The FSDP and DeepSpeed pieces that a CPU can check (Accelerate 1.15 runs neither on a CPU: it turns them
+into MULTI_CPU, and DeepSpeed is not installed here): the DeepSpeed config values the run writes before
+``prepare``, the precision reported under DeepSpeed, which optimizer and schedule go to DeepSpeed, the
+accumulation plugin per distributed type, and the loop's handling of DeepSpeed's float/None grad norm.
+What only a GPU can prove (DeepSpeed really clipping at --max_grad_norm, FSDP's memory) is in
+``bench/gpu_acceptance.py``."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+
+from finetune.errors import FinetuneError
+from finetune.lora import parameter_counts
+from finetune.sharded import (accumulation_plugin, deepspeed_config_updates, deepspeed_note,
+                              deepspeed_optimizer_and_scheduler, deepspeed_precision, grad_norm_value,
+                              sync_each_batch)
+
+FLAGS = dict(max_grad_norm=0.5, micro_batch=8, accumulation_steps=4)
+
+
+# ------------------------------------------------------------------------------------------ --max_grad_norm
+def test_auto_and_missing_values_take_the_flags():
+    updates = deepspeed_config_updates({"gradient_clipping": "auto", "gradient_accumulation_steps": "auto"}, **FLAGS)
+    assert updates == {"gradient_clipping": 0.5, "gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8}
+
+
+def test_no_clipping_is_zero_for_deepspeed():
+    for norm in (0.0, -1.0):
+        assert deepspeed_config_updates({}, max_grad_norm=norm, micro_batch=8,
+                                        accumulation_steps=4)["gradient_clipping"] == 0.0
+
+
+def test_explicit_values_that_agree_are_kept():
+    config = {"gradient_clipping": 0.5, "gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8}
+    assert deepspeed_config_updates(config, **FLAGS) == {}
+    assert deepspeed_config_updates({"gradient_clipping": "0.5"}, **FLAGS).keys() == {
+        "gradient_accumulation_steps", "train_micro_batch_size_per_gpu"}
+
+
+def test_an_explicit_value_that_contradicts_a_flag_is_refused():
+    with pytest.raises(FinetuneError) as err:
+        deepspeed_config_updates({"gradient_clipping": 1.0, "gradient_accumulation_steps": 2}, **FLAGS)
+    message = str(err.value)
+    assert "gradient_clipping: 1.0 in the DeepSpeed config, but --max_grad_norm is 0.5" in message
+    assert "gradient_accumulation_steps: 2 in the DeepSpeed config, but --gradient_accumulation_steps is 4" in message
+    assert "`auto`" in message
+
+
+def test_the_function_is_pure():
+    config = {"gradient_clipping": "auto"}
+    deepspeed_config_updates(config, **FLAGS)
+    assert config == {"gradient_clipping": "auto"}
+
+
+def _plugin_from_yaml(name: str):
+    """The DeepSpeedPlugin ``accelerate launch --config_file accelerate_configs/<name>`` would build."""
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from test_accelerate_configs import _launcher_args
+
+    args, defaults = _launcher_args(name)
+    args.deepspeed_fields_from_accelerate_config = list(defaults.deepspeed_config)
+    _, env = prepare_deepspeed_cmd_env(args)
+    with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}):
+        return DeepSpeedPlugin()
+
+
+@pytest.mark.parametrize("name", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_max_grad_norm_survives_accelerates_own_filling(name):
+    """The shipped files leave gradient_clipping `auto`; the run writes --max_grad_norm before prepare, and
+    Accelerate's later filling of `auto` values (1.0 for clipping, in ``_prepare_deepspeed``) keeps it."""
+    plugin = _plugin_from_yaml(name)
+    config = plugin.deepspeed_config
+    assert config["gradient_clipping"] == "auto"
+    config.update(deepspeed_config_updates(config, max_grad_norm=0.25, micro_batch=8, accumulation_steps=4))
+    # what Accelerate 1.15's _prepare_deepspeed does next (train_batch_size from the micro-batch it reads back)
+    plugin.deepspeed_config_process(must_match=False, gradient_clipping=1.0, train_micro_batch_size_per_gpu=64,
+                                    train_batch_size=8 * 4 * 2)
+    assert config["gradient_clipping"] == 0.25
+    assert config["gradient_accumulation_steps"] == 4
+    assert config["train_micro_batch_size_per_gpu"] == 8 and config["train_batch_size"] == 64
+
+
+class FakeEngine:
+    """The getters of a DeepSpeed engine that ``deepspeed_engine_settings`` reads."""
+
+    def __init__(self, clip=0.5, stage=2, accumulation=4, micro=8, fp16=False, bf16=True):
+        self.values = clip, stage, accumulation, micro, fp16, bf16
+
+    def gradient_clipping(self):
+        return self.values[0]
+
+    def zero_optimization_stage(self):
+        return self.values[1]
+
+    def gradient_accumulation_steps(self):
+        return self.values[2]
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.values[3]
+
+    def fp16_enabled(self):
+        return self.values[4]
+
+    def bfloat16_enabled(self):
+        return self.values[5]
+
+
+def test_the_engine_must_run_what_was_asked():
+    from finetune.sharded import check_deepspeed_engine, deepspeed_engine_settings
+
+    settings = deepspeed_engine_settings(FakeEngine())
+    assert settings == {"zero_stage": 2, "gradient_clipping": 0.5, "gradient_accumulation_steps": 4,
+                        "train_micro_batch_size_per_gpu": 8, "precision": "bf16"}
+    check_deepspeed_engine(settings, precision="bf16", **FLAGS)
+    note = deepspeed_note(settings, {})
+    assert note.startswith("DeepSpeed ZeRO stage 2 (as the engine reports it): gradient clipping at norm 0.5 ")
+    assert "optimizer from the run (AdamW), LR schedule from the run" in note
+    assert "no gradient clipping" in deepspeed_note(dict(settings, gradient_clipping=0.0), {"optimizer": {}})
+    # Accelerate's `auto` fill (1.0), or an fp16 run that DeepSpeed does not run in fp16, must not pass unnoticed
+    with pytest.raises(RuntimeError, match="gradient_clipping 1.0 vs 0.5"):
+        check_deepspeed_engine(deepspeed_engine_settings(FakeEngine(clip=1.0)), precision="bf16", **FLAGS)
+    with pytest.raises(RuntimeError, match="precision 'no' vs 'fp16'"):
+        check_deepspeed_engine(deepspeed_engine_settings(FakeEngine(bf16=False)), precision="fp16", **FLAGS)
+
+
+# ------------------------------------------------------------------------------------------ precision
+@pytest.mark.parametrize("requested", ["no", "fp16", "bf16"])
+def test_precision_is_the_one_deepspeed_runs(requested):
+    plugin = _plugin_from_yaml("deepspeed_zero2.yaml")
+    plugin.set_mixed_precision(requested)  # what AcceleratorState does with --mixed_precision under DeepSpeed
+    assert deepspeed_precision(plugin.deepspeed_config) == requested
+
+
+def test_precision_from_an_explicit_config_and_string_flags():
+    assert deepspeed_precision({"fp16": {"enabled": "true"}, "bf16": {"enabled": False}}) == "fp16"
+    assert deepspeed_precision({"bf16": {"enabled": True}}) == "bf16"
+    assert deepspeed_precision({"fp16": {"enabled": "auto"}}) == "no"
+    assert deepspeed_precision({}) == "no"
+
+
+def test_running_precision_asks_deepspeed_not_autocast():
+    from finetune.precision import running_precision
+
+    fake = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                           state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
+                               deepspeed_config={"fp16": {"enabled": True}})))
+    assert running_precision(fake) == "fp16"
+
+
+# ------------------------------------------------------------------------------------------ optimizer, schedule
+def _tiny():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    config = SimpleNamespace(learning_rate=1e-3, weight_decay=0.01)
+    groups = [{"params": [model[0].weight], "weight_decay": 0.01},
+              {"params": [model[0].bias, *model[1].parameters()], "weight_decay": 0.0}]
+    return model, config, groups
+
+
+def _choose(ds_config, num_processes=2):
+    from transformers import get_scheduler
+
+    model, config, groups = _tiny()
+    made = []
+
+    def make_schedule(optimizer):
+        made.append(optimizer)
+        return get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=10)
+
+    pair = deepspeed_optimizer_and_scheduler(groups, config, 10, 2, ds_config, num_processes,
+                                             make_optimizer=lambda: torch.optim.AdamW(groups, lr=1e-3),
+                                             make_schedule=make_schedule)
+    return pair, made
+
+
+def test_neither_in_the_config_our_optimizer_and_schedule():
+    (optimizer, scheduler), _ = _choose({})
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and scheduler.optimizer is optimizer
+
+
+def test_optimizer_in_the_config_our_schedule_built_by_deepspeed():
+    from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
+
+    (optimizer, scheduler), made = _choose({"optimizer": {"type": "AdamW"}})
+    assert isinstance(optimizer, DummyOptim) and optimizer.lr == 1e-3 and optimizer.weight_decay == 0.01
+    assert len(optimizer.params) == 2  # the no-decay grouping reaches DeepSpeed
+    assert isinstance(scheduler, DummyScheduler) and made == []
+    real = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+    built = scheduler.lr_scheduler_callable(real)  # what DeepSpeed calls with its optimizer
+    assert isinstance(built, torch.optim.lr_scheduler.LambdaLR) and built.optimizer is real
+
+
+@pytest.mark.parametrize("owns_optimizer", [False, True])
+def test_schedule_in_the_config_sized_for_accelerates_division(owns_optimizer):
+    from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
+
+    ds_config = {"scheduler": {"type": "WarmupDecayLR"}, **({"optimizer": {}} if owns_optimizer else {})}
+    (optimizer, scheduler), _ = _choose(ds_config, num_processes=4)
+    assert isinstance(optimizer, DummyOptim if owns_optimizer else torch.optim.AdamW)
+    assert isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None
+    # Accelerate 1.15 writes ceil(total_num_steps / num_processes) into the DeepSpeed config: 10 optimizer steps
+    assert scheduler.total_num_steps == 40 and scheduler.warmup_num_steps == 2
+
+
+def test_a_wrapped_schedule_steps_once_per_call_with_our_accelerator(tmp_path):
+    """Where Accelerate wraps our schedule (DeepSpeed, neither in the config), our Accelerator's
+    step_scheduler_with_optimizer=False makes each call one step, whatever the number of processes."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    from finetune.components import make_accelerator
+    from finetune.config import TrainConfig
+
+    accelerator = make_accelerator(TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none"))
+    assert accelerator.step_scheduler_with_optimizer is False
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    wrapped = AcceleratedScheduler(schedule, optimizer, step_with_optimizer=accelerator.step_scheduler_with_optimizer)
+    with mock.patch("accelerate.scheduler.AcceleratorState", return_value=SimpleNamespace(num_processes=8)):
+        wrapped.step()
+    assert schedule.last_epoch == 1
+
+
+# ------------------------------------------------------------------------------------------ FSDP
+@pytest.mark.parametrize("distributed_type", list(DistributedType))
+def test_sync_each_batch_only_under_fsdp(distributed_type):
+    assert sync_each_batch(distributed_type) is (distributed_type == DistributedType.FSDP)
+    plugin = accumulation_plugin(4, distributed_type)
+    assert plugin.num_steps == 4 and plugin.sync_with_dataloader is False
+    assert plugin.sync_each_batch is (distributed_type == DistributedType.FSDP)
+
+
+def test_plain_runs_keep_the_plugin_they_had(tmp_path):
+    """Outside FSDP the plugin's kwargs are exactly those of the engine before sync_each_batch existed."""
+    from finetune.components import make_accelerator
+    from finetune.config import TrainConfig
+
+    accelerator = make_accelerator(TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none",
+                                               gradient_accumulation_steps=3))
+    assert accelerator.gradient_state.plugin_kwargs == {"num_steps": 3, "sync_with_dataloader": False}
+
+
+def test_an_fsdp_accelerator_gets_sync_each_batch(tmp_path):
+    """The plugin update ``make_accelerator`` applies once the distributed type is known (here an FSDP type
+    is faked on a CPU Accelerator's shared GradientState), and what ``accumulate()`` reads from it."""
+    from finetune.components import make_accelerator, use_accumulation_plugin
+    from finetune.config import TrainConfig
+
+    accelerator = make_accelerator(TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none",
+                                               gradient_accumulation_steps=3))
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state)
+    use_accumulation_plugin(fsdp, 3)
+    assert accelerator.gradient_state.plugin_kwargs["sync_each_batch"] is True
+    assert accelerator.gradient_accumulation_steps == 3
+
+
+# ------------------------------------------------------------------------------------------ small pieces
+def test_parameter_count_sees_through_zero3_placeholders():
+    model = torch.nn.Linear(3, 2)
+    assert parameter_counts(model) == (8, 8)
+    model.weight.ds_numel = 6  # ZeRO-3 leaves an empty tensor and the true count here
+    model.weight.data = torch.empty(0)
+    assert parameter_counts(model) == (8, 8)
+
+
+def test_grad_norm_values():
+    assert grad_norm_value(torch.tensor(2.5)) == 2.5
+    assert grad_norm_value(1.5) == 1.5
+    assert grad_norm_value(None) is None
+
+
+def _run_state(precision: str):
+    from finetune.checkpoint import TrainerState
+    from finetune.train import RunState
+
+    run = RunState.__new__(RunState)
+    run.s = SimpleNamespace(precision=precision)
+    run.state = TrainerState()
+    return run
+
+
+def test_check_finite_takes_deepspeeds_float_and_none():
+    from finetune.errors import NumericalError
+
+    run = _run_state("no")
+    run.check_finite(torch.tensor(1.0), 4)
+    run.check_finite(1.0, 4)
+    run.check_finite(None, 4)  # DeepSpeed computed no norm
+    with pytest.raises(NumericalError, match="grad norm inf"):
+        run.check_finite(float("inf"), 4)
+    with pytest.raises(NumericalError, match="grad norm nan"):
+        run.check_finite(torch.tensor(float("nan")), 4)
+    _run_state("fp16").check_finite(float("inf"), 4)  # the loss scaler's to skip
+
+
+def test_deepspeed_schedule_plan_matches_accelerates_sharding():
+    """Under DeepSpeed the schedule is sized before prepare, from micro_batches_per_process: the length
+    Accelerate's sharded dataloader has (even_batches), checked against a real prepared dataloader split
+    over 3 fake processes."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from finetune.components import micro_batches_per_process
+
+    for samples, micro, processes in [(100, 8, 3), (96, 8, 3), (7, 8, 2), (1780, 8, 4)]:
+        batches = BatchSampler(SequentialSampler(range(samples)), micro, drop_last=False)
+        lengths = {len(BatchSamplerShard(batches, processes, rank, even_batches=True)) for rank in range(processes)}
+        assert lengths == {micro_batches_per_process(samples, micro, processes)}
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+@pytest.mark.parametrize("distributed_type", [DistributedType.FSDP, DistributedType.DEEPSPEED,
+                                              DistributedType.MULTI_GPU, DistributedType.NO])
+def test_evaluation_never_splits_a_batch_under_a_sharded_engine(distributed_type):
+    """An out-of-memory evaluation batch is split and retried on one rank only where no collective runs
+    inside the forward: under FSDP (versions 1 and 2 are both DistributedType.FSDP) and DeepSpeed a rank
+    retrying alone would desynchronise the all-gathers, so the error propagates instead."""
+    from finetune.evaluation import evaluate
+    from finetune.builders import get_task
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            if input_ids.shape[0] > 2:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], 3))
+
+    accelerator = SimpleNamespace(distributed_type=distributed_type, gather_for_metrics=lambda outputs: outputs)
+    batch = {"input_ids": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5, dtype=torch.long),
+             "labels": torch.zeros(4, dtype=torch.long)}
+    task = get_task("sequence-classification")
+    if distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            evaluate(accelerator, Model(), [dict(batch)], task, {})
+    else:
+        assert evaluate(accelerator, Model(), [dict(batch)], task, {})["eval_samples"] == 4
+
+
+# ------------------------------------------------------------------------------------------ the DeepSpeed prepare
+class FakeDeepSpeedAccelerator:
+    """What ``train._prepare_deepspeed`` uses of an Accelerator: the DeepSpeed config, the process count,
+    and ``prepare`` (here returning the objects it got, with the training loader sharded as Accelerate's)."""
+
+    num_processes = 2
+
+    def __init__(self, ds_config: dict):
+        self.state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds_config))
+        self.prepared = None
+
+    def prepare(self, model, optimizer, train_dataloader, eval_dataloader, scheduler):
+        self.prepared = (model, optimizer, train_dataloader, eval_dataloader, scheduler)
+        sharded = list(range(-(-len(train_dataloader) // self.num_processes)))  # even_batches: ceil
+        return model, optimizer, sharded, eval_dataloader, scheduler
+
+
+@pytest.mark.parametrize("ds_config", [{}, {"optimizer": {}}, {"scheduler": {}}])
+def test_prepare_deepspeed_hands_model_optimizer_and_schedule_to_one_prepare(tmp_path, ds_config):
+    from accelerate.utils.deepspeed import DummyScheduler
+    from torch.utils.data import DataLoader
+
+    from finetune.config import TrainConfig
+    from finetune.train import _prepare_deepspeed
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), per_device_train_batch_size=8,
+                         gradient_accumulation_steps=2, num_train_epochs=1, warmup_steps=1, lr_scheduler_type="linear")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    accelerator = FakeDeepSpeedAccelerator(ds_config)
+    train = DataLoader(list(range(100)), batch_size=8)  # 13 batches: 7 per process
+    _, optimizer, scheduler, _, _, plan = _prepare_deepspeed(accelerator, config, model, train, [])
+    assert accelerator.prepared[0] is model and accelerator.prepared[1] is optimizer
+    assert accelerator.prepared[4] is scheduler
+    assert (plan.micro_batches_per_epoch, plan.max_steps) == (7, 4)
+    if ds_config == {}:
+        assert isinstance(optimizer, torch.optim.AdamW) and scheduler.optimizer is optimizer
+        assert [group["weight_decay"] for group in optimizer.param_groups] == [config.weight_decay, 0.0]
+        for _ in range(4):
+            scheduler.step()
+        assert scheduler.get_last_lr()[0] == 0.0  # sized in optimizer steps: linear decay reaches 0 at step 4
+    elif "optimizer" in ds_config:
+        assert isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None
+    else:
+        assert isinstance(scheduler, DummyScheduler) and scheduler.total_num_steps == 4 * 2
+
+
+def test_parameter_groups_see_through_zero3_partitioned_parameters():
+    """Under ZeRO-3 transformers loads the model under deepspeed.zero.Init: every parameter is a 1-D
+    placeholder with its true shape in ``ds_shape``. The weight-decay grouping must use the true shape
+    (found on a CPU DeepSpeed run: every weight had landed in the no-decay group)."""
+    from finetune.components import parameter_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    decay, no_decay = parameter_groups(model, SimpleNamespace(weight_decay=0.1))
+    assert [tuple(p.ds_shape) for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+
+
+def test_prepare_deepspeed_leaves_out_an_empty_parameter_group(tmp_path):
+    """DeepSpeed drops an empty parameter group from the optimizer; our schedule must not hold a learning
+    rate for it (LoRA-like: only 2-D weights, no biases or norms)."""
+    from torch.utils.data import DataLoader
+
+    from finetune.config import TrainConfig
+    from finetune.train import _prepare_deepspeed
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), per_device_train_batch_size=8,
+                         gradient_accumulation_steps=2, num_train_epochs=1)
+    model = torch.nn.Linear(4, 4, bias=False)
+    _, optimizer, scheduler, _, _, _ = _prepare_deepspeed(FakeDeepSpeedAccelerator({}), config, model,
+                                                          DataLoader(list(range(32)), batch_size=8), [])
+    assert len(optimizer.param_groups) == 1 and len(scheduler.base_lrs) == 1
+
+
+FSDP2_SCRIPT = '''
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+def train(sync_each_batch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1 + dist.get_rank())
+    for step in range(3):
+        for micro in range(4):  # what Accelerate's accumulate() does with FSDP2, with and without sync_each_batch
+            model.set_requires_gradient_sync(sync_each_batch or micro == 3)
+            model(torch.randn(5, 8, generator=data)).pow(2).sum().backward()
+            if sync_each_batch:  # reduce-scattered at once: each rank holds only its shard of the gradient
+                assert all(p.grad.to_local().shape == p.to_local().shape for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+dist.init_process_group("gloo")
+each, once = train(True), train(False)
+difference = max((each[k] - once[k]).abs().max().item() for k in each)
+if dist.get_rank() == 0:
+    open(sys.argv[1], "w").write(str(difference))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.integration
+def test_fsdp2_sync_each_batch_trains_the_same_weights(tmp_path):
+    """The exactness argument for sync_each_batch, checked with PyTorch's FSDP2 on two gloo CPU ranks (FSDP
+    runs on a CPU through torch, not through Accelerate): reduce-scattering every micro-batch and reducing
+    once per window give the same weights after three accumulated AdamW steps, up to float rounding."""
+    import socket
+    import subprocess
+    import sys
+
+    script, result = tmp_path / "fsdp2.py", tmp_path / "difference"
+    script.write_text(FSDP2_SCRIPT)
+    with socket.socket() as sock:  # a free port: torchrun's default 29500 may be taken by another run
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(port), str(script), str(result)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(result.read_text()) < 1e-6
