@@ -37,7 +37,7 @@ METHODS = ("fused", "recompute", "checkpoint")
 
 # --------------------------------------------------------------------------------------------- loss
 def chunked_causal_lm_loss_sum(hidden_states: torch.Tensor, lm_head, labels: torch.Tensor,
-                               chunk_size: int = DEFAULT_CHUNK_SIZE, *, method: str = "fused") -> torch.Tensor:
+                               chunk_size: int = DEFAULT_CHUNK_SIZE, *, method: str | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy over label tokens, from the final hidden states, chunk by chunk.
 
     Equal (to float rounding) to ``CausalLM().loss_sum(lm_head(hidden_states), labels)``, with the same
@@ -50,19 +50,23 @@ def chunked_causal_lm_loss_sum(hidden_states: torch.Tensor, lm_head, labels: tor
     - ``lm_head``: the output embedding, a ``torch.nn.Linear`` (weight (vocab, hidden), optional bias
       (vocab,)) or its weight tensor. Any other module mapping (n, hidden) -> (n, vocab) (a peft LoRA or
       ``modules_to_save`` wrapper around ``lm_head``, a quantized linear) is called as a module, chunk by chunk
-      under ``torch.utils.checkpoint``; only ``method="checkpoint"`` applies to it.
+      under ``torch.utils.checkpoint`` (``method="checkpoint"``, the only one that applies to it).
     - ``labels``: (batch, seq) integer token ids, **unshifted**, as ``CausalLM.loss_sum`` takes them: the
       logits at position t are scored against ``labels[:, t + 1]``; ``IGNORE_INDEX`` marks positions to skip.
     - ``chunk_size``: label tokens per chunk (any positive int; it need not divide the token count). Memory
       of the loss grows with it (chunk_size x vocab fp32 logits); very small chunks make the matmuls slow.
-    - ``method``: how a chunk's logits are freed before backward:
+    - ``method``: how a chunk's logits are freed before backward; None (default) picks "fused" for a plain
+      Linear or weight and "checkpoint" for another module:
 
-      * ``"fused"`` (default): the forward computes each chunk's loss *and* its gradients (softmax - one-hot,
-        multiplied into the weight and hidden), and backward only scales them by the incoming gradient. Three
-        vocab-sized matmuls, as the plain path; holds a weight-sized gradient buffer from forward to backward.
-        Without grad mode (evaluation), or when neither input requires grad, only the loss is computed.
-      * ``"recompute"``: a custom autograd Function that keeps the chunk inputs and recomputes each chunk's
-        logits in backward (four vocab-sized matmuls).
+      * ``"fused"``: the forward computes each chunk's loss *and* its gradients (softmax - one-hot, multiplied
+        into the weight and the hidden states), and backward only scales them by the incoming gradient: three
+        vocab-sized matmuls, as the plain path, so no slower than it. Holds the weight's and the hidden
+        states' gradients (fp32) from forward to backward (none for a frozen head). Without grad mode
+        (evaluation), or when no input requires grad, only the loss is computed. Under fp16 autocast it rounds
+        softmax - one-hot to fp16 before the loss scale multiplies it (the plain path after), so the tiniest
+        probabilities' gradients flush to zero sooner: prefer bf16, or "recompute", with fp16.
+      * ``"recompute"``: a custom autograd Function that keeps the selected hidden states, the weight and each
+        token's log-sum-exp, and recomputes each chunk's logits in backward (four vocab-sized matmuls).
       * ``"checkpoint"``: each chunk's (matmul + cross-entropy) under
         ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (four matmuls, and autograd's own
         buffers: more memory than "recompute").
@@ -81,7 +85,7 @@ def chunked_causal_lm_loss_sum(hidden_states: torch.Tensor, lm_head, labels: tor
     """
     if not (isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be a positive int (label tokens per chunk), got {chunk_size!r}")
-    if method not in METHODS:
+    if method is not None and method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     if hidden_states.dim() != 3:
         raise ValueError(f"hidden_states must be (batch, seq, hidden), got shape {tuple(hidden_states.shape)}")
@@ -89,6 +93,8 @@ def chunked_causal_lm_loss_sum(hidden_states: torch.Tensor, lm_head, labels: tor
         raise ValueError(f"labels must be (batch, seq) = {tuple(hidden_states.shape[:2])} like hidden_states, got "
                          f"{tuple(labels.shape)}")
     weight, bias, module = _head_parts(lm_head, hidden_states.shape[-1])
+    if method is None:
+        method = "fused" if module is None else "checkpoint"
     if module is not None and method != "checkpoint":
         raise ValueError(f"lm_head is a {type(module).__name__}, not a plain torch.nn.Linear or weight: only "
                          f"method='checkpoint' (which calls the module) applies to it")
@@ -170,20 +176,31 @@ def _forward_chunks(hidden, weight, bias, targets, chunk_size, compute_dtype, gr
         for start in range(0, hidden.shape[0], chunk_size):
             hidden_chunk = hidden[start:start + chunk_size].to(compute_dtype)
             target_chunk = targets[start:start + chunk_size]
-            logits = _chunk_logits(hidden_chunk, weight_c, bias_c)
-            lse = torch.logsumexp(logits, dim=1)
-            total += (lse - logits.gather(1, target_chunk[:, None]).squeeze(1)).sum()
+            probs = _chunk_logits(hidden_chunk, weight_c, bias_c)
+            lse, target_logits = _softmax_(probs, target_chunk)
+            total += (lse - target_logits).sum()
             if grads is not None:
-                _chunk_backward(logits, lse, target_chunk, hidden_chunk, weight_c, start, grads, need, None)
+                _chunk_grads(probs, target_chunk, hidden_chunk, weight_c, start, grads, need, None)
     return total
 
 
-def _chunk_backward(logits, lse, target_chunk, hidden_chunk, weight_c, start, grads, need, scale) -> None:
-    """Turns ``logits`` (fp32, chunk x vocab, overwritten) into d(loss)/d(logits) = scale x (softmax - one-hot)
-    (``scale``: a 0-d tensor, the incoming gradient, or None for 1) and accumulates the chunk's gradients into ``grads`` (grad_hidden rows [start, start+chunk), grad_weight,
-    grad_bias, each only where ``need``)."""
+def _softmax_(logits: torch.Tensor, target_chunk: torch.Tensor):
+    """Overwrites ``logits`` (fp32, chunk x vocab) with their softmax, in place (``torch.logsumexp`` would
+    allocate another chunk-sized buffer); returns each row's log-sum-exp and target logit, (chunk,) fp32."""
+    target_logits = logits.gather(1, target_chunk[:, None]).squeeze(1)
+    top = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(top).exp_()
+    total = probs.sum(dim=1, keepdim=True)
+    probs.div_(total)
+    return (top + total.log()).squeeze(1), target_logits
+
+
+def _chunk_grads(probs, target_chunk, hidden_chunk, weight_c, start, grads, need, scale) -> None:
+    """Turns ``probs`` (the chunk's softmax, fp32, chunk x vocab, overwritten) into d(loss)/d(logits) =
+    scale x (softmax - one-hot) (``scale``: a 0-d tensor, the incoming gradient, or None for 1) and accumulates
+    the chunk's gradients into ``grads`` (grad_hidden rows [start, start + chunk), grad_weight, grad_bias, each
+    only where ``need``)."""
     grad_hidden, grad_weight, grad_bias = grads
-    probs = logits.sub_(lse[:, None]).exp_()
     rows = torch.arange(probs.shape[0], device=probs.device)
     probs[rows, target_chunk] -= 1.0
     if scale is not None:
@@ -249,8 +266,9 @@ class _RecomputeLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_size):
                 target_chunk = targets[start:start + chunk_size]
                 logits = _chunk_logits(hidden[start:start + chunk_size].to(compute_dtype), weight_c, bias_c)
-                lse = lse_all[start:start + chunk_size] = torch.logsumexp(logits, dim=1)
-                total += (lse - logits.gather(1, target_chunk[:, None]).squeeze(1)).sum()
+                lse, target_logits = _softmax_(logits, target_chunk)
+                lse_all[start:start + chunk_size] = lse
+                total += (lse - target_logits).sum()
         ctx.chunk_size, ctx.compute_dtype = chunk_size, compute_dtype
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
         return total
@@ -265,9 +283,10 @@ class _RecomputeLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], ctx.chunk_size):
                 hidden_chunk = hidden[start:start + ctx.chunk_size].to(ctx.compute_dtype)
-                logits = _chunk_logits(hidden_chunk, weight_c, bias_c)
-                _chunk_backward(logits, lse_all[start:start + ctx.chunk_size], targets[start:start + ctx.chunk_size],
-                                hidden_chunk, weight_c, start, grads, need, scale)
+                probs = _chunk_logits(hidden_chunk, weight_c, bias_c)
+                probs.sub_(lse_all[start:start + ctx.chunk_size, None]).exp_()
+                _chunk_grads(probs, targets[start:start + ctx.chunk_size], hidden_chunk, weight_c, start, grads, need,
+                             scale)
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return (*(None if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None, None)
 

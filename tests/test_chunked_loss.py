@@ -59,7 +59,7 @@ def plain(model, batch):
     return CausalLM().loss_sum(model(**inputs).logits, batch["labels"])
 
 
-def chunked(model, batch, chunk_size=7, method="fused"):
+def chunked(model, batch, chunk_size=7, method=None):
     hidden, head = causal_lm_hidden_and_head(model, batch)
     return chunked_causal_lm_loss_sum(hidden, head, batch["labels"], chunk_size, method=method)
 
@@ -205,7 +205,8 @@ def test_saves_far_less_for_backward_at_a_large_vocabulary():
 # ------------------------------------------------------------------------------------ model wrappers
 def test_peft_lora_model():
     """A peft LoRA model: the hidden states come through PeftModel's forward, and the adapters' gradients
-    match. With lm_head itself adapted, the head is a LoRA module: it is called (method "checkpoint")."""
+    match. With lm_head itself adapted, the head is a LoRA module: it is called (method "checkpoint", the
+    default for a module)."""
     peft = pytest.importorskip("peft")
     batch = make_batch()
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
@@ -219,10 +220,10 @@ def test_peft_lora_model():
     hidden, head = causal_lm_hidden_and_head(model, batch)
     assert not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear
     with pytest.raises(ValueError, match="method='checkpoint'"):
-        chunked_causal_lm_loss_sum(hidden, head, batch["labels"], 5)
+        chunked_causal_lm_loss_sum(hidden, head, batch["labels"], 5, method="fused")
     reference = loss_and_grads(model, lambda: plain(model, batch))
     assert any("lm_head" in name for name in reference[1])
-    assert_same(reference, loss_and_grads(model, lambda: chunked(model, batch, 5, "checkpoint")))
+    assert_same(reference, loss_and_grads(model, lambda: chunked(model, batch, 5, None)))  # picks "checkpoint"
 
 
 def test_accelerate_prepared_model_bf16():
