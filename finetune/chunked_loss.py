@@ -181,6 +181,7 @@ def _forward_chunks(hidden, weight, bias, targets, chunk_size, compute_dtype, gr
             total += (lse - target_logits).sum()
             if grads is not None:
                 _chunk_grads(probs, target_chunk, hidden_chunk, weight_c, start, grads, need, None)
+            del probs  # else it lives on while the next chunk's logits are allocated: two chunks at the peak
     return total
 
 
@@ -269,6 +270,7 @@ class _RecomputeLinearCrossEntropy(torch.autograd.Function):
                 lse, target_logits = _softmax_(logits, target_chunk)
                 lse_all[start:start + chunk_size] = lse
                 total += (lse - target_logits).sum()
+                del logits  # before the next chunk's logits are allocated
         ctx.chunk_size, ctx.compute_dtype = chunk_size, compute_dtype
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
         return total
@@ -287,6 +289,7 @@ class _RecomputeLinearCrossEntropy(torch.autograd.Function):
                 probs.sub_(lse_all[start:start + ctx.chunk_size, None]).exp_()
                 _chunk_grads(probs, targets[start:start + ctx.chunk_size], hidden_chunk, weight_c, start, grads, need,
                              scale)
+                del probs  # before the next chunk's logits are allocated
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return (*(None if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None, None)
 
