@@ -202,6 +202,26 @@ def test_saves_far_less_for_backward_at_a_large_vocabulary():
         assert saved * 50 < plain_bytes, (method, saved, plain_bytes)
 
 
+def test_one_chunk_of_logits_at_a_time():
+    """The peak tensor memory of the loss's forward + backward (torch profiler) holds one chunk's fp32 logits,
+    not two: each chunk's buffer is freed before the next is allocated, and the softmax runs in place."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_chunked_loss import peak_allocated_bytes
+
+    torch.manual_seed(0)
+    vocab, hidden_size, chunk = 49152, 16, 1024
+    hidden = torch.randn(4, 512, hidden_size, requires_grad=True)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    labels = torch.randint(0, vocab, (4, 512))
+    chunk_bytes = chunk * vocab * 4  # 192 MiB
+    for method in ("fused", "recompute"):
+        hidden.grad = head.weight.grad = None
+        peak = peak_allocated_bytes(
+            lambda: chunked_causal_lm_loss_sum(hidden, head, labels, chunk, method=method).backward())
+        small = 2 * head.weight.numel() * 4 + 4 * hidden.numel() * 4 + 4 * 512 * 32  # gradients, selections
+        assert chunk_bytes <= peak <= chunk_bytes + small, (method, peak / 2**20)
+
+
 # ------------------------------------------------------------------------------------ model wrappers
 def test_peft_lora_model():
     """A peft LoRA model: the hidden states come through PeftModel's forward, and the adapters' gradients
