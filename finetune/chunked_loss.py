@@ -333,8 +333,8 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
 
     ``model``: a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...), bare or wrapped by
     peft (``PeftModelForCausalLM``, LoRA or not), by ``accelerator.prepare`` (its autocast/fp32-output
-    forward), by DDP or DataParallel, or ``torch.compile`` (the hooks below cause a graph break at the head).
-    The forward runs through the outermost wrapper, so DDP's gradient synchronisation and Accelerate's
+    forward), or by DDP or DataParallel. Not a whole-model ``torch.compile`` (a compiled forward does not run
+    hooks added after compilation); compiling only the decoder layers is fine. The forward runs through the outermost wrapper, so DDP's gradient synchronisation and Accelerate's
     autocast apply exactly as for ``model(**batch)``. ``batch``: the forward's keyword arguments
     (``input_ids``, ``attention_mask``, ...); a ``labels`` entry is ignored, so the model computes no loss.
 
@@ -346,7 +346,7 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
     Those few logits also check that the model returns what its head computed: a model that transforms
     logits after ``lm_head`` would be trained on a different objective by the chunked loss, so it is refused.
 
-    Raises ``ValueError`` if the model has no output embedding, is sharded by FSDP or DeepSpeed ZeRO-3 (the
+    Raises ``ValueError`` if the model has no output embedding, is ``torch.compile``'d as a whole, is sharded by FSDP or DeepSpeed ZeRO-3 (the
     head's weight is not whole outside its forward), uses final logit softcapping (Gemma-2/3
     ``final_logit_softcapping``) or any other post-head logit transform (Cohere's ``logit_scale``, Granite's
     ``logits_scaling`` != 1, ...: detected by the comparison above), or does not call its head exactly once
@@ -358,6 +358,9 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
         raise ValueError(f"{type(inner).__name__} has no output embedding (get_output_embeddings() is None): not a "
                          f"causal LM with an lm_head")
     _refuse_unsupported(model, inner, head)
+    if any(isinstance(m, _compiled_module_types()) for m in _wrapper_chain(model)):
+        raise ValueError("the model is torch.compile'd as a whole: its compiled forward would not run the hooks that "
+                         "take the hidden states. Compile the decoder layers only, or use the plain loss.")
 
     seen = []
 
@@ -383,7 +386,8 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
     if len(seen) != 1 or seen[0]["hidden"].dim() != 3:
         raise ValueError(f"{type(inner).__name__}'s forward called its output embedding {len(seen)} time(s)"
                          + (f" on a {seen[0]['hidden'].dim()}-d input" if len(seen) == 1 else "")
-                         + "; the chunked loss needs exactly one call on (batch, seq, hidden) hidden states")
+                         + "; the chunked loss needs exactly one call, on (batch, seq, hidden) hidden states, "
+                         "through the module (not its weight)")
     returned = outputs.logits if hasattr(outputs, "logits") else outputs[0]
     head_logits = seen[0]["logits"]
     if returned.shape != head_logits.shape or not torch.equal(returned.detach().float(), head_logits.detach().float()):
@@ -391,6 +395,28 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
                          f"logit transform after lm_head, such as softcapping or scaling): the chunked loss would "
                          f"train without it. Use the plain loss for this model.")
     return seen[0]["hidden"], head
+
+
+def _wrapper_chain(model: torch.nn.Module) -> list:
+    """``model`` and what it wraps, outermost first: ``.module`` (DDP, DataParallel, DeepSpeed, FSDP),
+    ``._orig_mod`` (torch.compile) and peft's ``get_base_model()``."""
+    chain = [model]
+    while len(chain) < 16:
+        m = chain[-1]
+        inner = (m.__dict__.get("_modules", {}).get("module") or m.__dict__.get("_modules", {}).get("_orig_mod")
+                 or (m.get_base_model() if hasattr(m, "get_base_model") else None))
+        if inner is None or inner is m:
+            break
+        chain.append(inner)
+    return chain
+
+
+def _compiled_module_types() -> tuple:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return ()
+    return (OptimizedModule,)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

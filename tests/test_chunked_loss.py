@@ -306,6 +306,19 @@ def test_refuses_any_logit_transform_after_the_head():
     assert hidden.shape == (3, 19, 32) and head.weight.shape == (VOCAB, 32)
 
 
+def test_refuses_a_compiled_model():
+    """A whole-model torch.compile skips the hooks that take the hidden states: refused up front, also inside
+    DDP-like and peft wrappers."""
+    model = torch.compile(tiny_llama())
+    with pytest.raises(ValueError, match="torch.compile"):
+        causal_lm_hidden_and_head(model, make_batch())
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    wrapped.base_model.model = torch.compile(wrapped.base_model.model)
+    with pytest.raises(ValueError, match="torch.compile"):
+        causal_lm_hidden_and_head(wrapped, make_batch())
+
+
 # --------------------------------------------------------------------------------------------- errors
 def test_errors():
     hidden, head, labels = torch.randn(2, 5, 8), torch.nn.Linear(8, 11), torch.zeros(2, 5, dtype=torch.long)
