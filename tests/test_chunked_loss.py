@@ -132,6 +132,16 @@ def test_without_grad_mode_computes_the_loss_only():
             torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
 
 
+def test_fused_second_backward_raises_instead_of_rescaling():
+    """"fused" scales its stored gradients in place: a second backward through the same graph must fail
+    (autograd's version check), not return gradients scaled twice."""
+    hidden = torch.randn(2, 9, 8, requires_grad=True)
+    loss = chunked_causal_lm_loss_sum(hidden, torch.nn.Linear(8, 13), torch.randint(0, 13, (2, 9)), 4)
+    loss.backward(torch.tensor(2.0), retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        loss.backward()
+
+
 def test_frozen_head_gets_no_gradient():
     """LoRA-style training freezes the (tied) head: only the hidden states' gradient is computed."""
     model, batch = tiny_llama(), make_batch()
