@@ -17,8 +17,10 @@ from accelerate.state import GradientState
 from accelerate.utils import DataLoaderConfiguration, DistributedType, TorchDynamoPlugin
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from finetune.chunked_loss import causal_lm_hidden_and_head, chunked_causal_lm_loss_sum
 from finetune.errors import FinetuneError
 from finetune.precision import check_precision_supported
+from finetune.tasks import CausalLM
 from finetune.sharded import accumulation_plugin, sync_each_batch
 
 _TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
@@ -234,3 +236,41 @@ def iter_windows(dataloader, gradient_accumulation_steps: int):
             window = []
     if window:
         yield window
+
+
+DEFAULT_LOSS_CHUNK_SIZE = 1024  # label tokens per chunk (bench/bench_chunked_loss.py: 7.2x less, 0.93x time, CPU)
+
+
+def loss_function(task, config, accelerator):
+    """``loss_sum(model, batch, labels)``: the micro-batch's summed loss (the task's convention: a sum over
+    its items, which the engine divides by the window's items).
+
+    Causal LM with ``--loss_chunk_size`` > 0 (by default on a CPU, where it was measured faster): the loss
+    from the final hidden states through the output embedding, chunk by chunk of label tokens
+    (``finetune.chunked_loss``), never materialising the logits, inside ``accelerator.autocast()`` as the
+    model's own head would run. A model the chunked path cannot serve (FSDP, ZeRO-3, compiled, a softcapped
+    head) falls back to the plain path when the chunked loss was the default, and is refused (``ValueError``
+    from ``chunked_loss``) when it was asked for. Otherwise ``task.loss_sum(model(**batch).logits, labels)``.
+    """
+    chunk = config.loss_chunk_size
+    if chunk is None:
+        chunk = DEFAULT_LOSS_CHUNK_SIZE if accelerator.device.type == "cpu" else 0
+    if not chunk or not isinstance(task, CausalLM):
+        return lambda model, batch, labels: task.loss_sum(model(**batch).logits, labels)
+    strict, fallback = config.loss_chunk_size is not None, []
+
+    def loss_sum(model, batch, labels):
+        if not fallback:
+            try:
+                hidden, head = causal_lm_hidden_and_head(model, batch)
+                with accelerator.autocast():
+                    return chunked_causal_lm_loss_sum(hidden, head, labels, chunk)
+            except ValueError as err:
+                if strict:
+                    raise FinetuneError(f"--loss_chunk_size {chunk}: {err} Use --loss_chunk_size 0.") from None
+                fallback.append(str(err))
+                if accelerator.is_main_process:
+                    print(f"note: the chunked loss cannot serve this model ({err}); using the plain loss.")
+        return task.loss_sum(model(**batch).logits, labels)
+
+    return loss_sum

@@ -197,6 +197,12 @@ class TrainConfig:
         default=None, metadata={"help": "JSON object of keyword arguments for gradient_checkpointing_enable's "
                                         "gradient_checkpointing_kwargs (default {\"use_reentrant\": false})."}
     )
+    loss_chunk_size: int | None = field(
+        default=None, metadata={"help": "Causal LM: compute the loss from the final hidden states, this many label "
+                                        "tokens at a time, never materialising the (batch, seq, vocab) logits (0: the "
+                                        "plain full logits). Default: 1024 on a CPU, where it was measured faster and "
+                                        "7x lighter; 0 on a GPU until measured there."}
+    )
     use_peft: bool = field(
         default=False, metadata={"help": "Train LoRA adapters (peft) instead of every weight: the base model stays "
                                          "frozen (no gradients, no optimizer state); a classifier head stays trainable."}
@@ -335,6 +341,9 @@ class TrainConfig:
                 raise FinetuneError(f"--activation_checkpointing_kwargs must be a JSON object such as "
                                     f"'{{\"use_reentrant\": false}}', got {self.activation_checkpointing_kwargs!r} "
                                     f"({err}).") from None
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
+            raise FinetuneError(f"--loss_chunk_size must be >= 0 (label tokens per chunk; 0 for the plain loss), "
+                                f"got {self.loss_chunk_size}.")
         if self.merge_adapter and not self.use_peft:
             raise FinetuneError("--merge_adapter needs --use_peft (there is no adapter to merge otherwise).")
         if self.validation_file and not self.train_file:

@@ -39,8 +39,8 @@ from transformers import get_scheduler
 from finetune import checkpoint as ckpt
 from finetune import nodes
 from finetune.components import (EpochSeededLengthGroupedSampler, StepPlan, build_optimizer, iter_windows,
-                                 loss_scale, make_accelerator, micro_batches_per_process, optimizer_step_skipped,
-                                 parameter_groups, plan_steps)
+                                 loss_function, loss_scale, make_accelerator, micro_batches_per_process,
+                                 optimizer_step_skipped, parameter_groups, plan_steps)
 from finetune.config import config_argv, reproduce_command
 from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
@@ -74,6 +74,7 @@ class Setup:
     metric_specs: dict
     raw_validation: object  # the validation split before tokenizing (generation evaluates it)
     layout: nodes.StorageLayout  # who writes the run's files (one process, or one per machine)
+    loss_sum: object = None  # (model, batch, labels) -> summed loss: components.loss_function
     engine_note: str | None = None  # a banner line for FSDP / DeepSpeed
 
     def learning_rate(self) -> float:
@@ -142,7 +143,8 @@ def setup(config, recipe) -> Setup:
                                   num_training_steps=plan.max_steps)
         accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
     return Setup(accelerator, model, tokenizer, optimizer, scheduler, train_dataloader, eval_dataloader, plan,
-                 precision, get_task(recipe.TASK), recipe.METRICS, raw_validation, layout, engine_note)
+                 precision, get_task(recipe.TASK), recipe.METRICS, raw_validation, layout,
+                 loss_function(get_task(recipe.TASK), config, accelerator), engine_note)
 
 
 def _prepare_deepspeed(accelerator, config, model, train_dataloader, eval_dataloader):
@@ -230,7 +232,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 for batch in window:
                     with accelerator.accumulate(model):
                         labels = batch.pop("labels")
-                        loss_sum = task.loss_sum(model(**batch).logits, labels)
+                        loss_sum = s.loss_sum(model, batch, labels)  # forward; summed over the batch's items
                         # accelerator.backward divides by N and DDP averages over P processes: undo both, so
                         # the summed gradient is sum(per-item gradients) / items in the window.
                         scaled = loss_sum * (N * P / counts.items)

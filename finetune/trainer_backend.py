@@ -25,8 +25,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
-from finetune.components import (cpu_fp16_test_switch_on, enable_test_cpu_fp16, loss_scale, micro_batches_per_process,
-                                 optimizer_step_skipped, plan_steps)
+from finetune.components import (cpu_fp16_test_switch_on, enable_test_cpu_fp16, loss_function, loss_scale,
+                                 micro_batches_per_process, optimizer_step_skipped, plan_steps)
 from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
@@ -91,6 +91,25 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
     )
 
 
+class FinetuneTrainer(Trainer):
+    """``Trainer`` whose training loss is the accelerate engine's (``components.loss_function``: the chunked
+    loss for causal LM where it is on), accounted by ``TrueLossCallback.account``. Trainer is still given
+    that callback's ``compute_loss_func``, so it neither divides the loss by the accumulation steps nor
+    skips averaging ``num_items_in_batch`` across devices."""
+
+    def __init__(self, account, **kwargs):
+        super().__init__(**kwargs)
+        self.account, self.loss_sum = account, None  # loss_sum: set once the Trainer's accelerator exists
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The micro-batch's loss: ``loss_sum(model, inputs, labels)`` / the window's items."""
+        if return_outputs:  # Trainer's own prediction path (unused here: evaluation is evaluate())
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        return self.account(self.loss_sum(model, inputs, labels), labels, num_items_in_batch)
+
+
 class TrueLossCallback(TrainerCallback):
     """Our bookkeeping on Trainer: ``log.jsonl`` like the accelerate engine (one record per optimizer step
     with the mean loss per item over the window, summed over processes, the learning rate used and the
@@ -117,7 +136,11 @@ class TrueLossCallback(TrainerCallback):
         """Trainer's ``compute_loss_func``: the micro-batch's summed loss (fp32; the task's: samples or
         label tokens) divided by the window's item count ``num_items_in_batch`` (all processes; Trainer
         counts it the same way), or by the batch's own items when there is no window."""
-        loss_sum = self.task.loss_sum(outputs.logits, labels)
+        return self.account(self.task.loss_sum(outputs.logits, labels), labels, num_items_in_batch)
+
+    def account(self, loss_sum, labels, num_items_in_batch=None):
+        """The loss Trainer back-propagates for a micro-batch whose summed loss is ``loss_sum``: divided by the
+        window's items ``num_items_in_batch``; the window's loss, items and samples are counted for the log."""
         if num_items_in_batch is None or not torch.is_grad_enabled():  # evaluation (Trainer passes a count there too)
             return loss_sum / self.task.count(labels).clamp(min=1)
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
@@ -277,10 +300,11 @@ def train(config, recipe, process_start: float | None = None) -> dict:
             _totals_from_log(output_dir / "log.jsonl", step, totals, config)
     log = JsonlLog(output_dir / "log.jsonl", main, append=resume_from is not None)
     callback = TrueLossCallback(config, recipe, get_task(recipe.TASK), log, plan, totals, raw_validation)
-    trainer = Trainer(model=model, args=args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
+    trainer = FinetuneTrainer(callback.account, model=model, args=args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
                       data_collator=collator, processing_class=tokenizer, compute_loss_func=callback.compute_loss,
                       callbacks=[callback])
     callback.trainer = trainer
+    trainer.loss_sum = loss_function(get_task(recipe.TASK), config, trainer.accelerator)
     enable_test_cpu_fp16(trainer.accelerator)  # TEST ONLY; Trainer prepares model and optimizer in train()
     # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets
     # state.best_model_checkpoint, from which Trainer loads the best model at the end.

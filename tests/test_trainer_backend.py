@@ -91,7 +91,7 @@ def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
                            "1", "--disable_dropout", "--max_length", "32", "--eval_strategy", "no"])
     recipe = load_recipe("bbc-news")
     tokenizer = load_tokenizer(tiny_bert)
-    data, names = build_datasets(recipe, config, tokenizer, get_task(recipe.TASK))
+    data, names, _ = build_datasets(recipe, config, tokenizer, get_task(recipe.TASK))
     from transformers import DataCollatorWithPadding, set_seed
 
     set_seed(config.seed)
