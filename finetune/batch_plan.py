@@ -19,12 +19,16 @@ sees the same answers, every rank's search asks the same questions and ends on t
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import numbers
+import statistics
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
-import gc
 
 import psutil
 import torch
@@ -33,8 +37,9 @@ from accelerate.utils import parse_flag_from_env
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.builders import get_task
-from finetune.components import build_optimizer
+from finetune.components import DEFAULT_LOSS_CHUNK_SIZE, build_optimizer, loss_function
 from finetune.errors import FinetuneError
+from finetune.tasks import CausalLM
 
 
 @dataclass(frozen=True)
@@ -304,105 +309,241 @@ def oom_probe(model, optimizer, loss_at: Callable[[int], "torch.Tensor"],
     return fits
 
 
-def probe_fits(config, recipe, num_processes: int, device, total_batch_size: int) -> Callable[[int], bool]:
-    """A ``fits(m)`` for ``plan_batch`` from real probe steps of the recipe's model on worst-case batches
-    (every sample ``max_length`` tokens, or ``block_size``), on this process alone (``resolve_batch_plan``
-    agrees the answers over the ranks).
+@dataclass(frozen=True)
+class Lever:
+    """One setting of the memory levers the planner chooses among: activation checkpointing on or off, and
+    for causal LM the loss chunk size (0: the plain full-logits loss; see ``components.loss_function``)."""
 
-    - CUDA: a whole training step at micro-batch m, forward, backward and the run's AdamW step with its
-      state allocated (``oom_probe``), either runs or raises out-of-memory. The probe runs the unwrapped
-      model: DDP's gradient buckets (about one more copy of the gradients) are not in it, and FSDP or
-      DeepSpeed, which shard, need less than it measures.
-    - CPU: no OOM to catch, so the budget is ``--max_memory_mb`` (default: the memory available now).
-      Activation bytes saved for backward at micro-batch 1 and 2 give a linear model (bytes per sample,
-      plus a fixed part); gradients and AdamW's two moments add 3x the parameter bytes. A micro-batch fits
-      if what the process holds now, plus that, stays under the budget. Transient buffers are not
-      modelled: keep a margin.
+    activation_checkpointing: bool
+    loss_chunk_size: int | None
+
+    def __str__(self) -> str:
+        parts = ["checkpointing" if self.activation_checkpointing else "no checkpointing"]
+        if self.loss_chunk_size is not None:
+            parts.append(f"chunked loss {self.loss_chunk_size}" if self.loss_chunk_size else "plain loss")
+        return ", ".join(parts)
+
+
+@dataclass
+class Candidate:
+    """A plan the planner considered: a ``BatchPlan`` under a ``Lever`` setting, its estimated peak memory
+    (bytes; None where probing is by out-of-memory, on CUDA), whether it fits on every rank, and its measured
+    time per sample (seconds; None where not measured: it does not fit, or a larger micro-batch of the same
+    lever setting fits)."""
+
+    plan: BatchPlan
+    lever: Lever
+    estimated_bytes: int | None
+    fits: bool
+    seconds_per_sample: float | None = None
+
+
+class Probe:
+    """Probe steps of the recipe's model on worst-case batches (every sample ``max_length`` tokens, or
+    ``block_size``) under one ``Lever`` setting, on this process alone.
+
+    - ``fits(m)``: CUDA: a whole training step at micro-batch m (forward, backward, the run's AdamW step with
+      its state allocated: ``oom_probe``) either runs or raises out-of-memory. CPU: no OOM to catch, so the
+      budget is ``--max_memory_mb`` (default: the memory available now): activation bytes saved for backward
+      at micro-batch 1 and 2 give a linear model (bytes per sample, plus a fixed part); gradients and AdamW's
+      two moments add 3x the trainable parameter bytes (``estimate(m)``). Transient buffers are not modelled:
+      keep a margin.
+    - ``seconds_per_sample(m)``: one warm-up and two timed forward/backward passes at micro-batch m (seconds
+      per sample; the optimizer step, once per optimizer step whatever the plan, is left out).
+    Raises ``FinetuneError`` when the budget leaves no room at all.
     """
-    task = get_task(recipe.TASK)
-    label_names = ["a", "b"] if task.name == "sequence-classification" else None
-    model = task.load_model(config, label_names).to(device)
-    model.train()
-    length = config.block_size or config.max_length
-    vocab = model.config.vocab_size
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
 
-    def step(m: int):
-        ids = torch.randint(0, vocab, (m, length), device=device)
-        labels = ids if task.name == "causal-lm" else torch.zeros(m, dtype=torch.long, device=device)
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-            return task.loss_sum(logits, labels)
+    def __init__(self, config, recipe, device, lever: Lever, held: int | None = None):
+        task = get_task(recipe.TASK)
+        label_names = ["a", "b"] if task.name == "sequence-classification" else None
+        self.device, self.task, self.lever = device, task, lever
+        self.model = task.load_model(config, label_names).to(device)
+        self.model.train()
+        if lever.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.length = config.block_size or config.max_length
+        self.vocab = self.model.config.vocab_size
+        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
+        self.loss_sum = probe_loss_function(task, lever, device)
+        if device.type == "cuda":
+            self.fits = oom_probe(self.model, build_optimizer(self.model, config), self.step,
+                                  release=torch.cuda.empty_cache)
+            self.estimate = lambda m: None
+            return
+        budget = (config.max_memory_mb * 2**20) if config.max_memory_mb else psutil.virtual_memory().available
+        one, two = saved_tensor_bytes(lambda: self.step(1)), saved_tensor_bytes(lambda: self.step(2))
+        per_sample = max(two - one, 1)
+        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        fixed = max(one - per_sample, 0) + 3 * trainable
+        held = psutil.Process().memory_info().rss if held is None else held
+        print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
+              f"(activations saved for backward at micro-batch 1 and 2, gradients, AdamW state); budget "
+              f"{budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
+        if budget <= held + fixed + per_sample:
+            raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
+                                f"{held / 2**20:.0f} MiB and one sample needs about {(fixed + per_sample) / 2**20:.0f} "
+                                f"MiB more. Raise --max_memory_mb above {(held + fixed + per_sample) / 2**20:.0f}.")
+        self.fits = estimate_fits_from_memory(per_sample, fixed, budget - held)
+        self.estimate = lambda m: int(held + fixed + m * per_sample)
 
-    if device.type == "cuda":
-        return oom_probe(model, build_optimizer(model, config), step, release=torch.cuda.empty_cache)
+    def step(self, m: int):
+        """The summed loss of a worst-case micro-batch of ``m`` samples (forward only; the caller backs it)."""
+        ids = torch.randint(0, self.vocab, (m, self.length), device=self.device)
+        labels = ids if isinstance(self.task, CausalLM) else torch.zeros(m, dtype=torch.long, device=self.device)
+        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+            return self.loss_sum(self.model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
 
-    budget = (config.max_memory_mb * 2**20) if config.max_memory_mb else psutil.virtual_memory().available
-    one, two = saved_tensor_bytes(lambda: step(1)), saved_tensor_bytes(lambda: step(2))
-    per_sample = max(two - one, 1)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    fixed = max(one - per_sample, 0) + 3 * param_bytes
-    model = None  # free the probe copy before measuring what the process holds
-    gc.collect()
-    held = psutil.Process().memory_info().rss
-    print(f"Memory probe: {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
-          f"(activations saved for backward at micro-batch 1 and 2, gradients, AdamW state); budget "
-          f"{budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
-    if budget <= held + fixed + per_sample:
-        raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
-                            f"{held / 2**20:.0f} MiB and one sample needs about {(fixed + per_sample) / 2**20:.0f} MiB "
-                            f"more. Raise --max_memory_mb above {(held + fixed + per_sample) / 2**20:.0f}.")
-    return estimate_fits_from_memory(per_sample, fixed, budget - held)
+    def seconds_per_sample(self, m: int, timed: int = 2) -> float:
+        """Seconds per sample of forward + backward at micro-batch ``m``: the median of ``timed`` passes after a
+        warm-up one."""
+        times = []
+        for i in range(timed + 1):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self.step(m).backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.model.zero_grad(set_to_none=True)
+            if i:
+                times.append((time.perf_counter() - start) / m)
+        return statistics.median(times)
+
+    def close(self) -> None:
+        """Free the probe copy of the model."""
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def resolve_batch_plan(config, recipe, num_processes: int, device,
-                       max_over_processes: Callable[[int], int] = lambda code: code) -> BatchPlan | None:
-    """The (micro-batch, accumulation) for ``--total_batch_size``, or None when it is not set.
+def probe_loss_function(task, lever: Lever, device):
+    """``components.loss_function`` for a probe model under ``lever`` (the same loss path training takes)."""
+    # a stand-in for the Accelerator: the probe runs the bare model, under its own autocast (Probe.step)
+    accelerator = SimpleNamespace(device=device, is_main_process=False, autocast=contextlib.nullcontext)
+    return loss_function(task, SimpleNamespace(loss_chunk_size=lever.loss_chunk_size), accelerator)
 
-    Without ``--auto_find_batch_size``: the given ``per_device_train_batch_size`` must divide
-    ``total_batch_size / processes`` (else ``FinetuneError`` listing the valid micro-batches). With it: the
-    largest valid micro-batch that fits on every rank (``probe_fits`` on each, answers agreed with
-    ``max_over_processes``, see ``agree``), accumulation raised to keep the total exact; every rank returns
-    the same plan. The probe model is freed before returning.
-    """
-    if not config.total_batch_size:
-        return None
-    plans = valid_plans(config.total_batch_size, num_processes)
-    if config.auto_find_batch_size:
-        probe = {}
 
-        def build_probe() -> bool:  # may fail on one rank only (e.g. --max_memory_mb leaves no room there)
-            probe["fits"] = probe_fits(config, recipe, num_processes, device, config.total_batch_size)
-            return True
+def levers(config, recipe, device) -> list[Lever]:
+    """The lever settings the planner considers: activation checkpointing off and on (only on when
+    ``--activation_checkpointing`` was given), times, for causal LM, the plain and the chunked loss (only the
+    given one when ``--loss_chunk_size`` was set)."""
+    checkpointing = [True] if config.activation_checkpointing else [False, True]
+    if isinstance(get_task(recipe.TASK), CausalLM):
+        chunks = [config.loss_chunk_size] if config.loss_chunk_size is not None else [0, DEFAULT_LOSS_CHUNK_SIZE]
+    else:
+        chunks = [None]
+    return [Lever(c, k) for c in checkpointing for k in chunks]
 
-        agree(build_probe, max_over_processes)
+
+def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_over_processes=lambda code: code,
+                slowest_over_processes=lambda seconds: seconds) -> tuple[Candidate, list[Candidate]]:
+    """The fastest plan that fits: for every lever setting (``probes``: ``Lever`` -> ``Probe``-like object
+    with ``fits(m)``, ``estimate(m)``, ``seconds_per_sample(m)``) the exact plans (``valid_plans``), whether
+    each fits on every rank (``agreed_fits``: the largest that fits is found by ``plan_batch``; smaller ones
+    fit too, ``fits`` being monotone), and the measured time per sample of that largest one (the slowest rank's,
+    ``slowest_over_processes``, so every rank sees the same figures). Returns (the chosen candidate: the least
+    time per sample, ties to the earlier lever setting, i.e. no checkpointing, plain loss; every candidate
+    considered). Every plan keeps ``total_batch_size`` exactly. Raises ``FinetuneError`` when nothing fits."""
+    candidates, measured = [], []
+    for lever, probe in probes.items():
         try:
-            return plan_batch(config.total_batch_size, num_processes, agreed_fits(probe["fits"], max_over_processes))
-        finally:
-            probe.clear()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    micro = config.per_device_train_batch_size
-    for m, n in plans:
-        if m == micro:
-            return BatchPlan(m, n, num_processes, config.total_batch_size)
-    raise FinetuneError(
-        f"--total_batch_size {config.total_batch_size} with {num_processes} process(es) cannot use "
-        f"--per_device_train_batch_size {micro}: it must divide {config.total_batch_size // num_processes}. "
-        f"Valid micro-batches: {', '.join(str(m) for m, _ in plans)} (or pass --auto_find_batch_size).")
+            best = plan_batch(total_batch_size, num_processes, agreed_fits(probe.fits, max_over_processes))
+        except FinetuneError:
+            best = None
+        for m, n in valid_plans(total_batch_size, num_processes):
+            fits = best is not None and m <= best.per_device_train_batch_size
+            candidate = Candidate(BatchPlan(m, n, num_processes, total_batch_size), lever, probe.estimate(m), fits)
+            if best is not None and m == best.per_device_train_batch_size:
+                candidate.seconds_per_sample = slowest_over_processes(probe.seconds_per_sample(m))
+                measured.append(candidate)
+            candidates.append(candidate)
+    if not measured:
+        raise FinetuneError(
+            f"even a micro-batch of 1 sample per process does not fit in memory (--total_batch_size "
+            f"{total_batch_size} on {num_processes} process(es)), with or without activation checkpointing. Reduce "
+            "--max_length, use a machine (or GPU) with more memory, or raise --max_memory_mb if you set a budget.")
+    return min(measured, key=lambda c: c.seconds_per_sample), candidates
+
+
+def plan_table(chosen: Candidate, candidates: list[Candidate]) -> str:
+    """The table the planner prints: every plan considered and why it chose."""
+    rows = [("levers", "micro-batch", "accumulation", "est. peak MiB", "fits", "s/sample", "")]
+    for c in candidates:
+        rows.append((str(c.lever), str(c.plan.per_device_train_batch_size), str(c.plan.gradient_accumulation_steps),
+                     "-" if c.estimated_bytes is None else f"{c.estimated_bytes / 2**20:.0f}", "yes" if c.fits else "no",
+                     "-" if c.seconds_per_sample is None else f"{c.seconds_per_sample:.4f}",
+                     "<- chosen" if c is chosen else ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    timed = [c for c in candidates if c.seconds_per_sample is not None]
+    lines.append(f"Chose {chosen.plan} with {chosen.lever}: the least time per sample of the "
+                 f"{len(timed)} largest-fitting plans (one per lever setting; a smaller micro-batch of the same "
+                 "setting is not faster per sample, so it is listed unmeasured).")
+    return "\n".join(lines)
+
+
+def all_reduce_float_max(state) -> Callable[[float], float]:
+    """The maximum of a float over ``state``'s processes (the identity for one)."""
+    if state.num_processes == 1:
+        return lambda value: value
+
+    def reduce(value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=state.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return float(tensor.item())
+
+    return reduce
 
 
 def apply_batch_plan(config, recipe) -> None:
     """With ``--total_batch_size``, set ``config.per_device_train_batch_size`` and
-    ``config.gradient_accumulation_steps`` from the batch planner before either engine builds anything
-    (Accelerate fixes the accumulation steps when the Accelerator is created). Called once by
-    ``run.main``; the plan is printed. Raises ``FinetuneError`` as ``resolve_batch_plan``."""
+    ``config.gradient_accumulation_steps`` before either engine builds anything (Accelerate fixes the
+    accumulation steps when the Accelerator is created); the plan is printed.
+
+    Without ``--auto_find_batch_size``: the given micro-batch must divide ``total_batch_size / processes``
+    (else ``FinetuneError`` listing the valid micro-batches). With it: ``choose_plan`` over the lever settings
+    (``levers``), each probed on every rank and agreed on (``agree``/``agreed_fits``: a plan fits only if it
+    fits on every rank; the slowest rank's time counts), so every rank takes the same plan; the chosen lever
+    setting is written into ``config`` too (``activation_checkpointing``, ``loss_chunk_size``). Raises
+    ``FinetuneError``."""
     if not config.total_batch_size:
         return
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    plan = resolve_batch_plan(config, recipe, state.num_processes, state.device, all_reduce_max(state))
+    P, B = state.num_processes, config.total_batch_size
+    plans = valid_plans(B, P)
+    if not config.auto_find_batch_size:
+        micro = config.per_device_train_batch_size
+        if micro not in [m for m, _ in plans]:
+            raise FinetuneError(
+                f"--total_batch_size {B} with {P} process(es) cannot use --per_device_train_batch_size {micro}: it "
+                f"must divide {B // P}. Valid micro-batches: {', '.join(str(m) for m, _ in plans)} (or pass "
+                "--auto_find_batch_size).")
+        plan = BatchPlan(micro, B // P // micro, P, B)
+    else:
+        max_codes = all_reduce_max(state)
+        held = psutil.Process().memory_info().rss  # before any probe copy of the model exists
+        probes = {}
+        try:
+            for lever in levers(config, recipe, state.device):
+                def build(lever=lever) -> bool:  # may fail on one rank only (e.g. no room under --max_memory_mb)
+                    probes[lever] = Probe(config, recipe, state.device, lever, held)
+                    return True
+
+                agree(build, max_codes)
+            chosen, candidates = choose_plan(B, P, probes, max_codes,
+                                             all_reduce_float_max(state))
+        finally:
+            for probe in probes.values():
+                probe.close()
+        plan = chosen.plan
+        config.activation_checkpointing = chosen.lever.activation_checkpointing
+        if chosen.lever.loss_chunk_size is not None:
+            config.loss_chunk_size = chosen.lever.loss_chunk_size
+        if state.is_main_process:
+            print(plan_table(chosen, candidates))
     config.per_device_train_batch_size = plan.per_device_train_batch_size
     config.gradient_accumulation_steps = plan.gradient_accumulation_steps
     if state.is_main_process:
-        print(f"Batch plan for --total_batch_size {config.total_batch_size}: {plan}")
+        print(f"Batch plan for --total_batch_size {B}: {plan}")
+

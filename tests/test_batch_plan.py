@@ -193,8 +193,9 @@ def test_saved_tensor_bytes_grow_linearly_with_the_micro_batch():
 
 
 def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_bert, monkeypatch, capsys):
-    """With the process size pinned, a budget with room for ~5 samples picks micro-batch 4 (the largest
-    divisor of 32 that fits) and accumulation 8; a generous one takes 32 x 1; no room is a clear error."""
+    """With the process size pinned, a budget with room for ~5 samples without checkpointing leaves the planner
+    micro-batch 4 x 8 there, and more with checkpointing (fewer activation bytes per sample); whichever it
+    picks keeps the effective batch at 32 and is the fastest of the plans it timed; no room is a clear error."""
     import psutil
 
     from finetune.errors import FinetuneError
@@ -205,19 +206,37 @@ def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_b
 
     monkeypatch.setattr(psutil.Process, "memory_info", lambda self: Pinned())
     common = dict(model_name_or_path=tiny_bert, total_batch_size=32, auto_find_batch_size=True,
-                  max_train_samples=32, max_eval_samples=4, max_length=128, max_steps=1)
+                  max_train_samples=32, max_eval_samples=4, max_length=128, max_steps=1, eval_strategy="no")
     generous, _ = run_in_process(tmp_path, "big", max_memory_mb=64 * 1024, **common)
     assert (generous["per_device_train_batch_size"], generous["gradient_accumulation_steps"]) == (32, 1)
-    probe = capsys.readouterr().out.split("Memory probe: ")[1]
-    per_sample = float(probe.split(" MiB per sample")[0]) * 2**20
-    fixed = float(probe.split(" + ")[1].split(" MiB per step")[0]) * 2**20
-    assert per_sample > 0 and fixed > 0
+    out = capsys.readouterr().out
+    plain = out.split("Memory probe (no checkpointing): ")[1]
+    per_sample = float(plain.split(" MiB per sample")[0]) * 2**20
+    fixed = float(plain.split(" + ")[1].split(" MiB per step")[0]) * 2**20
+    with_ckpt = float(out.split("Memory probe (checkpointing): ")[1].split(" MiB per sample")[0]) * 2**20
+    assert 0 < with_ckpt < per_sample and fixed > 0  # checkpointing keeps fewer activations per sample
     budget_mb = (Pinned.rss + fixed + 5.5 * per_sample) / 2**20
     tight, _ = run_in_process(tmp_path, "small", max_memory_mb=int(budget_mb + 0.5), **common)
-    assert (tight["per_device_train_batch_size"], tight["gradient_accumulation_steps"]) == (4, 8)
+    table = capsys.readouterr().out
+    rows = []  # (checkpointing, micro-batch, fits, seconds per sample or None, chosen)
+    for line in table.splitlines():
+        for prefix, checkpointing in (("no checkpointing", False), ("checkpointing", True)):
+            if line.startswith(prefix):
+                cells = line[len(prefix):].split()
+                rows.append((checkpointing, int(cells[0]), cells[3] == "yes",
+                             None if cells[4] == "-" else float(cells[4]), line.rstrip().endswith("<- chosen")))
+                break
+    assert len(rows) == 12  # 6 exact plans of 32 x 2 lever settings
+    assert max(m for c, m, fits, _, _ in rows if not c and fits) == 4  # the budget's limit without checkpointing
+    assert max(m for c, m, fits, _, _ in rows if c and fits) > 4  # checkpointing fits a larger micro-batch
+    timed = [(c, m, sec) for c, m, _, sec, _ in rows if sec is not None]
+    assert len(timed) == 2
+    chosen = [(c, m, sec) for c, m, _, sec, is_chosen in rows if is_chosen]
+    assert len(chosen) == 1 and chosen[0][2] == min(sec for _, _, sec in timed)  # the fastest plan that fits
+    assert tight["per_device_train_batch_size"] == chosen[0][1]
+    assert tight["per_device_train_batch_size"] * tight["gradient_accumulation_steps"] == 32
     with pytest.raises(FinetuneError, match="--max_memory_mb 900 leaves no room"):
         run_in_process(tmp_path, "none", max_memory_mb=900, **common)
-
 
 def test_oom_in_evaluation_splits_eval_batches_not_the_training_micro_batch(tmp_path, tiny_bert, monkeypatch):
     """Evaluation batches of 8 'run out of memory' above 3 samples: they are split and retried, the eval
@@ -247,3 +266,28 @@ def test_oom_in_evaluation_splits_eval_batches_not_the_training_micro_batch(tmp_
     assert metrics["eval_accuracy"] == reference["eval_accuracy"]
     assert metrics["per_device_train_batch_size"] == 8
     assert [r["samples"] for r in train_steps(out)] == [8, 8]
+
+
+def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(tmp_path, tiny_llama, clm_texts,
+                                                                                capsys):
+    """Causal LM: 2 checkpointing x 2 loss settings, each with its largest fitting plan timed; the chosen one
+    is written into the run's configuration, and the effective batch stays exact."""
+    import json
+
+    from helpers import run_in_process
+
+    train, valid = clm_texts
+    metrics, out = run_in_process(tmp_path, "clm", recipe="bbc-news-clm", model_name_or_path=tiny_llama,
+                                  train_file=train, validation_file=valid, total_batch_size=8,
+                                  auto_find_batch_size=True, max_memory_mb=64 * 1024, max_length=64, max_steps=1,
+                                  eval_strategy="no", mixed_precision="no")
+    table = capsys.readouterr().out
+    assert table.count("<- chosen") == 1
+    for setting in ("no checkpointing, plain loss", "no checkpointing, chunked loss 1024",
+                    "checkpointing, plain loss", "checkpointing, chunked loss 1024"):
+        assert sum(line.startswith(setting) for line in table.splitlines()) == 4  # plans 8x1, 4x2, 2x4, 1x8
+    chosen = next(line for line in table.splitlines() if line.rstrip().endswith("<- chosen"))
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["activation_checkpointing"] == (not chosen.startswith("no checkpointing"))
+    assert config["loss_chunk_size"] == (1024 if "chunked loss" in chosen else 0)
+    assert metrics["effective_batch_size"] == 8
