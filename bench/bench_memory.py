@@ -115,22 +115,12 @@ def build_model(spec: dict):
     return model
 
 
-def saved_storages(run_step) -> dict[int, int]:
-    """The storages autograd saves for backward while ``run_step()`` builds its graph, as ``{data_ptr:
-    bytes}``, recorded the way ``finetune.batch_plan.saved_tensor_bytes`` records them (same hook, same
-    de-duplication); ``run_step``'s loss is returned with them, not back-propagated: ``(storages, loss)``."""
-    import torch
+def saved_storages(run_step):
+    """``finetune.batch_plan.saved_storages``: the storages autograd saves for backward while ``run_step()``
+    builds its graph (``{data_ptr: bytes}``) and the loss, not back-propagated."""
+    from finetune.batch_plan import saved_storages as measure
 
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = run_step()
-    return storages, loss
+    return measure(run_step)
 
 
 def run_worker(spec: dict) -> dict:

@@ -234,27 +234,26 @@ def agreed_fits(fits: Callable[[int], bool], max_over_processes: Callable[[int],
     return fits_everywhere
 
 
-def all_reduce_max(state) -> Callable[[int], int]:
+def all_reduce_max(state, cast: Callable = int) -> Callable:
     """``max_over_processes`` for ``agree`` over Accelerate ``state``'s processes (a ``PartialState``): a MAX
-    all-reduce of one integer on ``state.device`` (NCCL needs a GPU tensor, gloo a CPU one); the identity
-    for one process."""
+    all-reduce of one number (an int code, or with ``cast=float`` seconds) on ``state.device`` (NCCL needs a
+    GPU tensor, gloo a CPU one), returned as ``cast``; the identity for one process."""
     if state.num_processes == 1:
-        return lambda code: code
+        return lambda value: value
 
-    def reduce(code: int) -> int:
-        value = torch.tensor([code], dtype=torch.int64, device=state.device)
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-        return int(value.item())
+    def reduce(value):
+        tensor = torch.tensor([value], dtype=torch.float64, device=state.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return cast(tensor.item())
 
     return reduce
 
 
 # ----------------------------------------------------------------------------------------- probing
-def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
-    """Bytes of the distinct tensor storages autograd saves for backward while ``run_step()`` builds its
-    graph (``torch.autograd.graph.saved_tensors_hooks``): the activation memory of a training step,
-    measured exactly (RSS cannot see it in a long-lived process, whose freed heap is reused silently).
-    ``run_step`` returns the loss; it is back-propagated here to free the graph."""
+def saved_storages(run_step: Callable[[], "object"]) -> tuple[dict[int, int], "object"]:
+    """The distinct tensor storages autograd saves for backward while ``run_step()`` builds its graph
+    (``torch.autograd.graph.saved_tensors_hooks``), as ``{data_ptr: bytes}``, and ``run_step``'s loss (not
+    back-propagated)."""
     storages: dict[int, int] = {}
 
     def pack(tensor):
@@ -264,6 +263,15 @@ def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = run_step()
+    return storages, loss
+
+
+def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
+    """Bytes of the distinct tensor storages autograd saves for backward while ``run_step()`` builds its
+    graph (``saved_storages``): the activation memory of a training step, measured exactly (RSS cannot see
+    it in a long-lived process, whose freed heap is reused silently). ``run_step`` returns the loss; it is
+    back-propagated here to free the graph."""
+    storages, loss = saved_storages(run_step)
     loss.backward()
     return sum(storages.values())
 
@@ -483,19 +491,6 @@ def plan_table(chosen: Candidate, candidates: list[Candidate]) -> str:
     return "\n".join(lines)
 
 
-def all_reduce_float_max(state) -> Callable[[float], float]:
-    """The maximum of a float over ``state``'s processes (the identity for one)."""
-    if state.num_processes == 1:
-        return lambda value: value
-
-    def reduce(value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=state.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return float(tensor.item())
-
-    return reduce
-
-
 def apply_batch_plan(config, recipe) -> None:
     """With ``--total_batch_size``, set ``config.per_device_train_batch_size`` and
     ``config.gradient_accumulation_steps`` before either engine builds anything (Accelerate fixes the
@@ -532,7 +527,7 @@ def apply_batch_plan(config, recipe) -> None:
 
                 agree(build, max_codes)
             chosen, candidates = choose_plan(B, P, probes, max_codes,
-                                             all_reduce_float_max(state))
+                                             all_reduce_max(state, cast=float))
         finally:
             for probe in probes.values():
                 probe.close()
