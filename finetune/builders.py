@@ -11,6 +11,7 @@ import os
 import sys
 
 from torch.nn.modules.batchnorm import _BatchNorm
+import transformers
 from transformers import set_seed
 
 from finetune.data import LABEL_COLUMN, check_max_length, load_conversation_files, load_data_files, load_tokenizer
@@ -72,11 +73,25 @@ def batchnorm_warning(model, gradient_accumulation_steps: int) -> str | None:
 def enable_activation_checkpointing(model, config) -> None:
     """Turn on transformers' activation (gradient) checkpointing, non-reentrant unless
     ``--activation_checkpointing_kwargs`` says otherwise: reentrant checkpointing breaks DDP's
-    ready-once bookkeeping (accelerate issue 389). Frozen input embeddings (LoRA) would give the
-    checkpointed layers inputs that do not require grad, so no gradient would reach the adapters: the
-    inputs are made to require grad (``enable_input_require_grads``), as peft's docs ask."""
+    ready-once bookkeeping (accelerate issue 389). The kwargs are split as ``Trainer`` (transformers 5.23)
+    splits them: ``every_n_layers`` and ``offload`` go to ``activation_checkpointing_enable``, the rest to
+    ``torch.utils.checkpoint.checkpoint``. Frozen input embeddings (LoRA) would give the checkpointed layers
+    inputs that do not require grad, so no gradient would reach the adapters: the inputs are made to require
+    grad (``enable_input_require_grads``), as peft's docs ask.
+
+    Raises ``FinetuneError`` where the installed transformers predates ``activation_checkpointing_enable`` and
+    ``every_n_layers``/``offload`` were asked for (its ``gradient_checkpointing_enable`` has neither)."""
     kwargs = {"use_reentrant": False, **json.loads(config.activation_checkpointing_kwargs or "{}")}
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers,
+                                              offload=offload)
+    elif every_n_layers != 1 or offload:
+        raise FinetuneError(f"--activation_checkpointing_kwargs \"every_n_layers\"/\"offload\" need transformers' "
+                            f"activation_checkpointing_enable, which transformers {transformers.__version__} lacks: "
+                            "upgrade transformers (5.23 has it) or leave them out.")
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if config.use_peft:
         model.enable_input_require_grads()
 

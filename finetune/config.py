@@ -194,8 +194,10 @@ class TrainConfig:
         default=None, metadata={"help": "Deprecated alias of --activation_checkpointing (as in TrainingArguments)."}
     )
     activation_checkpointing_kwargs: str | None = field(
-        default=None, metadata={"help": "JSON object of keyword arguments for gradient_checkpointing_enable's "
-                                        "gradient_checkpointing_kwargs (default {\"use_reentrant\": false})."}
+        default=None, metadata={"help": "JSON object, as TrainingArguments takes it: \"every_n_layers\" (checkpoint "
+                                        "only every n-th layer: less recompute, more memory) and \"offload\" (saved "
+                                        "activations in host memory) for activation_checkpointing_enable, the other "
+                                        "keys for torch.utils.checkpoint (default {\"use_reentrant\": false})."}
     )
     loss_chunk_size: int | None = field(
         default=None, metadata={"help": "Causal LM: compute the loss from the final hidden states, this many label "
@@ -335,12 +337,20 @@ class TrainConfig:
                                 f"{self.lora_r}, alpha={self.lora_alpha}, dropout={self.lora_dropout}.")
         if self.activation_checkpointing_kwargs is not None:
             try:
-                if not isinstance(json.loads(self.activation_checkpointing_kwargs), dict):
+                kwargs = json.loads(self.activation_checkpointing_kwargs)
+                if not isinstance(kwargs, dict):
                     raise ValueError("not an object")
             except ValueError as err:
                 raise FinetuneError(f"--activation_checkpointing_kwargs must be a JSON object such as "
                                     f"'{{\"use_reentrant\": false}}', got {self.activation_checkpointing_kwargs!r} "
                                     f"({err}).") from None
+            every = kwargs.get("every_n_layers", 1)
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise FinetuneError(f"--activation_checkpointing_kwargs: \"every_n_layers\" must be a positive "
+                                    f"integer (1 checkpoints every layer), got {every!r}.")
+            if not isinstance(kwargs.get("offload", False), bool):
+                raise FinetuneError(f"--activation_checkpointing_kwargs: \"offload\" must be true or false, got "
+                                    f"{kwargs['offload']!r}.")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
             raise FinetuneError(f"--loss_chunk_size must be >= 0 (label tokens per chunk; 0 for the plain loss), "
                                 f"got {self.loss_chunk_size}.")

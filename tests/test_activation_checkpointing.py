@@ -40,6 +40,47 @@ def test_llama_same_weights_and_the_alias(tmp_path, tiny_llama, clm_texts):
     same_weights(plain, ckpt)
 
 
+def test_every_n_layers_checkpoints_some_layers_and_trains_the_same(tmp_path, tiny_bert):
+    """``--activation_checkpointing_kwargs '{"every_n_layers": 2}'`` (TrainingArguments' key, for
+    ``activation_checkpointing_enable``, not for torch's checkpoint): of the tiny BERT's 2 layers only the first is
+    checkpointed, so the bytes saved for backward fall between none and all checkpointed; same weights."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForSequenceClassification
+
+    from finetune.batch_plan import saved_tensor_bytes
+    from finetune.builders import enable_activation_checkpointing
+
+    ids = torch.randint(5, 100, (4, 32))
+
+    def saved(kwargs):
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2)
+        model.train()
+        if kwargs is not None:
+            enable_activation_checkpointing(model, SimpleNamespace(activation_checkpointing_kwargs=kwargs,
+                                                                   use_peft=False))
+        return saved_tensor_bytes(lambda: model(input_ids=ids).logits.sum())
+
+    none, every_2nd, every = saved(None), saved('{"every_n_layers": 2}'), saved("{}")
+    assert every < every_2nd < none
+    kw = dict(model_name_or_path=tiny_bert, **BERT)
+    _, plain = run_in_process(tmp_path, "plain", **kw)
+    _, half = run_in_process(tmp_path, "half", activation_checkpointing=True,
+                             activation_checkpointing_kwargs='{"every_n_layers": 2}', **kw)
+    same_weights(plain, half)
+
+
+@pytest.mark.parametrize("kwargs, message", [('{"every_n_layers": 0}', "every_n_layers"),
+                                             ('{"every_n_layers": true}', "every_n_layers"),
+                                             ('{"offload": "yes"}', "offload"), ("[1]", "JSON object")])
+def test_bad_activation_checkpointing_kwargs_are_refused(kwargs, message):
+    from finetune.config import parse_config
+    from finetune.errors import FinetuneError
+
+    with pytest.raises(FinetuneError, match=message):
+        parse_config(["--activation_checkpointing", "True", "--activation_checkpointing_kwargs", kwargs]).validate()
+
+
 def test_lora_gradients_reach_the_adapters(tmp_path, tiny_bert):
     """With a frozen embedding, checkpointed layers would see inputs that need no grad: without
     enable_input_require_grads the adapters would not train. The adapters equal the run without it."""
