@@ -3,8 +3,10 @@
 The user fixes ``total_batch_size`` B, the samples that make up one optimizer step across all
 processes. With P processes, a plan is a micro-batch m (``per_device_train_batch_size``, samples per
 process per forward/backward) and N micro-batches per optimizer step (``gradient_accumulation_steps``)
-with ``m * N * P == B`` exactly, so the optimisation does not depend on the hardware. Among the exact
-plans we pick the largest m that fits in memory: fewest forward/backward passes per step.
+with ``m * N * P == B`` exactly, so the optimisation does not depend on the hardware. Without
+``--auto_find_batch_size`` the user's m must be exact; with it, ``plan_batch`` finds the largest m that fits
+in memory under each lever setting (activation checkpointing, the loss) and ``choose_plan`` times the
+fitting plans and takes the fastest.
 
 Whether m fits is the caller's question, asked through ``fits(m)``: on a GPU, a probe step that may
 run out of memory (Accelerate's ``find_executable_batch_size``); on a CPU with a ``--max_memory_mb``
@@ -36,7 +38,7 @@ from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
 from accelerate.utils.memory import should_reduce_batch_size
 
-from finetune.builders import get_task
+from finetune.builders import enable_activation_checkpointing, get_task
 from finetune.components import DEFAULT_LOSS_CHUNK_SIZE, build_optimizer, loss_function
 from finetune.errors import FinetuneError
 from finetune.tasks import CausalLM
@@ -336,14 +338,15 @@ class Lever:
 class Candidate:
     """A plan the planner considered: a ``BatchPlan`` under a ``Lever`` setting, its estimated peak memory
     (bytes; None where probing is by out-of-memory, on CUDA), whether it fits on every rank, and its measured
-    time per sample (seconds; None where not measured: it does not fit, or a larger micro-batch of the same
-    lever setting fits)."""
+    time per sample (seconds; None where not timed: it does not fit, or ``choose_plan``'s descent did not reach
+    it); ``note``: why it was not timed ("" where it was)."""
 
     plan: BatchPlan
     lever: Lever
     estimated_bytes: int | None
     fits: bool
     seconds_per_sample: float | None = None
+    note: str = ""
 
 
 class Probe:
@@ -356,8 +359,8 @@ class Probe:
       at micro-batch 1 and 2 give a linear model (bytes per sample, plus a fixed part); gradients and AdamW's
       two moments add 3x the trainable parameter bytes (``estimate(m)``). Transient buffers are not modelled:
       keep a margin.
-    - ``seconds_per_sample(m)``: one warm-up and two timed forward/backward passes at micro-batch m (seconds
-      per sample; the optimizer step, once per optimizer step whatever the plan, is left out).
+    - ``seconds_per_sample(m)``: one warm-up and one to three timed forward/backward passes at micro-batch m
+      (seconds per sample; the optimizer step, once per optimizer step whatever the plan, is left out).
     Raises ``FinetuneError`` when the budget leaves no room at all.
     """
 
@@ -368,7 +371,7 @@ class Probe:
         self.model = task.load_model(config, label_names).to(device)
         self.model.train()
         if lever.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.model, config)  # as training will (--activation_checkpointing_kwargs)
         self.length = config.block_size or config.max_length
         self.vocab = self.model.config.vocab_size
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
@@ -401,11 +404,11 @@ class Probe:
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
             return self.loss_sum(self.model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
 
-    def seconds_per_sample(self, m: int, timed: int = 2) -> float:
-        """Seconds per sample of forward + backward at micro-batch ``m``: the median of ``timed`` passes after a
-        warm-up one."""
-        times = []
-        for i in range(timed + 1):
+    def seconds_per_sample(self, m: int, min_seconds: float = 1.0, max_passes: int = 3) -> float:
+        """Seconds per sample of forward + backward at micro-batch ``m``: after one untimed warm-up pass, the
+        median of timed passes, repeated until they add up to ``min_seconds`` or ``max_passes`` were run (one
+        pass where a pass is long, as on a CPU at 512 tokens; up to three where it is short, as on a GPU)."""
+        def one_pass() -> float:  # seconds
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             start = time.perf_counter()
@@ -413,9 +416,13 @@ class Probe:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.model.zero_grad(set_to_none=True)
-            if i:
-                times.append((time.perf_counter() - start) / m)
-        return statistics.median(times)
+            return time.perf_counter() - start
+
+        one_pass()  # warm-up: first-call kernels, allocations
+        times = [one_pass()]
+        while len(times) < max_passes and sum(times) < min_seconds:
+            times.append(one_pass())
+        return statistics.median(times) / m
 
     def close(self) -> None:
         """Free the probe copy of the model."""
@@ -444,28 +451,63 @@ def levers(config, recipe, device) -> list[Lever]:
     return [Lever(c, k) for c in checkpointing for k in chunks]
 
 
+def timed_micro_batches(lever: Lever, largest_fit: int, plans: list[tuple[int, int]],
+                        largest_fit_without_checkpointing: int | None) -> list[int]:
+    """The micro-batches of ``lever`` worth timing, largest first: those that fit (at most ``largest_fit``
+    samples), and under activation checkpointing only those larger than the largest that fits without it
+    (``largest_fit_without_checkpointing``, for the same loss setting; None when nothing fits without it): at an
+    equal micro-batch checkpointing does the same work plus a recomputed forward, so it cannot be faster there.
+    ``plans``: ``valid_plans`` (micro-batch, accumulation) pairs, micro-batch descending."""
+    floor = largest_fit_without_checkpointing if lever.activation_checkpointing else None
+    return [m for m, _ in plans if m <= largest_fit and (floor is None or m > floor)]
+
+
 def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_over_processes=lambda code: code,
                 slowest_over_processes=lambda seconds: seconds) -> tuple[Candidate, list[Candidate]]:
-    """The fastest plan that fits: for every lever setting (``probes``: ``Lever`` -> ``Probe``-like object
-    with ``fits(m)``, ``estimate(m)``, ``seconds_per_sample(m)``) the exact plans (``valid_plans``), whether
+    """The fastest plan that fits. For every lever setting (``probes``: ``Lever`` -> ``Probe``-like object
+    with ``fits(m)``, ``estimate(m)``, ``seconds_per_sample(m)``): the exact plans (``valid_plans``), whether
     each fits on every rank (``agreed_fits``: the largest that fits is found by ``plan_batch``; smaller ones
-    fit too, ``fits`` being monotone), and the measured time per sample of that largest one (the slowest rank's,
-    ``slowest_over_processes``, so every rank sees the same figures). Returns (the chosen candidate: the least
-    time per sample, ties to the earlier lever setting, i.e. no checkpointing, plain loss; every candidate
-    considered). Every plan keeps ``total_batch_size`` exactly. Raises ``FinetuneError`` when nothing fits."""
-    candidates, measured = [], []
+    fit too, ``fits`` being monotone), then a timed descent: from the largest fitting micro-batch down
+    (``timed_micro_batches``), each one's time per sample is measured (the slowest rank's,
+    ``slowest_over_processes``, so every rank sees the same figures and takes the same path) until one is
+    slower than the one before it. Time per sample falls with the micro-batch while larger matrix products
+    use the hardware better (a GPU) and may rise again once they outgrow the caches (measured on a 2-core CPU
+    at 512 tokens: micro-batch 8 was 10% faster per sample than 32), so the descent stops at the first rise.
+
+    Returns (the chosen candidate: the least measured time per sample, ties to the earlier lever setting,
+    i.e. no checkpointing, plain loss, then to the larger micro-batch; every candidate considered, each with
+    ``note`` saying why it was or was not timed). Every plan keeps ``total_batch_size`` exactly. Raises
+    ``FinetuneError`` when nothing fits."""
+    plans = valid_plans(total_batch_size, num_processes)
+    largest: dict[Lever, int | None] = {}
     for lever, probe in probes.items():
         try:
             best = plan_batch(total_batch_size, num_processes, agreed_fits(probe.fits, max_over_processes))
+            largest[lever] = best.per_device_train_batch_size
         except FinetuneError:
-            best = None
-        for m, n in valid_plans(total_batch_size, num_processes):
-            fits = best is not None and m <= best.per_device_train_batch_size
-            candidate = Candidate(BatchPlan(m, n, num_processes, total_batch_size), lever, probe.estimate(m), fits)
-            if best is not None and m == best.per_device_train_batch_size:
-                candidate.seconds_per_sample = slowest_over_processes(probe.seconds_per_sample(m))
-                measured.append(candidate)
-            candidates.append(candidate)
+            largest[lever] = None
+    candidates, measured = [], []
+    for lever, probe in probes.items():
+        without = largest.get(Lever(False, lever.loss_chunk_size)) if lever.activation_checkpointing else None
+        to_time = [] if largest[lever] is None else timed_micro_batches(lever, largest[lever], plans, without)
+        previous = None
+        rows = {}
+        for m, n in plans:
+            fits = largest[lever] is not None and m <= largest[lever]
+            rows[m] = Candidate(BatchPlan(m, n, num_processes, total_batch_size), lever, probe.estimate(m), fits,
+                                note="" if fits else "does not fit")
+            candidates.append(rows[m])
+        for m in to_time:
+            seconds = slowest_over_processes(probe.seconds_per_sample(m))
+            rows[m].seconds_per_sample = seconds
+            measured.append(rows[m])
+            if previous is not None and seconds > previous:
+                break
+            previous = seconds
+        for m, row in rows.items():
+            if row.fits and row.seconds_per_sample is None:
+                row.note = ("checkpointing: fits without it" if without is not None and m <= without
+                            else "smaller than a slower timed one")
     if not measured:
         raise FinetuneError(
             f"even a micro-batch of 1 sample per process does not fit in memory (--total_batch_size "
@@ -475,19 +517,20 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
 
 
 def plan_table(chosen: Candidate, candidates: list[Candidate]) -> str:
-    """The table the planner prints: every plan considered and why it chose."""
+    """The table the planner prints: every plan considered (lever setting, micro-batch, accumulation,
+    estimated peak MiB, fits, seconds per sample where timed, why not timed) and why it chose."""
     rows = [("levers", "micro-batch", "accumulation", "est. peak MiB", "fits", "s/sample", "")]
     for c in candidates:
         rows.append((str(c.lever), str(c.plan.per_device_train_batch_size), str(c.plan.gradient_accumulation_steps),
                      "-" if c.estimated_bytes is None else f"{c.estimated_bytes / 2**20:.0f}", "yes" if c.fits else "no",
                      "-" if c.seconds_per_sample is None else f"{c.seconds_per_sample:.4f}",
-                     "<- chosen" if c is chosen else ""))
+                     "<- chosen" if c is chosen else (f"({c.note})" if c.note else "")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     timed = [c for c in candidates if c.seconds_per_sample is not None]
-    lines.append(f"Chose {chosen.plan} with {chosen.lever}: the least time per sample of the "
-                 f"{len(timed)} largest-fitting plans (one per lever setting; a smaller micro-batch of the same "
-                 "setting is not faster per sample, so it is listed unmeasured).")
+    lines.append(f"Chose {chosen.plan} with {chosen.lever}: the least time per sample of the {len(timed)} plans "
+                 "timed (each setting from its largest fitting micro-batch down, until one was slower than the one "
+                 "before; checkpointing only where it fits a larger micro-batch than without it).")
     return "\n".join(lines)
 
 
@@ -516,6 +559,7 @@ def apply_batch_plan(config, recipe) -> None:
                 "--auto_find_batch_size).")
         plan = BatchPlan(micro, B // P // micro, P, B)
     else:
+        started = time.perf_counter()
         max_codes = all_reduce_max(state)
         held = psutil.Process().memory_info().rss  # before any probe copy of the model exists
         probes = {}
@@ -537,6 +581,7 @@ def apply_batch_plan(config, recipe) -> None:
             config.loss_chunk_size = chosen.lever.loss_chunk_size
         if state.is_main_process:
             print(plan_table(chosen, candidates))
+            print(f"Planning took {time.perf_counter() - started:.1f} s (memory probes and timed passes).")
     config.per_device_train_batch_size = plan.per_device_train_batch_size
     config.gradient_accumulation_steps = plan.gradient_accumulation_steps
     if state.is_main_process:

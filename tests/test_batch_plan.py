@@ -9,8 +9,11 @@ import pytest
 
 from finetune.batch_plan import (
     BatchPlan,
+    Lever,
+    choose_plan,
     estimate_fits_from_memory,
     plan_batch,
+    plan_table,
     valid_plans,
 )
 from finetune.errors import FinetuneError
@@ -160,6 +163,76 @@ def test_estimate_fits_rejects_bad_inputs():
 
 
 # ----------------------------------------------------------------------------- through the engine
+class FakeProbe:
+    """A lever setting's probe: micro-batch m fits iff m <= limit; ``seconds[m]`` is its time per sample.
+    Records the micro-batches timed."""
+
+    def __init__(self, limit: int, seconds: dict[int, float]):
+        self.limit, self.seconds, self.timed = limit, seconds, []
+
+    def fits(self, m: int) -> bool:
+        return m <= self.limit
+
+    def estimate(self, m: int) -> int:
+        return m * 2**20
+
+    def seconds_per_sample(self, m: int) -> float:
+        self.timed.append(m)
+        return self.seconds[m]
+
+
+OFF, ON = Lever(False, None), Lever(True, None)
+# time per sample falling then rising with the micro-batch (the CPU at 512 tokens: 8 beats 32)
+U_SHAPE = {32: 0.49, 16: 0.46, 8: 0.44, 4: 0.45, 2: 0.50, 1: 0.60}
+
+
+def test_planner_descends_until_slower_and_takes_the_fastest_plan_that_fits():
+    """Everything fits without checkpointing: its plans are timed from 32 down until one is slower (4, after
+    8), so the faster 8 x 4 is chosen over the largest 32 x 1; checkpointing is never timed (at an equal
+    micro-batch it only adds a forward); every candidate keeps the effective batch exact."""
+    off, on = FakeProbe(32, U_SHAPE), FakeProbe(32, {m: 1.4 * s for m, s in U_SHAPE.items()})
+    chosen, candidates = choose_plan(32, 1, {OFF: off, ON: on})
+    assert off.timed == [32, 16, 8, 4] and on.timed == []
+    assert (chosen.lever, chosen.plan.per_device_train_batch_size, chosen.plan.gradient_accumulation_steps) == (OFF, 8, 4)
+    assert len(candidates) == 12 and all(c.plan.per_device_train_batch_size * c.plan.gradient_accumulation_steps
+                                         == 32 for c in candidates)
+    table = plan_table(chosen, candidates)
+    assert table.count("<- chosen") == 1 and "(checkpointing: fits without it)" in table
+    assert "(smaller than a slower timed one)" in table
+
+
+def test_checkpointing_is_timed_only_where_it_fits_a_larger_micro_batch():
+    """A budget that fits 4 without checkpointing and 32 with it: checkpointing's 32, 16, 8 are timed (not 4
+    and below), and it wins only where its larger micro-batch is faster than the best plan without it."""
+    off = FakeProbe(4, {4: 0.60, 2: 0.70, 1: 0.90})
+    on = FakeProbe(32, {32: 0.58, 16: 0.55, 8: 0.56, 4: 9.0})
+    chosen, candidates = choose_plan(32, 1, {OFF: off, ON: on})
+    assert off.timed == [4, 2] and on.timed == [32, 16, 8]
+    assert (chosen.lever, chosen.plan.per_device_train_batch_size) == (ON, 16)
+    assert [c.fits for c in candidates if c.lever == OFF] == [False, False, False, True, True, True]
+    slow_on = FakeProbe(32, {32: 0.80, 16: 0.75, 8: 0.70})
+    chosen, _ = choose_plan(32, 1, {OFF: FakeProbe(4, {4: 0.60, 2: 0.70}), ON: slow_on})
+    assert (chosen.lever, chosen.plan.per_device_train_batch_size) == (OFF, 4)  # never slower than the best fit
+    assert slow_on.timed == [32, 16, 8]
+
+
+def test_planner_uses_the_slowest_rank_time_and_errors_when_nothing_fits():
+    """Each measured time goes through ``slowest_over_processes`` (every rank then follows the same descent);
+    when no micro-batch fits under any setting the error says what to do."""
+    seen = []
+
+    def slowest(seconds):
+        seen.append(seconds)
+        return {0.44: 0.47}.get(seconds, seconds)  # another rank was slower at 8 (0.47) than at 16 (0.46)
+
+    off = FakeProbe(32, U_SHAPE)
+    chosen, _ = choose_plan(32, 2, {OFF: off}, slowest_over_processes=slowest)
+    assert off.timed == [16, 8] and seen == [U_SHAPE[16], U_SHAPE[8]]  # 2 processes: m <= 16; 8 was slower
+    assert chosen.plan.per_device_train_batch_size == 16
+    with pytest.raises(FinetuneError, match="does not fit in memory"):
+        choose_plan(32, 1, {OFF: FakeProbe(0, {}), ON: FakeProbe(0, {})})
+
+
 def test_total_batch_size_sets_the_accumulation(tmp_path, tiny_bert):
     from helpers import run_in_process, train_steps
 
@@ -192,10 +265,24 @@ def test_saved_tensor_bytes_grow_linearly_with_the_micro_batch():
     assert sizes[2] - sizes[0] == 7 * per_sample  # exactly linear
 
 
+def plan_rows(table: str) -> list[tuple[bool, int, bool, float | None, bool]]:
+    """The planner's printed table as rows (checkpointing, micro-batch, fits, seconds per sample or None, chosen)."""
+    rows = []
+    for line in table.splitlines():
+        for prefix, checkpointing in (("no checkpointing", False), ("checkpointing", True)):
+            if line.startswith(prefix):
+                cells = line[len(prefix):].split()
+                rows.append((checkpointing, int(cells[0]), cells[3] == "yes",
+                             None if cells[4] == "-" else float(cells[4]), line.rstrip().endswith("<- chosen")))
+                break
+    return rows
+
+
 def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_bert, monkeypatch, capsys):
     """With the process size pinned, a budget with room for ~5 samples without checkpointing leaves the planner
     micro-batch 4 x 8 there, and more with checkpointing (fewer activation bytes per sample); whichever it
-    picks keeps the effective batch at 32 and is the fastest of the plans it timed; no room is a clear error."""
+    picks keeps the effective batch at 32 and is the fastest of the plans it timed (checkpointing timed only
+    above 4); no room is a clear error."""
     import psutil
 
     from finetune.errors import FinetuneError
@@ -208,8 +295,14 @@ def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_b
     common = dict(model_name_or_path=tiny_bert, total_batch_size=32, auto_find_batch_size=True,
                   max_train_samples=32, max_eval_samples=4, max_length=128, max_steps=1, eval_strategy="no")
     generous, _ = run_in_process(tmp_path, "big", max_memory_mb=64 * 1024, **common)
-    assert (generous["per_device_train_batch_size"], generous["gradient_accumulation_steps"]) == (32, 1)
     out = capsys.readouterr().out
+    rows = plan_rows(out)
+    assert len(rows) == 12 and all(fits for _, _, fits, _, _ in rows)  # 6 exact plans of 32 x 2 lever settings
+    timed = [(c, m, sec) for c, m, _, sec, _ in rows if sec is not None]
+    assert timed[0][:2] == (False, 32) and not any(c for c, _, _ in timed)  # checkpointing fits nothing larger
+    chosen = [(m, sec) for c, m, _, sec, is_chosen in rows if is_chosen]
+    assert chosen == [(generous["per_device_train_batch_size"], min(sec for _, _, sec in timed))]
+    assert generous["per_device_train_batch_size"] * generous["gradient_accumulation_steps"] == 32
     plain = out.split("Memory probe (no checkpointing): ")[1]
     per_sample = float(plain.split(" MiB per sample")[0]) * 2**20
     fixed = float(plain.split(" + ")[1].split(" MiB per step")[0]) * 2**20
@@ -217,26 +310,21 @@ def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_b
     assert 0 < with_ckpt < per_sample and fixed > 0  # checkpointing keeps fewer activations per sample
     budget_mb = (Pinned.rss + fixed + 5.5 * per_sample) / 2**20
     tight, _ = run_in_process(tmp_path, "small", max_memory_mb=int(budget_mb + 0.5), **common)
-    table = capsys.readouterr().out
-    rows = []  # (checkpointing, micro-batch, fits, seconds per sample or None, chosen)
-    for line in table.splitlines():
-        for prefix, checkpointing in (("no checkpointing", False), ("checkpointing", True)):
-            if line.startswith(prefix):
-                cells = line[len(prefix):].split()
-                rows.append((checkpointing, int(cells[0]), cells[3] == "yes",
-                             None if cells[4] == "-" else float(cells[4]), line.rstrip().endswith("<- chosen")))
-                break
-    assert len(rows) == 12  # 6 exact plans of 32 x 2 lever settings
+    rows = plan_rows(capsys.readouterr().out)
+    assert len(rows) == 12
     assert max(m for c, m, fits, _, _ in rows if not c and fits) == 4  # the budget's limit without checkpointing
-    assert max(m for c, m, fits, _, _ in rows if c and fits) > 4  # checkpointing fits a larger micro-batch
+    largest_ckpt = max(m for c, m, fits, _, _ in rows if c and fits)
+    assert largest_ckpt > 4  # checkpointing fits a larger micro-batch
     timed = [(c, m, sec) for c, m, _, sec, _ in rows if sec is not None]
-    assert len(timed) == 2
+    assert [m for c, m, _ in timed if not c][0] == 4
+    assert [m for c, m, _ in timed if c][0] == largest_ckpt and all(m > 4 for c, m, _ in timed if c)
     chosen = [(c, m, sec) for c, m, _, sec, is_chosen in rows if is_chosen]
-    assert len(chosen) == 1 and chosen[0][2] == min(sec for _, _, sec in timed)  # the fastest plan that fits
+    assert len(chosen) == 1 and chosen[0][2] == min(sec for _, _, sec in timed)  # the fastest plan timed
     assert tight["per_device_train_batch_size"] == chosen[0][1]
     assert tight["per_device_train_batch_size"] * tight["gradient_accumulation_steps"] == 32
     with pytest.raises(FinetuneError, match="--max_memory_mb 900 leaves no room"):
         run_in_process(tmp_path, "none", max_memory_mb=900, **common)
+
 
 def test_oom_in_evaluation_splits_eval_batches_not_the_training_micro_batch(tmp_path, tiny_bert, monkeypatch):
     """Evaluation batches of 8 'run out of memory' above 3 samples: they are split and retried, the eval
@@ -270,8 +358,8 @@ def test_oom_in_evaluation_splits_eval_batches_not_the_training_micro_batch(tmp_
 
 def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(tmp_path, tiny_llama, clm_texts,
                                                                                 capsys):
-    """Causal LM: 2 checkpointing x 2 loss settings, each with its largest fitting plan timed; the chosen one
-    is written into the run's configuration, and the effective batch stays exact."""
+    """Causal LM: 2 checkpointing x 2 loss settings, each plain-or-chunked loss timed from its largest fitting
+    plan down; the chosen one is written into the run's configuration, and the effective batch stays exact."""
     import json
 
     from helpers import run_in_process
