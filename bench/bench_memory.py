@@ -33,7 +33,8 @@ Suites (``--suite``, comma-separated, default all three):
   32x1 + activation checkpointing.
 - ``smollm2``: SmolLM2-135M-Instruct (the fetched GGUF, de-quantized once per run into the work directory) at
   512 tokens, micro-batch 8: plain; + chunked loss (only where ``finetune.chunked_loss`` exists); +
-  activation checkpointing; + LoRA (r=16, alpha=32, peft's default targets); + LoRA + checkpointing.
+  activation checkpointing; + LoRA (r=16, alpha=32, peft's default targets); + LoRA + checkpointing; then
+  the levers stacked: chunked loss + checkpointing, and chunked loss + checkpointing + LoRA.
 - ``lora``: full fine-tune vs LoRA, SmolLM2 at 256 tokens, micro-batch 4: the ratio LoRA / full of the
   training memory (goal <= 0.6), peak RSS, time per sample and trainable parameters.
 """
@@ -385,6 +386,11 @@ def build_configs(args, models: dict) -> tuple[list[dict], list[str]]:
             add(suite, "checkpointing", task, micro, args.accumulation, checkpointing=True)
             add(suite, "LoRA", task, micro, args.accumulation, lora=True)
             add(suite, "LoRA + checkpointing", task, micro, args.accumulation, checkpointing=True, lora=True)
+            if chunked is not None:  # the levers stacked, as a memory-bound user would stack them
+                add(suite, "chunked loss + checkpointing", task, micro, args.accumulation, checkpointing=True,
+                    use_chunked=True)
+                add(suite, "chunked loss + checkpointing + LoRA", task, micro, args.accumulation, checkpointing=True,
+                    lora=True, use_chunked=True)
         else:  # lora
             add(suite, "full", task, micro, args.accumulation)
             add(suite, "LoRA", task, micro, args.accumulation, lora=True)

@@ -13,7 +13,8 @@ import pytest
 from test_bench import check_header, positive, run_bench, table_row
 
 BBC = ("32x1", "8x4", "8x4 + checkpointing", "32x1 + checkpointing")
-SMOLLM2 = ("plain", "checkpointing", "LoRA", "LoRA + checkpointing")  # + "chunked loss" where it exists
+SMOLLM2 = ("plain", "checkpointing", "LoRA", "LoRA + checkpointing")  # + CHUNKED where finetune.chunked_loss exists
+CHUNKED = ("chunked loss", "chunked loss + checkpointing", "chunked loss + checkpointing + LoRA")
 LORA = ("full", "LoRA")
 
 
@@ -61,7 +62,7 @@ def test_json_structure_and_accounting(smoke):
     results = data["results"]
     assert results["failed"] == [] and set(results["suites"]) == {"bbc", "smollm2", "lora"}
     assert set(configs_of(data, "bbc")) == set(BBC) and set(configs_of(data, "lora")) == set(LORA)
-    assert set(SMOLLM2) <= set(configs_of(data, "smollm2")) <= set(SMOLLM2) | {"chunked loss"}
+    assert set(SMOLLM2) <= set(configs_of(data, "smollm2")) <= set(SMOLLM2) | set(CHUNKED)
     for label, config in results["configs"].items():
         assert len(config["runs"]) == 1 and config["errors"] == [], label
         run = config["runs"][0]
@@ -108,7 +109,8 @@ def test_checkpointing_saves_fewer_bytes(smoke):
     _, data, _ = smoke
     bbc, clm = configs_of(data, "bbc"), configs_of(data, "smollm2")
     for configs, plain, checkpointed in ((bbc, "8x4", "8x4 + checkpointing"), (bbc, "32x1", "32x1 + checkpointing"),
-                                         (clm, "plain", "checkpointing"), (clm, "LoRA", "LoRA + checkpointing")):
+                                         (clm, "plain", "checkpointing"), (clm, "LoRA", "LoRA + checkpointing"),
+                                         (clm, "chunked loss", "chunked loss + checkpointing")):
         a, b = configs[plain]["median"], configs[checkpointed]["median"]
         assert configs[plain]["micro_batch"] == configs[checkpointed]["micro_batch"]
         assert b["saved_tensor_bytes"] < a["saved_tensor_bytes"], (plain, checkpointed)

@@ -1,0 +1,240 @@
+"""Benchmark: what ``--auto_find_batch_size`` picks under two memory budgets, against every plan it could pick.
+
+    python bench/bench_planner.py --smoke                                  # tiny BERT, checks the pipeline
+    python bench/bench_planner.py --markdown bench-planner.md --json bench-planner.json
+
+1. **The alternatives.** Every exact plan of ``--total_batch_size`` B (micro-batch m x accumulation B/m, one
+   process) under activation checkpointing off and on is trained as a fresh ``python finetune/run.py`` with
+   that plan fixed, ``--max_train_samples`` = B x ``--steps`` (one epoch: ``--steps`` optimizer steps),
+   interleaved over ``--repeats`` rounds; its training samples/s (metrics.json) gives the time per sample
+   of the whole optimizer step (forward, backward, optimizer, data), and its peak RSS.
+2. **The planner.** ``finetune/run.py --total_batch_size B --auto_find_batch_size --max_memory_mb X
+   --max_steps 1`` under two budgets, each run ``--repeats`` times, interleaved with the plans of step 1:
+   - "generous": ``--generous_mb`` (default: what the machine has available), where every plan fits;
+   - "tight": from the generous run's own memory probe (process size + gradients and AdamW state +
+     ``--tight_samples`` samples of saved activations without checkpointing; default 2.5), so that without
+     checkpointing only micro-batches 1 and 2 fit and checkpointing fits larger ones (smoke: + 256 MiB).
+   Its printed table gives which plans fit under the budget, what it timed, its choice, and how long
+   planning took.
+3. **The verdict.** For each budget: the planner's pick, its measured time per sample (step 1) against the
+   fastest plan that fits under that budget (the planner's own "fits" column), as a ratio of medians and per
+   round. Goal: the pick is never slower than the best plan that fits, within noise (ratio <= 1.03, the bar
+   the other scripts use for "no difference", or a round in which it was not slower).
+
+Full mode: bbc-news with all-MiniLM-L6-v2 at ``--max_length`` 256, B = 16, 4 optimizer steps, fp32, 3 repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import psutil  # noqa: E402
+
+import benchlib as bl  # noqa: E402
+
+NO_DIFFERENCE = 1.03  # a ratio of medians at or under this is "no slower, within noise"
+LEVERS = {"no checkpointing": [], "checkpointing": ["--activation_checkpointing", "True"]}
+# smoke: a tiny model's activations per sample are smaller than the process size's jitter between two runs, so
+# the tight budget gets this much more room, lest the tight run find less room than the generous run's probe said
+SMOKE_SLACK_MB = 256
+PROBE_RE = re.compile(r"Memory probe \(no checkpointing\): ([\d.]+) MiB per sample \+ ([\d.]+) MiB per step.*"
+                      r"process holds (\d+) MiB")
+
+
+def parse_args(argv=None):
+    """Flags: the shared ones (``benchlib.base_parser``), the effective batch, steps, budgets."""
+    p = bl.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="bbc-news")
+    p.add_argument("--total_batch_size", type=int, default=None, help="effective batch B (samples; default 16, smoke 4)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per plan run (default 4; smoke 2)")
+    p.add_argument("--mixed_precision", default="no", choices=("no", "fp16", "bf16"))
+    p.add_argument("--generous_mb", type=int, default=None,
+                   help="the generous budget, MiB (default: the memory available when the script starts)")
+    p.add_argument("--tight_samples", type=float, default=2.5,
+                   help="the tight budget's room for saved activations, in samples without checkpointing")
+    args = p.parse_args(argv)
+    if args.max_length is None and not args.smoke:
+        args.max_length = 256
+    bl.resolve_common(args)
+    args.total_batch_size = args.total_batch_size or (4 if args.smoke else 16)
+    args.steps = args.steps or (2 if args.smoke else 4)
+    args.max_train_samples = args.max_train_samples or args.total_batch_size * args.steps
+    if args.generous_mb is None:
+        args.generous_mb = int(psutil.virtual_memory().available / bl.MIB)
+    return args
+
+
+def plan_label(checkpointing: str, m: int, n: int) -> str:
+    return f"{m}x{n}" + (" + checkpointing" if checkpointing == "checkpointing" else "")
+
+
+def build_configs(args, model: str | None) -> list[bl.Config]:
+    """One configuration per exact plan and checkpointing setting (largest micro-batch first)."""
+    common = bl.run_flags(args, model, "--num_train_epochs", "1", "--eval_strategy", "no")
+    common += args.extra_args.split()
+    B = args.total_batch_size
+    plans = [(m, B // m) for m in range(B, 0, -1) if B % m == 0]
+    return [bl.Config(plan_label(lever, m, n), common + ["--per_device_train_batch_size", str(m),
+                                                         "--gradient_accumulation_steps", str(n), *flags])
+            for lever, flags in LEVERS.items() for m, n in plans]
+
+
+def parse_planner_output(text: str) -> dict:
+    """From a planner run's log: its rows (label -> fits, planner s/sample or None), the chosen label, the
+    planning seconds and the no-checkpointing memory probe (MiB per sample, MiB fixed, MiB held)."""
+    rows, chosen = {}, None
+    for line in text.splitlines():
+        for lever in ("no checkpointing", "checkpointing"):
+            if line.startswith(lever + " "):
+                cells = line[len(lever):].split()
+                label = plan_label(lever, int(cells[0]), int(cells[1]))
+                rows[label] = {"fits": cells[3] == "yes", "planner_seconds_per_sample":
+                               None if cells[4] == "-" else float(cells[4])}
+                if "<- chosen" in line:
+                    chosen = label
+                break
+    planning = re.search(r"Planning took ([\d.]+) s", text)
+    probe = PROBE_RE.search(text)
+    if chosen is None or planning is None or probe is None:
+        raise bl.BenchError("the planner's output lacks its table, choice or timing:\n" + text[-3000:])
+    return {"rows": rows, "chosen": chosen, "planning_seconds": float(planning.group(1)),
+            "probe_mib": {"per_sample": float(probe.group(1)), "fixed": float(probe.group(2)),
+                          "held": float(probe.group(3))}}
+
+
+def run_planner(args, model, budget_mb: int, workdir: Path, tag: str, r: int) -> dict:
+    """One planner run under ``budget_mb`` (one optimizer step of training after it); its parsed output."""
+    flags = bl.run_flags(args, model, "--num_train_epochs", "1", "--eval_strategy", "no")
+    flags += ["--total_batch_size", str(args.total_batch_size), "--auto_find_batch_size", "True",
+              "--max_memory_mb", str(budget_mb), "--max_steps", "1", *args.extra_args.split()]
+    out = workdir / "planner" / f"{tag}-r{r}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[planner] {tag} budget {budget_mb} MiB (repeat {r}) ...", end="", file=sys.stderr, flush=True)
+    bl.run_cli(flags, out, out.with_suffix(".log"), num_threads=args.num_threads, timeout=args.timeout)
+    parsed = parse_planner_output(out.with_suffix(".log").read_text())
+    print(f" chose {parsed['chosen']} in {parsed['planning_seconds']:.1f} s", file=sys.stderr, flush=True)
+    return parsed | {"budget_mb": budget_mb}
+
+
+def run_all(args, model, workdir: Path) -> tuple[list[bl.Config], dict]:
+    """The plan runs and the planner runs, interleaved round by round; returns (configs, planner runs by budget)."""
+    configs = build_configs(args, model)
+    planner = {"generous": [], "tight": []}
+    budgets = {"generous": args.generous_mb}
+    for r in range(1, args.repeats + 1):
+        planner["generous"].append(run_planner(args, model, budgets["generous"], workdir, "generous", r))
+        if "tight" not in budgets:
+            probe = planner["generous"][0]["probe_mib"]
+            budgets["tight"] = int(probe["held"] + probe["fixed"] + args.tight_samples * probe["per_sample"]
+                                   + (SMOKE_SLACK_MB if args.smoke else 0))
+        planner["tight"].append(run_planner(args, model, budgets["tight"], workdir, "tight", r))
+        bl.run_interleaved(configs, 1, workdir / f"round{r}", num_threads=args.num_threads, timeout=args.timeout,
+                           keep_outputs=args.keep_outputs, warmup=args.warmup if r == 1 else 0)
+    for c in configs:
+        for i, run in enumerate(c.runs):
+            run["bench_repeat"] = i + 1
+    return configs, planner
+
+
+def seconds_per_sample(run: dict) -> float:
+    return 1.0 / run["train_samples_per_second"]
+
+
+def summarize(configs: list[bl.Config], planner: dict) -> dict:
+    """Per plan: median seconds per sample and peak memory; per budget: which plans fit (the planner's table,
+    first run), the picks, the best fitting plan, the ratio pick / best (of medians and per round)."""
+    by = {c.label: c for c in configs}
+    plans = {c.label: {"seconds_per_sample": bl.median_of([{"s": seconds_per_sample(r)} for r in c.runs], "s"),
+                       "peak_memory_bytes": bl.median_of(c.runs, "peak_memory_bytes")} for c in configs}
+    budgets = {}
+    for name, runs in planner.items():
+        fitting = [label for label, row in runs[0]["rows"].items() if row["fits"]]
+        best = min(fitting, key=lambda label: plans[label]["seconds_per_sample"])
+        picks = [run["chosen"] for run in runs]
+        pick = max(set(picks), key=picks.count)  # the most frequent pick (they agree when the choice is clear)
+        rounds = [seconds_per_sample(p) / seconds_per_sample(b) for p, b in zip(by[pick].runs, by[best].runs)]
+        ratio = bl.ratio(plans[pick]["seconds_per_sample"], plans[best]["seconds_per_sample"])
+        largest = max((label for label in fitting if "checkpointing" not in label),
+                      key=lambda label: int(label.split("x")[0]), default=None)
+        budgets[name] = {
+            "budget_mb": runs[0]["budget_mb"], "fitting": fitting, "picks": picks, "pick": pick, "best": best,
+            "ratio_pick_over_best": ratio, "ratio_per_round": rounds,
+            "met": bool(ratio is not None and (ratio <= NO_DIFFERENCE or min(rounds) <= 1.0)),
+            "planning_seconds": bl.median_of([{"s": run["planning_seconds"]} for run in runs], "s"),
+            "largest_without_checkpointing": largest,
+            "ratio_largest_over_best": None if largest is None else
+            bl.ratio(plans[largest]["seconds_per_sample"], plans[best]["seconds_per_sample"]),
+            "planner_rows": runs[0]["rows"],
+        }
+    return {"plans": plans, "budgets": budgets, "no_difference": NO_DIFFERENCE}
+
+
+def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
+    """The Markdown report: every plan with its measured cost and whether it fit each budget; the verdicts."""
+    budgets = results["budgets"]
+    rows = []
+    for c in configs:
+        plan = results["plans"][c.label]
+        cells = [c.label, bl.fmt(plan["seconds_per_sample"], ".4f"),
+                 bl.fmt(None if plan["peak_memory_bytes"] is None else plan["peak_memory_bytes"] / bl.MIB, ".0f")]
+        for b in budgets.values():
+            row = b["planner_rows"].get(c.label, {})
+            mark = "yes" if row.get("fits") else "no"
+            if c.label == b["pick"]:
+                mark += " **picked**"
+            if c.label == b["best"]:
+                mark += " (fastest that fits)"
+            cells += [mark, bl.fmt(row.get("planner_seconds_per_sample"), ".4f")]
+        rows.append(cells)
+    headers = ["plan (micro-batch x accumulation)", "s/sample, training (median)", "peak RSS MiB (median)"]
+    for name, b in budgets.items():
+        headers += [f"{name} ({b['budget_mb']} MiB): fits", f"{name}: planner's probe s/sample"]
+    verdicts = [["budget", "MiB", "picked (each repeat)", "fastest that fits", "pick / fastest (median)",
+                 "per round (min..max)", "largest micro-batch without checkpointing / fastest", "planning s (median)",
+                 "goal: never slower, within noise"]]
+    for name, b in budgets.items():
+        rounds = b["ratio_per_round"]
+        verdicts.append([name, str(b["budget_mb"]), ", ".join(b["picks"]), b["best"],
+                         bl.fmt(b["ratio_pick_over_best"], ".3f"), f"{min(rounds):.3f}..{max(rounds):.3f}",
+                         f"{b['largest_without_checkpointing']}: {bl.fmt(b['ratio_largest_over_best'], '.3f')}",
+                         bl.fmt(b["planning_seconds"], ".1f"), "met" if b["met"] else "NOT met"])
+    lines = [*bl.report_header("Batch planner", args, info),
+             f"--total_batch_size {args.total_batch_size}, {args.steps} optimizer steps per plan run "
+             f"({args.max_train_samples} samples). Budgets: generous {budgets['generous']['budget_mb']} MiB, tight "
+             f"{budgets['tight']['budget_mb']} MiB (process + gradients and AdamW state + {args.tight_samples} samples "
+             "of saved activations without checkpointing, from the planner's own probe).", "",
+             bl.markdown_table(headers, rows), "", bl.markdown_table(verdicts[0], verdicts[1:]), "",
+             "- s/sample, training: 1 / the run's training samples/s (forward, backward, optimizer step, data), fixed "
+             "plan. The planner's probe times forward + backward only, on worst-case batches of max_length tokens.",
+             f"- \"Never slower, within noise\": pick / fastest <= {NO_DIFFERENCE} (ratio of medians), or the pick "
+             "was not slower in at least one interleaved round.",
+             "- " + bl.CPU_MEMORY_NOTE if configs[0].runs[0]["peak_memory_kind"] == "process_max_rss"
+             else "- " + bl.GPU_MEMORY_NOTE]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; print the report; exit 0, or 1 if a run failed."""
+    args = parse_args(argv)
+    info = bl.machine_info()
+    with bl.Workdir(args.workdir) as workdir:
+        model = args.model_name_or_path
+        if model is None and args.smoke:
+            model = str(bl.build_tiny_bert(workdir / "tiny-bert"))
+        if args.dry_run:
+            bl.print_commands(build_configs(args, model), args)
+            return 0
+        configs, planner = run_all(args, model, workdir)
+    results = summarize(configs, planner)
+    record = bl.result_record("planner", args, info, configs, results) | {"planner_runs": planner}
+    bl.emit(render(args, info, configs, results), record, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(bl.main_guard(main))
