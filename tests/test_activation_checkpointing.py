@@ -1,6 +1,6 @@
 """Activation checkpointing recomputes activations in the backward pass: it must not change what is
 trained. The same weights as without it (dropout off), for BERT and Llama, with accumulation, both
-engines, LoRA, and two gloo processes."""
+engines, LoRA, resume, torch.compile, and two gloo processes."""
 
 from __future__ import annotations
 
@@ -79,6 +79,38 @@ def test_bad_activation_checkpointing_kwargs_are_refused(kwargs, message):
 
     with pytest.raises(FinetuneError, match=message):
         parse_config(["--activation_checkpointing", "True", "--activation_checkpointing_kwargs", kwargs]).validate()
+
+
+def test_resume_under_checkpointing_gives_the_uninterrupted_weights(tmp_path, tiny_bert, capsys):
+    """Stopped after optimizer step 2 of 4 and resumed, a checkpointed run ends with the weights and losses of the
+    uninterrupted one, which are those of the run without checkpointing."""
+    import shutil
+
+    kw = dict(model_name_or_path=tiny_bert, **{**BERT, "max_steps": 4}, save_steps=2, activation_checkpointing=True)
+    _, full = run_in_process(tmp_path, "full", **kw)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step_00000002"]  # the end saves the model only
+    for name in ("model.safetensors", "metrics.json"):
+        (resumed / name).unlink()
+    capsys.readouterr()
+    run_in_process(tmp_path, "resumed", resume_from_checkpoint="latest", **kw)
+    assert "optimizer step 2" in capsys.readouterr().out.split("Resuming from ")[1].splitlines()[0]
+    same_weights(full, resumed, rtol=1e-6)
+    assert [r["loss"] for r in train_steps(resumed)] == [r["loss"] for r in train_steps(full)]
+    _, plain = run_in_process(tmp_path, "plain", **{**kw, "activation_checkpointing": False})
+    same_weights(plain, resumed)
+
+
+def test_torch_compile_with_checkpointing_trains_the_same_model(tmp_path, tiny_bert):
+    """torch.compile (inductor, CPU) over non-reentrant checkpointed layers: the losses and weights of the eager run
+    without checkpointing."""
+    kw = dict(model_name_or_path=tiny_bert, **BERT)
+    _, eager = run_in_process(tmp_path, "eager", **kw)
+    _, compiled = run_in_process(tmp_path, "compiled", torch_compile=True, activation_checkpointing=True, **kw)
+    assert [r["loss"] for r in train_steps(compiled)] == pytest.approx([r["loss"] for r in train_steps(eager)],
+                                                                         rel=1e-5)
+    same_weights(eager, compiled, rtol=1e-4)  # inductor fuses kernels: float sums in another order
 
 
 def test_lora_gradients_reach_the_adapters(tmp_path, tiny_bert):

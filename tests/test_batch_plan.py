@@ -4,6 +4,7 @@ that fits, few memory probes, and clear errors."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -356,8 +357,9 @@ def test_oom_in_evaluation_splits_eval_batches_not_the_training_micro_batch(tmp_
     assert [r["samples"] for r in train_steps(out)] == [8, 8]
 
 
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
 def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(tmp_path, tiny_llama, clm_texts,
-                                                                                capsys):
+                                                                                capsys, backend):
     """Causal LM: 2 checkpointing x 2 loss settings, each plain-or-chunked loss timed from its largest fitting
     plan down; the chosen one is written into the run's configuration, and the effective batch stays exact."""
     import json
@@ -368,7 +370,7 @@ def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(
     metrics, out = run_in_process(tmp_path, "clm", recipe="bbc-news-clm", model_name_or_path=tiny_llama,
                                   train_file=train, validation_file=valid, total_batch_size=8,
                                   auto_find_batch_size=True, max_memory_mb=64 * 1024, max_length=64, max_steps=1,
-                                  eval_strategy="no", mixed_precision="no")
+                                  eval_strategy="no", mixed_precision="no", backend=backend)
     table = capsys.readouterr().out
     assert table.count("<- chosen") == 1
     for setting in ("no checkpointing, plain loss", "no checkpointing, chunked loss 1024",
@@ -379,3 +381,7 @@ def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(
     assert config["activation_checkpointing"] == (not chosen.startswith("no checkpointing"))
     assert config["loss_chunk_size"] == (1024 if "chunked loss" in chosen else 0)
     assert metrics["effective_batch_size"] == 8
+    assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (
+        config["per_device_train_batch_size"], config["gradient_accumulation_steps"])
+    cells = re.split(r"\s{2,}", chosen.strip())  # levers, micro-batch, accumulation, est. MiB, fits, s/sample, mark
+    assert (int(cells[1]), int(cells[2])) == (config["per_device_train_batch_size"], config["gradient_accumulation_steps"])
