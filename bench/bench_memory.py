@@ -32,7 +32,8 @@ Suites (``--suite``, comma-separated, default all three):
 - ``bbc``: all-MiniLM-L6-v2 classifier (5 labels) at 512 tokens: 32x1, 8x4, 8x4 + activation checkpointing,
   32x1 + activation checkpointing.
 - ``smollm2``: SmolLM2-135M-Instruct (the fetched GGUF, de-quantized once per run into the work directory) at
-  512 tokens, micro-batch 8: plain; + chunked loss (only where ``finetune.chunked_loss`` exists); +
+  512 tokens, micro-batch 8: plain; 2x4 (plain, a quarter of the micro-batch, the same effective batch: what
+  checkpointing at 4x the micro-batch competes with); + chunked loss (only where ``finetune.chunked_loss`` exists); +
   activation checkpointing; + LoRA (r=16, alpha=32, peft's default targets); + LoRA + checkpointing; then
   the levers stacked: chunked loss + checkpointing, and chunked loss + checkpointing + LoRA.
 - ``lora``: full fine-tune vs LoRA, SmolLM2 at 256 tokens, micro-batch 4: the ratio LoRA / full of the
@@ -305,6 +306,9 @@ def parse_args(argv=None):
                         "a server that has only imported torch, transformers, peft and finetune, no model and no "
                         "tensor (forkserver: ~5 s less per run; its max RSS starts from that import baseline, less the "
                         "library pages the worker never touches). auto: forkserver with --smoke, else subprocess")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated configuration names to run (as the tables name them, e.g. '2x4,checkpointing'); "
+                        "default all of the chosen suites")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry_run", action="store_true", help="print each configuration's worker spec and exit")
     p.add_argument("--workdir", type=Path, default=None,
@@ -378,6 +382,8 @@ def build_configs(args, models: dict) -> tuple[list[dict], list[str]]:
         micro = suite_setting(args, suite, "micro_batch")
         if suite == "smollm2":
             add(suite, "plain", task, micro, args.accumulation)
+            if micro % 4 == 0:  # the same effective batch at a quarter of the micro-batch: what checkpointing competes with
+                add(suite, f"{micro // 4}x{4 * args.accumulation}", task, micro // 4, 4 * args.accumulation)
             if chunked is not None:
                 add(suite, "chunked loss", task, micro, args.accumulation, use_chunked=True)
             else:
@@ -394,6 +400,13 @@ def build_configs(args, models: dict) -> tuple[list[dict], list[str]]:
         else:  # lora
             add(suite, "full", task, micro, args.accumulation)
             add(suite, "LoRA", task, micro, args.accumulation, lora=True)
+    if args.configs:
+        wanted = {name.strip() for name in args.configs.split(",") if name.strip()}
+        unknown = wanted - {c["name"] for c in configs}
+        if unknown:
+            raise SystemExit(f"error: --configs: unknown {', '.join(sorted(unknown))}; the chosen suites have "
+                             f"{', '.join(c['name'] for c in configs)}")
+        configs = [c for c in configs if c["name"] in wanted]
     return configs, notes
 
 
@@ -693,7 +706,7 @@ def render(args, info: dict, configs: list[dict], results: dict, models: dict) -
             ratio = ratios[c["name"]]
             table.append([
                 c["name"], f"{c['spec']['micro_batch']}x{c['spec']['accumulation']}",
-                f"{med['trainable_parameters']:,}", _mib(med["saved_tensor_bytes"]), _mib(med["saved_parameter_bytes"]),
+                f"{int(med['trainable_parameters']):,}", _mib(med["saved_tensor_bytes"]), _mib(med["saved_parameter_bytes"]),
                 _mib(med["gradient_bytes"]), _mib(med["adamw_state_bytes"]), _mib(med["training_memory_bytes"]),
                 bl.fmt(ratio["training_memory_ratio"], ".3f"), _mib(med["peak_rss_bytes"]),
                 _mib(med.get("peak_rss_above_loaded_bytes")), bl.fmt(med["seconds_per_sample"], ".4g"),

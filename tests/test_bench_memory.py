@@ -13,7 +13,7 @@ import pytest
 from test_bench import check_header, positive, run_bench, table_row
 
 BBC = ("32x1", "8x4", "8x4 + checkpointing", "32x1 + checkpointing")
-SMOLLM2 = ("plain", "checkpointing", "LoRA", "LoRA + checkpointing")  # + CHUNKED where finetune.chunked_loss exists
+SMOLLM2 = ("plain", "2x4", "checkpointing", "LoRA", "LoRA + checkpointing")  # + CHUNKED where finetune.chunked_loss exists
 CHUNKED = ("chunked loss", "chunked loss + checkpointing", "chunked loss + checkpointing + LoRA")
 LORA = ("full", "LoRA")
 
@@ -47,6 +47,7 @@ def test_report(smoke):
         positive(cells[3]), positive(cells[7]), positive(cells[9]), positive(cells[11])
     assert table_row(out, "32x1")[1] == "32x1" and table_row(out, "8x4 + checkpointing")[1] == "8x4"
     assert table_row(out, "plain")[1] == "8x1" and table_row(out, "full")[1] == "4x1"
+    assert table_row(out, "2x4")[1] == "2x4"  # what checkpointing at 4x the micro-batch competes with
     assert table_row(out, "goal <= 0.6")[1] in ("met", "NOT met")
     positive(table_row(out, "training memory ratio LoRA / full")[1])
     if "chunked loss" not in configs_of(data, "smollm2"):
