@@ -44,6 +44,10 @@ from finetune.errors import FinetuneError
 from finetune.tasks import CausalLM
 
 
+class NothingFits(FinetuneError):
+    """Not even a micro-batch of 1 sample fits (``plan_batch``); distinct from a probe that failed."""
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """A batch plan: ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` x
@@ -126,8 +130,9 @@ def plan_batch(total_batch_size: int, num_processes: int, fits: Callable[[int], 
     are made for n candidates.
 
     Returns a ``BatchPlan`` with m * N * P == B. Raises ``FinetuneError`` if B or P is not a positive
-    integer, if B is not a multiple of P (naming the nearest valid --total_batch_size values), or if
-    even a micro-batch of 1 sample does not fit. Raises ``ValueError`` if ``max_micro_batch`` < 1.
+    integer, if B is not a multiple of P (naming the nearest valid --total_batch_size values), and
+    ``NothingFits`` (a ``FinetuneError``) if even a micro-batch of 1 sample does not fit. Raises
+    ``ValueError`` if ``max_micro_batch`` < 1.
     Exceptions raised by ``fits`` propagate.
     """
     plans = valid_plans(total_batch_size, num_processes)
@@ -157,7 +162,7 @@ def plan_batch(total_batch_size: int, num_processes: int, fits: Callable[[int], 
                 lo = mid + 1
         first_fit = lo
     if first_fit == len(plans):
-        raise FinetuneError(
+        raise NothingFits(
             f"even a micro-batch of 1 sample per process does not fit in memory (--total_batch_size "
             f"{total_batch_size} on {num_processes} process(es)). Reduce --max_length, use a machine (or GPU) "
             f"with more memory, or raise --max_memory_mb if you set a memory budget."
@@ -451,6 +456,25 @@ def levers(config, recipe, device) -> list[Lever]:
     return [Lever(c, k) for c in checkpointing for k in chunks]
 
 
+def agreed_seconds(measure: Callable[[], float], slowest_over_processes: Callable[[float], float]) -> float:
+    """``measure()`` (seconds) on this rank, then the slowest rank's figure (``slowest_over_processes``, a MAX
+    all-reduce every rank calls once). A rank whose ``measure`` raised sends infinity, so no rank waits in a
+    collective the failed one never reaches: the failed rank re-raises its own error, the others raise
+    ``FinetuneError`` ("another process failed ...")."""
+    error = None
+    try:
+        seconds = float(measure())
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks know
+        seconds, error = math.inf, err
+    slowest = slowest_over_processes(seconds)
+    if error is not None:
+        raise error
+    if math.isinf(slowest):
+        raise FinetuneError("another process failed while timing a batch plan for --auto_find_batch_size; its "
+                            "error is printed above.")
+    return slowest
+
+
 def timed_micro_batches(lever: Lever, largest_fit: int, plans: list[tuple[int, int]],
                         largest_fit_without_checkpointing: int | None) -> list[int]:
     """The micro-batches of ``lever`` worth timing, largest first: those that fit (at most ``largest_fit``
@@ -472,19 +496,22 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
     ``slowest_over_processes``, so every rank sees the same figures and takes the same path) until one is
     slower than the one before it. Time per sample falls with the micro-batch while larger matrix products
     use the hardware better (a GPU) and may rise again once they outgrow the caches (measured on a 2-core CPU
-    at 512 tokens: micro-batch 8 was 10% faster per sample than 32), so the descent stops at the first rise.
+    at 512 tokens: micro-batch 8 x 4 took 0.83x the time per sample of 32 x 1, docs/benchmarks.md), so the
+    descent stops at the first rise. One timed pass per micro-batch where a pass is long (CPU) means a rise
+    within noise can also stop it: that keeps the larger plan, the one timed before.
 
     Returns (the chosen candidate: the least measured time per sample, ties to the earlier lever setting,
     i.e. no checkpointing, plain loss, then to the larger micro-batch; every candidate considered, each with
-    ``note`` saying why it was or was not timed). Every plan keeps ``total_batch_size`` exactly. Raises
-    ``FinetuneError`` when nothing fits."""
+    ``note`` saying why it was not timed). Every plan keeps ``total_batch_size`` exactly. Raises
+    ``NothingFits`` when nothing fits under any setting; an error of a probe on any rank is raised on every
+    rank (``agree``, ``agreed_seconds``)."""
     plans = valid_plans(total_batch_size, num_processes)
     largest: dict[Lever, int | None] = {}
     for lever, probe in probes.items():
         try:
             best = plan_batch(total_batch_size, num_processes, agreed_fits(probe.fits, max_over_processes))
             largest[lever] = best.per_device_train_batch_size
-        except FinetuneError:
+        except NothingFits:  # any other error (a probe that failed, on any rank) ends the planning on every rank
             largest[lever] = None
     candidates, measured = [], []
     for lever, probe in probes.items():
@@ -498,7 +525,7 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
                                 note="" if fits else "does not fit")
             candidates.append(rows[m])
         for m in to_time:
-            seconds = slowest_over_processes(probe.seconds_per_sample(m))
+            seconds = agreed_seconds(lambda: probe.seconds_per_sample(m), slowest_over_processes)
             rows[m].seconds_per_sample = seconds
             measured.append(rows[m])
             if previous is not None and seconds > previous:
@@ -509,10 +536,13 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
                 row.note = ("checkpointing: fits without it" if without is not None and m <= without
                             else "smaller than a slower timed one")
     if not measured:
-        raise FinetuneError(
+        settings = "with or without activation checkpointing" if len({lv.activation_checkpointing for lv in probes}) > 1 \
+            else ("with activation checkpointing" if next(iter(probes)).activation_checkpointing
+                  else "without activation checkpointing")
+        raise NothingFits(
             f"even a micro-batch of 1 sample per process does not fit in memory (--total_batch_size "
-            f"{total_batch_size} on {num_processes} process(es)), with or without activation checkpointing. Reduce "
-            "--max_length, use a machine (or GPU) with more memory, or raise --max_memory_mb if you set a budget.")
+            f"{total_batch_size} on {num_processes} process(es)), {settings}. Reduce --max_length, use a machine "
+            "(or GPU) with more memory, or raise --max_memory_mb if you set a budget.")
     return min(measured, key=lambda c: c.seconds_per_sample), candidates
 
 

@@ -11,6 +11,8 @@ import pytest
 from finetune.batch_plan import (
     BatchPlan,
     Lever,
+    NothingFits,
+    agreed_seconds,
     choose_plan,
     estimate_fits_from_memory,
     plan_batch,
@@ -232,6 +234,35 @@ def test_planner_uses_the_slowest_rank_time_and_errors_when_nothing_fits():
     assert chosen.plan.per_device_train_batch_size == 16
     with pytest.raises(FinetuneError, match="does not fit in memory"):
         choose_plan(32, 1, {OFF: FakeProbe(0, {}), ON: FakeProbe(0, {})})
+
+
+def test_a_failing_probe_is_an_error_not_a_plan_that_does_not_fit():
+    """Only ``NothingFits`` means "does not fit": any other error of a probe (here a FinetuneError from the loss)
+    ends the planning with that error, and a timing failure on any rank reaches every rank."""
+    class Broken(FakeProbe):
+        def fits(self, m):
+            raise FinetuneError("--loss_chunk_size needs a model with an output embedding")
+
+    with pytest.raises(FinetuneError, match="output embedding"):
+        choose_plan(32, 1, {OFF: Broken(32, U_SHAPE), ON: FakeProbe(32, U_SHAPE)})
+    with pytest.raises(NothingFits, match="does not fit in memory.*without activation checkpointing"):
+        choose_plan(32, 1, {OFF: FakeProbe(0, {})})
+    reduced = []
+
+    def slowest(seconds):
+        reduced.append(seconds)
+        return max(seconds, float("inf"))  # another rank failed: it sent infinity
+
+    with pytest.raises(FinetuneError, match="another process failed while timing"):
+        agreed_seconds(lambda: 0.5, slowest)
+
+    def timing_fails():
+        raise RuntimeError("out of memory while timing")
+
+    with pytest.raises(RuntimeError, match="while timing"):
+        agreed_seconds(timing_fails, lambda s: reduced.append(s) or s)
+    assert reduced == [0.5, float("inf")]  # the failed rank still joined the all-reduce
+    assert agreed_seconds(lambda: 0.25, lambda s: max(s, 0.5)) == 0.5  # the slowest rank's time
 
 
 def test_total_batch_size_sets_the_accumulation(tmp_path, tiny_bert):

@@ -234,6 +234,32 @@ def test_bench_planner_verdict_compares_the_pick_with_the_fastest_fitting_plan()
     assert result["met"] and result["ratio_pick_over_best"] == 1.0
 
 
+def test_bench_planner_reads_the_planner_table():
+    """``parse_planner_output`` reads what ``plan_table`` prints (rows, fits, timed seconds, the choice) and says
+    what is missing from an output that lacks it."""
+    import bench_planner as bp
+    from benchlib import BenchError
+    from test_batch_plan import OFF, ON, U_SHAPE, FakeProbe
+
+    from finetune.batch_plan import choose_plan, plan_table
+
+    chosen, candidates = choose_plan(32, 1, {OFF: FakeProbe(4, U_SHAPE), ON: FakeProbe(32, U_SHAPE)})
+    text = ("Memory probe (no checkpointing): 100.0 MiB per sample + 250.5 MiB per step (...); budget 2000 MiB, "
+            f"process holds 1300 MiB\n{plan_table(chosen, candidates)}\nPlanning took 12.5 s (memory probes ...).")
+    parsed = bp.parse_planner_output(text)
+    assert len(parsed["rows"]) == 12 and parsed["planning_seconds"] == 12.5
+    assert parsed["probe_mib"] == {"per_sample": 100.0, "fixed": 250.5, "held": 1300.0}
+    assert parsed["chosen"] == bp.plan_label("checkpointing" if chosen.lever.activation_checkpointing
+                                             else "no checkpointing", chosen.plan.per_device_train_batch_size,
+                                             chosen.plan.gradient_accumulation_steps)
+    assert [label for label, row in parsed["rows"].items() if row["fits"]] == [
+        "4x8", "2x16", "1x32", "32x1 + checkpointing", "16x2 + checkpointing", "8x4 + checkpointing",
+        "4x8 + checkpointing", "2x16 + checkpointing", "1x32 + checkpointing"]
+    assert parsed["rows"]["4x8"]["planner_seconds_per_sample"] == U_SHAPE[4]
+    with pytest.raises(BenchError, match="lacks the CPU memory probe"):
+        bp.parse_planner_output(text.split("\n", 1)[1])
+
+
 @pytest.mark.integration
 def test_full_mode_commands(tmp_path):
     """--dry_run prints the full-mode run.py commands: the recipe's model, the sizes and the same samples."""
