@@ -41,6 +41,7 @@ from accelerate.utils.memory import should_reduce_batch_size
 from finetune.builders import enable_activation_checkpointing, get_task
 from finetune.components import DEFAULT_LOSS_CHUNK_SIZE, build_optimizer, loss_function
 from finetune.errors import FinetuneError
+from finetune.lora import apply_lora
 from finetune.tasks import CausalLM
 
 
@@ -356,7 +357,8 @@ class Candidate:
 
 class Probe:
     """Probe steps of the recipe's model on worst-case batches (every sample ``max_length`` tokens, or
-    ``block_size``) under one ``Lever`` setting, on this process alone.
+    ``block_size``) under one ``Lever`` setting, on this process alone, built as training builds it
+    (activation checkpointing with the run's kwargs, LoRA adapters under ``--use_peft``).
 
     - ``fits(m)``: CUDA: a whole training step at micro-batch m (forward, backward, the run's AdamW step with
       its state allocated: ``oom_probe``) either runs or raises out-of-memory. CPU: no OOM to catch, so the
@@ -377,6 +379,8 @@ class Probe:
         self.model.train()
         if lever.activation_checkpointing:
             enable_activation_checkpointing(self.model, config)  # as training will (--activation_checkpointing_kwargs)
+        if config.use_peft:  # only the adapters train: their gradients and AdamW state, not the model's
+            self.model = apply_lora(self.model, config, task.name)
         self.length = config.block_size or config.max_length
         self.vocab = self.model.config.vocab_size
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
@@ -391,6 +395,7 @@ class Probe:
         per_sample = max(two - one, 1)
         trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         fixed = max(one - per_sample, 0) + 3 * trainable
+        self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held
         print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
               f"(activations saved for backward at micro-batch 1 and 2, gradients, AdamW state); budget "

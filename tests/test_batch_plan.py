@@ -265,6 +265,29 @@ def test_a_failing_probe_is_an_error_not_a_plan_that_does_not_fit():
     assert agreed_seconds(lambda: 0.25, lambda s: max(s, 0.5)) == 0.5  # the slowest rank's time
 
 
+def test_the_probe_under_lora_counts_only_the_adapters_gradients_and_optimizer_state(tiny_bert):
+    """Under --use_peft the planner probes the model as training builds it: LoRA adapters on a frozen model, so
+    the per-step part of its memory estimate (gradients + AdamW state: 3 x the trainable bytes) is the adapters',
+    far below the full model's."""
+    import torch
+
+    from finetune.batch_plan import Probe
+    from finetune.config import parse_config
+    from finetune.recipes import load_recipe
+
+    fixed = {}
+    for use_peft in (False, True):
+        config = parse_config(["--model_name_or_path", tiny_bert, "--max_length", "32", "--use_peft", str(use_peft),
+                               "--lora_r", "2"])
+        probe = Probe(config, load_recipe("bbc-news"), torch.device("cpu"), OFF, held=0)
+        trainable = sum(p.numel() for p in probe.model.parameters() if p.requires_grad)
+        assert probe.fixed_bytes >= 3 * 4 * trainable
+        fixed[use_peft] = (probe.fixed_bytes, trainable)
+        probe.close()
+    assert fixed[True][1] < fixed[False][1] / 10
+    assert fixed[True][0] < fixed[False][0] / 2
+
+
 def test_total_batch_size_sets_the_accumulation(tmp_path, tiny_bert):
     from helpers import run_in_process, train_steps
 
