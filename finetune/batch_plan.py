@@ -45,6 +45,9 @@ from finetune.lora import apply_lora
 from finetune.tasks import CausalLM
 
 
+PROBE_MARGIN = 0.02  # a later plan must be this much faster (fraction of time per sample) to be chosen instead
+
+
 class NothingFits(FinetuneError):
     """Not even a micro-batch of 1 sample fits (``plan_batch``); distinct from a probe that failed."""
 
@@ -518,8 +521,11 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
     descent stops at the first rise. One timed pass per micro-batch where a pass is long (CPU) means a rise
     within noise can also stop it: that keeps the larger plan, the one timed before.
 
-    Returns (the chosen candidate: the least measured time per sample, ties to the earlier lever setting,
-    i.e. no checkpointing, plain loss, then to the larger micro-batch; every candidate considered, each with
+    Returns (the chosen candidate: the least measured time per sample, where a plan must be ``PROBE_MARGIN``
+    (2%) faster than an earlier one to replace it, in the order timed: no checkpointing and the plain loss
+    first, micro-batch descending. The probes time forward and backward only, on one pass; a smaller
+    micro-batch has per-micro-batch costs they do not see (loading, collating, the loop), and plans closer than
+    that swapped places between runs of ``bench/bench_planner.py``; every candidate considered, each with
     ``note`` saying why it was not timed). Every plan keeps ``total_batch_size`` exactly. Raises
     ``NothingFits`` when nothing fits under any setting; an error of a probe on any rank is raised on every
     rank (``agree``, ``agreed_seconds``)."""
@@ -553,6 +559,10 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
             if row.fits and row.seconds_per_sample is None:
                 row.note = ("checkpointing: fits without it" if without is not None and m <= without
                             else "smaller than a slower timed one")
+    chosen = None
+    for candidate in measured:  # settings in order (no checkpointing, plain loss first), micro-batch descending
+        if chosen is None or candidate.seconds_per_sample < chosen.seconds_per_sample * (1 - PROBE_MARGIN):
+            chosen = candidate
     if not measured:
         settings = "with or without activation checkpointing" if len({lv.activation_checkpointing for lv in probes}) > 1 \
             else ("with activation checkpointing" if next(iter(probes)).activation_checkpointing
@@ -561,7 +571,7 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
             f"even a micro-batch of 1 sample per process does not fit in memory (--total_batch_size "
             f"{total_batch_size} on {num_processes} process(es)), {settings}. Reduce --max_length, use a machine "
             "(or GPU) with more memory, or raise --max_memory_mb if you set a budget.")
-    return min(measured, key=lambda c: c.seconds_per_sample), candidates
+    return chosen, candidates
 
 
 def plan_table(chosen: Candidate, candidates: list[Candidate]) -> str:
@@ -578,7 +588,8 @@ def plan_table(chosen: Candidate, candidates: list[Candidate]) -> str:
     timed = [c for c in candidates if c.seconds_per_sample is not None]
     lines.append(f"Chose {chosen.plan} with {chosen.lever}: the least time per sample of the {len(timed)} plans "
                  "timed (each setting from its largest fitting micro-batch down, until one was slower than the one "
-                 "before; checkpointing only where it fits a larger micro-batch than without it).")
+                 "before; checkpointing only where it fits a larger micro-batch than without it), a plan listed "
+                 f"later needing to be {PROBE_MARGIN:.0%} faster to be chosen over an earlier one.")
     return "\n".join(lines)
 
 

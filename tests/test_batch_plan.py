@@ -204,6 +204,19 @@ def test_planner_descends_until_slower_and_takes_the_fastest_plan_that_fits():
     assert "(smaller than a slower timed one)" in table
 
 
+def test_a_smaller_micro_batch_must_be_clearly_faster_to_be_chosen():
+    """Probes time forward + backward on one pass: a plan within 2% of an earlier (larger micro-batch, or
+    without checkpointing) one does not replace it; the descent still goes on past it while times fall."""
+    off = FakeProbe(32, {32: 0.500, 16: 0.495, 8: 0.492, 4: 0.60})
+    chosen, _ = choose_plan(32, 1, {OFF: off})
+    assert off.timed == [32, 16, 8, 4] and chosen.plan.per_device_train_batch_size == 32
+    off = FakeProbe(32, {32: 0.500, 16: 0.495, 8: 0.40, 4: 0.60})
+    chosen, _ = choose_plan(32, 1, {OFF: off})
+    assert chosen.plan.per_device_train_batch_size == 8  # a flat step does not stop the descent
+    chosen, _ = choose_plan(32, 1, {OFF: FakeProbe(4, {4: 0.50, 2: 0.60}), ON: FakeProbe(32, {32: 0.495, 16: 0.6})})
+    assert (chosen.lever, chosen.plan.per_device_train_batch_size) == (OFF, 4)  # checkpointing 1% faster: not chosen
+
+
 def test_checkpointing_is_timed_only_where_it_fits_a_larger_micro_batch():
     """A budget that fits 4 without checkpointing and 32 with it: checkpointing's 32, 16, 8 are timed (not 4
     and below), and it wins only where its larger micro-batch is faster than the best plan without it."""
