@@ -22,9 +22,10 @@ for the task (a random class of 5; the input ids themselves for a causal LM). So
 3. reports the time per sample (seconds per sample over the timed steps), the peak RSS (bytes), and the
    trainable parameters.
 
-Memory accounting (the planner's, ``finetune.batch_plan.Probe``; fp32 training): saved-for-backward
-bytes of one micro-batch + gradient bytes (trainable parameters x 4) + AdamW state bytes (trainable x 8, two
-fp32 moments) = "training memory". Configurations are repeated interleaved (round r runs every
+Memory accounting (fp32 training): saved-for-backward bytes of one micro-batch + gradient bytes (trainable
+parameters x 4) + AdamW state bytes (trainable x 8, two fp32 moments) = "training memory". (The planner,
+``finetune.batch_plan.Probe``, counts the same activations less the weights among them, and adds all the
+weights: it plans for a process in which no model exists yet.) Configurations are repeated interleaved (round r runs every
 configuration once) and medians are reported; ratios are computed within one run of this script.
 
 Suites (``--suite``, comma-separated, default all three):
@@ -733,8 +734,8 @@ def render(args, info: dict, configs: list[dict], results: dict, models: dict) -
             ])]
     lines += ["", "Notes:",
               "- Training memory = saved for backward (one micro-batch's forward, `finetune.batch_plan.saved_tensor_bytes`, "
-              "the planner's measurement) + gradients (trainable parameters x 4 bytes) + AdamW state (trainable x 8 bytes), "
-              "the accounting of `batch_plan.Probe`. \"Of which weights\": the parameter storages among the saved tensors "
+              "the planner's measurement) + gradients (trainable parameters x 4 bytes) + AdamW state (trainable x 8 bytes); "
+              "`batch_plan.Probe` counts these activations less the weights among them, plus all the weights. \"Of which weights\": the parameter storages among the saved tensors "
               "(weights a linear layer keeps to compute its input's gradient; the model holds them anyway, frozen or not).",
               "- Under activation checkpointing, saved for backward counts what the forward keeps (each checkpointed "
               "layer's inputs and everything outside the layers), not the one layer recomputed at a time in backward.",

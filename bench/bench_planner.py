@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import psutil  # noqa: E402
 
 import benchlib as bl  # noqa: E402
-from finetune.recipes import load_recipe  # noqa: E402  (benchlib puts the repository on sys.path)
+from finetune.batch_plan import valid_plans  # noqa: E402  (benchlib puts the repository on sys.path)
+from finetune.recipes import load_recipe  # noqa: E402
 
 NO_DIFFERENCE = 1.03  # a ratio of medians at or under this is "no slower, within noise"
 LEVERS = {"no checkpointing": [], "checkpointing": ["--activation_checkpointing", "True"]}
@@ -83,8 +84,7 @@ def build_configs(args, model: str | None) -> list[bl.Config]:
     """One configuration per exact plan and checkpointing setting (largest micro-batch first)."""
     common = bl.run_flags(args, model, "--num_train_epochs", "1", "--eval_strategy", "no")
     common += args.extra_args.split()
-    B = args.total_batch_size
-    plans = [(m, B // m) for m in range(B, 0, -1) if B % m == 0]
+    plans = valid_plans(args.total_batch_size, 1)  # the planner's own list: micro-batch descending
     return [bl.Config(plan_label(lever, m, n), common + ["--per_device_train_batch_size", str(m),
                                                          "--gradient_accumulation_steps", str(n), *flags])
             for lever, flags in LEVERS.items() for m, n in plans]
