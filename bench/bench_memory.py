@@ -148,7 +148,7 @@ def run_worker(spec: dict) -> dict:
     import torch
 
     from finetune.batch_plan import saved_tensor_bytes
-    from finetune.lora import parameter_counts
+    from finetune.engine import parameter_counts
     from finetune.tasks import CausalLM, SequenceClassification
 
     torch.manual_seed(spec["seed"])

@@ -39,7 +39,8 @@ from accelerate.utils import parse_flag_from_env
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.builders import enable_activation_checkpointing, get_task
-from finetune.components import DEFAULT_LOSS_CHUNK_SIZE, build_optimizer, loss_function
+from finetune.engine import build_optimizer
+from finetune.loss import DEFAULT_LOSS_CHUNK_SIZE, loss_function
 from finetune.errors import FinetuneError
 from finetune.lora import apply_lora
 from finetune.tasks import CausalLM

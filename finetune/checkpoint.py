@@ -32,7 +32,7 @@ STEP_MEANING = ("recipe", "train_file", "max_train_samples", "max_length", "bloc
 
 
 @dataclass
-class TrainerState:
+class RunProgress:
     """The loop's own state at an optimizer-step boundary (units: optimizer steps, micro-batches per
     process, samples and label tokens over all processes, seconds)."""
 
@@ -45,7 +45,7 @@ class TrainerState:
     padded_tokens_seen: int = 0  # input positions incl. padding (what the model computed on)
     skipped_steps: int = 0
     consecutive_skipped: int = 0
-    loss_sum: float = 0.0  # sum over optimizer steps of each step's mean loss (train_loss = loss_sum / step)
+    step_loss_total: float = 0.0  # sum over optimizer steps of each step's mean loss (train_loss: / step)
     last_loss: float | None = None
     best_metric: float | None = None  # --metric_for_best_model's best value so far, and where
     best_step: int | None = None
@@ -57,7 +57,7 @@ class TrainerState:
     def record_step(self, loss: float, skipped: bool) -> None:
         """Count one optimizer step whose mean loss per item was ``loss``."""
         self.step += 1
-        self.loss_sum += loss
+        self.step_loss_total += loss
         self.last_loss = loss
         self.skipped_steps += int(skipped)
         self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
@@ -124,16 +124,19 @@ def find_resume_checkpoint(output_dir, spec: str) -> Path:
     return path
 
 
-def read_state(path: Path) -> TrainerState:
-    """The ``TrainerState`` saved in checkpoint ``path``. Raises ``FinetuneError`` if it is unreadable."""
+def read_state(path: Path) -> RunProgress:
+    """The ``RunProgress`` saved in checkpoint ``path``. Raises ``FinetuneError`` if it is unreadable."""
     try:
-        return TrainerState(**json.loads((path / STATE_FILE).read_text()))
+        saved = json.loads((path / STATE_FILE).read_text())
+        if "loss_sum" in saved:  # the name before round 3
+            saved["step_loss_total"] = saved.pop("loss_sum")
+        return RunProgress(**saved)
     except (OSError, ValueError, TypeError) as err:
         raise FinetuneError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}). Resume from another checkpoint "
                             "(--resume_from_checkpoint PATH) or start again.") from None
 
 
-def check_compatible(state: TrainerState, meaning: dict, path: Path, allow: bool) -> None:
+def check_compatible(state: RunProgress, meaning: dict, path: Path, allow: bool) -> None:
     """Refuse to resume when a setting of ``STEP_MEANING`` or the process count differs from the
     checkpoint's, naming each difference; ``allow`` (``--ignore_checkpoint_mismatch``) overrides."""
     differences = [f"{k}: checkpoint {state.step_meaning.get(k)!r}, now {v!r}"
@@ -149,7 +152,7 @@ def checkpoint_path(output_dir, step: int) -> Path:
     return checkpoints_dir(output_dir) / f"step_{step:08d}"
 
 
-def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_limit: int | None,
+def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limit: int | None,
                     model=None, tokenizer=None, layout=None) -> Path:
     """Write a checkpoint for ``state.step`` atomically, then prune to ``save_total_limit`` (oldest first,
     only complete ones, never the new one, never the best one: ``state.best_step``). Every process calls
@@ -157,9 +160,8 @@ def save_checkpoint(accelerator, output_dir, state: TrainerState, save_total_lim
 
     With ``model`` and ``tokenizer``, the checkpoint is also a loadable model directory: the model's
     ``config.json`` (and generation config) and the tokenizer beside ``save_state``'s ``model.safetensors``,
-    so ``from_pretrained(checkpoint)`` and the predict command work on it. (Where the state is sharded, as
-    with FSDP's SHARDED_STATE_DICT, the weights are in ``pytorch_model_fsdp_0/``: consolidate them with
-    ``accelerate merge-weights``.)
+    so ``from_pretrained(checkpoint)`` and the predict command work on it (a sharded state dict is consolidated
+    with ``accelerate merge-weights``).
 
     ``layout`` (``nodes.StorageLayout``; None: global rank 0 writes) says who finalises: with
     ``per_machine``, each machine's local main process writes its own complete copy (Accelerate's

@@ -346,8 +346,7 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
     Those few logits also check that the model returns what its head computed: a model that transforms
     logits after ``lm_head`` would be trained on a different objective by the chunked loss, so it is refused.
 
-    Raises ``ValueError`` if the model has no output embedding, is ``torch.compile``'d as a whole, is sharded by FSDP or DeepSpeed ZeRO-3 (the
-    head's weight is not whole outside its forward), uses final logit softcapping (Gemma-2/3
+    Raises ``ValueError`` if the model has no output embedding, is ``torch.compile``'d as a whole, uses final logit softcapping (Gemma-2/3
     ``final_logit_softcapping``) or any other post-head logit transform (Cohere's ``logit_scale``, Granite's
     ``logits_scaling`` != 1, ...: detected by the comparison above), or does not call its head exactly once
     on (batch, seq, hidden) hidden states.
@@ -398,7 +397,7 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
 
 
 def _wrapper_chain(model: torch.nn.Module) -> list:
-    """``model`` and what it wraps, outermost first: ``.module`` (DDP, DataParallel, DeepSpeed, FSDP),
+    """``model`` and what it wraps, outermost first: ``.module`` (DDP, DataParallel and the sharding wrappers),
     ``._orig_mod`` (torch.compile) and peft's ``get_base_model()``."""
     chain = [model]
     while len(chain) < 16:
@@ -420,7 +419,7 @@ def _compiled_module_types() -> tuple:
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside DDP / DataParallel / DeepSpeed / FSDP / torch.compile and peft wrappers."""
+    """The transformers model inside parallel, torch.compile and peft wrappers."""
     from accelerate.utils import extract_model_from_parallel
 
     # keep_fp32_wrapper=True: unwrapping must not strip Accelerate's autocast forward from the model in place.
@@ -436,12 +435,3 @@ def _refuse_unsupported(model, inner, head) -> None:
         raise ValueError(f"{type(inner).__name__} caps its final logits (final_logit_softcapping={softcap}): the "
                          f"chunked loss computes plain logits. Use the plain loss, or set final_logit_softcapping "
                          f"to None in the model config if training without the cap is intended.")
-    from torch.distributed import fsdp
-
-    sharded = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, name))
-    if any(isinstance(module, sharded) for module in (model, *model.modules())):
-        raise ValueError("the model is sharded with FSDP: the lm_head weight is not whole outside its forward, so the "
-                         "chunked loss cannot use it. Use the plain loss.")
-    if any(hasattr(param, "ds_id") for param in head.parameters()):
-        raise ValueError("the lm_head weight is partitioned by DeepSpeed ZeRO-3: the chunked loss cannot use it "
-                         "outside the forward. Use the plain loss.")

@@ -6,17 +6,14 @@ import json
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import broadcast_object_list
 from accelerate.utils.memory import should_reduce_batch_size
 
+from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.sft import generation_metrics, prompt_and_reference
 
 GENERATIONS_FILE = "generations.jsonl"  # in the output dir: generated completions beside the references
-
-# Sharded engines run collectives inside every forward: a rank that retries a forward alone would put
-# them out of step (a hang), so evaluation never splits a batch there.
-_SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
 
 def check_eval_set(num_samples: int, config) -> None:
@@ -43,7 +40,7 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict) -> dict:
     was_training = model.training
     model.eval()
     parts = []
-    splittable = accelerator.distributed_type not in _SHARDED
+    splittable = engine_for(accelerator).eval_may_split_batch  # no collective inside the forward
     for batch in dataloader:
         labels = batch.pop("labels")
         outputs = _eval_outputs(model, batch, labels, task, splittable)

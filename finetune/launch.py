@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from finetune.config import TrainConfig
+from finetune.engine import launcher_spawns_processes
 
 TRAINING_MODULE = "finetune.run"
 
@@ -87,7 +88,7 @@ def train_command(argv: list[str]) -> int:
     args = launch_command_parser().parse_args([*launcher, "--module", TRAINING_MODULE, *training])
     args, defaults, mp_from_config = _validate_launch_command(args)
     # the routing of accelerate's launch_command: --cpu, or no multi-process option, is its simple launcher
-    if args.cpu or not (args.use_deepspeed or args.use_fsdp or args.use_megatron_lm or args.multi_gpu or args.tpu):
+    if not launcher_spawns_processes(args):
         cmd, env = prepare_simple_launcher_cmd_env(args)
         return _run_forwarding_signals(cmd, env)
     # Several processes: torchrun's elastic agent runs here, in this process. It passes SIGTERM/SIGINT on to
@@ -99,7 +100,7 @@ def train_command(argv: list[str]) -> int:
         return max((_exit_code(f.exitcode) for f in err.failures.values()), default=1)
     except SignalException as err:
         return 128 + int(err.sigval)
-    except subprocess.CalledProcessError as err:  # the DeepSpeed launcher's way of failing
+    except subprocess.CalledProcessError as err:  # how a pdsh-style multi-node launcher fails
         return _exit_code(err.returncode)
     return 0
 

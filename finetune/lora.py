@@ -36,13 +36,6 @@ def apply_lora(model, config, task_name: str) -> PeftModel:
     return get_peft_model(model, lora_config(config, task_name))
 
 
-def parameter_counts(model) -> tuple[int, int]:
-    """(trainable parameters, all parameters), in elements; true counts also where DeepSpeed ZeRO-3 has
-    replaced the parameters by empty placeholders (it keeps the count in ``ds_numel``)."""
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
-    return sum(n for n, trainable in sizes if trainable), sum(n for n, _ in sizes)
-
-
 def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_dir: Path, base_name_or_path: str,
                  is_main_process: bool, merge: bool) -> None:
     """Write a PEFT adapter directory into ``output_dir``: ``adapter_config.json``,

@@ -14,10 +14,8 @@ from pathlib import Path
 import torch
 
 from finetune.config import config_argv, reproduce_command
-from peft import PeftModel
-
+from finetune.engine import parameter_counts
 from finetune.flops import model_flops_utilization
-from finetune.lora import parameter_counts, save_adapter
 from finetune.model_card import write_model_card
 from finetune.precision import PRECISION_NAMES
 
@@ -63,9 +61,9 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
                 model, eval_runtime: float, process_start: float | None) -> dict:
     """The ``metrics.json`` dict, the same for both engines.
 
-    ``state``: a ``checkpoint.TrainerState`` (counts over all processes: ``samples_seen``; ``tokens_seen``,
+    ``state``: a ``checkpoint.RunProgress`` (counts over all processes: ``samples_seen``; ``tokens_seen``,
     label tokens, 0 for classification; ``input_tokens_seen``, non-padding inputs; ``padded_tokens_seen``,
-    input positions with padding, 0 where the engine cannot see its batches; ``loss_sum`` over optimizer
+    input positions with padding, 0 where the engine cannot see its batches; ``step_loss_total`` over optimizer
     steps of each step's mean loss; ``train_runtime`` seconds, evaluation excluded). ``plan``: the
     ``components.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
     CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x input tokens/s / peak FLOP/s
@@ -77,7 +75,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
     runtime = state.train_runtime
     metrics = {
         **eval_results,
-        "train_loss": state.loss_sum / max(state.step, 1),
+        "train_loss": state.step_loss_total / max(state.step, 1),
         "final_train_loss": state.last_loss if state.last_loss is not None else float("nan"),
         "optimizer_steps": state.step,
         "skipped_optimizer_steps": state.skipped_steps,
@@ -118,71 +116,12 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
     return metrics
 
 
-class JsonlLog:
-    """``log.jsonl``: one JSON object per line, written by the main process only and flushed at once so a
-    run that dies keeps its log. ``append`` continues a resumed run's file."""
-
-    def __init__(self, path: Path, enabled: bool, append: bool = False):
-        self.file = open(path, "a" if append else "w", encoding="utf-8") if enabled else None
-
-    def write(self, record: dict) -> None:
-        """Append ``record`` as one line."""
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        """Close the file (idempotent)."""
-        if self.file:
-            self.file.close()
-            self.file = None
-
-
-def restore_log(path: Path, step: int) -> None:
-    """On resume: keep the log records up to the checkpoint's ``step`` (optimizer-step records up to and
-    including it, evaluations before it) and drop what a killed run wrote after it."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if (r := json.loads(line))["step"] < step or (r["step"] == step and "loss" in r)]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-def save_model(accelerator, model, tokenizer, output_dir: Path, config, writes: bool | None = None) -> None:
-    """Write the model (safetensors) and tokenizer with ``save_pretrained``: a Hugging Face model directory
-    that ``AutoModel*.from_pretrained(output_dir)`` loads, or with ``--use_peft`` a PEFT adapter directory
-    (``lora.save_adapter``). Every process calls it (gathering a sharded state dict is collective); those
-    with ``writes`` (default: global rank 0; one per machine where the machines share no filesystem) write."""
-    writes = accelerator.is_main_process if writes is None else writes
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    # a torch.compile'd model names every tensor "_orig_mod.<name>": from_pretrained needs the plain names
-    state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
-    if isinstance(unwrapped, PeftModel):
-        save_adapter(unwrapped, state_dict, tokenizer, output_dir, config.model_name_or_path, writes,
-                     merge=config.merge_adapter)
-        return
-    if writes and not accelerator.is_main_process and hasattr(unwrapped, "should_save_on_this_rank"):
-        # a machine's own copy: transformers 5 writes on global rank 0 only once torch.distributed is up,
-        # whatever is_main_process says (DistributedMixin.should_save_on_this_rank)
-        unwrapped.should_save_on_this_rank = lambda is_main_process: is_main_process
-        try:
-            unwrapped.save_pretrained(output_dir, is_main_process=True, state_dict=state_dict)
-        finally:
-            del unwrapped.should_save_on_this_rank
-    else:
-        unwrapped.save_pretrained(output_dir, is_main_process=writes, state_dict=state_dict)
-    if writes:
-        tokenizer.save_pretrained(output_dir)
-
-
-def write_outputs(accelerator, model, tokenizer, config, recipe, metrics: dict, writes: bool | None = None) -> None:
-    """The end of a run, for both engines: the model directory, ``metrics.json`` and the model card
-    (``README.md``, with the command that reproduces the run) in ``config.output_dir``, written by the
-    processes with ``writes`` (default: global rank 0)."""
+def write_outputs(engine, model, tokenizer, config, recipe, metrics: dict, writes: bool) -> None:
+    """The end of a run, for both engines: the model directory (``engine.save_model``), ``metrics.json`` and
+    the model card (``README.md``, with the command that reproduces the run) in ``config.output_dir``,
+    written by the processes with ``writes``."""
     output_dir = Path(config.output_dir)
-    writes = accelerator.is_main_process if writes is None else writes
-    save_model(accelerator, model, tokenizer, output_dir, config, writes)
+    engine.save_model(model, tokenizer, output_dir, config, writes)
     if writes:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         command = reproduce_command(config_argv(config, recipe), num_processes=metrics["num_processes"],

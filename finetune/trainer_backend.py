@@ -7,7 +7,7 @@ Only the loop differs. What we add to a plain Trainer:
   of the whole accumulation window, across processes). A plain Trainer with a model that accepts loss
   kwargs (BERT in transformers 5) neither normalises by the window nor divides by the accumulation steps,
   so its gradients and its logged loss are N times the mean (6.43 instead of 1.61 at N = 4 on bbc-news).
-- ``TrueLossCallback`` (which also provides that loss function) writes our ``log.jsonl`` (the mean loss
+- ``BookkeepingCallback`` (which also provides that loss function) writes our ``log.jsonl`` (the mean loss
   per item of each optimizer step, the learning rate used and the pre-clip grad norm that Trainer
   reports) and runs the shared evaluation on our ``--eval_strategy``, tracking the best model and early
   stopping. Checkpoints are Trainer's own (``<output_dir>/checkpoints/checkpoint-N``), plus the settings
@@ -25,14 +25,16 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
-from finetune.components import (cpu_fp16_test_switch_on, enable_test_cpu_fp16, loss_function, loss_scale,
-                                 micro_batches_per_process, optimizer_step_skipped, plan_steps)
+from finetune import nodes
+from finetune.bookkeeping import Bookkeeping
 from finetune.builders import build_components, get_task
+from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
-from finetune.output import clear_output_dir
-from finetune.precision import running_precision
-from finetune.reporting import JsonlLog, restore_log, run_banner, run_metrics, write_outputs
+from finetune.loss import loss_function
+from finetune.precision import loss_scale, optimizer_step_skipped
+from finetune.reporting import run_banner, run_metrics, write_outputs
+from finetune.steps import micro_batches_per_process, plan_steps
 from finetune.tasks import CausalLM
 
 STEP_MEANING_FILE = "finetune_step_meaning.json"  # in each Trainer checkpoint
@@ -42,12 +44,12 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
     """The ``TrainingArguments`` for ``config``: the one place our settings map to Trainer's.
 
     Every shared hyperparameter keeps its name and value (tested in ``tests/test_trainer_backend.py``).
-    Checkpoints go to ``<output_dir>/checkpoints``; evaluation is ours (``TrueLossCallback``), so Trainer's is
+    Checkpoints go to ``<output_dir>/checkpoints``; evaluation is ours (``BookkeepingCallback``), so Trainer's is
     off; logging is every optimizer step. fp16 is asked for only where it can run (a CUDA device), as on the
     accelerate side, where a CPU silently runs fp32; or on a CPU under the TEST-ONLY switch
     ``FINETUNE_TEST_CPU_FP16=1`` (``components.enable_test_cpu_fp16``).
     """
-    fp16 = config.mixed_precision == "fp16" and (torch.cuda.is_available() or cpu_fp16_test_switch_on())
+    fp16 = config.mixed_precision == "fp16" and torch.cuda.is_available()
     return TrainingArguments(
         output_dir=str(ckpt.checkpoints_dir(output_dir or config.output_dir)),
         per_device_train_batch_size=config.per_device_train_batch_size,
@@ -70,7 +72,7 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
         max_grad_norm=config.max_grad_norm,
         seed=config.seed,
         data_seed=config.seed,
-        # Evaluation runs in TrueLossCallback through the same evaluate() as the accelerate engine, so both
+        # Evaluation runs in BookkeepingCallback through the same evaluate() as the accelerate engine, so both
         # engines define eval_loss alike (Trainer's own averages per-batch means: not per-token exact).
         eval_strategy="no",
         save_strategy=config.save_strategy,
@@ -92,50 +94,45 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
 
 
 class FinetuneTrainer(Trainer):
-    """``Trainer`` whose training loss is the accelerate engine's (``components.loss_function``: the chunked
-    loss for causal LM where it is on), accounted by ``TrueLossCallback.account``. Trainer is still given
-    that callback's ``compute_loss_func``, so it neither divides the loss by the accumulation steps nor
-    skips averaging ``num_items_in_batch`` across devices."""
+    """``Trainer`` whose training loss is the accelerate engine's (``loss.loss_function``: the chunked loss
+    for causal LM where it is on), accounted by ``BookkeepingCallback.account``. Trainer is still given that
+    callback's ``compute_loss_func``, so it neither divides the loss by the accumulation steps nor skips
+    averaging ``num_items_in_batch`` across devices."""
 
     def __init__(self, account, **kwargs):
         super().__init__(**kwargs)
-        self.account, self.loss_sum = account, None  # loss_sum: set once the Trainer's accelerator exists
+        self.account, self.micro_batch_loss = account, None  # set once the Trainer's accelerator exists
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The micro-batch's loss: ``loss_sum(model, inputs, labels)`` / the window's items."""
+        """The micro-batch's loss: ``micro_batch_loss(model, inputs, labels)`` / the window's items."""
         if return_outputs:  # Trainer's own prediction path (unused here: evaluation is evaluate())
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        return self.account(self.loss_sum(model, inputs, labels), labels, num_items_in_batch)
+        return self.account(self.micro_batch_loss(model, inputs, labels), labels, num_items_in_batch)
 
 
-class TrueLossCallback(TrainerCallback):
-    """Our bookkeeping on Trainer: ``log.jsonl`` like the accelerate engine (one record per optimizer step
-    with the mean loss per item over the window, summed over processes, the learning rate used and the
-    pre-clip grad norm as Trainer reports them, and Trainer's own logged loss for reference); evaluation
-    with the shared ``evaluate()`` on ``--eval_strategy`` (timed, so ``train_runtime`` excludes it); the best
-    model (``--metric_for_best_model``, recorded in Trainer's state so its checkpoint rotation keeps it and
-    ``load_best_model_at_end`` loads it) and early stopping; fp16 overflow skips, detected as on the
-    accelerate side (``components.optimizer_step_skipped``: Accelerate's flag or a drop of the loss scale),
-    counted, logged, and held out of Trainer's LR schedule. ``totals``: a ``checkpoint.TrainerState``
-    holding the counts, rebuilt from ``log.jsonl`` on resume."""
+class BookkeepingCallback(TrainerCallback):
+    """The shared ``Bookkeeping`` on Trainer: one ``log.jsonl`` record per optimizer step (the mean loss per
+    item over the window, summed over processes; the learning rate and pre-clip grad norm as Trainer logs
+    them; Trainer's own logged loss for reference), evaluation with the shared ``evaluate()`` on the shared
+    cadence, the best model (recorded in Trainer's state, so its rotation keeps it and
+    ``load_best_model_at_end`` loads it) and early stopping, fp16 skips detected as in the accelerate loop
+    (``precision.optimizer_step_skipped``), held out of Trainer's LR schedule and limited by
+    ``--max_skipped_steps``."""
 
-    def __init__(self, config, recipe, task, log: JsonlLog, plan, totals: ckpt.TrainerState, raw_validation=None):
-        self.config, self.recipe, self.task, self.log, self.plan = config, recipe, task, log, plan
+    def __init__(self, config, recipe, task, book: Bookkeeping, raw_validation=None):
+        self.config, self.recipe, self.task, self.book = config, recipe, task, book
         self.metric_specs, self.raw_validation = recipe.METRICS, raw_validation
-        self.totals = totals
-        self.eval_steps = plan.steps(config.eval_steps)
         self.trainer = None  # set once the Trainer exists
         self.window_loss, self.window_items, self.window_samples, self.micro_batches = None, 0, 0, 0
-        self.eval_results, self.best_eval_results, self.eval_runtime, self.last_eval_step = {}, {}, 0.0, None
-        self.pending = None
+        self.pending = None  # the step's counts, written in on_log with Trainer's learning rate and grad norm
         self.scale_before, self.step_skipped = None, False
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
-        """Trainer's ``compute_loss_func``: the micro-batch's summed loss (fp32; the task's: samples or
-        label tokens) divided by the window's item count ``num_items_in_batch`` (all processes; Trainer
-        counts it the same way), or by the batch's own items when there is no window."""
+        """Trainer's ``compute_loss_func``: the micro-batch's summed loss (the task's: samples or label tokens)
+        divided by the window's item count ``num_items_in_batch`` (all processes; Trainer counts it the same
+        way), or by the batch's own items when there is no window."""
         return self.account(self.task.loss_sum(outputs.logits, labels), labels, num_items_in_batch)
 
     def account(self, loss_sum, labels, num_items_in_batch=None):
@@ -153,10 +150,9 @@ class TrueLossCallback(TrainerCallback):
         self.scale_before = loss_scale(self.trainer.accelerator)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        # Called after optimizer.step(), before Trainer steps the LR schedule unless
-        # accelerator.optimizer_step_was_skipped. That flag misses fp16 skips of a fused optimizer (see
-        # components.optimizer_step_skipped); set it then, through the flag Accelerate's optimizer wrapper
-        # reads, so Trainer holds the schedule on every skipped step as the accelerate engine does.
+        # After optimizer.step(), before Trainer steps the LR schedule unless accelerator.optimizer_step_was_skipped.
+        # That flag misses fp16 skips of a fused optimizer (see precision.optimizer_step_skipped): set it then,
+        # through the flag Accelerate's optimizer wrapper reads, so the schedule holds as in the accelerate loop.
         accelerator = self.trainer.accelerator
         self.step_skipped = optimizer_step_skipped(accelerator, self.scale_before)
         if self.step_skipped and not accelerator.optimizer_step_was_skipped:
@@ -167,61 +163,38 @@ class TrueLossCallback(TrainerCallback):
         accelerator = self.trainer.accelerator
         loss = (accelerator.reduce(self.window_loss, "sum") / self.window_items).item()
         samples = int(accelerator.reduce(torch.tensor(self.window_samples, device=accelerator.device), "sum").item())
-        skipped, self.step_skipped = self.step_skipped, False
-        self.totals.record_step(loss, skipped)
-        self.totals.samples_seen += samples
-        self.pending = {"step": state.global_step, "epoch": round(self.plan.epoch_fraction(state.global_step), 4),
-                        "loss": loss, "samples": samples, "micro_batches": self.micro_batches}
-        if isinstance(self.task, CausalLM):  # items are label tokens (also completion-only)
-            self.pending["label_tokens"] = self.window_items
-            self.totals.tokens_seen += self.window_items
-        if (scale := loss_scale(accelerator)) is not None:
-            self.pending["loss_scale"] = scale  # fp16: after this step's GradScaler update (halved by a skip)
-        if skipped:
-            self.pending["skipped"] = True
-        self.window_loss, self.window_samples, self.micro_batches = None, 0, 0
-        if self.config.eval_strategy == "steps" and state.global_step % self.eval_steps == 0:
-            self.run_evaluation(state, control)
+        self.pending = dict(loss=loss, samples=samples, items=self.window_items, micro_batches=self.micro_batches,
+                            loss_scale=loss_scale(accelerator), skipped=self.step_skipped)
+        self.window_loss, self.window_samples, self.micro_batches, self.step_skipped = None, 0, 0, False
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
-        if self.pending is not None and "loss" in logs:
-            record, self.pending = self.pending, None
-            grad_norm = logs.get("grad_norm")
-            record.update(learning_rate=logs.get("learning_rate"),
-                          grad_norm=float(grad_norm) if grad_norm is not None else None,
-                          trainer_logged_loss=logs["loss"])
-            self.log.write(record)
+        if self.pending is None or "loss" not in logs:
+            return
+        pending, self.pending = self.pending, None
+        self.book.record_step(**pending, learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
+                              trainer_logged_loss=logs["loss"])
+        if self.book.evaluate_after_step(state.global_step):
+            self.run_evaluation(state, control)
 
     def run_evaluation(self, state, control) -> None:
-        """Evaluate with the shared ``evaluate()`` on Trainer's prepared eval dataloader; log the result;
-        track the best model and early stopping in Trainer's ``state``/``control``."""
-        start = time.perf_counter()
-        trainer, step = self.trainer, state.global_step
+        """Evaluate with the shared ``evaluate()`` on Trainer's prepared eval dataloader; record it; mirror the
+        best model and early stopping into Trainer's ``state``/``control``."""
+        start, trainer, step = time.perf_counter(), self.trainer, state.global_step
         results = evaluate(trainer.accelerator, trainer.model_wrapped, trainer.get_eval_dataloader(), self.task,
                            self.metric_specs)
         generated, predictions = generation_eval(trainer.accelerator, trainer.model_wrapped, trainer.processing_class,
                                                  self.raw_validation, self.recipe, self.config)
         results.update(generated)
-        if predictions and trainer.args.process_index == 0:
+        if predictions and self.book.writes:
             write_generations(Path(self.config.output_dir), self.raw_validation, predictions)
-        self.eval_runtime += time.perf_counter() - start
-        self.eval_results, self.last_eval_step = results, step
-        self.log.write({"step": step, "epoch": round(self.plan.epoch_fraction(step), 4), **results})
-        if trainer.args.process_index == 0:
-            print(f"eval at step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items() if isinstance(v, float)))
-        config = self.config
-        if config.metric_for_best_model is None:
-            return
-        if self.totals.record_evaluation(results.get(config.best_metric_key), config.greater_is_better):
-            self.best_eval_results = results
-            state.best_metric, state.best_global_step = self.totals.best_metric, step
+        self.book.record_evaluation(results, time.perf_counter() - start)
+        progress = self.book.progress
+        if progress.best_step == step and self.book.best_eval_results is results:
+            state.best_metric, state.best_global_step = progress.best_metric, step
             state.best_model_checkpoint = str(Path(trainer.args.output_dir) / f"checkpoint-{step}")
-        patience = config.early_stopping_patience
-        if patience and self.totals.evals_without_improvement >= patience:
+        if self.book.stopping_early:
             control.should_training_stop = True
-            if trainer.args.process_index == 0:
-                print(f"early stopping: {config.best_metric_key} has not improved for {patience} evaluation(s).")
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.config.eval_on_start and state.global_step == 0:
@@ -229,15 +202,14 @@ class TrueLossCallback(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kwargs):
         last = state.global_step >= state.max_steps or control.should_training_stop
-        strategy = self.config.eval_strategy
-        if strategy == "epoch" or (strategy == "steps" and last and self.last_eval_step != state.global_step):
+        if self.book.evaluate_at_epoch_end(state.global_step, last):
             self.run_evaluation(state, control)
 
     def on_save(self, args, state, control, **kwargs):
         # what a step means, beside Trainer's checkpoint, so a resume with other settings is refused
-        if args.process_index == 0:
+        if self.book.writes:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STEP_MEANING_FILE
-            path.write_text(json.dumps(self.totals.step_meaning) + "\n")
+            path.write_text(json.dumps(self.book.progress.step_meaning) + "\n")
 
 
 def _resume_checkpoint(config, meaning: dict) -> str | None:
@@ -253,81 +225,79 @@ def _resume_checkpoint(config, meaning: dict) -> str | None:
                             ". Pass a checkpoint-N directory, or start without --resume_from_checkpoint.")
     saved = Path(path, STEP_MEANING_FILE)
     if saved.is_file():
-        state = ckpt.TrainerState(step_meaning=json.loads(saved.read_text()))
+        state = ckpt.RunProgress(step_meaning=json.loads(saved.read_text()))
         ckpt.check_compatible(state, meaning, Path(path), config.ignore_checkpoint_mismatch)
     return str(path)
 
 
-def _totals_from_log(path: Path, step: int, totals: ckpt.TrainerState, config) -> None:
-    """On resume: keep ``log.jsonl`` up to ``step`` and rebuild the counts from it."""
-    restore_log(path, step)
+def _progress_from_log(path: Path, step: int, progress: ckpt.RunProgress, config) -> None:
+    """On resume: rebuild the counts up to ``step`` from ``log.jsonl`` (already cut back to it)."""
     if not path.is_file():
         return
     for record in map(json.loads, path.read_text().splitlines()):
         if "loss" in record:
-            totals.record_step(record["loss"], record.get("skipped", False))
-            totals.samples_seen += record["samples"]
-            totals.tokens_seen += int(record.get("label_tokens", 0))
+            progress.record_step(record["loss"], record.get("skipped", False))
+            progress.samples_seen += record["samples"]
+            progress.tokens_seen += int(record.get("label_tokens", 0))
         elif config.metric_for_best_model is not None:
-            totals.step = record["step"]
-            totals.record_evaluation(record.get(config.best_metric_key), config.greater_is_better)
-    totals.step = step
+            progress.step = record["step"]
+            progress.record_evaluation(record.get(config.best_metric_key), config.greater_is_better)
+    progress.step = step
 
 
 def train(config, recipe, process_start: float | None = None) -> dict:
     """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate engine
     (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``, model card); return the metrics.
     Units as in ``finetune.train.train``."""
-    output_dir = Path(config.output_dir)
     args = training_arguments(config)
+    layout = nodes.plan_storage(args.distributed_state, config.output_dir)
+    args.save_on_each_node = layout.per_machine  # each machine's local main process keeps its own copy
     precision_hint = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
+    task = get_task(recipe.TASK)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"))
     check_eval_set(len(datasets["validation"]), config)
     processes = args.world_size
     plan = plan_steps(micro_batches_per_process(len(datasets["train"]), config.per_device_train_batch_size, processes),
                       config)
-    totals = ckpt.TrainerState(num_processes=processes, step_meaning=ckpt.step_meaning(config, processes))
-    resume_from = _resume_checkpoint(config, totals.step_meaning)
-    main = args.process_index == 0
-    if main:
-        if config.overwrite_output_dir and resume_from is None:
-            clear_output_dir(output_dir)  # only now: a run refused before training touches nothing
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "run_config.json").write_text(config.to_json() + "\n")
-        if resume_from is not None:
-            step = json.loads(Path(resume_from, "trainer_state.json").read_text())["global_step"]
-            _totals_from_log(output_dir / "log.jsonl", step, totals, config)
-    log = JsonlLog(output_dir / "log.jsonl", main, append=resume_from is not None)
-    callback = TrueLossCallback(config, recipe, get_task(recipe.TASK), log, plan, totals, raw_validation)
-    trainer = FinetuneTrainer(callback.account, model=model, args=args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
-                      data_collator=collator, processing_class=tokenizer, compute_loss_func=callback.compute_loss,
-                      callbacks=[callback])
+    progress = ckpt.RunProgress(num_processes=processes, step_meaning=ckpt.step_meaning(config, processes))
+    resume_from = _resume_checkpoint(config, progress.step_meaning)
+    book = Bookkeeping(config, plan, progress, writes=layout.writes,
+                       say=print if args.process_index == 0 else lambda text: None,
+                       counts_tokens=isinstance(task, CausalLM))
+    resume_step = None
+    if resume_from is not None:
+        resume_step = json.loads(Path(resume_from, "trainer_state.json").read_text())["global_step"]
+    book.open(resume_step)  # a resumed run's log is cut back to its step
+    if resume_from is not None:
+        args.distributed_state.wait_for_everyone()
+        _progress_from_log(Path(config.output_dir) / "log.jsonl", resume_step, progress, config)  # on every rank
+    callback = BookkeepingCallback(config, recipe, task, book, raw_validation)
+    trainer = FinetuneTrainer(callback.account, model=model, args=args, train_dataset=datasets["train"],
+                              eval_dataset=datasets["validation"], data_collator=collator, processing_class=tokenizer,
+                              compute_loss_func=callback.compute_loss, callbacks=[callback])
     callback.trainer = trainer
-    trainer.loss_sum = loss_function(get_task(recipe.TASK), config, trainer.accelerator)
-    enable_test_cpu_fp16(trainer.accelerator)  # TEST ONLY; Trainer prepares model and optimizer in train()
+    trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
     # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets
     # state.best_model_checkpoint, from which Trainer loads the best model at the end.
     trainer.args.load_best_model_at_end = config.load_best_model_at_end
-    if config.metric_for_best_model is not None and totals.best_step is not None:
-        trainer.state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{totals.best_step}")
-    precision = running_precision(trainer.accelerator)
-    if main:
+    if config.metric_for_best_model is not None and progress.best_step is not None:
+        trainer.state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{progress.best_step}")
+    engine = engine_for(trainer.accelerator)
+    precision = engine.precision()
+    if args.process_index == 0:
         print(run_banner(config, processes, plan, precision, trainer.accelerator.device.type, model))
     try:
         start = time.perf_counter()
         trainer.train(resume_from_checkpoint=resume_from)
-        totals.train_runtime = time.perf_counter() - start - callback.eval_runtime
-        totals.input_tokens_seen = int(trainer.state.num_input_tokens_seen)
-        eval_results = callback.eval_results
-        if config.load_best_model_at_end and callback.best_eval_results:
-            eval_results = callback.best_eval_results
-        metrics = run_metrics(config, totals, eval_results, plan=plan, num_processes=processes, precision=precision,
-                              device=trainer.accelerator.device, model=model,
-                              eval_runtime=callback.eval_runtime, process_start=process_start)
+        progress.train_runtime = time.perf_counter() - start - book.eval_runtime
+        progress.input_tokens_seen = int(trainer.state.num_input_tokens_seen)
+        metrics = run_metrics(config, progress, book.final_eval_results(), plan=plan, num_processes=processes,
+                              precision=precision, device=trainer.accelerator.device, model=model,
+                              eval_runtime=book.eval_runtime, process_start=process_start)
         if resume_from is not None:
             metrics["resumed_from"] = resume_from
-        write_outputs(trainer.accelerator, trainer.model_wrapped, tokenizer, config, recipe, metrics)
+        write_outputs(engine, trainer.model_wrapped, tokenizer, config, recipe, metrics, writes=layout.writes)
     finally:
-        log.close()
+        book.close()
     return metrics

@@ -17,7 +17,7 @@ def same_weights(a_dir, b_dir, rtol=1e-5):
 
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])
 def test_chunked_equals_plain_for_causal_lm(tmp_path, tiny_llama, clm_texts, backend, monkeypatch):
-    import finetune.components as components
+    import finetune.loss as components
 
     calls, original = [], components.chunked_causal_lm_loss_sum
     monkeypatch.setattr(components, "chunked_causal_lm_loss_sum",

@@ -16,10 +16,10 @@ import torch
 from accelerate.utils import DistributedType
 
 from finetune.errors import FinetuneError
-from finetune.lora import parameter_counts
-from finetune.sharded import (accumulation_plugin, deepspeed_config_updates, deepspeed_note,
-                              deepspeed_optimizer_and_scheduler, deepspeed_precision, grad_norm_value,
-                              sync_each_batch)
+from finetune.bookkeeping import grad_norm_value
+from finetune.engine import DeepSpeedEngine, engine_for, make_accelerator, parameter_counts
+from finetune.engine.deepspeed import (deepspeed_config_updates, deepspeed_note, deepspeed_optimizer_and_scheduler,
+                                       deepspeed_precision)
 
 FLAGS = dict(max_grad_norm=0.5, micro_batch=8, accumulation_steps=4)
 
@@ -114,7 +114,7 @@ class FakeEngine:
 
 
 def test_the_engine_must_run_what_was_asked():
-    from finetune.sharded import check_deepspeed_engine, deepspeed_engine_settings
+    from finetune.engine.deepspeed import check_deepspeed_engine, deepspeed_engine_settings
 
     settings = deepspeed_engine_settings(FakeEngine())
     assert settings == {"zero_stage": 2, "gradient_clipping": 0.5, "gradient_accumulation_steps": 4,
@@ -147,12 +147,10 @@ def test_precision_from_an_explicit_config_and_string_flags():
 
 
 def test_running_precision_asks_deepspeed_not_autocast():
-    from finetune.precision import running_precision
-
     fake = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                            state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
                                deepspeed_config={"fp16": {"enabled": True}})))
-    assert running_precision(fake) == "fp16"
+    assert engine_for(fake).precision() == "fp16"
 
 
 # ------------------------------------------------------------------------------------------ optimizer, schedule
@@ -215,7 +213,6 @@ def test_a_wrapped_schedule_steps_once_per_call_with_our_accelerator(tmp_path):
     step_scheduler_with_optimizer=False makes each call one step, whatever the number of processes."""
     from accelerate.scheduler import AcceleratedScheduler
 
-    from finetune.components import make_accelerator
     from finetune.config import TrainConfig
 
     accelerator = make_accelerator(TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none"))
@@ -232,15 +229,12 @@ def test_a_wrapped_schedule_steps_once_per_call_with_our_accelerator(tmp_path):
 # ------------------------------------------------------------------------------------------ FSDP
 @pytest.mark.parametrize("distributed_type", list(DistributedType))
 def test_sync_each_batch_only_under_fsdp(distributed_type):
-    assert sync_each_batch(distributed_type) is (distributed_type == DistributedType.FSDP)
-    plugin = accumulation_plugin(4, distributed_type)
-    assert plugin.num_steps == 4 and plugin.sync_with_dataloader is False
-    assert plugin.sync_each_batch is (distributed_type == DistributedType.FSDP)
+    engine = engine_for(SimpleNamespace(distributed_type=distributed_type))
+    assert engine.sync_each_batch is (distributed_type == DistributedType.FSDP)
 
 
 def test_plain_runs_keep_the_plugin_they_had(tmp_path):
     """Outside FSDP the plugin's kwargs are exactly those of the engine before sync_each_batch existed."""
-    from finetune.components import make_accelerator
     from finetune.config import TrainConfig
 
     accelerator = make_accelerator(TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none",
@@ -249,15 +243,14 @@ def test_plain_runs_keep_the_plugin_they_had(tmp_path):
 
 
 def test_an_fsdp_accelerator_gets_sync_each_batch(tmp_path):
-    """The plugin update ``make_accelerator`` applies once the distributed type is known (here an FSDP type
-    is faked on a CPU Accelerator's shared GradientState), and what ``accumulate()`` reads from it."""
-    from finetune.components import make_accelerator, use_accumulation_plugin
+    """The plugin update the FSDP engine applies once the distributed type is known (here an FSDP type is
+    faked on a CPU Accelerator's shared GradientState), and what ``accumulate()`` reads from it."""
     from finetune.config import TrainConfig
 
-    accelerator = make_accelerator(TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none",
-                                               gradient_accumulation_steps=3))
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none", gradient_accumulation_steps=3)
+    accelerator = make_accelerator(config)
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state)
-    use_accumulation_plugin(fsdp, 3)
+    engine_for(fsdp).configure(config)
     assert accelerator.gradient_state.plugin_kwargs["sync_each_batch"] is True
     assert accelerator.gradient_accumulation_steps == 3
 
@@ -278,12 +271,12 @@ def test_grad_norm_values():
 
 
 def _run_state(precision: str):
-    from finetune.checkpoint import TrainerState
+    from finetune.checkpoint import RunProgress
     from finetune.train import RunState
 
     run = RunState.__new__(RunState)
-    run.s = SimpleNamespace(precision=precision)
-    run.state = TrainerState()
+    run.built = SimpleNamespace(precision=precision)
+    run.book = SimpleNamespace(progress=RunProgress())
     return run
 
 
@@ -308,7 +301,7 @@ def test_deepspeed_schedule_plan_matches_accelerates_sharding():
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from finetune.components import micro_batches_per_process
+    from finetune.steps import micro_batches_per_process
 
     for samples, micro, processes in [(100, 8, 3), (96, 8, 3), (7, 8, 2), (1780, 8, 4)]:
         batches = BatchSampler(SequentialSampler(range(samples)), micro, drop_last=False)
@@ -345,7 +338,7 @@ def test_evaluation_never_splits_a_batch_under_a_sharded_engine(distributed_type
 
 # ------------------------------------------------------------------------------------------ the DeepSpeed prepare
 class FakeDeepSpeedAccelerator:
-    """What ``train._prepare_deepspeed`` uses of an Accelerator: the DeepSpeed config, the process count,
+    """What ``DeepSpeedEngine.prepare`` uses of an Accelerator: the DeepSpeed config, the process count,
     and ``prepare`` (here returning the objects it got, with the training loader sharded as Accelerate's)."""
 
     num_processes = 2
@@ -366,14 +359,13 @@ def test_prepare_deepspeed_hands_model_optimizer_and_schedule_to_one_prepare(tmp
     from torch.utils.data import DataLoader
 
     from finetune.config import TrainConfig
-    from finetune.train import _prepare_deepspeed
-
     config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), per_device_train_batch_size=8,
                          gradient_accumulation_steps=2, num_train_epochs=1, warmup_steps=1, lr_scheduler_type="linear")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     accelerator = FakeDeepSpeedAccelerator(ds_config)
     train = DataLoader(list(range(100)), batch_size=8)  # 13 batches: 7 per process
-    _, optimizer, scheduler, _, _, plan = _prepare_deepspeed(accelerator, config, model, train, [])
+    prepared = DeepSpeedEngine(accelerator).prepare(config, model, train, [])
+    optimizer, scheduler, plan = prepared.optimizer, prepared.scheduler, prepared.plan
     assert accelerator.prepared[0] is model and accelerator.prepared[1] is optimizer
     assert accelerator.prepared[4] is scheduler
     assert (plan.micro_batches_per_epoch, plan.max_steps) == (7, 4)
@@ -393,13 +385,13 @@ def test_parameter_groups_see_through_zero3_partitioned_parameters():
     """Under ZeRO-3 transformers loads the model under deepspeed.zero.Init: every parameter is a 1-D
     placeholder with its true shape in ``ds_shape``. The weight-decay grouping must use the true shape
     (found on a CPU DeepSpeed run: every weight had landed in the no-decay group)."""
-    from finetune.components import parameter_groups
+    from finetune.engine import parameter_groups, parameter_shape
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     for param in model.parameters():
         param.ds_shape = param.shape
         param.data = torch.empty(0)
-    decay, no_decay = parameter_groups(model, SimpleNamespace(weight_decay=0.1))
+    decay, no_decay = parameter_groups(model, SimpleNamespace(weight_decay=0.1), shape=parameter_shape)
     assert [tuple(p.ds_shape) for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
 
@@ -410,13 +402,12 @@ def test_prepare_deepspeed_leaves_out_an_empty_parameter_group(tmp_path):
     from torch.utils.data import DataLoader
 
     from finetune.config import TrainConfig
-    from finetune.train import _prepare_deepspeed
-
     config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), per_device_train_batch_size=8,
                          gradient_accumulation_steps=2, num_train_epochs=1)
     model = torch.nn.Linear(4, 4, bias=False)
-    _, optimizer, scheduler, _, _, _ = _prepare_deepspeed(FakeDeepSpeedAccelerator({}), config, model,
-                                                          DataLoader(list(range(32)), batch_size=8), [])
+    prepared = DeepSpeedEngine(FakeDeepSpeedAccelerator({})).prepare(config, model,
+                                                                     DataLoader(list(range(32)), batch_size=8), [])
+    optimizer, scheduler = prepared.optimizer, prepared.scheduler
     assert len(optimizer.param_groups) == 1 and len(scheduler.base_lrs) == 1
 
 

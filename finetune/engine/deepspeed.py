@@ -1,11 +1,11 @@
-"""What the sharded engines (FSDP, DeepSpeed) need beyond data parallelism, as functions of plain values so
-they are tested on a CPU (where Accelerate 1.15 runs neither: it turns them into MULTI_CPU).
+"""The DeepSpeed engine: the same loop through Accelerate's DeepSpeed integration. ``accelerator.backward``
+runs DeepSpeed's backward (which divides by its ``gradient_accumulation_steps``, set to N) and, on the sync
+micro-batch, its optimizer step with its clipping (from ``--max_grad_norm``) and its overflow skip;
+``optimizer.step()``/``zero_grad()`` are no-ops there, ``clip_grad_norm_`` reports the norm DeepSpeed computed.
 
-Sources: Accelerate 1.15 ``accelerator.py`` (``accumulate``, ``_prepare_deepspeed``, ``clip_grad_norm_``,
-``backward``), ``utils/deepspeed.py`` (``DeepSpeedEngineWrapper``, ``DeepSpeedOptimizerWrapper``,
-``DeepSpeedSchedulerWrapper``, ``DummyOptim``, ``DummyScheduler``), ``utils/dataclasses.py``
-(``GradientAccumulationPlugin``, ``DeepSpeedPlugin``); DeepSpeed 0.19 ``runtime/engine.py``
-(``backward``, ``_take_model_step``).
+Sources: Accelerate 1.15 ``accelerator.py`` (``_prepare_deepspeed``, ``clip_grad_norm_``, ``backward``),
+``utils/deepspeed.py`` (``DummyOptim``, ``DummyScheduler``, the wrappers); DeepSpeed 0.19
+``runtime/engine.py`` (``backward``, ``_take_model_step``). The functions of plain values are tested on a CPU.
 """
 
 from __future__ import annotations
@@ -13,37 +13,92 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from accelerate.utils import DistributedType, GradientAccumulationPlugin
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
+from transformers import get_scheduler
 
+from finetune.engine.plain import PlainEngine, Prepared, build_optimizer, parameter_groups
 from finetune.errors import FinetuneError
+from finetune.steps import micro_batches_per_process, plan_steps
 
 
-# ------------------------------------------------------------------------------------------ FSDP
-def sync_each_batch(distributed_type) -> bool:
-    """Whether gradients are synchronised on every micro-batch of an accumulation window (True) or only on
-    its last one (False), for an Accelerate ``DistributedType``.
-
-    True under FSDP (versions 1 and 2): skipping the sync (``no_sync``) keeps every rank's full, unsharded
-    gradients alive for the first N-1 micro-batches, so FULL_SHARD saves no gradient memory at all while
-    accumulating. With a sync each micro-batch the gradient is reduce-scattered at once and each rank keeps
-    only its shard. Exactness is unchanged: each micro-batch's gradient is averaged over the ranks and summed
-    into the shard, and a sum of averages is the average of the sums (linear), so the window's gradient is
-    the same (up to floating-point summation order); only the communication happens N times instead of once.
-    False everywhere else (DDP keeps replicated gradients anyway, so one all-reduce per window is cheaper;
-    DeepSpeed manages its own accumulation boundary).
-    """
-    return distributed_type == DistributedType.FSDP
+def parameter_numel(param) -> int:
+    """A parameter's true element count, also where ZeRO-3 left an empty placeholder (``ds_numel``)."""
+    return getattr(param, "ds_numel", param.numel())
 
 
-def accumulation_plugin(num_steps: int, distributed_type) -> GradientAccumulationPlugin:
-    """Accelerate's ``GradientAccumulationPlugin`` for ``num_steps`` micro-batches per optimizer step: the
-    engine aligns the windows to the data itself (``sync_with_dataloader=False``), and ``sync_each_batch``
-    follows ``sync_each_batch(distributed_type)``."""
-    return GradientAccumulationPlugin(num_steps=num_steps, sync_with_dataloader=False,
-                                      sync_each_batch=sync_each_batch(distributed_type))
+def parameter_shape(param) -> tuple:
+    """A parameter's true shape, also where ZeRO-3 partitioned it into a 1-D placeholder at load time
+    (``ds_shape``: transformers loads under ``deepspeed.zero.Init`` then)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
 
 
-# ------------------------------------------------------------------------------------------ DeepSpeed
+class DeepSpeedEngine(PlainEngine):
+    """DeepSpeed (ZeRO 1-3) through Accelerate: settings written into its config before ``prepare`` and read
+    back from the engine after it, so the run reports what DeepSpeed really runs."""
+
+    eval_may_split_batch = False  # ZeRO-3 gathers partitions inside the forward
+
+    @property
+    def ds_config(self) -> dict:
+        return self.accelerator.state.deepspeed_plugin.deepspeed_config
+
+    def configure(self, config) -> None:
+        """Write ``--max_grad_norm``, N and the micro-batch into the DeepSpeed config (before ``prepare``, which
+        hands it to ``deepspeed.initialize``). Raises ``FinetuneError`` where an explicit value contradicts."""
+        self.ds_config.update(deepspeed_config_updates(
+            self.ds_config, max_grad_norm=config.max_grad_norm, micro_batch=config.per_device_train_batch_size,
+            accumulation_steps=config.gradient_accumulation_steps))
+
+    def precision(self) -> str:
+        """The precision the DeepSpeed config enables: DeepSpeed casts the model itself and Accelerate's autocast
+        is off, so a measurement would say fp32."""
+        return deepspeed_precision(self.ds_config)
+
+    def prepare(self, config, model, train_dataloader, eval_dataloader) -> Prepared:
+        """Model, optimizer and schedule in one ``accelerator.prepare`` (it runs ``deepspeed.initialize``), the
+        schedule sized before the dataloaders are sharded, from the micro-batches Accelerate will give each
+        process. Which optimizer and schedule: ``deepspeed_optimizer_and_scheduler``. Raises ``RuntimeError``
+        when the engine runs other settings than asked."""
+        accelerator, ds_config = self.accelerator, self.ds_config
+        plan = plan_steps(micro_batches_per_process(len(train_dataloader.dataset), config.per_device_train_batch_size,
+                                                    accelerator.num_processes), config)
+        warmup = plan.steps(config.warmup_steps)
+
+        def make_schedule(optimizer):
+            return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                 num_training_steps=plan.max_steps)
+
+        # DeepSpeed drops an empty parameter group (no biases or norms under LoRA): a schedule built before that
+        # would hold one learning rate too many, so empty groups are left out first.
+        groups = [group for group in parameter_groups(model, config, shape=parameter_shape) if group["params"]]
+        optimizer, scheduler = deepspeed_optimizer_and_scheduler(
+            groups, config, plan.max_steps, warmup, ds_config, accelerator.num_processes,
+            make_optimizer=lambda: build_optimizer(model, config, groups), make_schedule=make_schedule)
+        model, optimizer, train_dataloader, eval_dataloader, scheduler = accelerator.prepare(
+            model, optimizer, train_dataloader, eval_dataloader, scheduler)
+        if len(train_dataloader) != plan.micro_batches_per_epoch:
+            raise RuntimeError(f"DeepSpeed: the schedule was sized for {plan.micro_batches_per_epoch} micro-batches "
+                               f"per process per epoch, but the prepared dataloader has {len(train_dataloader)}")
+        wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        if wrapped is not None:
+            settings = deepspeed_engine_settings(wrapped.engine)
+            check_deepspeed_engine(settings, max_grad_norm=config.max_grad_norm, precision=self.precision(),
+                                   micro_batch=config.per_device_train_batch_size,
+                                   accumulation_steps=config.gradient_accumulation_steps)
+            self.note = deepspeed_note(settings, ds_config)
+        return Prepared(model, optimizer, scheduler, train_dataloader, eval_dataloader, plan)
+
+    def learning_rate(self, optimizer, scheduler) -> float:
+        """Read from the optimizer: a schedule from the DeepSpeed config may not answer ``get_last_lr`` before
+        its first step."""
+        return optimizer.param_groups[0]["lr"]
+
+    def chunked_loss_refusal(self, model) -> str | None:
+        if any(hasattr(param, "ds_id") for param in model.parameters()):
+            return "the lm_head weight is partitioned by DeepSpeed ZeRO-3 and not whole outside its forward"
+        return None
+
+
 def _is_auto(value) -> bool:
     return value is None or (isinstance(value, str) and value.lower() == "auto")
 
@@ -139,8 +194,6 @@ def deepspeed_optimizer_and_scheduler(parameter_groups: list[dict], config, max_
 
     ``max_steps``, ``warmup_steps``: optimizer steps. Returns the pair; raises nothing itself.
     """
-    from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
-
     owns_optimizer, owns_scheduler = deepspeed_owns(ds_config)
     if owns_optimizer:
         optimizer = DummyOptim(parameter_groups, lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -190,9 +243,3 @@ def deepspeed_note(settings: Mapping, ds_config: Mapping) -> str:
             f"{settings['gradient_accumulation_steps']} x micro-batch {settings['train_micro_batch_size_per_gpu']}; "
             f"optimizer from {'the DeepSpeed config' if owns_optimizer else 'the run (AdamW)'}, LR schedule "
             f"from {'the DeepSpeed config' if owns_scheduler else 'the run (--lr_scheduler_type)'}")
-
-
-def grad_norm_value(grad_norm) -> float | None:
-    """A gradient norm as a float for the log: a tensor (most engines), a float (DeepSpeed's
-    ``get_global_grad_norm``), or None (DeepSpeed with gradient-norm computation off) -> None."""
-    return None if grad_norm is None else float(grad_norm)

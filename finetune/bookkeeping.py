@@ -1,0 +1,170 @@
+"""Bookkeeping both engines share, so they behave alike by construction: the output directory and who
+writes it, the ``log.jsonl`` record of each optimizer step and evaluation, the evaluation and checkpoint
+cadence, the best model and early stopping, and fp16 skip counting (``--max_skipped_steps``).
+
+The accelerate loop calls it directly (``train.RunState``); the Trainer backend through one callback.
+Units: optimizer steps; samples and label tokens summed over all processes; seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.checkpoint import RunProgress
+from finetune.errors import FinetuneError, NumericalError
+from finetune.output import clear_output_dir
+from finetune.steps import StepPlan
+
+
+def grad_norm_value(grad_norm) -> float | None:
+    """A gradient norm as a float for the log: a tensor, a float (an engine's own norm), or None (none
+    computed) -> None."""
+    return None if grad_norm is None else float(grad_norm)
+
+
+class JsonlLog:
+    """``log.jsonl``: one JSON object per line, written by the main process only and flushed at once so a
+    run that dies keeps its log. ``append`` continues a resumed run's file."""
+
+    def __init__(self, path: Path, enabled: bool, append: bool = False):
+        self.file = open(path, "a" if append else "w", encoding="utf-8") if enabled else None
+
+    def write(self, record: dict) -> None:
+        """Append ``record`` as one line."""
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self.file:
+            self.file.close()
+            self.file = None
+
+
+def restore_log(path: Path, step: int) -> None:
+    """On resume: keep the log records up to the checkpoint's ``step`` (optimizer-step records up to and
+    including it, evaluations before it) and drop what a killed run wrote after it."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if (r := json.loads(line))["step"] < step or (r["step"] == step and "loss" in r)]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class Bookkeeping:
+    """One run's records and cadence. ``writes``: this process writes the run's files into its
+    ``--output_dir`` (global rank 0, or each machine's local main process without a shared filesystem).
+    ``say``: prints on the processes that should (the main process). ``progress``: the counters a
+    checkpoint holds (``checkpoint.RunProgress``)."""
+
+    def __init__(self, config, plan: StepPlan, progress: RunProgress, *, writes: bool, say, counts_tokens: bool):
+        self.config, self.plan, self.progress, self.writes, self.say = config, plan, progress, writes, say
+        self.counts_tokens = counts_tokens  # loss items are label tokens (causal LM), recorded as such
+        self.output_dir = Path(config.output_dir)
+        self.eval_steps, self.save_steps = plan.steps(config.eval_steps), plan.steps(config.save_steps)
+        self.eval_results, self.best_eval_results, self.eval_runtime, self.last_eval_step = {}, {}, 0.0, None
+        self.stopping_early = False
+        self.log = None
+
+    # -------------------------------------------------------------------------------- the output directory
+    def open(self, resume_step: int | None) -> None:
+        """Prepare the output directory: cleared under ``--overwrite_output_dir`` on a fresh start (only now:
+        a run refused before training touches nothing), ``run_config.json`` written, a resumed run's
+        ``log.jsonl`` cut back to ``resume_step`` and continued."""
+        if self.writes:
+            if self.config.overwrite_output_dir and resume_step is None:
+                clear_output_dir(self.output_dir)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "run_config.json").write_text(self.config.to_json() + "\n")
+            if resume_step is not None:
+                restore_log(self.output_dir / "log.jsonl", resume_step)
+        self.log = JsonlLog(self.output_dir / "log.jsonl", self.writes, append=resume_step is not None)
+
+    def close(self) -> None:
+        """Close ``log.jsonl`` (idempotent)."""
+        if self.log is not None:
+            self.log.close()
+
+    # -------------------------------------------------------------------------------- cadence
+    def evaluate_after_step(self, step: int) -> bool:
+        """``--eval_strategy steps``: evaluate after optimizer step ``step``."""
+        return self.config.eval_strategy == "steps" and step % self.eval_steps == 0
+
+    def save_after_step(self, step: int) -> bool:
+        """``--save_strategy steps``: checkpoint after ``step`` (not after the last step: the final model is
+        written then, nor once early stopping fired)."""
+        return (self.config.save_strategy == "steps" and step % self.save_steps == 0 and step < self.plan.max_steps
+                and not self.stopping_early)
+
+    def evaluate_at_epoch_end(self, step: int, last: bool) -> bool:
+        """Evaluate at the end of an epoch: ``--eval_strategy epoch``, or with "steps" the final model once."""
+        strategy = self.config.eval_strategy
+        return strategy == "epoch" or (strategy == "steps" and last and self.last_eval_step != step)
+
+    # -------------------------------------------------------------------------------- records
+    def record_step(self, *, loss: float, samples: int, items: float, micro_batches: int, learning_rate: float | None,
+                    grad_norm, loss_scale: float | None, skipped: bool, input_tokens: int | None = None,
+                    padded_tokens: int | None = None, **extra) -> dict:
+        """Count one optimizer step and write its ``log.jsonl`` record: ``loss`` (mean per item over the
+        window), ``samples`` and ``items`` (label tokens for causal LM) over all processes, the learning rate
+        the step used, the pre-clip ``grad_norm``, the fp16 ``loss_scale`` after the step and whether it was
+        ``skipped``; ``extra`` keys are added to the record. Returns the record. Raises ``NumericalError``
+        after more than ``--max_skipped_steps`` fp16 skips in a row."""
+        progress = self.progress
+        progress.record_step(loss, skipped)
+        progress.samples_seen += samples
+        if input_tokens is not None:
+            progress.input_tokens_seen += input_tokens
+        if padded_tokens is not None:
+            progress.padded_tokens_seen += padded_tokens
+        record = {"step": progress.step, "epoch": round(self.plan.epoch_fraction(progress.step), 4), "loss": loss,
+                  "learning_rate": learning_rate, "grad_norm": grad_norm_value(grad_norm), "samples": samples,
+                  "micro_batches": micro_batches}
+        if self.counts_tokens:
+            record["label_tokens"] = items
+            progress.tokens_seen += int(items)
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale  # fp16: after this step's GradScaler update (halved by a skip)
+        if skipped:
+            record["skipped"] = True
+        record.update(extra)
+        self.log.write(record)
+        if progress.consecutive_skipped > self.config.max_skipped_steps:
+            raise NumericalError(
+                f"fp16 loss scaling skipped {progress.consecutive_skipped} optimizer steps in a row (up to step "
+                f"{progress.step}): the loss or gradients overflow fp16. Nothing after the last checkpoint was saved. "
+                "Use --mixed_precision bf16 or no, or lower --learning_rate; raise --max_skipped_steps to tolerate more.")
+        return record
+
+    def record_evaluation(self, results: dict, seconds: float) -> None:
+        """Log an evaluation after the current step (``seconds`` it took, kept out of ``train_runtime``), track
+        the best model (``--metric_for_best_model``) and early stopping (``--early_stopping_patience``:
+        ``stopping_early`` is set). Raises ``FinetuneError`` when the metric is not among ``results``."""
+        step, config = self.progress.step, self.config
+        self.eval_runtime += seconds
+        self.eval_results, self.last_eval_step = results, step
+        epoch = self.plan.epoch_fraction(step)
+        self.log.write({"step": step, "epoch": round(epoch, 4), **results})
+        self.say(f"eval at step {step} (epoch {epoch:.2f}): " + ", ".join(
+            f"{k}={v:.4f}" for k, v in results.items() if isinstance(v, float)))
+        if config.metric_for_best_model is None:
+            return
+        if config.best_metric_key not in results:
+            raise FinetuneError(f"--metric_for_best_model {config.metric_for_best_model!r}: the evaluation has no "
+                                f"{config.best_metric_key!r} (it has {', '.join(sorted(results))}).")
+        if self.progress.record_evaluation(results[config.best_metric_key], config.greater_is_better):
+            self.best_eval_results = results
+        patience = config.early_stopping_patience
+        if patience and self.progress.evals_without_improvement >= patience:
+            self.stopping_early = True
+            self.say(f"early stopping: {config.best_metric_key} has not improved for {patience} evaluation(s); "
+                     f"best {self.progress.best_metric:.4f} at step {self.progress.best_step}.")
+
+    def final_eval_results(self) -> dict:
+        """The evaluation ``metrics.json`` reports: the best one under ``--load_best_model_at_end``, else the
+        last."""
+        if self.config.load_best_model_at_end and self.best_eval_results:
+            return self.best_eval_results
+        return self.eval_results

@@ -1,0 +1,82 @@
+"""The engine seam: which distributed engine runs the model (plain/DDP, FSDP or DeepSpeed), chosen from the
+Accelerator's ``distributed_type``. Only this package names FSDP or DeepSpeed; everything else asks the
+engine (``engine_for(accelerator)``): the precision that runs, how to prepare and save, whether evaluation
+may split a batch, the true size of a parameter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, TorchDynamoPlugin
+
+from finetune.engine.deepspeed import DeepSpeedEngine, parameter_numel, parameter_shape
+from finetune.engine.fsdp import FsdpEngine
+from finetune.engine.plain import PlainEngine, build_optimizer, parameter_groups
+from finetune.errors import FinetuneError
+from finetune.precision import check_precision_supported
+
+__all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_for", "make_accelerator", "build_optimizer",
+           "parameter_groups", "parameter_counts", "parameter_shape", "launcher_spawns_processes"]
+
+_TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
+
+
+def engine_for(accelerator) -> PlainEngine:
+    """The engine for ``accelerator`` (anything with ``distributed_type``; a stand-in without one is plain)."""
+    kind = getattr(accelerator, "distributed_type", DistributedType.NO)
+    if kind == DistributedType.DEEPSPEED:
+        return DeepSpeedEngine(accelerator)
+    if kind == DistributedType.FSDP:
+        return FsdpEngine(accelerator)
+    return PlainEngine(accelerator)
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(trainable parameters, all parameters), in elements; true counts also where an engine left empty
+    placeholders (``parameter_numel``)."""
+    sizes = [(parameter_numel(p), p.requires_grad) for p in model.parameters()]
+    return sum(n for n, trainable in sizes if trainable), sum(n for n, _ in sizes)
+
+
+def make_accelerator(config) -> Accelerator:
+    """An ``Accelerator`` for ``config``: N-step accumulation that the loop aligns to its windows itself
+    (``sync_with_dataloader=False``), a seeded sampler (every process and every resume sees the same order),
+    the schedule stepped by hand. Raises ``FinetuneError`` for bf16 on a device without it, or a
+    ``--report_to`` tracker whose package is not installed."""
+    check_precision_supported(config.mixed_precision)
+    log_with = None if config.report_to == "none" else config.report_to
+    if log_with in _TRACKER_MODULES:
+        module = _TRACKER_MODULES[log_with]
+        if importlib.util.find_spec(module) is None and not (module == "tensorboard" and
+                                                             importlib.util.find_spec("tensorboardX")):
+            raise FinetuneError(f"--report_to {log_with}: the {module} package is not installed "
+                                f"(pip install {module}), or use --report_to none.")
+    compile_options = {}
+    if config.torch_compile:  # Accelerator.prepare wraps the model in torch.compile
+        compile_options["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode)
+    try:
+        return Accelerator(
+            **compile_options,
+            log_with=log_with,
+            project_dir=config.output_dir,
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+            # Where Accelerate wraps the schedule (DeepSpeed), each step() call is then one step, not one per process.
+            step_scheduler_with_optimizer=False,
+        )
+    except ValueError as err:
+        if "bf16" in str(err):
+            raise FinetuneError(f"--mixed_precision bf16 is not supported on this device ({err}). "
+                                "Use --mixed_precision fp16 (GPU) or no.") from None
+        raise
+
+
+def launcher_spawns_processes(args) -> bool:
+    """Whether Accelerate's ``launch_command`` would start processes through torchrun or DeepSpeed's launcher
+    for parsed launcher ``args`` (accelerate 1.15 ``commands/launch.py``), rather than its simple launcher."""
+    return not args.cpu and any((args.use_deepspeed, args.use_fsdp, args.use_megatron_lm, args.multi_gpu, args.tpu))
+
