@@ -21,8 +21,8 @@ if __package__ in (None, ""):  # run as a script (accelerate launch finetune/run
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
-if __name__ == "__main__":  # before the slow imports: stop with the launcher (see finetune.lifeline)
-    from finetune.lifeline import watch_launcher
+if __name__ == "__main__":  # before the slow imports: stop with the launcher (see finetune.signals)
+    from finetune.signals import watch_launcher
 
     watch_launcher()
 
@@ -35,7 +35,7 @@ from finetune import train as accelerate_engine  # noqa: E402
 from finetune.batch_plan import apply_batch_plan  # noqa: E402
 from finetune.config import parse_config  # noqa: E402
 from finetune.errors import FinetuneError  # noqa: E402
-from finetune.lifeline import watch_launcher  # noqa: E402
+from finetune.signals import launched_by_accelerate, watch_launcher  # noqa: E402
 from finetune.output import check_output_dir  # noqa: E402
 from finetune.recipes import list_recipes, load_recipe  # noqa: E402
 from finetune.reporting import format_summary  # noqa: E402
@@ -50,8 +50,7 @@ def use_available_cpu_cores() -> str | None:
     by the local processes. Returns the note it printed, or None when it changed nothing (a GPU, several
     processes sharing the cores, or a thread count the user chose).
     """
-    launched = "ACCELERATE_DYNAMO_BACKEND" in os.environ  # set by accelerate launch for its children
-    if not launched or os.environ.get("OMP_NUM_THREADS") != "1" or torch.cuda.is_available():
+    if not launched_by_accelerate() or os.environ.get("OMP_NUM_THREADS") != "1" or torch.cuda.is_available():
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Launched by accelerate, the process stops with its launcher: when the launcher dies (a bare 1-process
     ``accelerate launch`` killed by SIGTERM exits at once), this process gets SIGTERM, finishes its optimizer
-    step, checkpoints and exits 143 (``finetune.lifeline``). The bare launcher has returned by then, before
+    step, checkpoints and exits 143 (``finetune.signals``). The bare launcher has returned by then, before
     the checkpoint is written; ``finetune train`` waits for it."""
     watch_launcher()
     try:

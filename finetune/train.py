@@ -23,9 +23,7 @@ checkpoint and evaluation cadence) is ``RunState``'s.
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +40,7 @@ from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
-from finetune.lifeline import launcher_gone
+from finetune.signals import GracefulStop
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
 from finetune.reporting import run_banner, run_metrics, write_outputs
@@ -401,43 +399,3 @@ class RunState:
         write_outputs(self.built.engine, self.built.model, self.built.tokenizer, self.config, self.recipe, metrics,
                       writes=self.book.writes)
         return metrics
-
-
-class GracefulStop:
-    """SIGINT/SIGTERM handling: the first signal sets ``signum`` (the loop finishes the optimizer step in
-    progress, writes a checkpoint and exits); a second one exits at once.
-
-    Except a SIGTERM after the launcher died (``finetune.lifeline``): that is the kernel's notice of the
-    launcher's death, which follows the Ctrl-C that a terminal sends to the launcher and this process
-    alike, and must not cut short the checkpoint that Ctrl-C started."""
-
-    def __init__(self):
-        self.signum = None
-        self._launcher_noted = False
-        self._previous = {}
-
-    def __enter__(self) -> "GracefulStop":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        launcher_died = signum == signal.SIGTERM and launcher_gone()
-        if self.signum is not None and launcher_died:  # the kernel may signal once per launcher thread
-            if not self._launcher_noted:
-                print("\nthe launcher exited: finishing the checkpoint (the bare launcher does not wait for it).",
-                      file=sys.stderr)
-            self._launcher_noted = True
-            return
-        if self.signum is not None:
-            print(f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint.", file=sys.stderr)
-            os._exit(128 + signum)
-        self.signum, self._launcher_noted = signum, launcher_died
-        cause = " (the launcher exited)" if launcher_died else ""
-        again = "SIGINT" if launcher_died else "it"
-        print(f"\n{signal.Signals(signum).name}{cause}: finishing this optimizer step, then saving a checkpoint "
-              f"(send {again} again to exit at once).", file=sys.stderr)

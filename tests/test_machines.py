@@ -11,6 +11,7 @@ import socket
 import time
 
 import pytest
+import torch
 
 from helpers import launch, start_launch, train_steps
 from test_launcher_signals import assert_same_weights
@@ -123,3 +124,30 @@ def test_two_machines_with_their_own_output_dirs_stop_resume_and_disagree(tmp_pa
     for rank in (0, 1):  # a user error: no traceback from our code (torchrun adds its own ChildFailedError)
         stderr = (tmp_path / f"refused.m{rank}.err").read_text()
         assert not [line for line in stderr.splitlines() if line.strip().startswith("File ") and "/finetune/" in line]
+
+
+def test_the_trainer_backend_keeps_a_copy_on_each_machine(tmp_path, tiny_bert):
+    """Without a shared filesystem the Trainer backend, like the accelerate engine, writes a complete copy on
+    each machine (its own ``--output_dir``): the same log, Trainer's checkpoints with every file a resume of
+    that machine needs, and the final model, equal to one process with twice the micro-batch."""
+    from safetensors.torch import load_file
+
+    args = [*common(tiny_bert), "--backend", "trainer", "--max_train_samples", "32", "--save_steps", "4"]
+    machines = start_machines(tmp_path, "trainer", [*args, "--per_device_train_batch_size", "2"])
+    codes = wait_all(machines, timeout=420)
+    assert codes == [0, 0], [(tmp_path / f"trainer.m{r}.err").read_text()[-3000:] for r in (0, 1)]
+    reference = tmp_path / "reference"
+    one = launch([*args, "--per_device_train_batch_size", "4", "--output_dir", str(reference)], timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = [r["loss"] for r in train_steps(reference)]
+    assert len(expected) == 8
+    for rank in (0, 1):
+        out = tmp_path / f"m{rank}"
+        assert (out / "run_config.json").is_file() and (out / "metrics.json").is_file()
+        assert [r["loss"] for r in train_steps(out)] == pytest.approx(expected, rel=1e-5)
+        checkpoint = out / "checkpoints" / "checkpoint-4"
+        assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "finetune_step_meaning.json").is_file()
+        assert (checkpoint / f"rng_state_{rank}.pth").is_file()  # this machine's process resumes from its own copy
+        final, single = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+        for name, tensor in single.items():
+            torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-5)

@@ -1,5 +1,6 @@
-"""Tie the training process's life to its launcher's: when the launcher dies, the training process gets
-SIGTERM, finishes its optimizer step, writes a checkpoint and exits 128 + 15 (``train.GracefulStop``).
+"""Signals: a training process that stops with its launcher, and SIGINT/SIGTERM that end a run after its
+optimizer step with a checkpoint (``GracefulStop``). When the launcher dies, the training process gets
+SIGTERM, finishes its optimizer step, writes a checkpoint and exits 128 + 15.
 
 Why: a 1-process ``accelerate launch`` (its "simple launcher", accelerate 1.15) neither handles SIGTERM
 nor passes it on. ``kill -TERM`` to it, as a scheduler or Kubernetes sends, ends the launcher at once and
@@ -91,3 +92,43 @@ def launcher_gone() -> bool:
         return True
     fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, session, tty, tpgid, flags
     return fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
+
+
+class GracefulStop:
+    """SIGINT/SIGTERM handling: the first signal sets ``signum`` (the loop finishes the optimizer step in
+    progress, writes a checkpoint and exits); a second one exits at once.
+
+    Except a SIGTERM after the launcher died (``watch_launcher``): that is the kernel's notice of the
+    launcher's death, which follows the Ctrl-C that a terminal sends to the launcher and this process
+    alike, and must not cut short the checkpoint that Ctrl-C started."""
+
+    def __init__(self):
+        self.signum = None
+        self._launcher_noted = False
+        self._previous = {}
+
+    def __enter__(self) -> "GracefulStop":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        launcher_died = signum == signal.SIGTERM and launcher_gone()
+        if self.signum is not None and launcher_died:  # the kernel may signal once per launcher thread
+            if not self._launcher_noted:
+                print("\nthe launcher exited: finishing the checkpoint (the bare launcher does not wait for it).",
+                      file=sys.stderr)
+            self._launcher_noted = True
+            return
+        if self.signum is not None:
+            print(f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint.", file=sys.stderr)
+            os._exit(128 + signum)
+        self.signum, self._launcher_noted = signum, launcher_died
+        cause = " (the launcher exited)" if launcher_died else ""
+        again = "SIGINT" if launcher_died else "it"
+        print(f"\n{signal.Signals(signum).name}{cause}: finishing this optimizer step, then saving a checkpoint "
+              f"(send {again} again to exit at once).", file=sys.stderr)
