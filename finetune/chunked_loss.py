@@ -30,6 +30,9 @@ import numbers
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.utils.checkpoint import checkpoint
 
 from finetune.tasks import IGNORE_INDEX
 
@@ -310,8 +313,6 @@ def _chunk_loss_module(hidden_chunk, target_chunk, module):
 
 def _checkpointed(hidden, targets, chunk_size, module, weight, bias) -> torch.Tensor:
     """Sum of per-chunk losses, each chunk's (matmul + cross-entropy) under non-reentrant checkpointing."""
-    from torch.utils.checkpoint import checkpoint
-
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     if hidden.shape[0] == 0:  # keep the graph connected, as the plain path's empty cross-entropy does
         return total + hidden.sum() * 0.0
@@ -357,7 +358,7 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
         raise ValueError(f"{type(inner).__name__} has no output embedding (get_output_embeddings() is None): not a "
                          f"causal LM with an lm_head")
     _refuse_unsupported(model, inner, head)
-    if any(isinstance(m, _compiled_module_types()) for m in _wrapper_chain(model)):
+    if any(isinstance(m, OptimizedModule) for m in _wrapper_chain(model)):
         raise ValueError("the model is torch.compile'd as a whole: its compiled forward would not run the hooks that "
                          "take the hidden states. Compile the decoder layers only, or use the plain loss.")
 
@@ -410,18 +411,8 @@ def _wrapper_chain(model: torch.nn.Module) -> list:
     return chain
 
 
-def _compiled_module_types() -> tuple:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return ()
-    return (OptimizedModule,)
-
-
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside parallel, torch.compile and peft wrappers."""
-    from accelerate.utils import extract_model_from_parallel
-
     # keep_fp32_wrapper=True: unwrapping must not strip Accelerate's autocast forward from the model in place.
     inner = extract_model_from_parallel(model, keep_fp32_wrapper=True, keep_torch_compile=False)
     if hasattr(inner, "get_base_model"):  # peft PeftModel: the transformers model it adapts

@@ -9,13 +9,20 @@ wall time are its own. Writes into ``--output_dir``: ``accelerate/`` and ``train
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+try:  # an optional extra (pip install "finetune[compare]"), needed by --compare alone
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
 
 from finetune.config import config_argv, reproduce_command
 from finetune.errors import FinetuneError
@@ -111,11 +118,6 @@ def render_markdown(summary: dict, config, command: str) -> str:
 
 def plot_loss_curves(summary: dict, path: Path) -> None:
     """``loss_curves.png``: both backends' loss per optimizer step, learning rate on a second axis."""
-    import matplotlib  # lazy: an optional extra (pip install "finetune[compare]"), needed by --compare alone
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     styles = {"accelerate": dict(color="tab:blue", lw=2.0), "trainer": dict(color="tab:orange", lw=1.2, ls="--")}
     for backend in BACKENDS:
@@ -144,7 +146,7 @@ def compare(config) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise FinetuneError("--compare launches each backend itself in a single process; run it with "
                             "`finetune compare ...` or a 1-process `accelerate launch`.")
-    if importlib.util.find_spec("matplotlib") is None:
+    if plt is None:
         raise FinetuneError("--compare draws loss_curves.png with matplotlib, which is not installed: "
                             'pip install "finetune[compare]" (or pip install matplotlib).')
     recipe = load_recipe(config.recipe)

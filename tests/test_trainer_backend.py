@@ -113,7 +113,7 @@ def test_both_engines_keep_the_same_records_on_the_same_cadence(tmp_path, tiny_b
     kw = dict(model_name_or_path=tiny_bert, max_train_samples=24, max_eval_samples=8, per_device_train_batch_size=2,
               gradient_accumulation_steps=2, num_train_epochs=3, disable_dropout=True, max_length=32,
               learning_rate=2e-3, warmup_steps=1, seed=5, eval_strategy="steps", eval_steps=2, save_steps=2,
-              load_best_model_at_end=True, early_stopping_patience=2, eval_on_start=True)
+              load_best_model_at_end=True, early_stopping_patience=2)
     acc_metrics, acc = run_in_process(tmp_path, "accelerate", **kw)
     tr_metrics, tr = run_in_process(tmp_path, "trainer", backend="trainer", **kw)
     from helpers import read_log
@@ -124,7 +124,7 @@ def test_both_engines_keep_the_same_records_on_the_same_cadence(tmp_path, tiny_b
 
     a, t = read_log(acc), read_log(tr)
     assert shape(a) == shape(t)
-    assert [r["step"] for r in a if "eval_loss" in r][:2] == [0, 2]
+    assert [r["step"] for r in a if "eval_loss" in r][:2] == [2, 4]
     for x, y in zip(a, t):
         assert x.get("loss", x.get("eval_loss")) == pytest.approx(y.get("loss", y.get("eval_loss")), abs=1e-4)
     assert acc_metrics["optimizer_steps"] == tr_metrics["optimizer_steps"]
