@@ -1,5 +1,8 @@
 """The recipe registry: plain data, name -> module.
 
+This folder is the repository's top-level ``recipes/``, imported and installed as ``finetune.recipes`` (the
+``package-dir`` in pyproject.toml; a source checkout loads it through ``finetune/__init__.py``).
+
 A recipe module defines (see ``recipes/bbc_news.py``):
 
 - ``NAME``, ``DESCRIPTION`` (one line), ``TASK`` ("sequence-classification" or "causal-lm", see
@@ -55,7 +58,7 @@ def load_recipe(name_or_path: str) -> ModuleType:
         )
     missing = [a for a in REQUIRED_ATTRIBUTES if not hasattr(module, a)]
     if missing:
-        raise FinetuneError(f"recipe {name_or_path!r} lacks {', '.join(missing)} (see recipes/__init__.py).")
+        raise FinetuneError(f"recipe {name_or_path!r} lacks {', '.join(missing)} (see the contract in {__file__}).")
     return module
 
 
