@@ -58,8 +58,11 @@ def installed(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> Path:
     """A source checkout (a copy) whose registry also names ``CHECKOUT_ONLY``, so a listing that shows it
-    came from this checkout's recipes/, not from an installed copy or another checkout on sys.meta_path."""
+    came from this checkout's recipes/, not from an installed copy or another checkout on sys.meta_path; with
+    the ``__pycache__`` a checkout that ran the old finetune/recipes/ keeps after pulling the move."""
     src = _copy_repo(tmp_path_factory.mktemp("checkout") / "src")
+    # what git leaves of the old finetune/recipes/ in a checkout that ran it (a namespace package if imported)
+    (src / "finetune" / "recipes" / "__pycache__").mkdir(parents=True)
     with open(src / "recipes" / "__init__.py", "a") as registry:
         registry.write(f'\nRECIPES["{CHECKOUT_ONLY}"] = "finetune.recipes.bbc_news"  # tests/test_install.py\n')
     return src
