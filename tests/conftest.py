@@ -1,11 +1,12 @@
-"""Shared fixtures: a tiny BERT built from a config (with the real MiniLM vocabulary), and a reset of
-Accelerate's process-wide state between in-process runs."""
+"""Shared fixtures: a tiny BERT built from a config (with the real MiniLM vocabulary), a reset of
+Accelerate's process-wide state between in-process runs, and the fault injectors of ``tests/faults``."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -46,3 +47,17 @@ def _reset_accelerate_state():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@pytest.fixture
+def faults():
+    """The fault injectors of ``tests/faults/finetune_faults.py``, installed in this process on demand and
+    undone after the test: ``faults.cpu_fp16()`` (fp16 on a CPU really runs fp16), ``faults.overflow({2})``
+    (optimizer step 2's loss times infinity), ``faults.undo()`` (remove both now)."""
+    from faults import finetune_faults
+
+    patch = pytest.MonkeyPatch()
+    yield SimpleNamespace(cpu_fp16=lambda: finetune_faults.install_cpu_fp16(patch.setattr),
+                          overflow=lambda steps: finetune_faults.install_overflow(steps, patch.setattr),
+                          undo=patch.undo)
+    patch.undo()
