@@ -53,7 +53,6 @@ from finetune.sharded import (check_deepspeed_engine, deepspeed_config_updates,
                               deepspeed_engine_settings, deepspeed_note, deepspeed_optimizer_and_scheduler,
                               grad_norm_value, sync_each_batch)
 from finetune.tasks import CausalLM
-from finetune.testing import forced_overflow_steps
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -216,7 +215,6 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     accelerator, model, optimizer, scheduler, task = s.accelerator, s.model, s.optimizer, s.scheduler, s.task
     N, P = config.gradient_accumulation_steps, accelerator.num_processes
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-    overflow_steps = forced_overflow_steps()  # empty unless a test sets FINETUNE_TEST_FORCE_OVERFLOW_STEPS
     with RunState(s, config, recipe, process_start) as run, GracefulStop() as stop:
         model.train()
         while not run.done:
@@ -236,8 +234,6 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                         # accelerator.backward divides by N and DDP averages over P processes: undo both, so
                         # the summed gradient is sum(per-item gradients) / items in the window.
                         scaled = loss_sum * (N * P / counts.items)
-                        if overflow_steps and run.state.step + 1 in overflow_steps:
-                            scaled = scaled * float("inf")  # test hook: an overflow on this optimizer step
                         accelerator.backward(scaled)
                         window_loss += loss_sum.detach()
                         if accelerator.sync_gradients:
