@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,17 +23,13 @@ from finetune.sharded import accumulation_plugin, sync_each_batch
 
 _TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
 
-# TEST ONLY: "1" makes --mixed_precision fp16 really run fp16 on a CPU (see enable_test_cpu_fp16).
-TEST_CPU_FP16_ENV = "FINETUNE_TEST_CPU_FP16"
-
 
 def make_accelerator(config) -> Accelerator:
     """An ``Accelerator`` for ``config``: N-step accumulation that the engine aligns to its windows itself
     (``sync_with_dataloader=False``), and a seeded sampler so every process and every resume sees the
     same data order. Under FSDP, gradients are synchronised on every micro-batch (``sharded.sync_each_batch``).
     Raises ``FinetuneError`` for bf16 on a device without bf16, or a ``--report_to`` tracker whose package is
-    not installed. TEST ONLY: with ``FINETUNE_TEST_CPU_FP16=1`` in the environment, fp16 on a CPU really runs
-    fp16 (``enable_test_cpu_fp16``)."""
+    not installed."""
     check_precision_supported(config.mixed_precision)
     log_with = None if config.report_to == "none" else config.report_to
     if log_with in _TRACKER_MODULES:
@@ -66,39 +60,7 @@ def make_accelerator(config) -> Accelerator:
                                 "Use --mixed_precision fp16 (GPU) or no.") from None
         raise
     use_accumulation_plugin(accelerator, config.gradient_accumulation_steps)
-    enable_test_cpu_fp16(accelerator)  # before prepare(): the optimizer wrapper takes the scaler then
     return accelerator
-
-
-def cpu_fp16_test_switch_on() -> bool:
-    """Whether the TEST-ONLY switch ``FINETUNE_TEST_CPU_FP16=1`` is set in the environment."""
-    return os.environ.get(TEST_CPU_FP16_ENV) == "1"
-
-
-def enable_test_cpu_fp16(accelerator: Accelerator) -> bool:
-    """TEST ONLY: give a CPU ``accelerator`` created with ``mixed_precision="fp16"`` what Accelerate gives a
-    GPU, so CI exercises the fp16 code paths (loss scaling, unscale before clipping, overflow skips).
-    Does nothing, and returns False, unless ``FINETUNE_TEST_CPU_FP16=1`` is set, fp16 was asked for and the
-    device is a CPU without a scaler; never on by default, never for real training (fp16 matmuls are ~50x
-    slower than fp32 on a CPU). Returns True when it switched fp16 on (and says so on stderr).
-
-    Accelerate 1.15 keeps ``mixed_precision == "fp16"`` on a CPU but leaves ``native_amp`` False and
-    ``scaler`` None, so it runs fp32. Setting ``native_amp`` makes ``accelerator.autocast()`` and the forward
-    that ``prepare()`` wraps run ``torch.autocast("cpu", dtype=torch.float16)`` (so
-    ``precision.effective_mixed_precision`` measures "fp16"), and ``unscale_gradients``/``clip_grad_norm_``
-    unscale; ``scaler`` is what ``backward`` scales the loss with and what ``prepare()`` hands the
-    ``AcceleratedOptimizer`` (whose ``step`` calls ``scaler.step`` and ``scaler.update``), and
-    ``save_state``/``load_state`` checkpoint. So it must run before ``prepare()``.
-    """
-    if not (cpu_fp16_test_switch_on() and accelerator.mixed_precision == "fp16"
-            and accelerator.device.type == "cpu" and accelerator.scaler is None):
-        return False
-    accelerator.native_amp = True
-    accelerator.scaler = torch.amp.GradScaler("cpu")
-    if accelerator.is_local_main_process:
-        print(f"{TEST_CPU_FP16_ENV}=1: TEST ONLY fp16 autocast and GradScaler on the CPU (slow; not for real runs).",
-              file=sys.stderr)
-    return True
 
 
 def loss_scale(accelerator: Accelerator) -> float | None:

@@ -25,7 +25,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
-from finetune.components import (cpu_fp16_test_switch_on, enable_test_cpu_fp16, loss_function, loss_scale,
+from finetune.components import (loss_function, loss_scale,
                                  micro_batches_per_process, optimizer_step_skipped, plan_steps)
 from finetune.builders import build_components, get_task
 from finetune.errors import FinetuneError
@@ -44,10 +44,9 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
     Every shared hyperparameter keeps its name and value (tested in ``tests/test_trainer_backend.py``).
     Checkpoints go to ``<output_dir>/checkpoints``; evaluation is ours (``TrueLossCallback``), so Trainer's is
     off; logging is every optimizer step. fp16 is asked for only where it can run (a CUDA device), as on the
-    accelerate side, where a CPU silently runs fp32; or on a CPU under the TEST-ONLY switch
-    ``FINETUNE_TEST_CPU_FP16=1`` (``components.enable_test_cpu_fp16``).
+    accelerate side, where a CPU silently runs fp32.
     """
-    fp16 = config.mixed_precision == "fp16" and (torch.cuda.is_available() or cpu_fp16_test_switch_on())
+    fp16 = config.mixed_precision == "fp16" and torch.cuda.is_available()
     return TrainingArguments(
         output_dir=str(ckpt.checkpoints_dir(output_dir or config.output_dir)),
         per_device_train_batch_size=config.per_device_train_batch_size,
@@ -305,7 +304,6 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                       callbacks=[callback])
     callback.trainer = trainer
     trainer.loss_sum = loss_function(get_task(recipe.TASK), config, trainer.accelerator)
-    enable_test_cpu_fp16(trainer.accelerator)  # TEST ONLY; Trainer prepares model and optimizer in train()
     # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets
     # state.best_model_checkpoint, from which Trainer loads the best model at the end.
     trainer.args.load_best_model_at_end = config.load_best_model_at_end

@@ -52,12 +52,17 @@ def _reset_accelerate_state():
 @pytest.fixture
 def faults():
     """The fault injectors of ``tests/faults/finetune_faults.py``, installed in this process on demand and
-    undone after the test: ``faults.cpu_fp16()`` (fp16 on a CPU really runs fp16), ``faults.overflow({2})``
-    (optimizer step 2's loss times infinity), ``faults.undo()`` (remove both now)."""
+    undone after the test: ``faults.cpu_fp16()`` (fp16 on a CPU really runs fp16, in both engines),
+    ``faults.overflow({2})`` (optimizer step 2's loss times infinity), ``faults.undo()`` (remove all now)."""
     from faults import finetune_faults
 
     patch = pytest.MonkeyPatch()
-    yield SimpleNamespace(cpu_fp16=lambda: finetune_faults.install_cpu_fp16(patch.setattr),
+
+    def cpu_fp16():
+        finetune_faults.install_cpu_fp16(patch.setattr)
+        finetune_faults.install_trainer_fp16(patch.setattr)
+
+    yield SimpleNamespace(cpu_fp16=cpu_fp16,
                           overflow=lambda steps: finetune_faults.install_overflow(steps, patch.setattr),
                           undo=patch.undo)
     patch.undo()

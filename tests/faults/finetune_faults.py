@@ -8,7 +8,9 @@ Two faults:
   (Accelerate 1.15 leaves it ``native_amp=False`` and ``scaler=None``: it runs fp32) gets what Accelerate
   gives a GPU: fp16 autocast and a ``torch.amp.GradScaler("cpu")``, so CI exercises the fp16 code paths
   (loss scaling, unscale before clipping, overflow skips). Wraps ``Accelerator.__init__``, so it reaches
-  every Accelerator: the accelerate engine's and ``transformers.Trainer``'s. fp16 matmuls are ~50x slower
+  every Accelerator: the accelerate engine's and ``transformers.Trainer``'s. For the Trainer backend it
+  also wraps ``finetune.trainer_backend.training_arguments``, which asks Trainer for fp16 only on CUDA
+  (see ``install_trainer_fp16``: the one patch point outside the libraries). fp16 matmuls are ~50x slower
   than fp32 on a CPU: tiny models only.
 - forced overflow (``FAULT_OVERFLOW_STEPS=2,3``): on those optimizer steps (1-based) every micro-batch's
   loss is multiplied by infinity before ``Accelerator.backward``, so every gradient is inf/NaN: under fp16 the
@@ -19,14 +21,16 @@ Two faults:
 Two ways in:
 
 - in-process, with pytest's ``monkeypatch.setattr`` as ``set_attr`` (undone after the test): the ``faults``
-  fixture of ``tests/conftest.py`` calls ``install_cpu_fp16`` and ``install_overflow``;
+  fixture of ``tests/conftest.py`` calls ``install_cpu_fp16``, ``install_trainer_fp16`` and
+  ``install_overflow``;
 - in a launched process: this folder first on its ``PYTHONPATH`` plus the variables (``tests/helpers.py:
   fault_env``; ``bench/gpu_acceptance.py`` does the same), and ``sitecustomize.py`` here calls
-  ``install_on_import``: the wrappers are installed when the process imports accelerate.
+  ``install_on_import``: each wrapper is installed when the process imports the module it wraps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.abc
 import importlib.machinery
@@ -88,6 +92,31 @@ def install_cpu_fp16(set_attr=setattr, accelerator_class=None) -> None:
     set_attr(cls, "__init__", __init__)
 
 
+def install_trainer_fp16(set_attr=setattr, trainer_backend=None) -> None:
+    """Wrap ``finetune.trainer_backend.training_arguments`` (``trainer_backend``: that module) so that fp16
+    asked for on a CPU gives ``TrainingArguments(fp16=True)``, as on a GPU.
+
+    finetune asks Trainer for fp16 only where it runs (a CUDA device): on a CPU the request becomes
+    ``fp16=False``, Trainer creates its Accelerator with ``mixed_precision="no"`` and ``enable_cpu_fp16`` has
+    nothing to act on. The request never reaches a library there, so this is the one patch point inside
+    finetune. ``dataclasses.replace`` runs ``TrainingArguments.__init__`` again with ``fp16=True``: the same
+    arguments as constructing them so (checked field by field with transformers 5.23), whose
+    ``__post_init__`` sets ``mixed_precision = "fp16"`` (``transformers/training_args.py`` lines 1614-1616),
+    which Trainer passes to its Accelerator (``trainer.py`` line 744)."""
+    if trainer_backend is None:
+        import finetune.trainer_backend as trainer_backend
+    original = trainer_backend.training_arguments
+
+    @functools.wraps(original)
+    def training_arguments(config, *args, **kwargs):
+        arguments = original(config, *args, **kwargs)
+        if config.mixed_precision == "fp16" and not arguments.fp16 and arguments.use_cpu:
+            arguments = dataclasses.replace(arguments, fp16=True)
+        return arguments
+
+    set_attr(trainer_backend, "training_arguments", training_arguments)
+
+
 # ------------------------------------------------------------------------------------------ forced overflow
 def parse_steps(value: str) -> frozenset[int]:
     """The optimizer steps of ``FAULT_OVERFLOW_STEPS`` (e.g. "2,3"; empty or blank: none). Raises
@@ -131,62 +160,57 @@ def install_overflow(steps, set_attr=setattr, accelerator_class=None) -> None:
 
 
 # ------------------------------------------------------------------------------------------ from the environment
-def install_from_environ(environ=None, set_attr=setattr, accelerator_class=None) -> list[str]:
-    """Install the faults the environment asks for (``FAULT_CPU_FP16=1``, ``FAULT_OVERFLOW_STEPS``); return
-    their names. Raises ``ValueError`` for a malformed ``FAULT_OVERFLOW_STEPS``."""
-    environ = os.environ if environ is None else environ
-    installed = []
-    if environ.get(CPU_FP16_ENV) == "1":
-        install_cpu_fp16(set_attr, accelerator_class)
-        installed.append("cpu_fp16")
-    steps = parse_steps(environ.get(OVERFLOW_STEPS_ENV, ""))
-    if steps:
-        install_overflow(steps, set_attr, accelerator_class)
-        installed.append("overflow")
-    return installed
-
-
-def requested(environ=None) -> bool:
-    """Whether the environment asks for any fault."""
-    environ = os.environ if environ is None else environ
-    return environ.get(CPU_FP16_ENV) == "1" or bool(environ.get(OVERFLOW_STEPS_ENV, "").strip())
-
-
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``callback(module)`` right after the module ``name`` has executed, then steps aside."""
+    """Runs the callbacks registered for a module right after it has executed; steps aside when none is
+    left. Finds the module with ``PathFinder`` (the modules it serves are submodules of ordinary packages)."""
 
-    def __init__(self, name: str, callback):
-        self.name, self.callback = name, callback
+    def __init__(self):
+        self.callbacks: dict[str, list] = {}
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
+        callbacks = self.callbacks.pop(fullname, None)
+        if callbacks is None:
             return None
-        sys.meta_path.remove(self)
+        if not self.callbacks:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module, callback = spec.loader.exec_module, self.callback
+            raise ImportError(f"{__name__}: cannot wrap {fullname}: no loader found for it")
+        exec_module = spec.loader.exec_module
 
-        def exec_then_callback(module):
+        def exec_then_callbacks(module):
             exec_module(module)
-            callback(module)
+            for callback in callbacks:
+                callback(module)
 
-        spec.loader.exec_module = exec_then_callback
+        spec.loader.exec_module = exec_then_callbacks
         return spec
 
 
-def install_on_import(environ=None) -> None:
-    """For ``sitecustomize``: when the process imports ``accelerate.accelerator`` (at once if it already
-    has), install the faults the environment asks for, on its ``Accelerator``. Nothing is imported, and
-    nothing changes, when no fault is asked for. A malformed variable fails that import, loudly."""
-    environ = os.environ if environ is None else environ
-    if not requested(environ):
+def after_import(name: str, callback) -> None:
+    """Call ``callback(module)`` once the module ``name`` has been imported (at once if it has been)."""
+    if name in sys.modules:
+        callback(sys.modules[name])
         return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
+    if finder is None:
+        finder = _AfterImport()
+        sys.meta_path.insert(0, finder)
+    finder.callbacks.setdefault(name, []).append(callback)
 
-    def install(module):
-        install_from_environ(environ, accelerator_class=module.Accelerator)
 
-    if "accelerate.accelerator" in sys.modules:
-        install(sys.modules["accelerate.accelerator"])
-    else:
-        sys.meta_path.insert(0, _AfterImport("accelerate.accelerator", install))
+def install_on_import(environ=None, after=after_import) -> None:
+    """For ``sitecustomize``: install the faults the environment asks for, each when the process imports
+    the module it wraps (``after``: ``after_import``). ``FAULT_CPU_FP16=1``: ``install_cpu_fp16`` on
+    ``accelerate.accelerator`` and ``install_trainer_fp16`` on ``finetune.trainer_backend``;
+    ``FAULT_OVERFLOW_STEPS``: ``install_overflow`` on ``accelerate.accelerator``. Nothing is imported, and
+    nothing changes, when no fault is asked for. A malformed ``FAULT_OVERFLOW_STEPS`` fails the import of
+    accelerate, loudly (an error in ``sitecustomize`` itself would only be printed)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(CPU_FP16_ENV) == "1":
+        after("accelerate.accelerator", lambda module: install_cpu_fp16(accelerator_class=module.Accelerator))
+        after("finetune.trainer_backend", lambda module: install_trainer_fp16(trainer_backend=module))
+    value = environ.get(OVERFLOW_STEPS_ENV, "")
+    if value.strip():
+        after("accelerate.accelerator",
+              lambda module: install_overflow(parse_steps(value), accelerator_class=module.Accelerator))
