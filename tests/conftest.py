@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 
-from finetune.testing import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
+from tiny_models import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
 
 
 @pytest.fixture(scope="session")

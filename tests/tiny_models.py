@@ -1,6 +1,7 @@
 """Tiny models built from configs, for tests and benchmark smoke runs: real Hugging Face model directories
 that load in well under a second, with the MiniLM WordPiece tokenizer that ships offline. Not for training
-anything real."""
+anything real. Tests import it as ``tiny_models`` (``tests/`` is on ``sys.path`` under pytest); the bench
+scripts through ``bench/benchlib.py``, which puts ``tests/`` on ``sys.path``."""
 
 from __future__ import annotations
 
