@@ -278,7 +278,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--suite", default=",".join(SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny BERT/Llama built from a config (finetune.testing), 32 tokens, 1 repeat: checks the "
+                   help="tiny BERT/Llama built from a config (tests/tiny_models.py), 32 tokens, 1 repeat: checks the "
                         "pipeline; its numbers mean nothing")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per configuration, interleaved (default per suite: bbc 3, smollm2 2, lora 3; smoke 1)")

@@ -29,10 +29,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "finetune" / "run.py"
+TESTS = REPO / "tests"  # tiny_models.py: the smoke runs' tiny models live with the tests
 if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))  # last: nothing of the tests shadows a module found elsewhere
 
-from finetune.testing import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
+from tiny_models import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
 
 __all__ = ["build_tiny_bert", "build_tiny_llama"]  # re-exported for the bench scripts
 
@@ -101,7 +104,7 @@ def format_machine(info: dict, num_threads: int | None = None) -> str:
 
 # ------------------------------------------------------------------------------------------ tiny models
 def write_texts(path: Path, n: int, seed: int = 0) -> Path:
-    """A JSON-lines file of ``n`` variable-length texts (see ``finetune.testing``)."""
+    """A JSON-lines file of ``n`` variable-length texts (see ``tests/tiny_models.py``)."""
     return write_variable_length_texts(path, n, seed)
 
 

@@ -7,8 +7,9 @@ Sections (each a fresh ``python -m finetune.run`` process, or ``python -m finetu
 
 1. precision: bbc-news, the main job at the recipe's defaults, in fp32, fp16 and bf16: accuracy, F1,
    samples/s, peak memory (``torch.cuda.max_memory_allocated``), MFU, and the precision that really ran.
-2. overflow: fp16 with an overflow forced on optimizer steps 2 and 3 (the engine's test hook
-   ``FINETUNE_TEST_FORCE_OVERFLOW_STEPS``; a tiny ``--max_grad_norm`` cannot cause one): those steps must
+2. overflow: fp16 with an overflow forced on optimizer steps 2 and 3 (by the tests' fault injector:
+   ``tests/faults`` first on the run's ``PYTHONPATH`` and ``FAULT_OVERFLOW_STEPS=2,3``; a tiny
+   ``--max_grad_norm`` cannot cause one): those steps must
    be skipped (``skipped_optimizer_steps``), and the LR schedule must not advance on a skipped step.
 3. sharded: ``accelerate_configs/fsdp2.yaml``, ``deepspeed_zero2.yaml`` (fp16) and ``deepspeed_zero3.yaml``
    (bf16) with ONE process: they launch, train 20 steps, evaluate and save a loadable model, report the
@@ -92,6 +93,9 @@ PYLIB = CARRY / "pylib"  # where --install_wheels installs (an ignored path: it 
 MIB = 2**20
 SECTIONS = ("precision", "overflow", "sharded", "clm", "backends", "autobatch")
 OVERFLOW_STEPS = (2, 3)
+# The tests' fault injector (tests/faults/finetune_faults.py; its sitecustomize.py wraps Accelerator.backward
+# when the run imports accelerate): its folder, relative to REPO, goes first on the overflow run's PYTHONPATH.
+FAULTS = "tests/faults"
 SHARDED_STEPS = 20
 DS_CLIP = 0.5
 BACKENDS_GOAL = 1.10  # samples/s accelerate / trainer (README's goal)
@@ -172,7 +176,7 @@ def build_runs(workdir: Path, clm_model: Path, repeats: int, python: str = sys.e
                     run_py + ["--recipe", "bbc-news", "--mixed_precision", "fp16", "--max_train_samples", "512",
                               "--max_steps", "6", "--eval_strategy", "no", "--warmup_steps", "0",
                               "--lr_scheduler_type", "linear", *_run_flags(out)], out,
-                    env={"FINETUNE_TEST_FORCE_OVERFLOW_STEPS": ",".join(map(str, OVERFLOW_STEPS))}))
+                    env={"PYTHONPATH": FAULTS, "FAULT_OVERFLOW_STEPS": ",".join(map(str, OVERFLOW_STEPS))}))
     for config, precision in (("fsdp2.yaml", "bf16"), ("deepspeed_zero2.yaml", "fp16"),
                               ("deepspeed_zero3.yaml", "bf16")):
         key = f"sharded-{config.removesuffix('.yaml')}"
@@ -209,10 +213,13 @@ def build_runs(workdir: Path, clm_model: Path, repeats: int, python: str = sys.e
 
 def child_env(extra: dict) -> dict:
     """The runs' environment: offline, the carried stand-in packages first on ``PYTHONPATH`` (then the
-    repository), and ``extra``."""
+    repository), and ``extra``; a ``PYTHONPATH`` in ``extra`` (folders relative to the repository) goes
+    before all of them."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
-    paths = [str(SITE), str(PYLIB), str(REPO), env.get("PYTHONPATH", "")]
+    extra = dict(extra)
+    first = [str(REPO / p) for p in extra.pop("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [*first, str(SITE), str(PYLIB), str(REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return {**env, **extra}
 

@@ -47,7 +47,6 @@ from finetune.reporting import run_banner, run_metrics, write_outputs
 from finetune.sampling import EpochSeededLengthGroupedSampler, iter_windows
 from finetune.steps import StepPlan
 from finetune.tasks import CausalLM
-from finetune.testing import forced_overflow_steps
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -150,7 +149,6 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     accelerator, model, optimizer, scheduler, task = built.accelerator, built.model, built.optimizer, built.scheduler, built.task
     N, P = config.gradient_accumulation_steps, accelerator.num_processes
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-    overflow_steps = forced_overflow_steps()  # empty unless a test sets FINETUNE_TEST_FORCE_OVERFLOW_STEPS
     with RunState(built, config, recipe, process_start) as run, GracefulStop() as stop:
         model.train()
         while not run.done:
@@ -170,8 +168,6 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                         # accelerator.backward divides by N and DDP averages over P processes: undo both, so
                         # the summed gradient is sum(per-item gradients) / items in the window.
                         scaled = loss_sum * (N * P / counts.items)
-                        if overflow_steps and run.progress.step + 1 in overflow_steps:
-                            scaled = scaled * float("inf")  # test hook: an overflow on this optimizer step
                         accelerator.backward(scaled)
                         window_loss += loss_sum.detach()
                         if accelerator.sync_gradients:

@@ -46,8 +46,7 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
     Every shared hyperparameter keeps its name and value (tested in ``tests/test_trainer_backend.py``).
     Checkpoints go to ``<output_dir>/checkpoints``; evaluation is ours (``BookkeepingCallback``), so Trainer's is
     off; logging is every optimizer step. fp16 is asked for only where it can run (a CUDA device), as on the
-    accelerate side, where a CPU silently runs fp32; or on a CPU under the TEST-ONLY switch
-    ``FINETUNE_TEST_CPU_FP16=1`` (``components.enable_test_cpu_fp16``).
+    accelerate side, where a CPU silently runs fp32.
     """
     fp16 = config.mixed_precision == "fp16" and torch.cuda.is_available()
     return TrainingArguments(

@@ -1,11 +1,12 @@
-"""Shared fixtures: a tiny BERT built from a config (with the real MiniLM vocabulary), and a reset of
-Accelerate's process-wide state between in-process runs."""
+"""Shared fixtures: a tiny BERT built from a config (with the real MiniLM vocabulary), a reset of
+Accelerate's process-wide state between in-process runs, and the fault injectors of ``tests/faults``."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 
-from finetune.testing import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
+from tiny_models import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +47,22 @@ def _reset_accelerate_state():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@pytest.fixture
+def faults():
+    """The fault injectors of ``tests/faults/finetune_faults.py``, installed in this process on demand and
+    undone after the test: ``faults.cpu_fp16()`` (fp16 on a CPU really runs fp16, in both engines),
+    ``faults.overflow({2})`` (optimizer step 2's loss times infinity), ``faults.undo()`` (remove all now)."""
+    from faults import finetune_faults
+
+    patch = pytest.MonkeyPatch()
+
+    def cpu_fp16():
+        finetune_faults.install_cpu_fp16(patch.setattr)
+        finetune_faults.install_trainer_fp16(patch.setattr)
+
+    yield SimpleNamespace(cpu_fp16=cpu_fp16,
+                          overflow=lambda steps: finetune_faults.install_overflow(steps, patch.setattr),
+                          undo=patch.undo)
+    patch.undo()

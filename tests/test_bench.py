@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from faults.finetune_faults import FAULTS_DIR, OVERFLOW_STEPS_ENV
 from helpers import REPO
 
 BENCH = REPO / "bench"
@@ -332,9 +333,27 @@ def test_gpu_acceptance_smoke(tmp_path):
         assert command.startswith(f"python -m finetune.cli train --config_file accelerate_configs/{config} "
                                   "--num_processes 1 --recipe bbc-news"), command
         assert "--max_grad_norm 0.5" in command and "--output_dir $WORKDIR/sharded-" in command
-    assert runs["overflow-fp16"]["command"].startswith("FINETUNE_TEST_FORCE_OVERFLOW_STEPS=2,3 python -m finetune.run ")
+    # the overflow is forced by the tests' fault injector, through the run's PYTHONPATH (tests/faults)
+    assert runs["overflow-fp16"]["command"].startswith(
+        f"PYTHONPATH=tests/faults {OVERFLOW_STEPS_ENV}=2,3 python -m finetune.run ")
     assert "--backend trainer" in runs["backends-trainer-r1"]["command"]
     assert "--auto_find_batch_size True" in runs["autobatch"]["command"]
+
+
+def test_gpu_acceptance_forces_the_overflow_through_the_fault_injector(tmp_path):
+    """The overflow run's environment: the fault injector's folder first on PYTHONPATH (before the carried
+    packages and the repository), and the steps to overflow; no other run gets either."""
+    import gpu_acceptance as ga
+
+    runs = ga.build_runs(tmp_path, tmp_path / "clm", 1)
+    env = ga.child_env(next(r for r in runs if r.section == "overflow").env)
+    paths = env["PYTHONPATH"].split(os.pathsep)
+    assert paths[0] == FAULTS_DIR and paths[1:4] == [str(ga.SITE), str(ga.PYLIB), str(REPO)]
+    assert env[OVERFLOW_STEPS_ENV] == "2,3"
+    for run in runs:
+        if run.section != "overflow":
+            env = ga.child_env(run.env)
+            assert OVERFLOW_STEPS_ENV not in env and FAULTS_DIR not in env["PYTHONPATH"].split(os.pathsep)
 
 
 def _acceptance_run(section: str, tmp_path):

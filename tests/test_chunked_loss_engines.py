@@ -17,10 +17,10 @@ def same_weights(a_dir, b_dir, rtol=1e-5):
 
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])
 def test_chunked_equals_plain_for_causal_lm(tmp_path, tiny_llama, clm_texts, backend, monkeypatch):
-    import finetune.loss as components
+    import finetune.loss as loss_module
 
-    calls, original = [], components.chunked_causal_lm_loss_sum
-    monkeypatch.setattr(components, "chunked_causal_lm_loss_sum",
+    calls, original = [], loss_module.chunked_causal_lm_loss_sum
+    monkeypatch.setattr(loss_module, "chunked_causal_lm_loss_sum",
                         lambda *a, **k: calls.append(a[2].shape) or original(*a, **k))
     train, valid = clm_texts
     kw = dict(recipe="bbc-news-clm", model_name_or_path=tiny_llama, train_file=train, validation_file=valid,

@@ -7,7 +7,8 @@ Skipped where deepspeed cannot be imported (it is not a dependency; `pip install
 from source). What they show: a ZeRO-2 and a ZeRO-3 run give the plain engine's per-step losses,
 learning rates and gradient norms (clipping at --max_grad_norm and a partial last window included) and
 its weights; an optimizer and schedule from the DeepSpeed config go through DummyOptim/DummyScheduler;
-the forced-overflow hook and a contradicting DeepSpeed config stop the run as they should."""
+an overflow forced by the fault injector (tests/faults) and a contradicting DeepSpeed config stop the
+run as they should."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, run_script, train_steps
+from helpers import REPO, fault_env, run_script, train_steps
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")]
@@ -129,11 +130,12 @@ def test_optimizer_and_schedule_from_the_deepspeed_config(tmp_path, tiny_bert):
 
 
 def test_a_forced_overflow_in_fp32_stops_the_run(tmp_path, tiny_bert):
-    """The test hook under DeepSpeed: ZeRO skips a step with a non-finite gradient norm, and an fp32 run must
-    stop there with the numerical error (exit 3), keeping only step 1 in its log."""
+    """The forced overflow (``tests/faults``, through the launched processes' ``PYTHONPATH``) under DeepSpeed:
+    ZeRO skips a step with a non-finite gradient norm, and an fp32 run must stop there with the numerical
+    error (exit 3), keeping only step 1 in its log."""
     out = tmp_path / "run"
     result = deepspeed_train(REPO / "accelerate_configs" / "deepspeed_zero2.yaml", *COMMON, "--model_name_or_path",
-                             tiny_bert, "--output_dir", str(out), env={"FINETUNE_TEST_FORCE_OVERFLOW_STEPS": "2"})
+                             tiny_bert, "--output_dir", str(out), env=fault_env(overflow_steps={2}))
     assert result.returncode == 3, result.stderr[-4000:]
     assert "non-finite loss or gradient at optimizer step 2" in result.stderr
     assert [r["step"] for r in train_steps(out)] == [1]

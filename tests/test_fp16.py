@@ -1,10 +1,10 @@
 """fp16 loss scaling through the real engines, on the CPU: overflow skips, unscaled clipping, the skip
 guard, accumulation and the Trainer backend.
 
-Accelerate runs fp32 when asked for fp16 on a CPU; the TEST-ONLY switch ``FINETUNE_TEST_CPU_FP16=1``
-(``finetune.components.enable_test_cpu_fp16``) gives the Accelerator fp16 autocast and a
-``torch.amp.GradScaler("cpu")``, so these tests run the same fp16 code as a GPU. fp16 matmuls are ~50x slower
-than fp32 on a CPU: tiny BERT, a few steps.
+Accelerate runs fp32 when asked for fp16 on a CPU; the CPU fp16 fault of ``tests/faults`` (the ``faults``
+fixture: ``finetune_faults.install_cpu_fp16``, which wraps ``Accelerator.__init__``) gives the Accelerator fp16
+autocast and a ``torch.amp.GradScaler("cpu")``, so these tests run the same fp16 code as a GPU. fp16 matmuls
+are ~50x slower than fp32 on a CPU: tiny BERT, a few steps.
 
 Every test runs with both optimizers: with ``adamw_torch_fused`` GradScaler always calls the optimizer's
 step (the fused kernel skips the update itself), so Accelerate's ``optimizer_step_was_skipped`` stays
@@ -33,18 +33,18 @@ OVERFLOW = 1e30
 
 
 @pytest.fixture(autouse=True)
-def cpu_fp16(monkeypatch):
-    monkeypatch.setenv("FINETUNE_TEST_CPU_FP16", "1")
+def cpu_fp16(faults):
+    faults.cpu_fp16()
+    return faults
 
 
-def test_switch_is_off_by_default_and_only_for_fp16(monkeypatch):
-    """Without ``FINETUNE_TEST_CPU_FP16=1`` fp16 on a CPU stays fp32 (Accelerate's behaviour); with it, only
-    an fp16 Accelerator changes: autocast measures fp16, and ``prepare()`` hands the scaler to the optimizer
-    wrapper and wraps the forward in autocast."""
+def test_the_fault_is_off_by_default_and_only_for_fp16(cpu_fp16):
+    """Without the CPU fp16 fault, fp16 on a CPU stays fp32 (Accelerate's behaviour); with it, only an fp16
+    Accelerator changes: autocast measures fp16, and ``prepare()`` hands the scaler to the optimizer wrapper
+    and wraps the forward in autocast."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from finetune.components import enable_test_cpu_fp16
     from finetune.precision import effective_mixed_precision
 
     def fresh(mixed_precision):
@@ -53,16 +53,16 @@ def test_switch_is_off_by_default_and_only_for_fp16(monkeypatch):
         PartialState._reset_state()
         return Accelerator(mixed_precision=mixed_precision, cpu=True)
 
-    monkeypatch.delenv("FINETUNE_TEST_CPU_FP16")
+    cpu_fp16.undo()
     accelerator = fresh("fp16")
-    assert not enable_test_cpu_fp16(accelerator)
-    assert accelerator.scaler is None and effective_mixed_precision(accelerator) == "no"
-    monkeypatch.setenv("FINETUNE_TEST_CPU_FP16", "1")
+    assert accelerator.scaler is None and not accelerator.native_amp
+    assert effective_mixed_precision(accelerator) == "no"
+    cpu_fp16.cpu_fp16()
     for other in ("no", "bf16"):
         accelerator = fresh(other)
-        assert not enable_test_cpu_fp16(accelerator) and accelerator.scaler is None
+        assert accelerator.scaler is None and effective_mixed_precision(accelerator) == other
     accelerator = fresh("fp16")
-    assert enable_test_cpu_fp16(accelerator) and isinstance(accelerator.scaler, torch.amp.GradScaler)
+    assert accelerator.native_amp and isinstance(accelerator.scaler, torch.amp.GradScaler)
     assert effective_mixed_precision(accelerator) == "fp16"
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -109,15 +109,15 @@ def record_weights(monkeypatch, backend: str = "accelerate") -> list[dict]:
             return s
 
         def recording_end_step(self, *args, **kwargs):
-            snapshot(self.s.model)
+            snapshot(self.built.model)
             return end_step(self, *args, **kwargs)
 
         monkeypatch.setattr(engine, "setup", recording_setup)
         monkeypatch.setattr(engine.RunState, "end_step", recording_end_step)
     else:
-        from finetune.trainer_backend import TrueLossCallback
+        from finetune.trainer_backend import BookkeepingCallback
 
-        on_train_begin, on_step_end = TrueLossCallback.on_train_begin, TrueLossCallback.on_step_end
+        on_train_begin, on_step_end = BookkeepingCallback.on_train_begin, BookkeepingCallback.on_step_end
 
         def recording_begin(self, *args, **kwargs):
             snapshot(self.trainer.model)
@@ -127,8 +127,8 @@ def record_weights(monkeypatch, backend: str = "accelerate") -> list[dict]:
             snapshot(self.trainer.model)
             return on_step_end(self, *args, **kwargs)
 
-        monkeypatch.setattr(TrueLossCallback, "on_train_begin", recording_begin)
-        monkeypatch.setattr(TrueLossCallback, "on_step_end", recording_step_end)
+        monkeypatch.setattr(BookkeepingCallback, "on_train_begin", recording_begin)
+        monkeypatch.setattr(BookkeepingCallback, "on_step_end", recording_step_end)
     return snapshots
 
 
@@ -139,7 +139,7 @@ def same_weights(a: dict, b: dict) -> bool:
 def assert_step_3_skipped(metrics, steps, weights) -> None:
     """Step 3 (micro-batches 5 and 6) overflowed: skipped, counted, weights and schedule held, scale halved;
     the steps around it trained normally."""
-    assert metrics["mixed_precision"] == "fp16"  # the switch really ran fp16 autocast
+    assert metrics["mixed_precision"] == "fp16"  # the CPU fp16 fault really ran fp16 autocast
     assert metrics["skipped_optimizer_steps"] == 1
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert [r.get("skipped", False) for r in steps] == [False, False, True, False, False]
@@ -165,8 +165,9 @@ def test_forced_overflow_skips_the_step(tmp_path, tiny_bert, monkeypatch, optim)
 
 @OPTIMS
 def test_trainer_backend_counts_a_forced_skip(tmp_path, tiny_bert, monkeypatch, optim):
-    """The switch reaches Trainer's own Accelerator (set before ``train()`` prepares the optimizer), and the
-    callback counts the skip; with the fused optimizer it also holds Trainer's schedule."""
+    """The CPU fp16 fault reaches Trainer's own Accelerator (built in ``Trainer.__init__``, before ``train()``
+    prepares the optimizer; fp16 asked for through ``training_arguments``), and the callback counts the
+    skip; with the fused optimizer it also holds Trainer's schedule."""
     overflow_on(monkeypatch, {6})  # the sync micro-batch of step 3
     weights = record_weights(monkeypatch, backend="trainer")
     metrics, out = run_in_process(tmp_path, "trainer", backend="trainer", model_name_or_path=tiny_bert, optim=optim,
@@ -175,7 +176,7 @@ def test_trainer_backend_counts_a_forced_skip(tmp_path, tiny_bert, monkeypatch, 
 
 
 @OPTIMS
-def test_clipping_sees_unscaled_gradients(tmp_path, tiny_bert, monkeypatch, optim):
+def test_clipping_sees_unscaled_gradients(tmp_path, tiny_bert, cpu_fp16, optim):
     """The logged grad norm is the pre-clip norm that clipping used: in fp16 it must be the unscaled
     gradient's, equal to the fp32 run's up to fp16 rounding, not 65536 (the initial loss scale) times it.
 
@@ -185,7 +186,7 @@ def test_clipping_sees_unscaled_gradients(tmp_path, tiny_bert, monkeypatch, opti
     """
     kw = dict(RUN, max_steps=3, max_grad_norm=0.1)  # every norm is above 0.1: clipping acts
     metrics, fp16 = run_in_process(tmp_path, "fp16", model_name_or_path=tiny_bert, optim=optim, **kw)
-    monkeypatch.delenv("FINETUNE_TEST_CPU_FP16")
+    cpu_fp16.undo()
     reference, fp32 = run_in_process(tmp_path, "fp32", model_name_or_path=tiny_bert, optim=optim,
                                      **dict(kw, mixed_precision="no"))
     assert (metrics["mixed_precision"], reference["mixed_precision"]) == ("fp16", "no")

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from finetune.testing import build_tiny_chat_llama
+from tiny_models import build_tiny_chat_llama
 from helpers import load_params, read_log, run_in_process, train_steps
 
 WORDS = ("the market rose as shares in the bank fell after the match ended with a late goal from the striker while "

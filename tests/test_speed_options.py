@@ -60,7 +60,7 @@ def test_length_grouped_sampler_is_a_seeded_permutation_sorted_within_mega_batch
 def test_group_by_length_pads_less_and_trains_on_the_same_samples(tmp_path, tiny_llama, clm_texts):
     """320 texts of 2-55 words, micro-batch 4 x 2: length-grouped batches (mega-batches of 10 windows) need
     far less padding than a random order, and each epoch still trains on every sample and label token once."""
-    from finetune.testing import write_variable_length_texts
+    from tiny_models import write_variable_length_texts
 
     train_file = write_variable_length_texts(tmp_path / "train.jsonl", 320, seed=4)
     kw = dict(model_name_or_path=tiny_llama, train_file=train_file, validation_file=clm_texts[1],

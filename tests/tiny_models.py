@@ -1,37 +1,17 @@
 """Tiny models built from configs, for tests and benchmark smoke runs: real Hugging Face model directories
 that load in well under a second, with the MiniLM WordPiece tokenizer that ships offline. Not for training
-anything real. Also the engine's one test hook (``forced_overflow_steps``)."""
+anything real. Tests import it as ``tiny_models`` (``tests/`` is on ``sys.path`` under pytest); the bench
+scripts through ``bench/benchlib.py``, which puts ``tests/`` on ``sys.path``."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-# Comma-separated optimizer steps (1-based) whose loss the accelerate engine multiplies by infinity.
-FORCE_OVERFLOW_ENV = "FINETUNE_TEST_FORCE_OVERFLOW_STEPS"
-
-
-def forced_overflow_steps(environ=None) -> frozenset[int]:
-    """The optimizer steps on which a test forces an overflow: ``FINETUNE_TEST_FORCE_OVERFLOW_STEPS`` (e.g.
-    "2,3"; unset or empty: none). On those steps the engine back-propagates an infinite loss, so every
-    gradient is inf/NaN: under fp16 the GradScaler (or DeepSpeed's loss scaler) must skip the step and the
-    schedule must not advance; under fp32/bf16 the run must stop with a ``NumericalError``. This is how the
-    GPU acceptance script reaches the fp16 skip path on purpose (a tiny ``--max_grad_norm`` cannot: clipping
-    runs after the overflow check). Raises ``ValueError`` for a value that is not a list of integers >= 1."""
-    value = (os.environ if environ is None else environ).get(FORCE_OVERFLOW_ENV, "").strip()
-    if not value:
-        return frozenset()
-    steps = frozenset(int(part) for part in value.split(",") if part.strip())
-    if any(step < 1 for step in steps):
-        raise ValueError(f"{FORCE_OVERFLOW_ENV}={value!r}: optimizer steps are numbered from 1")
-    return steps
-
 
 def build_tiny_bert(path: Path) -> Path:
     """Save a 2-layer, 32-wide BERT (random weights, seed 0) and the all-MiniLM-L6-v2 tokenizer to

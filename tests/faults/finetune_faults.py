@@ -1,0 +1,216 @@
+"""Fault injection for finetune's tests and the GPU acceptance script: faults that a real run cannot be made
+to produce on demand, injected from outside the package by wrapping methods of ``accelerate.Accelerator``
+(the library, not finetune; ``finetune/`` has no test hook of its own).
+
+Two faults:
+
+- CPU fp16 (``FAULT_CPU_FP16=1``): an ``Accelerator`` created with ``mixed_precision="fp16"`` on a CPU
+  (Accelerate 1.15 leaves it ``native_amp=False`` and ``scaler=None``: it runs fp32) gets what Accelerate
+  gives a GPU: fp16 autocast and a ``torch.amp.GradScaler("cpu")``, so CI exercises the fp16 code paths
+  (loss scaling, unscale before clipping, overflow skips). Wraps ``Accelerator.__init__``, so it reaches
+  every Accelerator: the accelerate engine's and ``transformers.Trainer``'s. For the Trainer backend it
+  also wraps ``finetune.trainer_backend.training_arguments``, which asks Trainer for fp16 only on CUDA
+  (see ``install_trainer_fp16``: the one patch point outside the libraries). fp16 matmuls are ~50x slower
+  than fp32 on a CPU: tiny models only.
+- forced overflow (``FAULT_OVERFLOW_STEPS=2,3``): on those optimizer steps (1-based) every micro-batch's
+  loss is multiplied by infinity before ``Accelerator.backward``, so every gradient is inf/NaN: under fp16 the
+  GradScaler (or DeepSpeed's loss scaler) must skip the step and the schedule must not advance; under
+  fp32/bf16 the run must stop with a ``NumericalError``. (A tiny ``--max_grad_norm`` cannot cause an
+  overflow: clipping runs after the overflow check.) Wraps ``Accelerator.backward``.
+
+Two ways in:
+
+- in-process, with pytest's ``monkeypatch.setattr`` as ``set_attr`` (undone after the test): the ``faults``
+  fixture of ``tests/conftest.py`` calls ``install_cpu_fp16``, ``install_trainer_fp16`` and
+  ``install_overflow``;
+- in a launched process: this folder first on its ``PYTHONPATH`` plus the variables (``tests/helpers.py:
+  fault_env``; ``bench/gpu_acceptance.py`` does the same), and ``sitecustomize.py`` here calls
+  ``install_on_import``: each wrapper is installed when the process imports the module it wraps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+CPU_FP16_ENV = "FAULT_CPU_FP16"  # "1": fp16 on a CPU really runs fp16
+OVERFLOW_STEPS_ENV = "FAULT_OVERFLOW_STEPS"  # comma-separated optimizer steps (1-based) that overflow
+FAULTS_DIR = os.path.dirname(os.path.abspath(__file__))  # what goes first on a launched process's PYTHONPATH
+
+_STEPS_DONE = "_fault_optimizer_steps_done"  # attribute the overflow wrapper keeps on each Accelerator
+
+
+def _accelerator_class():
+    from accelerate import Accelerator
+
+    return Accelerator
+
+
+# ------------------------------------------------------------------------------------------ CPU fp16
+def enable_cpu_fp16(accelerator) -> bool:
+    """Give a CPU ``accelerator`` created with ``mixed_precision="fp16"`` what Accelerate gives a GPU.
+    Does nothing, and returns False, unless fp16 was asked for and the device is a CPU without a scaler.
+    Returns True when it switched fp16 on (and says so on stderr, from the local main process).
+
+    Accelerate 1.15 keeps ``mixed_precision == "fp16"`` on a CPU but leaves ``native_amp`` False and
+    ``scaler`` None (``accelerate/accelerator.py`` lines 563-584: the fp16 branch requires
+    ``device.type != "cpu"``), so it runs fp32. Setting ``native_amp`` makes ``accelerator.autocast()`` and
+    the forward that ``prepare()`` wraps run ``torch.autocast("cpu", dtype=torch.float16)`` (so
+    ``finetune.precision.effective_mixed_precision`` measures "fp16"), and ``unscale_gradients`` /
+    ``clip_grad_norm_`` unscale; ``scaler`` is what ``backward`` scales the loss with (line 2857) and what
+    ``prepare()`` hands the ``AcceleratedOptimizer`` (whose ``step`` calls ``scaler.step`` and
+    ``scaler.update``), and what ``save_state``/``load_state`` (and Trainer's ``_save_scaler``) checkpoint.
+    So it must happen before ``prepare()``: at the end of ``__init__``.
+    """
+    if not (accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None):
+        return False
+    import torch
+
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+    if accelerator.is_local_main_process:
+        print(f"{CPU_FP16_ENV}: TEST ONLY fp16 autocast and GradScaler on the CPU (tests/faults; slow; not for real "
+              "runs).", file=sys.stderr)
+    return True
+
+
+def install_cpu_fp16(set_attr=setattr, accelerator_class=None) -> None:
+    """Wrap ``Accelerator.__init__`` so that every Accelerator goes through ``enable_cpu_fp16`` once built.
+    ``set_attr``: ``setattr``, or ``monkeypatch.setattr`` to have it undone."""
+    cls = accelerator_class or _accelerator_class()
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        enable_cpu_fp16(self)
+
+    set_attr(cls, "__init__", __init__)
+
+
+def install_trainer_fp16(set_attr=setattr, trainer_backend=None) -> None:
+    """Wrap ``finetune.trainer_backend.training_arguments`` (``trainer_backend``: that module) so that fp16
+    asked for on a CPU gives ``TrainingArguments(fp16=True)``, as on a GPU.
+
+    finetune asks Trainer for fp16 only where it runs (a CUDA device): on a CPU the request becomes
+    ``fp16=False``, Trainer creates its Accelerator with ``mixed_precision="no"`` and ``enable_cpu_fp16`` has
+    nothing to act on. The request never reaches a library there, so this is the one patch point inside
+    finetune. ``dataclasses.replace`` runs ``TrainingArguments.__init__`` again with ``fp16=True``: the same
+    arguments as constructing them so (checked field by field with transformers 5.23), whose
+    ``__post_init__`` sets ``mixed_precision = "fp16"`` (``transformers/training_args.py`` lines 1614-1616),
+    which Trainer passes to its Accelerator (``trainer.py`` line 744)."""
+    if trainer_backend is None:
+        import finetune.trainer_backend as trainer_backend
+    original = trainer_backend.training_arguments
+
+    @functools.wraps(original)
+    def training_arguments(config, *args, **kwargs):
+        arguments = original(config, *args, **kwargs)
+        if config.mixed_precision == "fp16" and not arguments.fp16 and arguments.use_cpu:
+            arguments = dataclasses.replace(arguments, fp16=True)
+        return arguments
+
+    set_attr(trainer_backend, "training_arguments", training_arguments)
+
+
+# ------------------------------------------------------------------------------------------ forced overflow
+def parse_steps(value: str) -> frozenset[int]:
+    """The optimizer steps of ``FAULT_OVERFLOW_STEPS`` (e.g. "2,3"; empty or blank: none). Raises
+    ``ValueError`` for a value that is not a list of integers >= 1."""
+    steps = frozenset(int(part) for part in value.split(",") if part.strip())
+    if any(step < 1 for step in steps):
+        raise ValueError(f"{OVERFLOW_STEPS_ENV}={value!r}: optimizer steps are numbered from 1")
+    return steps
+
+
+def install_overflow(steps, set_attr=setattr, accelerator_class=None) -> None:
+    """Wrap ``Accelerator.backward`` so that the loss of every micro-batch of the optimizer steps in
+    ``steps`` (1-based) is multiplied by infinity.
+
+    Optimizer steps are counted per Accelerator from the micro-batches that end a window: a backward with
+    ``accelerator.sync_gradients`` true is the last of its optimizer step (the accelerate engine aligns
+    Accelerate's counter so the window's last micro-batch syncs, also a short last window; Trainer sets
+    the flag itself; under DeepSpeed, ``backward`` passes the same flag to the engine, which steps then:
+    ``accelerate/accelerator.py`` line 2853). Skipped fp16 steps count, as in the run's own step counter.
+    The count starts at 0 with each Accelerator: a resumed run counts from its first step after the resume
+    as step 1 (no test combines the two). Raises ``ValueError`` for a step below 1.
+    """
+    steps = frozenset(steps)
+    if any(step < 1 for step in steps):
+        raise ValueError(f"overflow steps {sorted(steps)}: optimizer steps are numbered from 1")
+    cls = accelerator_class or _accelerator_class()
+    original = cls.backward
+
+    @functools.wraps(original)
+    def backward(self, loss, **kwargs):
+        done = getattr(self, _STEPS_DONE, 0)
+        last_of_step = self.sync_gradients  # read before: the backward may run the optimizer step (DeepSpeed)
+        if done + 1 in steps:
+            loss = loss * float("inf")
+        result = original(self, loss, **kwargs)
+        if last_of_step:
+            setattr(self, _STEPS_DONE, done + 1)
+        return result
+
+    set_attr(cls, "backward", backward)
+
+
+# ------------------------------------------------------------------------------------------ from the environment
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs the callbacks registered for a module right after it has executed; steps aside when none is
+    left. Finds the module with ``PathFinder`` (the modules it serves are submodules of ordinary packages)."""
+
+    def __init__(self):
+        self.callbacks: dict[str, list] = {}
+
+    def find_spec(self, fullname, path, target=None):
+        callbacks = self.callbacks.pop(fullname, None)
+        if callbacks is None:
+            return None
+        if not self.callbacks:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            raise ImportError(f"{__name__}: cannot wrap {fullname}: no loader found for it")
+        exec_module = spec.loader.exec_module
+
+        def exec_then_callbacks(module):
+            exec_module(module)
+            for callback in callbacks:
+                callback(module)
+
+        spec.loader.exec_module = exec_then_callbacks
+        return spec
+
+
+def after_import(name: str, callback) -> None:
+    """Call ``callback(module)`` once the module ``name`` has been imported (at once if it has been)."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
+    if finder is None:
+        finder = _AfterImport()
+        sys.meta_path.insert(0, finder)
+    finder.callbacks.setdefault(name, []).append(callback)
+
+
+def install_on_import(environ=None, after=after_import) -> None:
+    """For ``sitecustomize``: install the faults the environment asks for, each when the process imports
+    the module it wraps (``after``: ``after_import``). ``FAULT_CPU_FP16=1``: ``install_cpu_fp16`` on
+    ``accelerate.accelerator`` and ``install_trainer_fp16`` on ``finetune.trainer_backend``;
+    ``FAULT_OVERFLOW_STEPS``: ``install_overflow`` on ``accelerate.accelerator``. Nothing is imported, and
+    nothing changes, when no fault is asked for. A malformed ``FAULT_OVERFLOW_STEPS`` fails the import of
+    accelerate, loudly (an error in ``sitecustomize`` itself would only be printed)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(CPU_FP16_ENV) == "1":
+        after("accelerate.accelerator", lambda module: install_cpu_fp16(accelerator_class=module.Accelerator))
+        after("finetune.trainer_backend", lambda module: install_trainer_fp16(trainer_backend=module))
+    value = environ.get(OVERFLOW_STEPS_ENV, "")
+    if value.strip():
+        after("accelerate.accelerator",
+              lambda module: install_overflow(parse_steps(value), accelerator_class=module.Accelerator))
