@@ -1,6 +1,6 @@
 """Fault injection for finetune's tests and the GPU acceptance script: faults that a real run cannot be made
 to produce on demand, injected from outside the package by wrapping methods of ``accelerate.Accelerator``
-(the library, not finetune; ``finetune/`` has no test hook of its own).
+(and, for fp16 in the Trainer backend, one finetune function); ``finetune/`` has no test hook of its own.
 
 Two faults:
 
