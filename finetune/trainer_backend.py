@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
@@ -299,4 +299,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         write_outputs(engine, trainer.model_wrapped, tokenizer, config, recipe, metrics, writes=layout.writes)
     finally:
         book.close()
+        for callback in trainer.callback_handler.callbacks:  # an error line must start on a line of its own
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                callback.training_bar.close()
     return metrics
