@@ -30,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize in
 
 import torch  # noqa: E402 - after the path set-up above
 
-from finetune import compare, nodes, trainer_backend  # noqa: E402
+from finetune import compare, distributed, trainer_backend  # noqa: E402
 from finetune import train as accelerate_engine  # noqa: E402
 from finetune.batch_plan import apply_batch_plan  # noqa: E402
 from finetune.config import parse_config  # noqa: E402
@@ -71,7 +71,7 @@ def run(config) -> dict | None:
     recipe = load_recipe(config.recipe)
     config.validate()
     # the same outcome on every process: on machines of their own, one output dir can fail alone
-    nodes.agree(lambda: check_output_dir(config))
+    distributed.agree(lambda: check_output_dir(config))
     use_available_cpu_cores()
     apply_batch_plan(config, recipe)
     if config.compare:

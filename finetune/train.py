@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
-from finetune import nodes
+from finetune import distributed
 from finetune.components import (EpochSeededLengthGroupedSampler, StepPlan, build_optimizer, iter_windows,
                                  loss_function, loss_scale, make_accelerator, micro_batches_per_process,
                                  optimizer_step_skipped, parameter_groups, plan_steps)
@@ -73,7 +73,7 @@ class Setup:
     task: object
     metric_specs: dict
     raw_validation: object  # the validation split before tokenizing (generation evaluates it)
-    layout: nodes.StorageLayout  # who writes the run's files (one process, or one per machine)
+    layout: distributed.StorageLayout  # who writes the run's files (one process, or one per machine)
     loss_sum: object = None  # (model, batch, labels) -> summed loss: components.loss_function
     engine_note: str | None = None  # a banner line for FSDP / DeepSpeed
 
@@ -90,7 +90,7 @@ def setup(config, recipe) -> Setup:
     """Build accelerator, tokenizer, datasets, model, optimizer and schedule for ``train()``. Raises
     ``FinetuneError`` for inputs that cannot run (before anything is written)."""
     accelerator = make_accelerator(config)
-    layout = nodes.plan_storage(accelerator, config.output_dir)
+    layout = distributed.plan_storage(accelerator, config.output_dir)
     # each machine's local main process writes its own copy of the model, optimizer and scheduler states
     accelerator.project_configuration.save_on_each_node = layout.per_machine
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -284,8 +284,8 @@ class RunState:
         config, accelerator = self.config, self.accelerator
         if config.resume_from_checkpoint:
             # every process must resume from the same step, also where each machine has its own files
-            self.resume_from = nodes.agree_on_checkpoint(accelerator, self.output_dir, config.resume_from_checkpoint)
-            nodes.agree(lambda: self._resume(self.resume_from), accelerator)
+            self.resume_from = distributed.agree_on_checkpoint(accelerator, self.output_dir, config.resume_from_checkpoint)
+            distributed.agree(lambda: self._resume(self.resume_from), accelerator)
         if self.writes:
             if config.overwrite_output_dir and self.resume_from is None:
                 clear_output_dir(self.output_dir)  # only now: a run refused before training touches nothing
@@ -478,7 +478,7 @@ class RunState:
             argv += ["--output_dir", str(self.config.output_dir)]
         return reproduce_command(argv + ["--resume_from_checkpoint", "latest"],
                                  num_processes=self.accelerator.num_processes, device=self.accelerator.device.type,
-                                 machine_flags=nodes.machine_flags(self.s.layout))
+                                 machine_flags=distributed.machine_flags(self.s.layout))
 
     def finish(self) -> dict:
         """After the loop: load the best checkpoint if asked, write the model, ``metrics.json`` and the model
