@@ -34,12 +34,11 @@ from typing import Callable
 
 import psutil
 import torch
-from accelerate import PartialState
-from accelerate.utils import parse_flag_from_env
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.builders import enable_activation_checkpointing, get_task
 from finetune.components import DEFAULT_LOSS_CHUNK_SIZE, build_optimizer, loss_function
+from finetune.distributed import agreed_max, all_reduce_max, process_state
 from finetune.errors import FinetuneError
 from finetune.lora import apply_lora
 from finetune.tasks import CausalLM
@@ -215,23 +214,12 @@ FITS, DOES_NOT_FIT, FAILED = 0, 1, 2
 def agree(answer: Callable[[], bool], max_over_processes: Callable[[int], int]) -> bool:
     """Ask ``answer()`` on this rank and agree with every rank: True only if it is True on all of them.
 
-    ``max_over_processes(code)``: the maximum of an int over all ranks (a collective every rank must call
-    the same number of times; the identity for one process). The codes: ``FITS`` 0, ``DOES_NOT_FIT`` 1,
-    ``FAILED`` 2 (``answer()`` raised). An error is agreed on too, so no rank is left waiting in the next
-    collective: the rank that failed re-raises its own exception, the others raise ``FinetuneError``
-    ("another process failed ..."). Exceptions other than ``Exception`` (KeyboardInterrupt) propagate at
-    once."""
-    error = None
-    try:
-        code = FITS if answer() else DOES_NOT_FIT
-    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks know
-        code, error = FAILED, err
-    worst = max_over_processes(code)
-    if error is not None:
-        raise error
-    if worst == FAILED:
-        raise FinetuneError("another process failed while probing the batch size for --auto_find_batch_size; "
-                            "its error is printed above.")
+    ``max_over_processes(code)``: the maximum of an int over all ranks (``distributed.all_reduce_max``; the
+    identity for one process). The codes: ``FITS`` 0, ``DOES_NOT_FIT`` 1, ``FAILED`` 2 (``answer()`` raised).
+    An error is agreed on too (``distributed.agreed_max``): the rank that failed re-raises its own exception,
+    the others raise ``FinetuneError`` ("another process failed ...")."""
+    worst = agreed_max(lambda: FITS if answer() else DOES_NOT_FIT, max_over_processes,
+                       "probing the batch size for --auto_find_batch_size", failed=FAILED)
     return worst == FITS
 
 
@@ -243,21 +231,6 @@ def agreed_fits(fits: Callable[[int], bool], max_over_processes: Callable[[int],
         return agree(lambda: fits(micro_batch), max_over_processes)
 
     return fits_everywhere
-
-
-def all_reduce_max(state, cast: Callable = int) -> Callable:
-    """``max_over_processes`` for ``agree`` over Accelerate ``state``'s processes (a ``PartialState``): a MAX
-    all-reduce of one number (an int code, or with ``cast=float`` seconds) on ``state.device`` (NCCL needs a
-    GPU tensor, gloo a CPU one), returned as ``cast``; the identity for one process."""
-    if state.num_processes == 1:
-        return lambda value: value
-
-    def reduce(value):
-        tensor = torch.tensor([value], dtype=torch.float64, device=state.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return cast(tensor.item())
-
-    return reduce
 
 
 # ----------------------------------------------------------------------------------------- probing
@@ -479,21 +452,11 @@ def levers(config, recipe, device) -> list[Lever]:
 
 def agreed_seconds(measure: Callable[[], float], slowest_over_processes: Callable[[float], float]) -> float:
     """``measure()`` (seconds) on this rank, then the slowest rank's figure (``slowest_over_processes``, a MAX
-    all-reduce every rank calls once). A rank whose ``measure`` raised sends infinity, so no rank waits in a
-    collective the failed one never reaches: the failed rank re-raises its own error, the others raise
-    ``FinetuneError`` ("another process failed ...")."""
-    error = None
-    try:
-        seconds = float(measure())
-    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks know
-        seconds, error = math.inf, err
-    slowest = slowest_over_processes(seconds)
-    if error is not None:
-        raise error
-    if math.isinf(slowest):
-        raise FinetuneError("another process failed while timing a batch plan for --auto_find_batch_size; its "
-                            "error is printed above.")
-    return slowest
+    all-reduce every rank calls once). A rank whose ``measure`` raised sends infinity
+    (``distributed.agreed_max``): the failed rank re-raises its own error, the others raise ``FinetuneError``
+    ("another process failed ...")."""
+    return agreed_max(lambda: float(measure()), slowest_over_processes,
+                      "timing a batch plan for --auto_find_batch_size")
 
 
 def timed_micro_batches(lever: Lever, largest_fit: int, plans: list[tuple[int, int]],
@@ -606,7 +569,7 @@ def apply_batch_plan(config, recipe) -> None:
     ``FinetuneError``."""
     if not config.total_batch_size:
         return
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    state = process_state()
     P, B = state.num_processes, config.total_batch_size
     plans = valid_plans(B, P)
     if not config.auto_find_batch_size:

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from finetune.batch_plan import DOES_NOT_FIT, FAILED, FITS, agree, agreed_fits, oom_probe, plan_batch
+from finetune import distributed
+from finetune.distributed import agreed_max
 from finetune.errors import FinetuneError
 
 
@@ -120,7 +122,8 @@ def _gloo_rank(rank: int, init_file: str, queue) -> None:
 
     import torch.distributed as dist
 
-    from finetune.batch_plan import agreed_fits, all_reduce_max, plan_batch
+    from finetune.batch_plan import agreed_fits, plan_batch
+    from finetune.distributed import all_reduce_max
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -193,3 +196,26 @@ def test_two_gloo_ranks_run_auto_find_batch_size_end_to_end(tmp_path, tiny_bert)
     assert "Batch plan for --total_batch_size 16: micro-batch 8 x accumulation 1 x 2 processes" in result.stdout
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (8, 1)
+
+
+# ------------------------------------------------------------------------------------------ the shared helper
+def test_agreed_max_is_the_one_helper_under_every_agreement():
+    """``distributed.agreed_max``: the maximum over the ranks, a failure on one rank raised on every rank;
+    ``distributed.agree`` (the output-dir and resume checks) is built on it and keeps its single-process
+    behaviour: the check's value, or its own error."""
+    def work(rank, group):
+        def measure():
+            if rank == 0:
+                raise RuntimeError("rank 0 broke")
+            return 3
+
+        return agreed_max(measure, group.max_for(rank), "testing")
+
+    results = run_ranks(work)
+    assert isinstance(results[0], RuntimeError)
+    assert isinstance(results[1], FinetuneError) and str(results[1]) == (
+        "another process failed while testing; its error is printed above.")
+    assert run_ranks(lambda rank, group: agreed_max(lambda: rank + 1, group.max_for(rank), "testing")) == [2, 2]
+    assert distributed.agree(lambda: "value") == "value"
+    with pytest.raises(FinetuneError, match="bad output dir"):
+        distributed.agree(lambda: (_ for _ in ()).throw(FinetuneError("bad output dir")))
