@@ -8,11 +8,11 @@ loss, LoRA), each configuration in its own fresh process.
 
 Unlike the other scripts in ``bench/`` this one does not run ``finetune/run.py``: each measurement is this
 script re-started as a worker (``python bench/bench_memory.py --worker SPEC``), a fresh process that builds
-the model exactly as the engine does (``finetune.data.load_classifier`` / ``load_causal_lm``, then
-``finetune.builders.enable_activation_checkpointing``, then ``finetune.lora.apply_lora``) and trains it
-with a bare loop on random token ids of exactly ``max_length`` tokens (the worst case: no padding), labels
-for the task (a random class of 5; the input ids themselves for a causal LM). So the process max RSS
-(``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is that configuration's alone. A worker:
+the model with the engine's own builder (``finetune.builders.build_model``: loading, activation
+checkpointing, LoRA) and trains it with a bare loop on random token ids of exactly ``max_length`` tokens
+(the worst case: no padding), labels for the task (a random class of 5; the input ids themselves for a
+causal LM). So the process max RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is that configuration's
+alone. A worker:
 
 1. measures the bytes autograd saves for backward during one micro-batch's forward
    (``finetune.batch_plan.saved_tensor_bytes``, the planner's own measurement);
@@ -93,28 +93,21 @@ def chunked_loss_api():
 
 
 def build_model(spec: dict):
-    """The model of a configuration, built as the engine builds it (``finetune.builders.build_components``):
-    loaded, train mode, activation checkpointing if asked, then LoRA if asked."""
-    from types import SimpleNamespace
+    """The model of a configuration, built by the engine's own builder (``finetune.builders.build_model``) from
+    a ``TrainConfig`` of the spec's model, length, checkpointing and LoRA settings, in train mode."""
+    # imported in the worker, as this script's other engine imports: the parent (--dry_run, the report) stays light
+    from finetune import builders
+    from finetune.config import TrainConfig
 
-    from finetune.builders import enable_activation_checkpointing
-    from finetune.data import load_causal_lm, load_classifier
-    from finetune.lora import apply_lora
-
+    config = TrainConfig(model_name_or_path=spec["model"], max_length=spec["max_length"],
+                         activation_checkpointing=spec["checkpointing"], use_peft=spec["lora"], lora_r=spec["lora_r"],
+                         lora_alpha=spec["lora_alpha"], lora_dropout=spec["lora_dropout"])
     if spec["task"] == "cls":
-        model = load_classifier(spec["model"], [f"topic{i}" for i in range(NUM_LABELS)])
-        task_name = "sequence-classification"
+        model = builders.build_model(config, builders.get_task("sequence-classification"),
+                                     [f"topic{i}" for i in range(NUM_LABELS)])
     else:
-        model = load_causal_lm(spec["model"])
-        task_name = "causal-lm"
+        model = builders.build_model(config, builders.get_task("causal-lm"))
     model.train()
-    config = SimpleNamespace(activation_checkpointing_kwargs=None, use_peft=spec["lora"], lora_r=spec["lora_r"],
-                             lora_alpha=spec["lora_alpha"], lora_dropout=spec["lora_dropout"],
-                             lora_target_modules=None)
-    if spec["checkpointing"]:
-        enable_activation_checkpointing(model, config)
-    if spec["lora"]:
-        model = apply_lora(model, config, task_name)
     return model
 
 

@@ -22,6 +22,7 @@ sees the same answers, every rank's search asks the same questions and ends on t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import numbers
@@ -36,11 +37,10 @@ import psutil
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
-from finetune.builders import enable_activation_checkpointing, get_task
+from finetune.builders import build_model, get_task
 from finetune.components import DEFAULT_LOSS_CHUNK_SIZE, build_optimizer, loss_function
 from finetune.distributed import agreed_max, all_reduce_max, process_state
 from finetune.errors import FinetuneError
-from finetune.lora import apply_lora
 from finetune.tasks import CausalLM
 
 
@@ -309,6 +309,14 @@ class Lever:
     activation_checkpointing: bool
     loss_chunk_size: int | None
 
+    def config_fields(self) -> dict:
+        """The ``TrainConfig`` fields this setting sets, for ``dataclasses.replace``: ``activation_checkpointing``,
+        and ``loss_chunk_size`` where the setting has one (causal LM)."""
+        fields = {"activation_checkpointing": self.activation_checkpointing}
+        if self.loss_chunk_size is not None:
+            fields["loss_chunk_size"] = self.loss_chunk_size
+        return fields
+
     def __str__(self) -> str:
         parts = ["checkpointing" if self.activation_checkpointing else "no checkpointing"]
         if self.loss_chunk_size is not None:
@@ -352,17 +360,14 @@ class Probe:
     def __init__(self, config, recipe, device, lever: Lever, held: int | None = None):
         task = get_task(recipe.TASK)
         label_names = ["a", "b"] if task.name == "sequence-classification" else None
+        config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         self.device, self.task, self.lever = device, task, lever
-        self.model = task.load_model(config, label_names).to(device)
+        self.model = build_model(config, task, label_names).to(device)
         self.model.train()
-        if lever.activation_checkpointing:
-            enable_activation_checkpointing(self.model, config)  # as training will (--activation_checkpointing_kwargs)
-        if config.use_peft:  # only the adapters train: their gradients and AdamW state, not the model's
-            self.model = apply_lora(self.model, config, task.name)
         self.length = config.block_size or config.max_length
         self.vocab = self.model.config.vocab_size
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
-        self.loss_sum = probe_loss_function(task, lever, device)
+        self.loss_sum = probe_loss_function(task, config, device)
         if device.type == "cuda":
             self.fits = oom_probe(self.model, build_optimizer(self.model, config), self.step,
                                   release=torch.cuda.empty_cache)
@@ -431,11 +436,12 @@ class Probe:
             torch.cuda.empty_cache()
 
 
-def probe_loss_function(task, lever: Lever, device):
-    """``components.loss_function`` for a probe model under ``lever`` (the same loss path training takes)."""
+def probe_loss_function(task, config, device):
+    """``components.loss_function`` for a probe model under ``config`` (the run's under one ``Lever``: the same
+    loss path training takes)."""
     # a stand-in for the Accelerator: the probe runs the bare model, under its own autocast (Probe.step)
     accelerator = SimpleNamespace(device=device, is_main_process=False, autocast=contextlib.nullcontext)
-    return loss_function(task, SimpleNamespace(loss_chunk_size=lever.loss_chunk_size), accelerator)
+    return loss_function(task, config, accelerator)
 
 
 def levers(config, recipe, device) -> list[Lever]:
