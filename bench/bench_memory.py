@@ -15,7 +15,7 @@ causal LM). So the process max RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss`
 alone. A worker:
 
 1. measures the bytes autograd saves for backward during one micro-batch's forward
-   (``finetune.batch_plan.saved_tensor_bytes``, the planner's own measurement);
+   (``finetune.planner.probes.saved_tensor_bytes``, the planner's own measurement);
 2. runs one warm-up optimizer step (untimed; it creates AdamW's state), then ``--steps`` timed optimizer
    steps: ``accumulation`` micro-batches (forward, loss summed over items / items of the step, backward),
    then one ``torch.optim.AdamW`` step and ``zero_grad(set_to_none=True)``;
@@ -24,7 +24,7 @@ alone. A worker:
 
 Memory accounting (fp32 training): saved-for-backward bytes of one micro-batch + gradient bytes (trainable
 parameters x 4) + AdamW state bytes (trainable x 8, two fp32 moments) = "training memory". (The planner,
-``finetune.batch_plan.Probe``, counts the same activations less the weights among them, and adds all the
+``finetune.planner.probes.Probe``, counts the same activations less the weights among them, and adds all the
 weights: it plans for a process in which no model exists yet.) Configurations are repeated interleaved (round r runs every
 configuration once) and medians are reported; ratios are computed within one run of this script.
 
@@ -112,9 +112,9 @@ def build_model(spec: dict):
 
 
 def saved_storages(run_step):
-    """``finetune.batch_plan.saved_storages``: the storages autograd saves for backward while ``run_step()``
+    """``finetune.planner.probes.saved_storages``: the storages autograd saves for backward while ``run_step()``
     builds its graph (``{data_ptr: bytes}``) and the loss, not back-propagated."""
-    from finetune.batch_plan import saved_storages as measure
+    from finetune.planner.probes import saved_storages as measure
 
     return measure(run_step)
 
@@ -128,7 +128,7 @@ def run_worker(spec: dict) -> dict:
     ``steps`` (timed optimizer steps), ``seed``.
 
     Returns: ``trainable_parameters``, ``total_parameters``; ``saved_tensor_bytes`` (one micro-batch's forward,
-    ``finetune.batch_plan.saved_tensor_bytes``) and ``saved_parameter_bytes`` (the part of it that is parameter
+    ``finetune.planner.probes.saved_tensor_bytes``) and ``saved_parameter_bytes`` (the part of it that is parameter
     storage, weights autograd keeps for backward; measured on the warm-up's first micro-batch, whose total
     ``saved_tensor_bytes_warmup`` must equal ``saved_tensor_bytes``); ``gradient_bytes`` (trainable x 4),
     ``adamw_state_bytes`` (trainable x 8), ``training_memory_bytes`` (their sum with ``saved_tensor_bytes``),
@@ -140,7 +140,7 @@ def run_worker(spec: dict) -> dict:
     import psutil
     import torch
 
-    from finetune.batch_plan import saved_tensor_bytes
+    from finetune.planner.probes import saved_tensor_bytes
     from finetune.lora import parameter_counts
     from finetune.tasks import CausalLM, SequenceClassification
 
@@ -485,7 +485,7 @@ def _exit_text(code) -> str:
 
 # Imported once by the fork server, so each forked worker starts with them loaded (and no model, no tensor).
 FORKSERVER_PRELOAD = ["torch", "psutil", "transformers", "peft", "finetune.data", "finetune.tasks", "finetune.lora",
-                      "finetune.builders", "finetune.batch_plan"]
+                      "finetune.builders", "finetune.planner"]
 _CONTEXT = None
 
 
@@ -726,9 +726,9 @@ def render(args, info: dict, configs: list[dict], results: dict, models: dict) -
                  f"{s['trainable_parameters']['full'] or 0:,} / {s['trainable_parameters']['LoRA'] or 0:,}"],
             ])]
     lines += ["", "Notes:",
-              "- Training memory = saved for backward (one micro-batch's forward, `finetune.batch_plan.saved_tensor_bytes`, "
+              "- Training memory = saved for backward (one micro-batch's forward, `finetune.planner.probes.saved_tensor_bytes`, "
               "the planner's measurement) + gradients (trainable parameters x 4 bytes) + AdamW state (trainable x 8 bytes); "
-              "`batch_plan.Probe` counts these activations less the weights among them, plus all the weights. \"Of which weights\": the parameter storages among the saved tensors "
+              "`planner.probes.Probe` counts these activations less the weights among them, plus all the weights. \"Of which weights\": the parameter storages among the saved tensors "
               "(weights a linear layer keeps to compute its input's gradient; the model holds them anyway, frozen or not).",
               "- Under activation checkpointing, saved for backward counts what the forward keeps (each checkpointed "
               "layer's inputs and everything outside the layers), not the one layer recomputed at a time in backward.",

@@ -90,19 +90,19 @@ def _group(outcomes: list[dict], key: str) -> dict[str, list[tuple[int, int]]]:
     return groups
 
 
-def all_reduce_max(state, cast: Callable = int) -> Callable:
+def all_reduce_max(state) -> Callable[[float], float]:
     """The maximum of one plain number over ``state``'s processes (an ``Accelerator`` or ``PartialState``;
-    None: one process), as a function ``value -> maximum``: a MAX all-reduce on ``state.device`` (NCCL
-    needs a GPU tensor, gloo a CPU one) of a float64, returned as ``cast`` (``int`` for codes, ``float`` for
-    seconds). Collective: every process must call the returned function the same number of times. The
-    identity for one process."""
+    None: one process), as a function ``value -> maximum``: a MAX all-reduce of a float64 on ``state.device``
+    (NCCL needs a GPU tensor, gloo a CPU one), returned as a float (an int code comes back equal to itself).
+    Collective: every process must call the returned function the same number of times. The identity for
+    one process."""
     if state is None or state.num_processes <= 1:
         return lambda value: value
 
-    def reduce(value):
+    def reduce(value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=state.device)
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return cast(tensor.item())
+        return tensor.item()
 
     return reduce
 

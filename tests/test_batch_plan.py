@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from finetune.batch_plan import (
+from finetune.planner.agreement import agreed_seconds
+from finetune.planner.plans import (
     BatchPlan,
     Lever,
     NothingFits,
-    agreed_seconds,
     choose_plan,
     estimate_fits_from_memory,
     plan_batch,
@@ -284,7 +284,7 @@ def test_the_probe_under_lora_counts_only_the_adapters_gradients_and_optimizer_s
     far below the full model's."""
     import torch
 
-    from finetune.batch_plan import Probe
+    from finetune.planner.probes import Probe
     from finetune.config import parse_config
     from finetune.recipes import load_recipe
 
@@ -324,7 +324,7 @@ def test_total_batch_size_with_an_impossible_micro_batch(tmp_path, tiny_bert):
 def test_saved_tensor_bytes_grow_linearly_with_the_micro_batch():
     import torch
 
-    from finetune.batch_plan import saved_tensor_bytes
+    from finetune.planner.probes import saved_tensor_bytes
 
     layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
     sizes = [saved_tensor_bytes(lambda m=m: layer(torch.randn(m, 64)).sum()) for m in (1, 2, 8)]

@@ -11,7 +11,9 @@ import threading
 import pytest
 import torch
 
-from finetune.batch_plan import DOES_NOT_FIT, FAILED, FITS, agree, agreed_fits, oom_probe, plan_batch
+from finetune.planner.agreement import DOES_NOT_FIT, FAILED, FITS, agreed_fits, true_everywhere
+from finetune.planner.plans import plan_batch
+from finetune.planner.probes import oom_probe
 from finetune import distributed
 from finetune.distributed import agreed_max
 from finetune.errors import FinetuneError
@@ -109,11 +111,11 @@ def test_an_error_on_one_rank_is_raised_on_every_rank():
 
 def test_agree_codes_and_single_process():
     identity = lambda code: code  # noqa: E731 - one process
-    assert agree(lambda: True, identity) is True and agree(lambda: False, identity) is False
+    assert true_everywhere(lambda: True, identity) is True and true_everywhere(lambda: False, identity) is False
     assert (FITS, DOES_NOT_FIT, FAILED) == (0, 1, 2)
-    assert agree(lambda: True, lambda code: DOES_NOT_FIT) is False  # another rank said no
+    assert true_everywhere(lambda: True, lambda code: DOES_NOT_FIT) is False  # another rank said no
     with pytest.raises(ZeroDivisionError):
-        agree(lambda: 1 / 0, identity)
+        true_everywhere(lambda: 1 / 0, identity)
 
 
 # ------------------------------------------------------------------------------------------ a real group
@@ -122,7 +124,8 @@ def _gloo_rank(rank: int, init_file: str, queue) -> None:
 
     import torch.distributed as dist
 
-    from finetune.batch_plan import agreed_fits, plan_batch
+    from finetune.planner.agreement import agreed_fits
+    from finetune.planner.plans import plan_batch
     from finetune.distributed import all_reduce_max
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
