@@ -40,7 +40,7 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
                + (f" (LoRA r={config.lora_r}, alpha={config.lora_alpha})" if config.use_peft else "") + "\n"
                if model is not None else "")
             + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {config.mixed_precision}, "
-              f"from {getattr(config, 'precision_source', '--mixed_precision')})")
+              f"from {config.precision_source})")
     if precision != config.mixed_precision:
         text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")

@@ -68,11 +68,13 @@ def use_available_cpu_cores() -> str | None:
 
 def apply_plan(config, plan: BatchPlan):
     """``config`` with ``plan``'s micro-batch and accumulation steps and, where the planner chose one
-    (``--auto_find_batch_size``), its lever setting (``activation_checkpointing``, ``loss_chunk_size``): a
-    new config (``dataclasses.replace``), validated. Raises ``FinetuneError`` as ``TrainConfig.validate``."""
+    (``--auto_find_batch_size``), its lever setting (``activation_checkpointing``, ``loss_chunk_size``), the
+    plan itself recorded as ``batch_plan`` (``run_config.json``): a new config (``dataclasses.replace``),
+    validated, so read-only. Raises ``FinetuneError`` as ``TrainConfig.validate``."""
     levers = plan.lever.config_fields() if plan.lever is not None else {}
     planned = dataclasses.replace(config, per_device_train_batch_size=plan.per_device_train_batch_size,
-                                  gradient_accumulation_steps=plan.gradient_accumulation_steps, **levers)
+                                  gradient_accumulation_steps=plan.gradient_accumulation_steps,
+                                  batch_plan=plan.to_dict(), **levers)
     planned.validate()
     return planned
 

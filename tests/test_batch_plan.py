@@ -3,6 +3,7 @@ that fits, few memory probes, and clear errors."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -310,6 +311,10 @@ def test_total_batch_size_sets_the_accumulation(tmp_path, tiny_bert):
     assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (4, 3)
     assert metrics["effective_batch_size"] == 12
     assert [r["samples"] for r in train_steps(out)] == [12, 12]
+    config = json.loads((out / "run_config.json").read_text())  # the plan is recorded with the run
+    assert config["batch_plan"] == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3,
+                                    "num_processes": 1, "total_batch_size": 12, "lever": None}
+    assert (config["per_device_train_batch_size"], config["gradient_accumulation_steps"]) == (4, 3)
 
 
 def test_total_batch_size_with_an_impossible_micro_batch(tmp_path, tiny_bert):
@@ -429,8 +434,6 @@ def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(
                                                                                 capsys, backend):
     """Causal LM: 2 checkpointing x 2 loss settings, each plain-or-chunked loss timed from its largest fitting
     plan down; the chosen one is written into the run's configuration, and the effective batch stays exact."""
-    import json
-
     from helpers import run_in_process
 
     train, valid = clm_texts
@@ -452,3 +455,9 @@ def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(
         config["per_device_train_batch_size"], config["gradient_accumulation_steps"])
     cells = re.split(r"\s{2,}", chosen.strip())  # levers, micro-batch, accumulation, est. MiB, fits, s/sample, mark
     assert (int(cells[1]), int(cells[2])) == (config["per_device_train_batch_size"], config["gradient_accumulation_steps"])
+    # the plan and the precision's source are fields of the run's configuration, not attributes set on the side
+    assert config["batch_plan"] == {
+        "per_device_train_batch_size": int(cells[1]), "gradient_accumulation_steps": int(cells[2]), "num_processes": 1,
+        "total_batch_size": 8, "lever": {"activation_checkpointing": config["activation_checkpointing"],
+                                         "loss_chunk_size": config["loss_chunk_size"]}}
+    assert config["precision_source"] == "--mixed_precision"
