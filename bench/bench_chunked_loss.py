@@ -11,7 +11,7 @@ Per configuration (units: bytes, shown in MiB = 2**20 bytes; seconds):
 - peak allocated: the most bytes of tensor memory allocated beyond what existed before the step, during
   forward + backward (torch profiler ``profile_memory``, "Total Allocated" of its memory events). This
   includes the gradients of hidden, weight (vocab x hidden) and bias, which every method produces.
-- saved for backward: ``finetune.batch_plan.saved_tensor_bytes``, the storages autograd saves (the plain
+- saved for backward: ``finetune.planner.probes.saved_tensor_bytes``, the storages autograd saves (the plain
   path's include the weight, which ``lm_head`` saves; non-reentrant checkpointing hides what it saves from
   the hook, so that method's figure is not comparable: read its peak).
 - time: median over ``--repeats`` interleaved repeats (A, B, C, A, B, C, ...) after one unrecorded
@@ -44,7 +44,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from benchlib import format_machine, machine_info, markdown_table  # noqa: E402
-from finetune.batch_plan import saved_tensor_bytes  # noqa: E402
+from finetune.planner.probes import saved_tensor_bytes  # noqa: E402
 from finetune.chunked_loss import METHODS, chunked_causal_lm_loss_sum  # noqa: E402
 from finetune.tasks import IGNORE_INDEX, CausalLM  # noqa: E402
 

@@ -8,14 +8,14 @@ loss, LoRA), each configuration in its own fresh process.
 
 Unlike the other scripts in ``bench/`` this one does not run ``finetune/run.py``: each measurement is this
 script re-started as a worker (``python bench/bench_memory.py --worker SPEC``), a fresh process that builds
-the model exactly as the engine does (``finetune.data.load_classifier`` / ``load_causal_lm``, then
-``finetune.builders.enable_activation_checkpointing``, then ``finetune.lora.apply_lora``) and trains it
-with a bare loop on random token ids of exactly ``max_length`` tokens (the worst case: no padding), labels
-for the task (a random class of 5; the input ids themselves for a causal LM). So the process max RSS
-(``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is that configuration's alone. A worker:
+the model with the engine's own builder (``finetune.builders.build_model``: loading, activation
+checkpointing, LoRA) and trains it with a bare loop on random token ids of exactly ``max_length`` tokens
+(the worst case: no padding), labels for the task (a random class of 5; the input ids themselves for a
+causal LM). So the process max RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is that configuration's
+alone. A worker:
 
 1. measures the bytes autograd saves for backward during one micro-batch's forward
-   (``finetune.batch_plan.saved_tensor_bytes``, the planner's own measurement);
+   (``finetune.planner.probes.saved_tensor_bytes``, the planner's own measurement);
 2. runs one warm-up optimizer step (untimed; it creates AdamW's state), then ``--steps`` timed optimizer
    steps: ``accumulation`` micro-batches (forward, loss summed over items / items of the step, backward),
    then one ``torch.optim.AdamW`` step and ``zero_grad(set_to_none=True)``;
@@ -24,7 +24,7 @@ for the task (a random class of 5; the input ids themselves for a causal LM). So
 
 Memory accounting (fp32 training): saved-for-backward bytes of one micro-batch + gradient bytes (trainable
 parameters x 4) + AdamW state bytes (trainable x 8, two fp32 moments) = "training memory". (The planner,
-``finetune.batch_plan.Probe``, counts the same activations less the weights among them, and adds all the
+``finetune.planner.probes.Probe``, counts the same activations less the weights among them, and adds all the
 weights: it plans for a process in which no model exists yet.) Configurations are repeated interleaved (round r runs every
 configuration once) and medians are reported; ratios are computed within one run of this script.
 
@@ -93,35 +93,28 @@ def chunked_loss_api():
 
 
 def build_model(spec: dict):
-    """The model of a configuration, built as the engine builds it (``finetune.builders.build_components``):
-    loaded, train mode, activation checkpointing if asked, then LoRA if asked."""
-    from types import SimpleNamespace
+    """The model of a configuration, built by the engine's own builder (``finetune.builders.build_model``) from
+    a ``TrainConfig`` of the spec's model, length, checkpointing and LoRA settings, in train mode."""
+    # imported in the worker, as this script's other engine imports: the parent (--dry_run, the report) stays light
+    from finetune import builders
+    from finetune.config import TrainConfig
 
-    from finetune.builders import enable_activation_checkpointing
-    from finetune.data import load_causal_lm, load_classifier
-    from finetune.lora import apply_lora
-
+    config = TrainConfig(model_name_or_path=spec["model"], max_length=spec["max_length"],
+                         activation_checkpointing=spec["checkpointing"], use_peft=spec["lora"], lora_r=spec["lora_r"],
+                         lora_alpha=spec["lora_alpha"], lora_dropout=spec["lora_dropout"])
     if spec["task"] == "cls":
-        model = load_classifier(spec["model"], [f"topic{i}" for i in range(NUM_LABELS)])
-        task_name = "sequence-classification"
+        model = builders.build_model(config, builders.get_task("sequence-classification"),
+                                     [f"topic{i}" for i in range(NUM_LABELS)])
     else:
-        model = load_causal_lm(spec["model"])
-        task_name = "causal-lm"
+        model = builders.build_model(config, builders.get_task("causal-lm"))
     model.train()
-    config = SimpleNamespace(activation_checkpointing_kwargs=None, use_peft=spec["lora"], lora_r=spec["lora_r"],
-                             lora_alpha=spec["lora_alpha"], lora_dropout=spec["lora_dropout"],
-                             lora_target_modules=None)
-    if spec["checkpointing"]:
-        enable_activation_checkpointing(model, config)
-    if spec["lora"]:
-        model = apply_lora(model, config, task_name)
     return model
 
 
 def saved_storages(run_step):
-    """``finetune.batch_plan.saved_storages``: the storages autograd saves for backward while ``run_step()``
+    """``finetune.planner.probes.saved_storages``: the storages autograd saves for backward while ``run_step()``
     builds its graph (``{data_ptr: bytes}``) and the loss, not back-propagated."""
-    from finetune.batch_plan import saved_storages as measure
+    from finetune.planner.probes import saved_storages as measure
 
     return measure(run_step)
 
@@ -135,7 +128,7 @@ def run_worker(spec: dict) -> dict:
     ``steps`` (timed optimizer steps), ``seed``.
 
     Returns: ``trainable_parameters``, ``total_parameters``; ``saved_tensor_bytes`` (one micro-batch's forward,
-    ``finetune.batch_plan.saved_tensor_bytes``) and ``saved_parameter_bytes`` (the part of it that is parameter
+    ``finetune.planner.probes.saved_tensor_bytes``) and ``saved_parameter_bytes`` (the part of it that is parameter
     storage, weights autograd keeps for backward; measured on the warm-up's first micro-batch, whose total
     ``saved_tensor_bytes_warmup`` must equal ``saved_tensor_bytes``); ``gradient_bytes`` (trainable x 4),
     ``adamw_state_bytes`` (trainable x 8), ``training_memory_bytes`` (their sum with ``saved_tensor_bytes``),
@@ -147,7 +140,7 @@ def run_worker(spec: dict) -> dict:
     import psutil
     import torch
 
-    from finetune.batch_plan import saved_tensor_bytes
+    from finetune.planner.probes import saved_tensor_bytes
     from finetune.engine import parameter_counts
     from finetune.tasks import CausalLM, SequenceClassification
 
@@ -492,7 +485,7 @@ def _exit_text(code) -> str:
 
 # Imported once by the fork server, so each forked worker starts with them loaded (and no model, no tensor).
 FORKSERVER_PRELOAD = ["torch", "psutil", "transformers", "peft", "finetune.data", "finetune.tasks", "finetune.lora",
-                      "finetune.builders", "finetune.batch_plan"]
+                      "finetune.builders", "finetune.planner"]
 _CONTEXT = None
 
 
@@ -733,9 +726,9 @@ def render(args, info: dict, configs: list[dict], results: dict, models: dict) -
                  f"{s['trainable_parameters']['full'] or 0:,} / {s['trainable_parameters']['LoRA'] or 0:,}"],
             ])]
     lines += ["", "Notes:",
-              "- Training memory = saved for backward (one micro-batch's forward, `finetune.batch_plan.saved_tensor_bytes`, "
+              "- Training memory = saved for backward (one micro-batch's forward, `finetune.planner.probes.saved_tensor_bytes`, "
               "the planner's measurement) + gradients (trainable parameters x 4 bytes) + AdamW state (trainable x 8 bytes); "
-              "`batch_plan.Probe` counts these activations less the weights among them, plus all the weights. \"Of which weights\": the parameter storages among the saved tensors "
+              "`planner.probes.Probe` counts these activations less the weights among them, plus all the weights. \"Of which weights\": the parameter storages among the saved tensors "
               "(weights a linear layer keeps to compute its input's gradient; the model holds them anyway, frozen or not).",
               "- Under activation checkpointing, saved for backward counts what the forward keeps (each checkpointed "
               "layer's inputs and everything outside the layers), not the one layer recomputed at a time in backward.",

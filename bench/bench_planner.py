@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import psutil  # noqa: E402
 
 import benchlib as bl  # noqa: E402
-from finetune.batch_plan import valid_plans  # noqa: E402  (benchlib puts the repository on sys.path)
+from finetune.planner.plans import valid_plans  # noqa: E402  (benchlib puts the repository on sys.path)
 from finetune.recipes import load_recipe  # noqa: E402
 
 NO_DIFFERENCE = 1.03  # a ratio of medians at or under this is "no slower, within noise"

@@ -96,9 +96,37 @@ def enable_activation_checkpointing(model, config) -> None:
         model.enable_input_require_grads()
 
 
+def build_model(config, task, label_names=None, pad_token_id=None):
+    """The model as training builds it, before an engine wraps it: ``task.load_model(config, label_names)``;
+    its ``pad_token_id`` set from ``pad_token_id`` (the tokenizer's) where the model has none; ``--max_length``
+    (``--block_size`` where set, tokens) checked against its position limit; activation checkpointing under
+    ``config.activation_checkpointing`` (``enable_activation_checkpointing``); LoRA adapters under
+    ``config.use_peft`` (``lora.apply_lora``). In eval mode, as loaded: the caller sets train mode.
+
+    ``task``: a task object (``get_task``); ``label_names``: the classifier's labels (None for causal LM).
+    The one builder of the model: ``build_components`` (both engines), the planner's probes and
+    ``bench/bench_memory.py``; a probe of another lever setting passes a config copy (``dataclasses.replace``).
+    Raises ``FinetuneError`` (too long ``--max_length``, LoRA target modules the model lacks,
+    ``--activation_checkpointing_kwargs`` this transformers cannot take) and the loaders' errors.
+    """
+    model = task.load_model(config, label_names)
+    if model.config.pad_token_id is None and pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    check_max_length(config.block_size or config.max_length, model.config)
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model, config)
+    if config.use_peft:
+        try:
+            model = apply_lora(model, config, task.name)
+        except ValueError as err:  # e.g. target modules the model does not have
+            raise FinetuneError(f"--use_peft: {err} Check --lora_target_modules against the model's module "
+                                "names (or leave it unset for peft's default).") from None
+    return model
+
+
 def build_components(config, recipe, precision: str, main_process_first):
     """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator, raw validation
-    split)``, built by the recipe's task; ``label_names`` is None for causal LM.
+    split)``, built by the recipe's task; ``label_names`` is None for causal LM. The model is ``build_model``'s.
 
     ``main_process_first``: a context-manager factory (Accelerate's or TrainingArguments') so rank 0
     tokenizes and caches before the others read the cache. The seed is set before the model is built
@@ -111,18 +139,7 @@ def build_components(config, recipe, precision: str, main_process_first):
     tokenizer = load_tokenizer(config.model_name_or_path)
     with main_process_first():
         datasets, label_names, raw_validation = build_datasets(recipe, config, tokenizer, task)
-    model = task.load_model(config, label_names)
-    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    check_max_length(config.block_size or config.max_length, model.config)
-    if config.activation_checkpointing:
-        enable_activation_checkpointing(model, config)
-    if config.use_peft:
-        try:
-            model = apply_lora(model, config, task.name)
-        except ValueError as err:  # e.g. target modules the model does not have
-            raise FinetuneError(f"--use_peft: {err} Check --lora_target_modules against the model's module "
-                                "names (or leave it unset for peft's default).") from None
+    model = build_model(config, task, label_names, tokenizer.pad_token_id)
     warning = batchnorm_warning(model, config.gradient_accumulation_steps)
     if warning and int(os.environ.get("RANK", "0")) == 0:
         print(warning, file=sys.stderr)

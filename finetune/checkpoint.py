@@ -163,7 +163,7 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
     so ``from_pretrained(checkpoint)`` and the predict command work on it (a sharded state dict is consolidated
     with ``accelerate merge-weights``).
 
-    ``layout`` (``nodes.StorageLayout``; None: global rank 0 writes) says who finalises: with
+    ``layout`` (``distributed.StorageLayout``; None: global rank 0 writes) says who finalises: with
     ``per_machine``, each machine's local main process writes its own complete copy (Accelerate's
     ``save_on_each_node`` writes the model, optimizer and scheduler files there; the random-number states,
     one file per rank, are exchanged so that each machine's copy holds every rank's and can be copied to

@@ -2,6 +2,11 @@
 concept is the same, parsed from the command line by `transformers.HfArgumentParser`.
 
 Precedence: dataclass default < recipe ``DEFAULTS`` < command-line flag.
+
+Read-only once validated: ``validate()`` ends by freezing the config (assigning a field raises
+``dataclasses.FrozenInstanceError``); a changed run is a new config (``dataclasses.replace``), validated
+again. Values derived while resolving a run (``DERIVED_FIELDS``: where the precision came from, the batch
+plan) are fields too, so ``run_config.json`` holds them, but no flag sets them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from finetune.recipes import load_recipe
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16")
 # The precision this project is defined by: Accelerator(mixed_precision="fp16"), loss scaling included.
 DEFAULT_MIXED_PRECISION = "fp16"
+# Fields the run derives, not flags: the parser leaves them out, ``config_argv`` never emits them, and a
+# rerun's ``--output_dir`` check does not compare them.
+DERIVED_FIELDS = ("precision_source", "batch_plan")
 LR_SCHEDULER_CHOICES = (
     "linear",
     "cosine",
@@ -38,7 +46,9 @@ class TrainConfig:
     """Every setting of a run. Units: batch sizes in samples, steps in optimizer steps unless named
     ``micro``, lengths in tokens, learning rate per optimizer step.
 
-    Raises ``FinetuneError`` from ``validate()`` for values that cannot run, naming the flag.
+    Raises ``FinetuneError`` from ``validate()`` for values that cannot run, naming the flag. After
+    ``validate()`` assigning any attribute raises ``dataclasses.FrozenInstanceError``: build a changed copy
+    with ``dataclasses.replace(config, name=value)`` and validate that.
     """
 
     recipe: str = field(default="bbc-news", metadata={"help": "Recipe name (see --list_recipes) or path/to/recipe.py."})
@@ -229,18 +239,27 @@ class TrainConfig:
     cache_dir: str | None = field(
         default=None, metadata={"help": "Where tokenized datasets are cached. Default: the datasets library cache."}
     )
+    # ---- derived (DERIVED_FIELDS): set while the run is resolved, never by a flag; left out of ==, so the
+    # config that config_argv's flags rebuild equals the one they came from
+    # where mixed_precision came from: "--mixed_precision", "the accelerate config/launcher" or "the default"
+    precision_source: str | None = field(default=None, compare=False)
+    # the batch planner's plan under --total_batch_size (planner.BatchPlan.to_dict: micro-batch, accumulation,
+    # processes, total, the lever setting chosen under --auto_find_batch_size), set by finetune.run.apply_plan
+    batch_plan: dict | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Precedence: --mixed_precision, then the accelerate config or `accelerate launch --mixed_precision`
         # (the launcher exports it as ACCELERATE_MIXED_PRECISION), then our default. The launcher's "no" is
-        # also its value when nothing was configured, so only its fp16/bf16 count as a choice.
-        self.precision_source = "--mixed_precision"
+        # also its value when nothing was configured, so only its fp16/bf16 count as a choice. A copy
+        # (dataclasses.replace, or run_config.json read back) keeps the source it was resolved from.
         if self.mixed_precision is None:
             launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
             if launcher in ("fp16", "bf16"):
                 self.mixed_precision, self.precision_source = launcher, "the accelerate config/launcher"
             else:
                 self.mixed_precision, self.precision_source = DEFAULT_MIXED_PRECISION, "the default"
+        elif self.precision_source is None:
+            self.precision_source = "--mixed_precision"
         if self.gradient_checkpointing is not None:  # the deprecated alias, folded into the new name once
             self.activation_checkpointing = self.activation_checkpointing or self.gradient_checkpointing
             self.gradient_checkpointing = None
@@ -263,6 +282,19 @@ class TrainConfig:
             # TrainingArguments' rule: a metric named like a loss is minimised
             self.greater_is_better = not self.metric_for_best_model.removeprefix("eval_").endswith("loss")
 
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_read_only"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to {name!r}: a TrainConfig is read-only after validate(). Build a changed copy "
+                f"with dataclasses.replace(config, {name}=...) and validate that.")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_read_only"):
+            raise dataclasses.FrozenInstanceError(f"cannot delete {name!r}: a TrainConfig is read-only after "
+                                                  "validate().")
+        super().__delattr__(name)
+
     @property
     def best_metric_key(self) -> str:
         """The ``metrics`` key of ``metric_for_best_model`` (``eval_`` prefixed, as Trainer does)."""
@@ -270,7 +302,8 @@ class TrainConfig:
         return name if name.startswith("eval_") else f"eval_{name}"
 
     def validate(self) -> None:
-        """Check values that argparse cannot; raise ``FinetuneError`` naming the flag and the fix."""
+        """Check values that argparse cannot; raise ``FinetuneError`` naming the flag and the fix. A config
+        that passes is read-only from then on (``dataclasses.FrozenInstanceError`` on assignment)."""
         positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length")
         for name in positive:
             value = getattr(self, name)
@@ -360,6 +393,7 @@ class TrainConfig:
             raise FinetuneError("--merge_adapter needs --use_peft (there is no adapter to merge otherwise).")
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
+        object.__setattr__(self, "_read_only", True)  # not a field: copies (dataclasses.replace) start writable
 
     def to_dict(self) -> dict:
         """All fields as a JSON-serialisable dict."""
@@ -368,6 +402,18 @@ class TrainConfig:
     def to_json(self) -> str:
         """The resolved configuration as indented JSON (what ``run_config.json`` holds)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+class _FlagParser(HfArgumentParser):
+    """``HfArgumentParser`` without the ``DERIVED_FIELDS``: no flag for them (their defaults still reach the
+    dataclass, which ``parse_args_into_dataclasses`` builds from every init field)."""
+
+    @staticmethod
+    def _parse_dataclass_field(parser, field: dataclasses.Field) -> None:
+        if field.name in DERIVED_FIELDS:
+            parser.set_defaults(**{field.name: field.default})
+            return
+        HfArgumentParser._parse_dataclass_field(parser, field)
 
 
 def _refuse_unknown_flags(parser: HfArgumentParser, argv: list[str] | None) -> None:
@@ -391,15 +437,15 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
     Two passes: the first finds ``--recipe``; its ``DEFAULTS`` become the parser's defaults; the second
     parses everything. Raises ``FinetuneError`` for an unknown or misspelt flag (naming the nearest known
-    one), an unknown recipe (listing the known ones) and a recipe default that is not a config field;
+    one), an unknown recipe (listing the known ones) and a recipe default that is not a flag's field;
     argparse exits 2 on a malformed value.
     """
-    parser = HfArgumentParser(TrainConfig)
+    parser = _FlagParser(TrainConfig)
     _refuse_unknown_flags(parser, argv)
     (first,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     if not first.list_recipes:
         recipe = load_recipe(first.recipe)
-        names = {f.name for f in dataclasses.fields(TrainConfig)}
+        names = {f.name for f in dataclasses.fields(TrainConfig)} - set(DERIVED_FIELDS)
         unknown = set(recipe.DEFAULTS) - names
         if unknown:
             raise FinetuneError(f"recipe {first.recipe!r} sets unknown config fields: {', '.join(sorted(unknown))}")
@@ -413,7 +459,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 def config_argv(config: TrainConfig, recipe=None, exclude=frozenset()) -> list[str]:
     """Flags that rebuild ``config`` with ``parse_config``: ``--recipe`` plus every field whose value
     differs from its default (the recipe's ``DEFAULTS`` over the dataclass defaults), leaving out the
-    fields named in ``exclude``.
+    fields named in ``exclude`` and the ``DERIVED_FIELDS`` (no flag sets them).
 
     Used when the original command line is not at hand (e.g. inside ``train()``). Fields set to ``None``
     against a non-``None`` default cannot be expressed as a flag and are left out.
@@ -423,7 +469,7 @@ def config_argv(config: TrainConfig, recipe=None, exclude=frozenset()) -> list[s
         defaults.update(getattr(recipe, "DEFAULTS", {}))
     argv = ["--recipe", str(config.recipe)]
     for f in dataclasses.fields(config):
-        if f.name in ("recipe", "list_recipes") or f.name in exclude:
+        if f.name in ("recipe", "list_recipes", *DERIVED_FIELDS) or f.name in exclude:
             continue
         value = getattr(config, f.name)
         if value is None or (f.name in defaults and value == defaults[f.name]):

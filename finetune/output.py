@@ -8,12 +8,14 @@ import shutil
 from pathlib import Path
 
 from finetune.checkpoint import is_complete, list_checkpoints
+from finetune.config import DERIVED_FIELDS
 from finetune.errors import FinetuneError
 
-# Settings whose change does not make a run "different" (where it goes, whether it may overwrite).
+# Settings whose change does not make a run "different" (where it goes, whether it may overwrite), and the
+# values a run derives (the new config is compared before they are derived).
 _IGNORED = {"output_dir", "overwrite_output_dir", "list_recipes", "resume_from_checkpoint",
             "ignore_checkpoint_mismatch", "checkpointing_steps", "save_strategy", "save_steps", "save_total_limit",
-            "logging_steps"}
+            "logging_steps", *DERIVED_FIELDS}
 _PROBE = ".write_test"  # + "-<pid>": each process probes with its own file
 
 

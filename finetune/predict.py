@@ -467,12 +467,11 @@ def _process_state():
     """Accelerate's ``PartialState``: one process, or one of ``accelerate launch``'s. CPU processes
     (``ACCELERATE_USE_CPU``, or several processes and no GPU) join a gloo group, as ``Accelerator`` does."""
     import torch
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
+
+    from finetune.distributed import process_state
 
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or (several and not torch.cuda.is_available())
-    state = PartialState(cpu=cpu)
+    state = process_state(cpu=several and not torch.cuda.is_available())
     if state.num_processes > 1 and state.is_main_process:
         print(f"Predicting on {state.num_processes} processes ({state.device.type}).", file=sys.stderr)
     return state

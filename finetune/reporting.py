@@ -22,7 +22,7 @@ from finetune.precision import PRECISION_NAMES
 
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
     """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
-    processes, in samples), the optimizer steps (``plan``: a ``components.StepPlan``), and the precision
+    processes, in samples), the optimizer steps (``plan``: a ``steps.StepPlan``), and the precision
     that really runs, with a plain note when it is not the one requested (fp16 on a CPU)."""
     n = config.gradient_accumulation_steps
     effective = config.per_device_train_batch_size * n * num_processes
@@ -38,7 +38,7 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
                + (f" (LoRA r={config.lora_r}, alpha={config.lora_alpha})" if config.use_peft else "") + "\n"
                if model is not None else "")
             + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {config.mixed_precision}, "
-              f"from {getattr(config, 'precision_source', '--mixed_precision')})")
+              f"from {config.precision_source})")
     if precision != config.mixed_precision:
         text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")
@@ -65,7 +65,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
     label tokens, 0 for classification; ``input_tokens_seen``, non-padding inputs; ``padded_tokens_seen``,
     input positions with padding, 0 where the engine cannot see its batches; ``step_loss_total`` over optimizer
     steps of each step's mean loss; ``train_runtime`` seconds, evaluation excluded). ``plan``: the
-    ``components.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
+    ``steps.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
     CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x input tokens/s / peak FLOP/s
     (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``).
     """

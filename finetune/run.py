@@ -9,6 +9,7 @@ traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -30,13 +31,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize in
 
 import torch  # noqa: E402 - after the path set-up above
 
-from finetune import compare, nodes, trainer_backend  # noqa: E402
+from finetune import compare, distributed, trainer_backend  # noqa: E402
 from finetune import train as accelerate_engine  # noqa: E402
-from finetune.batch_plan import apply_batch_plan  # noqa: E402
 from finetune.config import parse_config  # noqa: E402
 from finetune.errors import FinetuneError  # noqa: E402
 from finetune.signals import launched_by_accelerate, watch_launcher  # noqa: E402
 from finetune.output import check_output_dir  # noqa: E402
+from finetune.planner import BatchPlan, plan_for  # noqa: E402
 from finetune.recipes import list_recipes, load_recipe  # noqa: E402
 from finetune.reporting import format_summary  # noqa: E402
 
@@ -64,15 +65,31 @@ def use_available_cpu_cores() -> str | None:
     return note
 
 
+def apply_plan(config, plan: BatchPlan):
+    """``config`` with ``plan``'s micro-batch and accumulation steps and, where the planner chose one
+    (``--auto_find_batch_size``), its lever setting (``activation_checkpointing``, ``loss_chunk_size``), the
+    plan itself recorded as ``batch_plan`` (``run_config.json``): a new config (``dataclasses.replace``),
+    validated, so read-only. Raises ``FinetuneError`` as ``TrainConfig.validate``."""
+    levers = plan.lever.config_fields() if plan.lever is not None else {}
+    planned = dataclasses.replace(config, per_device_train_batch_size=plan.per_device_train_batch_size,
+                                  gradient_accumulation_steps=plan.gradient_accumulation_steps,
+                                  batch_plan=plan.to_dict(), **levers)
+    planned.validate()
+    return planned
+
+
 def run(config) -> dict | None:
-    """Run a parsed ``config``: check the output dir, plan the batch, then train with its backend (or
-    ``--compare`` both). Returns the metrics (None for ``--compare``). Raises ``FinetuneError``."""
+    """Run a parsed ``config``: check the output dir, plan the batch (``--total_batch_size``: the engines get
+    the planned config, ``apply_plan``), then train with its backend (or ``--compare`` both). Returns the
+    metrics (None for ``--compare``). Raises ``FinetuneError``."""
     recipe = load_recipe(config.recipe)
     config.validate()
     # the same outcome on every process: on machines of their own, one output dir can fail alone
-    nodes.agree(lambda: check_output_dir(config))
+    distributed.agree(lambda: check_output_dir(config))
     use_available_cpu_cores()
-    apply_batch_plan(config, recipe)
+    plan = plan_for(config, recipe)
+    if plan is not None:
+        config = apply_plan(config, plan)
     if config.compare:
         compare.compare(config)
         return None

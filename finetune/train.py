@@ -10,7 +10,7 @@ Exactness rules (tested in ``tests/test_accumulation.py``):
   ``accelerator.backward`` divides by N, which under-weights it; we multiply N back in).
 - Gradients are clipped only on the sync (last) micro-batch of a window; the LR schedule is sized in
   optimizer steps and advances only when the optimizer really stepped (fp16 overflow skips do not; a
-  skip is Accelerate's flag or a drop of the GradScaler's scale, see ``components.optimizer_step_skipped``).
+  skip is Accelerate's flag or a drop of the GradScaler's scale, see ``precision.optimizer_step_skipped``).
 - Under DeepSpeed the same loop runs through Accelerate's DeepSpeed integration: ``accelerator.backward``
   runs DeepSpeed's backward (which divides by its ``gradient_accumulation_steps``, set to N) and, on the
   sync micro-batch, DeepSpeed's optimizer step with its clipping (set from ``--max_grad_norm``) and its
@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
-from finetune import nodes
+from finetune import distributed
 from finetune.bookkeeping import Bookkeeping
 from finetune.builders import build_components, get_task
 from finetune.config import config_argv, reproduce_command
@@ -67,7 +67,7 @@ class Setup:
     task: object
     metric_specs: dict
     raw_validation: object  # the validation split before tokenizing (generation evaluates it)
-    layout: nodes.StorageLayout  # who writes the run's files (one process, or one per machine)
+    layout: distributed.StorageLayout  # who writes the run's files (one process, or one per machine)
     micro_batch_loss: object  # (model, batch, labels) -> the summed loss tensor: loss.loss_function
 
     def learning_rate(self) -> float:
@@ -80,7 +80,7 @@ def setup(config, recipe) -> Setup:
     ``FinetuneError`` for inputs that cannot run (before anything is written)."""
     accelerator = make_accelerator(config)
     engine = engine_for(accelerator)
-    layout = nodes.plan_storage(accelerator, config.output_dir)
+    layout = distributed.plan_storage(accelerator, config.output_dir)
     # each machine's local main process writes its own copy of the model, optimizer and scheduler states
     accelerator.project_configuration.save_on_each_node = layout.per_machine
     engine.configure(config)
@@ -219,8 +219,8 @@ class RunState:
         config, accelerator = self.config, self.accelerator
         if config.resume_from_checkpoint:
             # every process must resume from the same step, also where each machine has its own files
-            self.resume_from = nodes.agree_on_checkpoint(accelerator, self.output_dir, config.resume_from_checkpoint)
-            nodes.agree(lambda: self._resume(self.resume_from), accelerator)
+            self.resume_from = distributed.agree_on_checkpoint(accelerator, self.output_dir, config.resume_from_checkpoint)
+            distributed.agree(lambda: self._resume(self.resume_from), accelerator)
         self.book.open(self.progress.step if self.resume_from is not None else None)
         accelerator.wait_for_everyone()
         accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.built.precision,
@@ -374,7 +374,7 @@ class RunState:
             argv += ["--output_dir", str(self.config.output_dir)]
         return reproduce_command(argv + ["--resume_from_checkpoint", "latest"],
                                  num_processes=self.accelerator.num_processes, device=self.accelerator.device.type,
-                                 machine_flags=nodes.machine_flags(self.built.layout))
+                                 machine_flags=distributed.machine_flags(self.built.layout))
 
     def finish(self) -> dict:
         """After the loop: load the best checkpoint if asked, write the model, ``metrics.json`` and the model

@@ -25,7 +25,7 @@ from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArg
 from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
-from finetune import nodes
+from finetune import distributed
 from finetune.bookkeeping import Bookkeeping
 from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
@@ -249,7 +249,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``, model card); return the metrics.
     Units as in ``finetune.train.train``."""
     args = training_arguments(config)
-    layout = nodes.plan_storage(args.distributed_state, config.output_dir)
+    layout = distributed.plan_storage(args.distributed_state, config.output_dir)
     args.save_on_each_node = layout.per_machine  # each machine's local main process keeps its own copy
     precision_hint = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
     task = get_task(recipe.TASK)

@@ -3,16 +3,17 @@ that fits, few memory probes, and clear errors."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
 
-from finetune.batch_plan import (
+from finetune.planner.agreement import agreed_seconds
+from finetune.planner.plans import (
     BatchPlan,
     Lever,
     NothingFits,
-    agreed_seconds,
     choose_plan,
     estimate_fits_from_memory,
     plan_batch,
@@ -284,7 +285,7 @@ def test_the_probe_under_lora_counts_only_the_adapters_gradients_and_optimizer_s
     far below the full model's."""
     import torch
 
-    from finetune.batch_plan import Probe
+    from finetune.planner.probes import Probe
     from finetune.config import parse_config
     from finetune.recipes import load_recipe
 
@@ -310,6 +311,10 @@ def test_total_batch_size_sets_the_accumulation(tmp_path, tiny_bert):
     assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (4, 3)
     assert metrics["effective_batch_size"] == 12
     assert [r["samples"] for r in train_steps(out)] == [12, 12]
+    config = json.loads((out / "run_config.json").read_text())  # the plan is recorded with the run
+    assert config["batch_plan"] == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3,
+                                    "num_processes": 1, "total_batch_size": 12, "lever": None}
+    assert (config["per_device_train_batch_size"], config["gradient_accumulation_steps"]) == (4, 3)
 
 
 def test_total_batch_size_with_an_impossible_micro_batch(tmp_path, tiny_bert):
@@ -324,7 +329,7 @@ def test_total_batch_size_with_an_impossible_micro_batch(tmp_path, tiny_bert):
 def test_saved_tensor_bytes_grow_linearly_with_the_micro_batch():
     import torch
 
-    from finetune.batch_plan import saved_tensor_bytes
+    from finetune.planner.probes import saved_tensor_bytes
 
     layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
     sizes = [saved_tensor_bytes(lambda m=m: layer(torch.randn(m, 64)).sum()) for m in (1, 2, 8)]
@@ -429,8 +434,6 @@ def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(
                                                                                 capsys, backend):
     """Causal LM: 2 checkpointing x 2 loss settings, each plain-or-chunked loss timed from its largest fitting
     plan down; the chosen one is written into the run's configuration, and the effective batch stays exact."""
-    import json
-
     from helpers import run_in_process
 
     train, valid = clm_texts
@@ -452,3 +455,9 @@ def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(
         config["per_device_train_batch_size"], config["gradient_accumulation_steps"])
     cells = re.split(r"\s{2,}", chosen.strip())  # levers, micro-batch, accumulation, est. MiB, fits, s/sample, mark
     assert (int(cells[1]), int(cells[2])) == (config["per_device_train_batch_size"], config["gradient_accumulation_steps"])
+    # the plan and the precision's source are fields of the run's configuration, not attributes set on the side
+    assert config["batch_plan"] == {
+        "per_device_train_batch_size": int(cells[1]), "gradient_accumulation_steps": int(cells[2]), "num_processes": 1,
+        "total_batch_size": 8, "lever": {"activation_checkpointing": config["activation_checkpointing"],
+                                         "loss_chunk_size": config["loss_chunk_size"]}}
+    assert config["precision_source"] == "--mixed_precision"

@@ -242,7 +242,7 @@ def test_bench_planner_reads_the_planner_table():
     from benchlib import BenchError
     from test_batch_plan import OFF, ON, U_SHAPE, FakeProbe
 
-    from finetune.batch_plan import choose_plan, plan_table
+    from finetune.planner.plans import choose_plan, plan_table
 
     chosen, candidates = choose_plan(32, 1, {OFF: FakeProbe(4, U_SHAPE), ON: FakeProbe(32, U_SHAPE)})
     text = ("Memory probe (no checkpointing): 100.0 MiB per sample + 250.5 MiB per step (...); budget 2000 MiB, "

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from finetune.batch_plan import saved_tensor_bytes
+from finetune.planner.probes import saved_tensor_bytes
 from finetune.chunked_loss import METHODS, causal_lm_hidden_and_head, chunked_causal_lm_loss_sum
 from finetune.tasks import IGNORE_INDEX, CausalLM
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
-from finetune.config import parse_config
+from finetune.config import DERIVED_FIELDS, TrainConfig, config_argv, parse_config
 from finetune.errors import FinetuneError, HubUnreachableError
+from finetune.recipes import load_recipe
 
 
 @pytest.mark.parametrize("flag,value,fragment", [
@@ -29,6 +33,48 @@ def test_argparse_rejects_bad_choices_and_types(capsys):
     assert "mixed_precision" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_config(["--gradient_accumulation_steps", "2.5"])
+
+
+def test_config_is_read_only_after_validate():
+    """Parsing may normalise, ``validate()`` freezes: assigning or deleting a field afterwards raises
+    ``FrozenInstanceError``; a changed run is a ``dataclasses.replace`` copy, writable until it is validated."""
+    config = parse_config(["--recipe", "bbc-news", "--per_device_train_batch_size", "4"])
+    config.learning_rate = 3e-5  # before validate(): still being resolved
+    config.validate()
+    with pytest.raises(dataclasses.FrozenInstanceError, match="read-only after validate.*dataclasses.replace"):
+        config.per_device_train_batch_size = 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.batch_plan = {"per_device_train_batch_size": 2}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del config.seed
+    assert config.per_device_train_batch_size == 4 and config.learning_rate == 3e-5
+    accumulation = config.gradient_accumulation_steps
+    copy = dataclasses.replace(config, per_device_train_batch_size=2)
+    copy.gradient_accumulation_steps = accumulation + 1  # a copy starts writable
+    copy.validate()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy.gradient_accumulation_steps = 4
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (4, accumulation)
+
+
+def test_derived_values_are_fields_but_not_flags(monkeypatch):
+    """Where the precision came from is a field: in ``to_dict``/``run_config.json``, kept by copies and by a
+    config read back from JSON; no flag sets it and ``config_argv`` never emits it."""
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert parse_config(["--mixed_precision", "bf16"]).precision_source == "--mixed_precision"
+    config = parse_config(["--recipe", "bbc-news"])
+    assert (config.mixed_precision, config.precision_source) == ("fp16", "the default")
+    config.validate()
+    saved = json.loads(config.to_json())
+    assert saved["precision_source"] == "the default" and saved["batch_plan"] is None
+    assert set(DERIVED_FIELDS) <= {f.name for f in dataclasses.fields(TrainConfig)}
+    assert dataclasses.replace(config, seed=1).precision_source == "the default"
+    assert TrainConfig(**saved) == config and TrainConfig(**saved).precision_source == "the default"
+    planned = dataclasses.replace(config, batch_plan={"per_device_train_batch_size": 4})
+    argv = config_argv(planned, load_recipe("bbc-news"))
+    assert not any(name in " ".join(argv) for name in DERIVED_FIELDS)
+    with pytest.raises(FinetuneError, match="unknown flag --precision_source"):
+        parse_config(["--precision_source", "the default"])
 
 
 def test_effective_precision_is_measured():

@@ -11,7 +11,11 @@ import threading
 import pytest
 import torch
 
-from finetune.batch_plan import DOES_NOT_FIT, FAILED, FITS, agree, agreed_fits, oom_probe, plan_batch
+from finetune.planner.agreement import DOES_NOT_FIT, FAILED, FITS, agreed_fits, true_everywhere
+from finetune.planner.plans import plan_batch
+from finetune.planner.probes import oom_probe
+from finetune import distributed
+from finetune.distributed import agreed_max
 from finetune.errors import FinetuneError
 
 
@@ -107,11 +111,11 @@ def test_an_error_on_one_rank_is_raised_on_every_rank():
 
 def test_agree_codes_and_single_process():
     identity = lambda code: code  # noqa: E731 - one process
-    assert agree(lambda: True, identity) is True and agree(lambda: False, identity) is False
+    assert true_everywhere(lambda: True, identity) is True and true_everywhere(lambda: False, identity) is False
     assert (FITS, DOES_NOT_FIT, FAILED) == (0, 1, 2)
-    assert agree(lambda: True, lambda code: DOES_NOT_FIT) is False  # another rank said no
+    assert true_everywhere(lambda: True, lambda code: DOES_NOT_FIT) is False  # another rank said no
     with pytest.raises(ZeroDivisionError):
-        agree(lambda: 1 / 0, identity)
+        true_everywhere(lambda: 1 / 0, identity)
 
 
 # ------------------------------------------------------------------------------------------ a real group
@@ -120,7 +124,9 @@ def _gloo_rank(rank: int, init_file: str, queue) -> None:
 
     import torch.distributed as dist
 
-    from finetune.batch_plan import agreed_fits, all_reduce_max, plan_batch
+    from finetune.planner.agreement import agreed_fits
+    from finetune.planner.plans import plan_batch
+    from finetune.distributed import all_reduce_max
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -193,3 +199,26 @@ def test_two_gloo_ranks_run_auto_find_batch_size_end_to_end(tmp_path, tiny_bert)
     assert "Batch plan for --total_batch_size 16: micro-batch 8 x accumulation 1 x 2 processes" in result.stdout
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (8, 1)
+
+
+# ------------------------------------------------------------------------------------------ the shared helper
+def test_agreed_max_is_the_one_helper_under_every_agreement():
+    """``distributed.agreed_max``: the maximum over the ranks, a failure on one rank raised on every rank;
+    ``distributed.agree`` (the output-dir and resume checks) is built on it and keeps its single-process
+    behaviour: the check's value, or its own error."""
+    def work(rank, group):
+        def measure():
+            if rank == 0:
+                raise RuntimeError("rank 0 broke")
+            return 3
+
+        return agreed_max(measure, group.max_for(rank), "testing")
+
+    results = run_ranks(work)
+    assert isinstance(results[0], RuntimeError)
+    assert isinstance(results[1], FinetuneError) and str(results[1]) == (
+        "another process failed while testing; its error is printed above.")
+    assert run_ranks(lambda rank, group: agreed_max(lambda: rank + 1, group.max_for(rank), "testing")) == [2, 2]
+    assert distributed.agree(lambda: "value") == "value"
+    with pytest.raises(FinetuneError, match="bad output dir"):
+        distributed.agree(lambda: (_ for _ in ()).throw(FinetuneError("bad output dir")))

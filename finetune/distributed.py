@@ -9,17 +9,24 @@ process writes a full copy: ``run_config.json``, ``log.jsonl``, checkpoints, the
 Agreement: a check whose answer can differ between machines (the output directory, the checkpoint to
 resume from) must end the same way on every process. If one process raised while the others went on,
 they would wait for it in the next collective until the process-group timeout (30 minutes with gloo).
-So each process runs the check, the outcomes are exchanged (``accelerate.utils.gather_object``), and
-if any failed, every process raises the same ``FinetuneError`` naming which machine and rank failed how.
+So each process runs the check, whether any failed is agreed on (``agreed_max``: one MAX all-reduce of a
+plain number, ``all_reduce_max``, the primitive every agreement of the package uses, the batch planner's
+included), and if any failed, the messages are exchanged (``accelerate.utils.gather_object``) and every
+process raises the same ``FinetuneError`` naming which machine and rank failed how.
+
+Process state: ``process_state`` is the one place Accelerate's ``PartialState`` is constructed.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object, parse_flag_from_env
 
@@ -29,12 +36,19 @@ from finetune.errors import FinetuneError
 _PROBE = ".write_test"  # the prefix check_output_dir's own probes use: no rank mistakes it for content
 
 
-def distributed_state():
+def process_state(cpu: bool = False) -> PartialState:
     """Accelerate's process-wide ``PartialState`` (starting the process group if the launcher asked for
-    several processes), or None for a single process, where there is nothing to agree on."""
+    several processes): on the CPU when ``ACCELERATE_USE_CPU`` is set (``accelerate launch --cpu``, or the
+    tests' gloo ranks) or ``cpu`` is True. The only place the package constructs one."""
+    return PartialState(cpu=cpu or parse_flag_from_env("ACCELERATE_USE_CPU"))
+
+
+def distributed_state():
+    """``process_state()`` when the launcher started several processes, or None for a single process,
+    where there is nothing to agree on."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    return process_state()
 
 
 def machine_index(state) -> int:
@@ -76,29 +90,74 @@ def _group(outcomes: list[dict], key: str) -> dict[str, list[tuple[int, int]]]:
     return groups
 
 
+def all_reduce_max(state) -> Callable[[float], float]:
+    """The maximum of one plain number over ``state``'s processes (an ``Accelerator`` or ``PartialState``;
+    None: one process), as a function ``value -> maximum``: a MAX all-reduce of a float64 on ``state.device``
+    (NCCL needs a GPU tensor, gloo a CPU one), returned as a float (an int code comes back equal to itself).
+    Collective: every process must call the returned function the same number of times. The identity for
+    one process."""
+    if state is None or state.num_processes <= 1:
+        return lambda value: value
+
+    def reduce(value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=state.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return tensor.item()
+
+    return reduce
+
+
+def agreed_max(measure: Callable[[], float], max_over_processes: Callable, what: str, failed: float = math.inf):
+    """``measure()`` on this process (a plain number below ``failed``), then its maximum over every process
+    (``max_over_processes``: ``all_reduce_max``, or a stand-in; one call per process). A process whose
+    ``measure`` raised an ``Exception`` sends ``failed`` instead, so no process waits in a collective the
+    failed one never reaches: the failed process re-raises its own exception, the others raise
+    ``FinetuneError`` ("another process failed while {what}; its error is printed above."). Exceptions
+    other than ``Exception`` (KeyboardInterrupt) propagate at once. Returns the maximum."""
+    error = None
+    try:
+        value = measure()
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the other processes know
+        value, error = failed, err
+    worst = max_over_processes(value)
+    if error is not None:
+        raise error
+    if worst >= failed:
+        raise FinetuneError(f"another process failed while {what}; its error is printed above.")
+    return worst
+
+
 def agree(check, state=None):
     """Run ``check()`` on every process and return its value; if it raised ``FinetuneError`` on any
     process, raise on every process a ``FinetuneError`` with the same message: the error itself when every
     process failed alike (so one process, or one machine, sees what it always saw), else each distinct
-    message prefixed with the machine(s) and rank(s) it came from.
+    message prefixed with the machine(s) and rank(s) it came from. Any other exception is agreed on too
+    (``agreed_max``): its process re-raises it, the others raise ``FinetuneError`` ("another process
+    failed ...").
 
     ``state``: an ``Accelerator`` or ``PartialState``; None takes ``distributed_state()``. Collective when
-    there are several processes (one ``gather_object``): every process must call it.
+    there are several processes (one MAX all-reduce, and one ``gather_object`` when a check failed): every
+    process must call it.
     """
     state = distributed_state() if state is None else state
-    try:
-        value, caught = check(), None
-    except FinetuneError as err:
-        value, caught = None, err
+    outcome = {"value": None, "error": None}
+
+    def run() -> int:  # 0: passed, 1: FinetuneError (its message is exchanged below)
+        try:
+            outcome["value"] = check()
+            return 0
+        except FinetuneError as err:
+            outcome["error"] = err
+            return 1
+
+    if not agreed_max(run, all_reduce_max(state), "checking what every process must agree on"):
+        return outcome["value"]
+    caught = outcome["error"]
     if state is None or state.num_processes <= 1:
-        if caught is not None:
-            raise caught
-        return value
+        raise caught
     error = None if caught is None else str(caught)
     outcomes = gather_object([{"machine": machine_index(state), "rank": state.process_index, "error": error}])
     failed = _group(outcomes, "error")
-    if not failed:
-        return value
     if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
         raise caught
     machines = num_machines(state)

@@ -1,0 +1,81 @@
+"""The batch planner: from a global batch size to a micro-batch and an accumulation count.
+
+The user fixes ``total_batch_size`` B, the samples that make up one optimizer step across all
+processes. With P processes, a plan is a micro-batch m (``per_device_train_batch_size``, samples per
+process per forward/backward) and N micro-batches per optimizer step (``gradient_accumulation_steps``)
+with ``m * N * P == B`` exactly, so the optimisation does not depend on the hardware. Without
+``--auto_find_batch_size`` the user's m must be exact; with it, the largest m that fits in memory is found
+under each lever setting (activation checkpointing, the loss) and the fitting plans are timed, the fastest
+taken.
+
+- ``plans``: the arithmetic (``BatchPlan``, ``valid_plans``, ``plan_batch``, the linear memory model,
+  ``choose_plan``, the printed table); no model, no tensor.
+- ``probes``: the run's model under one lever setting (``builders.build_model``), asked whether m fits and
+  how long a sample takes.
+- ``agreement``: every answer agreed over the ranks (``distributed.agreed_max``), so every rank takes the
+  same plan.
+
+``plan_for`` is the entry: it returns the plan and edits nothing; ``finetune.run`` builds the run's config
+from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import psutil
+
+from finetune.distributed import agreed_max, all_reduce_max, process_state
+from finetune.planner.plans import BatchPlan, choose_plan, given_plan, plan_table
+from finetune.planner.probes import Probe, levers
+
+__all__ = ["BatchPlan", "plan_for"]
+
+
+def plan_for(config, recipe) -> BatchPlan | None:
+    """The batch plan of a run with ``--total_batch_size`` (None without it), printed on the main process;
+    computed before either engine builds anything, since Accelerate fixes the accumulation steps when the
+    Accelerator is created. Edits nothing: the caller applies the plan to a copy of ``config``.
+
+    Without ``--auto_find_batch_size``: ``plans.given_plan`` of the given micro-batch (``lever`` None). With
+    it: ``choose_plan`` over the lever settings (``probes.levers``), each probed on every rank and agreed on
+    (a plan fits only if it fits on every rank; the slowest rank's time counts), so every rank takes the same
+    plan; the chosen lever setting comes back as the plan's ``lever``, after the table of every plan
+    considered. Collective with several processes: every process must call it. Raises ``FinetuneError``.
+    """
+    if not config.total_batch_size:
+        return None
+    state = process_state()
+    if config.auto_find_batch_size:
+        plan = _probe_and_choose(config, recipe, state)
+    else:
+        plan = given_plan(config.per_device_train_batch_size, config.total_batch_size, state.num_processes)
+    if state.is_main_process:
+        print(f"Batch plan for --total_batch_size {config.total_batch_size}: {plan}")
+    return plan
+
+
+def _probe_and_choose(config, recipe, state) -> BatchPlan:
+    """``--auto_find_batch_size``: build one ``Probe`` per lever setting on every rank (a build that fails on
+    one rank fails on all), ``choose_plan`` among them, print the table; the probes are freed in any case."""
+    started = time.perf_counter()
+    max_over_processes = all_reduce_max(state)
+    held = psutil.Process().memory_info().rss  # before any probe copy of the model exists
+    probes = {}
+    try:
+        for lever in levers(config, recipe, state.device):
+            def build(lever=lever) -> int:  # may fail on one rank only (e.g. no room under --max_memory_mb)
+                probes[lever] = Probe(config, recipe, state.device, lever, held)
+                return 0
+
+            agreed_max(build, max_over_processes, "probing the batch size for --auto_find_batch_size")
+        chosen, candidates = choose_plan(config.total_batch_size, state.num_processes, probes, max_over_processes,
+                                         max_over_processes)
+    finally:
+        for probe in probes.values():
+            probe.close()
+    if state.is_main_process:
+        print(plan_table(chosen, candidates))
+        print(f"Planning took {time.perf_counter() - started:.1f} s (memory probes and timed passes).")
+    return dataclasses.replace(chosen.plan, lever=chosen.lever)

@@ -1,0 +1,213 @@
+"""The planner's probes: the run's model, built as training builds it, under one lever setting, asked
+whether a micro-batch fits in memory and how long a sample takes.
+
+On a GPU a probe runs a whole training step and catches out-of-memory (``oom_probe``); on a CPU, where there
+is no out-of-memory error to catch, it measures the bytes autograd saves for backward (``saved_storages``)
+at micro-batch 1 and 2 and fits the linear memory model of ``plans.estimate_fits_from_memory`` to a
+``--max_memory_mb`` budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import statistics
+import time
+from types import SimpleNamespace
+from typing import Callable
+
+import psutil
+import torch
+from accelerate.utils.memory import should_reduce_batch_size
+
+from finetune.builders import build_model, get_task
+from finetune.engine import build_optimizer
+from finetune.loss import DEFAULT_LOSS_CHUNK_SIZE, loss_function
+from finetune.errors import FinetuneError
+from finetune.planner.plans import Lever, estimate_fits_from_memory
+from finetune.tasks import CausalLM
+
+
+def saved_storages(run_step: Callable[[], "object"]) -> tuple[dict[int, int], "object"]:
+    """The distinct tensor storages autograd saves for backward while ``run_step()`` builds its graph
+    (``torch.autograd.graph.saved_tensors_hooks``), as ``{data_ptr: bytes}``, and ``run_step``'s loss (not
+    back-propagated)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = run_step()
+    return storages, loss
+
+
+def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
+    """Bytes of the distinct tensor storages autograd saves for backward while ``run_step()`` builds its
+    graph (``saved_storages``): the activation memory of a training step, measured exactly (RSS cannot see
+    it in a long-lived process, whose freed heap is reused silently). ``run_step`` returns the loss; it is
+    back-propagated here to free the graph."""
+    storages, loss = saved_storages(run_step)
+    loss.backward()
+    return sum(storages.values())
+
+
+def oom_probe(model, optimizer, loss_at: Callable[[int], "torch.Tensor"],
+              release: Callable[[], None] = lambda: None) -> Callable[[int], bool]:
+    """A ``fits(m)`` that tries a whole training step: ``loss_at(m)`` (forward at micro-batch m, returning
+    the loss), backward, and ``optimizer.step()``; out-of-memory (Accelerate's ``should_reduce_batch_size``,
+    as ``find_executable_batch_size`` recognises it) answers False, any other error propagates.
+
+    The optimizer's state is allocated before the first probe (one step on zero gradients, on this probe
+    copy of the model) and kept, as it is through training: AdamW holds two moments per parameter, as large
+    as the weights, which a forward/backward probe alone leaves out. After each probe the gradients are
+    freed (``zero_grad(set_to_none=True)``) and ``release()`` runs (e.g. ``torch.cuda.empty_cache``)."""
+    state_ready = False
+
+    def allocate_state() -> None:
+        nonlocal state_ready
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        state_ready = True
+
+    def fits(micro_batch: int) -> bool:
+        try:
+            if not state_ready:
+                allocate_state()
+                optimizer.zero_grad(set_to_none=True)
+            loss_at(micro_batch).backward()
+            optimizer.step()
+            return True
+        except Exception as err:  # noqa: BLE001 - the OOM types differ by backend
+            if should_reduce_batch_size(err):
+                return False
+            raise
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            release()
+
+    return fits
+
+
+class Probe:
+    """Probe steps of the recipe's model on worst-case batches (every sample ``max_length`` tokens, or
+    ``block_size``) under one ``Lever`` setting, on this process alone: the model is ``builders.build_model``'s
+    for the run's config with the lever's fields replaced (``Lever.config_fields``), as training would build it.
+
+    - ``fits(m)``: CUDA: a whole training step at micro-batch m (forward, backward, the run's AdamW step with
+      its state allocated: ``oom_probe``) either runs or raises out-of-memory. CPU: no OOM to catch, so the
+      budget is ``--max_memory_mb`` (default: the memory available now) above what the process holds before
+      any model exists: activation bytes saved for backward at micro-batch 1 and 2 (``activation_bytes``) give
+      a linear model (bytes per sample, plus a fixed part); the weights add their bytes, gradients and AdamW's
+      two moments 3x the trainable parameter bytes (``estimate(m)``). Transient buffers (a layer's temporaries,
+      the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
+      and a budget needs a margin (docs/benchmarks.md, "The batch planner under two budgets").
+    - ``seconds_per_sample(m)``: one warm-up and one to three timed forward/backward passes at micro-batch m
+      (seconds per sample; the optimizer step, once per optimizer step whatever the plan, is left out).
+    Raises ``FinetuneError`` when the budget leaves no room at all.
+    """
+
+    def __init__(self, config, recipe, device, lever: Lever, held: int | None = None):
+        task = get_task(recipe.TASK)
+        label_names = ["a", "b"] if task.name == "sequence-classification" else None
+        config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
+        self.device, self.task, self.lever = device, task, lever
+        self.model = build_model(config, task, label_names).to(device)
+        self.model.train()
+        self.length = config.block_size or config.max_length
+        self.vocab = self.model.config.vocab_size
+        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
+        self.loss_sum = probe_loss_function(task, config, device)
+        if device.type == "cuda":
+            self.fits = oom_probe(self.model, build_optimizer(self.model, config), self.step,
+                                  release=torch.cuda.empty_cache)
+            self.estimate = lambda m: None
+            return
+        budget = (config.max_memory_mb * 2**20) if config.max_memory_mb else psutil.virtual_memory().available
+        one, two = self.activation_bytes(1), self.activation_bytes(2)
+        per_sample = max(two - one, 1)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        fixed = max(one - per_sample, 0) + weights + 3 * trainable
+        self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
+        held = psutil.Process().memory_info().rss if held is None else held
+        print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
+              f"(activations saved for backward at micro-batch 1 and 2; the weights, gradients and AdamW state); "
+              f"budget {budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
+        if budget <= held + fixed + per_sample:
+            raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
+                                f"{held / 2**20:.0f} MiB and one sample needs about {(fixed + per_sample) / 2**20:.0f} "
+                                f"MiB more. Raise --max_memory_mb above {(held + fixed + per_sample) / 2**20:.0f}.")
+        self.fits = estimate_fits_from_memory(per_sample, fixed, budget - held)
+        self.estimate = lambda m: int(held + fixed + m * per_sample)
+
+    def activation_bytes(self, m: int) -> int:
+        """Bytes autograd saves for backward in one forward at micro-batch ``m`` (``saved_storages``), less the
+        parameters' own storages among them (weights a layer keeps for its input's gradient: memory the model
+        holds anyway, counted once as the weights)."""
+        storages, loss = saved_storages(lambda: self.step(m))
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        return sum(size for ptr, size in storages.items() if ptr not in params)
+
+    def step(self, m: int):
+        """The summed loss of a worst-case micro-batch of ``m`` samples (forward only; the caller backs it)."""
+        ids = torch.randint(0, self.vocab, (m, self.length), device=self.device)
+        labels = ids if isinstance(self.task, CausalLM) else torch.zeros(m, dtype=torch.long, device=self.device)
+        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+            return self.loss_sum(self.model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
+
+    def seconds_per_sample(self, m: int, min_seconds: float = 1.0, max_passes: int = 3) -> float:
+        """Seconds per sample of forward + backward at micro-batch ``m``: after one untimed warm-up pass, the
+        median of timed passes, repeated until they add up to ``min_seconds`` or ``max_passes`` were run (one
+        pass where a pass is long, as on a CPU at 512 tokens; up to three where it is short, as on a GPU)."""
+        def one_pass() -> float:  # seconds
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self.step(m).backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.model.zero_grad(set_to_none=True)
+            return time.perf_counter() - start
+
+        one_pass()  # warm-up: first-call kernels, allocations
+        times = [one_pass()]
+        while len(times) < max_passes and sum(times) < min_seconds:
+            times.append(one_pass())
+        return statistics.median(times) / m
+
+    def close(self) -> None:
+        """Free the probe copy of the model."""
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def probe_loss_function(task, config, device):
+    """``loss.loss_function`` for a probe model under ``config`` (the run's under one ``Lever``: the same
+    loss path training takes)."""
+    # a stand-in for the Accelerator: the probe runs the bare model, under its own autocast (Probe.step)
+    accelerator = SimpleNamespace(device=device, is_main_process=False, autocast=contextlib.nullcontext)
+    return loss_function(task, config, accelerator)
+
+
+def levers(config, recipe, device) -> list[Lever]:
+    """The lever settings the planner considers: activation checkpointing off and on (only on when
+    ``--activation_checkpointing`` was given), times, for causal LM, the plain and the chunked loss (only the
+    given one when ``--loss_chunk_size`` was set)."""
+    checkpointing = [True] if config.activation_checkpointing else [False, True]
+    if isinstance(get_task(recipe.TASK), CausalLM):
+        chunks = [config.loss_chunk_size] if config.loss_chunk_size is not None else [0, DEFAULT_LOSS_CHUNK_SIZE]
+    else:
+        chunks = [None]
+    return [Lever(c, k) for c in checkpointing for k in chunks]
