@@ -11,12 +11,12 @@ import threading
 import pytest
 import torch
 
-from finetune.planner.agreement import DOES_NOT_FIT, FAILED, FITS, agreed_fits, true_everywhere
-from finetune.planner.plans import plan_batch
-from finetune.planner.probes import oom_probe
 from finetune import distributed
 from finetune.distributed import agreed_max
 from finetune.errors import FinetuneError
+from finetune.planner.agreement import DOES_NOT_FIT, FAILED, FITS, agreed_fits, true_everywhere
+from finetune.planner.plans import plan_batch
+from finetune.planner.probes import oom_probe
 
 
 class FakeGroup:
@@ -124,9 +124,9 @@ def _gloo_rank(rank: int, init_file: str, queue) -> None:
 
     import torch.distributed as dist
 
+    from finetune.distributed import all_reduce_max
     from finetune.planner.agreement import agreed_fits
     from finetune.planner.plans import plan_batch
-    from finetune.distributed import all_reduce_max
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
