@@ -138,10 +138,19 @@ class Bookkeeping:
                 "Use --mixed_precision bf16 or no, or lower --learning_rate; raise --max_skipped_steps to tolerate more.")
         return record
 
-    def record_evaluation(self, results: dict, seconds: float) -> None:
+    def checkpointed_after(self, step: int, at_epoch_end: bool) -> bool:
+        """Whether the model evaluated after ``step`` is kept by the accelerate loop: a checkpoint follows
+        the evaluation (``--save_strategy``), or it is the final model."""
+        if step >= self.plan.max_steps:
+            return True
+        if at_epoch_end:
+            return self.config.save_strategy == "epoch"
+        return self.config.save_strategy == "steps" and step > 0 and step % self.save_steps == 0
+
+    def record_evaluation(self, results: dict, seconds: float, checkpointed: bool) -> None:
         """Log an evaluation after the current step (``seconds`` it took, kept out of ``train_runtime``), track
-        the best model (``--metric_for_best_model``) and early stopping (``--early_stopping_patience``:
-        ``stopping_early`` is set). Raises ``FinetuneError`` when the metric is not among ``results``."""
+        the best model (``--metric_for_best_model``: the best evaluation whose model is ``checkpointed``) and
+        early stopping (``--early_stopping_patience``: ``stopping_early`` is set). Raises ``FinetuneError`` when the metric is not among ``results``."""
         step, config = self.progress.step, self.config
         self.eval_runtime += seconds
         self.eval_results, self.last_eval_step = results, step
@@ -154,7 +163,7 @@ class Bookkeeping:
         if config.best_metric_key not in results:
             raise FinetuneError(f"--metric_for_best_model {config.metric_for_best_model!r}: the evaluation has no "
                                 f"{config.best_metric_key!r} (it has {', '.join(sorted(results))}).")
-        if self.progress.record_evaluation(results[config.best_metric_key], config.greater_is_better):
+        if self.progress.record_evaluation(results[config.best_metric_key], config.greater_is_better, checkpointed):
             self.best_eval_results = results
         patience = config.early_stopping_patience
         if patience and self.progress.evals_without_improvement >= patience:

@@ -50,6 +50,7 @@ class RunProgress:
     best_metric: float | None = None  # --metric_for_best_model's best value so far, and where
     best_step: int | None = None
     evals_without_improvement: int = 0  # for --early_stopping_patience
+    patience_best: float | None = None  # the best value of every evaluation (best_metric: of those kept)
     train_runtime: float = 0.0
     num_processes: int = 1
     step_meaning: dict = field(default_factory=dict)
@@ -62,17 +63,26 @@ class RunProgress:
         self.skipped_steps += int(skipped)
         self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
 
-    def record_evaluation(self, value: float | None, greater_is_better: bool) -> bool:
-        """Track ``--metric_for_best_model`` after an evaluation at ``self.step``; return whether it is the
-        best so far (strictly better, as Trainer's ``EarlyStoppingCallback`` with threshold 0)."""
+    def record_evaluation(self, value: float | None, greater_is_better: bool, checkpointed: bool = True) -> bool:
+        """Track ``--metric_for_best_model`` after an evaluation at ``self.step``. Early stopping counts
+        evaluations without a strict improvement over every evaluation so far (Trainer's
+        ``EarlyStoppingCallback``, threshold 0); the best model is the best evaluation whose model is kept
+        (``checkpointed``: a checkpoint follows it, or it is the final model). Returns whether this
+        evaluation is the new best model."""
         if value is None:
             return False
-        better = self.best_metric is None or (value > self.best_metric if greater_is_better else value < self.best_metric)
-        if better:
-            self.best_metric, self.best_step, self.evals_without_improvement = value, self.step, 0
+
+        def better(than):
+            return than is None or (value > than if greater_is_better else value < than)
+
+        if better(self.patience_best):
+            self.patience_best, self.evals_without_improvement = value, 0
         else:
             self.evals_without_improvement += 1
-        return better
+        if checkpointed and better(self.best_metric):
+            self.best_metric, self.best_step = value, self.step
+            return True
+        return False
 
 
 def checkpoints_dir(output_dir) -> Path:
@@ -128,8 +138,9 @@ def read_state(path: Path) -> RunProgress:
     """The ``RunProgress`` saved in checkpoint ``path``. Raises ``FinetuneError`` if it is unreadable."""
     try:
         saved = json.loads((path / STATE_FILE).read_text())
-        if "loss_sum" in saved:  # the name before round 3
+        if "loss_sum" in saved:  # the names before round 3
             saved["step_loss_total"] = saved.pop("loss_sum")
+            saved.setdefault("patience_best", saved.get("best_metric"))
         return RunProgress(**saved)
     except (OSError, ValueError, TypeError) as err:
         raise FinetuneError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}). Resume from another checkpoint "

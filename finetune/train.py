@@ -242,7 +242,7 @@ class RunState:
         self.runtime_before, self.train_start = self.progress.train_runtime, time.perf_counter()
         self.samples_at_start = self.progress.samples_seen
         if config.eval_on_start and self.progress.step == 0:
-            self.evaluate()
+            self.evaluate(at_epoch_end=False)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -324,7 +324,7 @@ class RunState:
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} after optimizer step {step}; "
                                   f"checkpoint: {path}. Resume with:\n    {self.resume_command()}", signum)
         if book.evaluate_after_step(step):
-            self.evaluate()
+            self.evaluate(at_epoch_end=False)
         if book.save_after_step(step):
             self.save(f"every {book.save_steps} steps")
 
@@ -333,15 +333,15 @@ class RunState:
         epoch and checkpoint per ``--save_strategy``."""
         last = self.progress.step >= self.plan.max_steps or self.book.stopping_early
         if self.book.evaluate_at_epoch_end(self.progress.step, last):
-            self.evaluate()
-        if last:
+            self.evaluate(at_epoch_end=True)
+        if last or self.book.stopping_early:  # early stopping at this evaluation ends the run here
             return
         self.progress.epoch, self.progress.micro_batches_done = self.progress.epoch + 1, 0
         if self.config.save_strategy == "epoch":
             self.save("end of epoch")
 
     # -------------------------------------------------------------------------------- evaluation, checkpoints
-    def evaluate(self) -> None:
+    def evaluate(self, at_epoch_end: bool) -> None:
         """Evaluate now (loss and metrics, then generation for SFT recipes); record it."""
         built, start = self.built, time.perf_counter()
         results = evaluate(self.accelerator, built.model, built.eval_dataloader, built.task, built.metric_specs)
@@ -353,7 +353,8 @@ class RunState:
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()},
                                  step=self.progress.step)
-        self.book.record_evaluation(results, time.perf_counter() - start)
+        step = self.progress.step
+        self.book.record_evaluation(results, time.perf_counter() - start, self.book.checkpointed_after(step, at_epoch_end))
 
     def save(self, reason: str) -> Path:
         """Write a checkpoint of the state after the current optimizer step (collective)."""
