@@ -51,6 +51,16 @@ def distributed_state():
     return process_state()
 
 
+def world_size() -> int:
+    """Processes in the run, from the launcher's ``WORLD_SIZE`` (1 when not launched)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_process_count() -> int:
+    """Processes of the run on this machine, from the launcher's ``LOCAL_WORLD_SIZE`` (1 when not launched)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def machine_index(state) -> int:
     """This process's machine (node rank, 0-based): torchrun's ``GROUP_RANK``, else the process index
     divided by the processes per machine."""
