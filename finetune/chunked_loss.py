@@ -220,6 +220,10 @@ def _chunk_grads(probs, target_chunk, hidden_chunk, weight_c, start, grads, need
     if need[1]:
         if grad_weight.dtype == grad_logits.dtype:
             grad_weight.addmm_(grad_logits.T, hidden_chunk)
+        elif grad_logits.dtype == torch.float16:
+            # unscaled (softmax - one-hot) summed over the chunk's tokens overflows fp16's 65504 where the
+            # plain path's scaled gradients would not (a hidden value of 80 over 1,025 tokens): sum in fp32
+            grad_weight.addmm_(probs.T, hidden_chunk.float())
         else:
             grad_weight += grad_logits.T @ hidden_chunk
     if need[2]:
