@@ -465,3 +465,23 @@ def test_fsdp2_sync_each_batch_trains_the_same_weights(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert float(result.read_text()) < 1e-6
+
+
+def test_the_final_save_under_zero3_off_rank_0_writes_nothing_and_does_not_fail(tmp_path):
+    """Under ZeRO-3 ``accelerator.get_state_dict`` returns DeepSpeed's consolidated 16-bit state dict, which
+    is None on every rank but 0 (deepspeed 0.19 ``runtime/engine.py`` ``_zero3_consolidated_16bit_state_dict``:
+    ``state_dict = OrderedDict() if dist.get_rank() == 0 else None``; accelerate 1.15 ``accelerator.py``
+    ``get_state_dict`` returns it as is). The save used to call ``.items()`` on it and crash there, and torchrun
+    then tore rank 0 down while it wrote the model. A process that writes needs the weights: a clear error."""
+    saved = []
+    model = SimpleNamespace(save_pretrained=lambda *a, **k: saved.append(a))
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_main_process=False,
+                                  wait_for_everyone=lambda: None, get_state_dict=lambda model: None,
+                                  unwrap_model=lambda model, keep_torch_compile=False: model)
+    config = SimpleNamespace(model_name_or_path="m", merge_adapter=False)
+    engine = engine_for(accelerator)
+    engine.save_model(model, SimpleNamespace(save_pretrained=lambda *a: saved.append(a)), tmp_path, config,
+                      writes=False)
+    assert saved == []
+    with pytest.raises(FinetuneError, match="shared --output_dir"):
+        engine.save_model(model, None, tmp_path, config, writes=True)

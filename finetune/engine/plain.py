@@ -9,6 +9,7 @@ from peft import PeftModel
 import torch
 from transformers import get_scheduler
 
+from finetune.errors import FinetuneError
 from finetune.lora import save_adapter
 from finetune.precision import effective_mixed_precision
 from finetune.steps import StepPlan, plan_steps
@@ -92,7 +93,13 @@ class PlainEngine:
         accelerator.wait_for_everyone()
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         # a torch.compile'd model names every tensor "_orig_mod.<name>": from_pretrained needs the plain names
-        state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
+        gathered = accelerator.get_state_dict(model)
+        if gathered is None:  # ZeRO-3 consolidates the 16-bit weights on global rank 0 only
+            if writes:
+                raise FinetuneError("the final model's weights were gathered on global rank 0 only, but this process "
+                                    "must write a copy: give every machine one shared --output_dir.")
+            return
+        state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in gathered.items()}
         if isinstance(unwrapped, PeftModel):
             save_adapter(unwrapped, state_dict, tokenizer, output_dir, config.model_name_or_path, writes,
                          merge=config.merge_adapter)
