@@ -89,6 +89,7 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
         dataloader_pin_memory=config.dataloader_pin_memory,
         include_num_input_tokens_seen="non_padding",  # the same count as the accelerate engine's
         average_tokens_across_devices=True,
+        ddp_timeout=config.ddp_timeout,
     )
 
 

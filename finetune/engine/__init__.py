@@ -7,9 +7,11 @@ may split a batch, the true size of a parameter.
 from __future__ import annotations
 
 import importlib.util
+from datetime import timedelta
 
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, TorchDynamoPlugin
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                               TorchDynamoPlugin)
 
 from finetune.engine.deepspeed import DeepSpeedEngine, parameter_numel, parameter_shape
 from finetune.engine.fsdp import FsdpEngine
@@ -65,6 +67,7 @@ def make_accelerator(config) -> Accelerator:
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False),
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
             # Where Accelerate wraps the schedule (DeepSpeed), each step() call is then one step, not one per process.
             step_scheduler_with_optimizer=False,
         )
