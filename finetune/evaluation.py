@@ -40,10 +40,12 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict) -> dict:
     was_training = model.training
     model.eval()
     parts = []
-    splittable = engine_for(accelerator).eval_may_split_batch  # no collective inside the forward
+    engine = engine_for(accelerator)
+    splittable = engine.eval_may_split_batch  # no collective inside the forward
+    forward = engine.eval_model(model)
     for batch in dataloader:
         labels = batch.pop("labels")
-        outputs = _eval_outputs(model, batch, labels, task, splittable)
+        outputs = _eval_outputs(forward, batch, labels, task, splittable)
         parts.append([t.cpu() for t in accelerator.gather_for_metrics(outputs)])
     model.train(was_training)
     if not parts:

@@ -485,3 +485,28 @@ def test_the_final_save_under_zero3_off_rank_0_writes_nothing_and_does_not_fail(
     assert saved == []
     with pytest.raises(FinetuneError, match="shared --output_dir"):
         engine.save_model(model, None, tmp_path, config, writes=True)
+
+
+def test_ddp_evaluation_never_runs_ddps_forward():
+    """Evaluation under DDP calls the module DDP wraps: DDP's forward broadcasts buffers on its first call after
+    a training step, and after an out-of-memory on one rank the retried halves would broadcast again on that
+    rank alone (a hang; torch 2.13 ``nn/parallel/distributed.py``, ``require_forward_param_sync``). So the
+    split-and-retry evaluation stays local to the rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from finetune.builders import get_task
+    from finetune.evaluation import evaluate
+
+    class Inner(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            if input_ids.shape[0] > 2:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], 3))
+
+    wrapped = DistributedDataParallel.__new__(DistributedDataParallel)  # no process group: DDP's forward must not run
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = Inner()
+    accelerator = SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, gather_for_metrics=lambda outputs: outputs)
+    batch = {"input_ids": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5, dtype=torch.long),
+             "labels": torch.zeros(4, dtype=torch.long)}
+    assert evaluate(accelerator, wrapped, [batch], get_task("sequence-classification"), {})["eval_samples"] == 4

@@ -88,6 +88,10 @@ class DeepSpeedEngine(PlainEngine):
             self.note = deepspeed_note(settings, ds_config)
         return Prepared(model, optimizer, scheduler, train_dataloader, eval_dataloader, plan)
 
+    def eval_model(self, model):
+        """The engine itself: ZeRO-3's partition hooks run in its forward."""
+        return model
+
     def learning_rate(self, optimizer, scheduler) -> float:
         """Read from the optimizer: a schedule from the DeepSpeed config may not answer ``get_last_lr`` before
         its first step."""

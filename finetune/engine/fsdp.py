@@ -36,6 +36,10 @@ class FsdpEngine(PlainEngine):
         self.note = ("FSDP: gradients are reduce-scattered on every micro-batch (sync_each_batch), so each rank "
                      "keeps only its gradient shard while accumulating")
 
+    def eval_model(self, model):
+        """The wrapped model: its all-gathers are part of every forward."""
+        return model
+
     def chunked_loss_refusal(self, model) -> str | None:
         if any(isinstance(module, _SHARDED_MODULES) for module in (model, *model.modules())):
             return "the model is sharded with FSDP: the lm_head weight is not whole outside its forward"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from peft import PeftModel
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import get_scheduler
 
 from finetune.errors import FinetuneError
@@ -76,6 +77,13 @@ class PlainEngine:
                                   num_training_steps=plan.max_steps)
         accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
         return Prepared(model, optimizer, scheduler, train_dataloader, eval_dataloader, plan)
+
+    def eval_model(self, model):
+        """The module evaluation calls: under DDP the module it wraps, so no forward of DDP's runs outside
+        training (its first forward after a training step broadcasts the buffers, and a retry of half a batch
+        on one rank after out-of-memory would broadcast them again there alone: torch 2.13
+        ``nn/parallel/distributed.py`` ``_pre_forward``/``_post_forward``, ``require_forward_param_sync``)."""
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     def learning_rate(self, optimizer, scheduler) -> float:
         """The learning rate the next optimizer step uses."""
