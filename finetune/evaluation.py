@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import gather_object
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
-from finetune.sft import generation_metrics, prompt_and_reference
+from finetune.sft import generate_completions, prompt_and_reference, score_completions
 
 GENERATIONS_FILE = "generations.jsonl"  # in the output dir: generated completions beside the references
 
@@ -76,22 +77,31 @@ def _eval_outputs(model, batch: dict, labels, task, splittable: bool) -> tuple:
 def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tuple[dict, list[str]]:
     """For recipes with ``GENERATION`` settings (instruction tuning): greedy completions of the raw
     validation ``rows`` (the first ``GENERATION["num_samples"]`` of them, all if unset), scored with the
-    recipe's ``METRICS`` (e.g. ROUGE-L and exact match). Generated on the main process (unwrapped model)
-    and broadcast, so every rank logs the same figures and judges the best model alike. Returns
-    ``(metrics, predictions)``; ``({}, [])`` for other recipes."""
+    recipe's ``METRICS`` (e.g. ROUGE-L and exact match). Every process generates its share (rows r, r + P,
+    ...; as many prompts on each, the last repeated, so a sharded model's collectives stay in step, with
+    ``synced_gpus`` where the engine shards), then the completions are gathered in row order, so every rank
+    scores the same figures and judges the best model alike. Returns ``(metrics, predictions)``; ``({}, [])``
+    for other recipes."""
     spec = dict(getattr(recipe, "GENERATION", None) or {})
     if not spec or rows is None:
         return {}, []
     count = spec.pop("num_samples", None)
     if count is not None:
         rows = rows.select(range(min(count, len(rows)))) if hasattr(rows, "select") else rows[:count]
-    result = [None]
-    if accelerator.is_main_process:
-        result = [generation_metrics(accelerator.unwrap_model(model), tokenizer, rows, recipe.METRICS,
-                                     max_length=config.max_length, **spec)]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(result)
-    return result[0]
+    pairs = [prompt_and_reference(row, f"row {i}") for i, row in enumerate(rows)]
+    rank, processes = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(pairs), processes))
+    share = math.ceil(len(pairs) / processes)
+    padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
+    completions = []
+    if padded:
+        completions = generate_completions(accelerator.unwrap_model(model), tokenizer, [pairs[i][0] for i in padded],
+                                           max_length=config.max_length,
+                                           synced_gpus=engine_for(accelerator).generation_synced, **spec)
+    own = list(zip(mine, completions))
+    gathered = gather_object(own) if processes > 1 else own
+    predictions = [text for _, text in sorted(gathered)]
+    return score_completions(predictions, [reference for _, reference in pairs], recipe.METRICS), predictions
 
 
 def write_generations(output_dir: Path, rows, predictions: list[str]) -> None:

@@ -443,7 +443,7 @@ def _prompt_ids(tokenizer, prompt, budget: int | None) -> list[int]:
 
 
 def generate_completions(model, tokenizer, prompts_messages: Sequence, max_new_tokens: int = 32, batch_size: int = 8,
-                         max_length: int | None = None) -> list[str]:
+                         max_length: int | None = None, synced_gpus: bool = False) -> list[str]:
     """Greedy completions for prompts, in order.
 
     ``prompts_messages``: prompts, each a string (one user turn) or a list of ``{"role", "content"}``
@@ -481,7 +481,8 @@ def generate_completions(model, tokenizer, prompts_messages: Sequence, max_new_t
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded], device=device)
             attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
             with torch.no_grad():
-                output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+                output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                        synced_gpus=synced_gpus)
             for row in output[:, width:].tolist():
                 stop = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
                 completions.append(tokenizer.decode(row[:stop], skip_special_tokens=True).strip())
@@ -504,14 +505,18 @@ def generation_metrics(model, tokenizer, rows, metric_specs: dict, max_new_token
                        max_length: int | None = None) -> tuple[dict, list[str]]:
     """Generate a completion for every row of ``rows`` (raw rows, as ``rows_to_features`` takes them:
     a ``datasets.Dataset`` or a list of dicts) with ``generate_completions`` and score it against the
-    row's reference with each shipped metric of ``metric_specs`` (name -> compute kwargs, e.g.
-    ``{"rouge": {}}``). Returns ``(metrics, predictions)``: metrics ``{"eval_<key>": float, ...,
-    "eval_generated": n}`` (NaN for every key of the ``rouge`` metric when ``rows`` is empty), and the
-    ``n`` predicted strings in row order."""
+    row's reference (``score_completions``). Returns ``(metrics, predictions)``, predictions in row order."""
     pairs = [prompt_and_reference(row, f"row {i}") for i, row in enumerate(rows)]
     predictions = generate_completions(model, tokenizer, [p for p, _ in pairs], max_new_tokens, batch_size, max_length)
+    return score_completions(predictions, [r for _, r in pairs], metric_specs), predictions
+
+
+def score_completions(predictions: list[str], references: list[str], metric_specs: dict) -> dict:
+    """Each shipped metric of ``metric_specs`` (name -> compute kwargs, e.g. ``{"rouge": {}}``) over the
+    predictions: ``{"eval_<key>": float, ..., "eval_generated": n}`` (NaN for every key of the ``rouge`` metric
+    when there are none)."""
     results = {"eval_generated": len(predictions)}
     for name, kwargs in metric_specs.items():
-        computed = load_metric(name).compute(predictions=predictions, references=[r for _, r in pairs], **kwargs)
+        computed = load_metric(name).compute(predictions=predictions, references=references, **kwargs)
         results.update({f"eval_{k}": v for k, v in (computed or {}).items()})
-    return results, predictions
+    return results

@@ -36,6 +36,7 @@ class DeepSpeedEngine(PlainEngine):
     """DeepSpeed (ZeRO 1-3) through Accelerate: settings written into its config before ``prepare`` and read
     back from the engine after it, so the run reports what DeepSpeed really runs."""
 
+    generation_synced = True  # ZeRO-3 gathers partitions in every forward: ranks generate in lockstep
     eval_may_split_batch = False  # ZeRO-3 gathers partitions inside the forward
 
     @property

@@ -22,6 +22,7 @@ class FsdpEngine(PlainEngine):
     """
 
     sync_each_batch = True
+    generation_synced = True  # every forward all-gathers: ranks generate in lockstep
     eval_may_split_batch = False  # all-gathers run inside every forward: a rank retrying alone would hang
 
     def configure(self, config) -> None:

@@ -52,6 +52,7 @@ class PlainEngine:
     micro-batch, our AdamW and schedule, weights whole on every rank."""
 
     sync_each_batch = False  # gradients synchronised on every micro-batch of a window (FSDP) or on its last
+    generation_synced = False  # the weights are whole on every rank: each generates alone
     eval_may_split_batch = True  # no collective inside the forward: a rank may retry half a batch alone
 
     def __init__(self, accelerator):
