@@ -1,6 +1,6 @@
-"""Side-by-side comparison of the two engines: ``finetune compare --recipe NAME`` (or ``--compare``). Each
-backend runs in its own fresh subprocess, one after the other, so its peak memory and wall time are its own.
-Writes ``accelerate/``, ``trainer/``, ``comparison.json``/``.md`` and ``loss_curves.png`` into ``--output_dir``."""
+"""Side-by-side comparison of the two engines: ``finetune compare --recipe NAME`` (or ``--compare``), each in a
+fresh subprocess, one after the other. Writes ``accelerate/``, ``trainer/``, ``comparison.json``/``.md`` and
+``loss_curves.png`` into ``--output_dir``. See docs/design-notes.md#compare."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The training order: the length-grouped sampler, and the loop's accumulation windows."""
+"""The training order: the length-grouped sampler, the accumulation windows (docs/design-notes.md#sampling)."""
 
 from __future__ import annotations
 

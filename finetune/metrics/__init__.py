@@ -1,4 +1,4 @@
-"""Evaluation metrics shipped as local `evaluate` modules (``<name>/<name>.py``), loaded by path: no hub needed."""
+"""Evaluation metrics shipped as local `evaluate` modules, loaded by path: no hub (docs/design-notes.md#metrics)."""
 
 from __future__ import annotations
 
