@@ -1,9 +1,5 @@
-"""LoRA through ``peft``: wrap the model, count what trains, and save a PEFT adapter directory.
-
-The flags are TRL's (``--use_peft``, ``--lora_r``, ``--lora_alpha``, ``--lora_dropout``,
-``--lora_target_modules``). The base model is frozen, so it keeps no gradients and no optimizer state;
-for classification peft keeps the new head (``classifier``/``score``) trainable (``modules_to_save``).
-"""
+"""LoRA through ``peft`` with TRL's flags (``--use_peft``, ``--lora_r``, ...): wrap the model, count what trains,
+save an adapter directory. The base is frozen; a classifier's new head trains and is saved (``modules_to_save``)."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ BASE_DIR = "base_model"  # a GGUF base, de-quantized once, where the adapter con
 
 
 def lora_config(config, task_name: str) -> LoraConfig:
-    """The ``peft.LoraConfig`` for ``config``'s LoRA flags: ``SEQ_CLS`` for classification (peft then keeps
-    the classifier head trainable and saves it with the adapter), ``CAUSAL_LM`` otherwise."""
+    """The ``peft.LoraConfig`` of the LoRA flags: ``SEQ_CLS`` for classification, else ``CAUSAL_LM``."""
     targets = config.lora_target_modules
     if targets and targets != "all-linear":
         targets = [name.strip() for name in targets.split(",") if name.strip()]
@@ -31,20 +26,15 @@ def lora_config(config, task_name: str) -> LoraConfig:
 
 
 def apply_lora(model, config, task_name: str) -> PeftModel:
-    """``peft.get_peft_model`` with ``lora_config``. Raises ``ValueError`` (peft's) for target modules the
-    model does not have; the caller turns it into a clear error."""
+    """``peft.get_peft_model`` with ``lora_config``; peft's ``ValueError`` for target modules the model lacks."""
     return get_peft_model(model, lora_config(config, task_name))
 
 
 def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_dir: Path, base_name_or_path: str,
                  is_main_process: bool, merge: bool) -> None:
-    """Write a PEFT adapter directory into ``output_dir``: ``adapter_config.json``,
-    ``adapter_model.safetensors`` (the LoRA weights and any trainable head) and the tokenizer, loadable with
-    ``load_adapter_model(output_dir)`` (or peft's ``AutoPeftModelForCausalLM``; a classification adapter's
-    ``config.json`` holds the trained labels, which the base model's config lacks). A ``.gguf`` base cannot be reloaded by name, so
-    it is de-quantized once into ``output_dir/base_model`` and the adapter config points there. ``merge``:
-    also write the model with the adapter merged in to ``output_dir/merged`` (a plain model directory).
-    ``state_dict``: the full (gathered) state dict, or None for the model's own."""
+    """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer) into
+    ``output_dir``; a ``.gguf`` base is de-quantized once into ``output_dir/base_model``, ``merge`` also writes
+    ``output_dir/merged``. ``state_dict``: the gathered full state dict, or None (see docs/design-notes.md#lora)."""
     model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=is_main_process)
     if not is_main_process:
         return
@@ -67,9 +57,8 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
 
 
 def load_adapter_model(path) -> PeftModel:
-    """The base model named in ``path``'s ``adapter_config.json`` with the adapter of ``path`` applied
-    (``peft.PeftModel.from_pretrained``). A classification adapter's base is built with the labels of its
-    ``config.json``. Raises ``OSError``/``ValueError`` (transformers', peft's) when either cannot be loaded."""
+    """The base model of ``path``'s ``adapter_config.json`` with the adapter applied (``PeftModel.from_pretrained``).
+    Raises ``OSError``/``ValueError`` (transformers', peft's) when either cannot be loaded."""
     path = Path(path)
     adapter = json.loads((path / ADAPTER_CONFIG).read_text())
     base_path = adapter["base_model_name_or_path"]

@@ -1,5 +1,4 @@
-"""The FSDP engine (versions 1 and 2): the plain engine's loop with gradients reduce-scattered on every
-micro-batch, and weights that are whole only inside a forward."""
+"""The FSDP engine (1 and 2): gradients reduce-scattered every micro-batch; weights whole only inside a forward."""
 
 from __future__ import annotations
 
@@ -13,22 +12,16 @@ _SHARDED_MODULES = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParal
 
 
 class FsdpEngine(PlainEngine):
-    """FSDP through Accelerate's plugin (from the launcher's config).
+    """FSDP through Accelerate's plugin (from the launcher's config), synchronised on every micro-batch so that
+    each rank keeps only its gradient shard while accumulating (see docs/design-notes.md#engine)."""
 
-    ``sync_each_batch``: skipping the sync (``no_sync``) would keep every rank's full gradients alive for the
-    first N-1 micro-batches, so FULL_SHARD would save no gradient memory while accumulating; synchronised on
-    every micro-batch, each rank keeps only its shard (accelerate PR 2531). Exactness is unchanged: a sum of
-    rank averages is the average of the sums (tested with FSDP2 on two gloo ranks, tests/test_sharded.py).
-    """
-
-    sync_each_batch = True
+    sync_each_batch = True  # no_sync would keep full gradients for N-1 micro-batches (accelerate PR 2531)
     generation_synced = True  # every forward all-gathers: ranks generate in lockstep
     eval_may_split_batch = False  # all-gathers run inside every forward: a rank retrying alone would hang
 
     def configure(self, config) -> None:
-        """Replace the accumulation plugin with one that syncs each batch. Accelerate keeps it in the
-        process-wide ``GradientState``, whose constructor replaces a different plugin (accelerate 1.15
-        ``state.py``: "Allow plugin to be updated"); ``accumulate()`` reads it at every call."""
+        """Replace the accumulation plugin with one that syncs each batch; ``RuntimeError`` if it did not take."""
+        # GradientState's constructor replaces a different plugin (accelerate 1.15 state.py); accumulate() reads it
         GradientState(gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False, sync_each_batch=True))
         if not self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):

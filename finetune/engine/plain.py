@@ -17,9 +17,8 @@ from finetune.steps import StepPlan, plan_steps
 
 
 def parameter_groups(model, config, shape=lambda param: param.shape) -> list[dict]:
-    """The optimizer's two parameter groups (``Trainer``'s grouping): every trainable parameter with
-    ``config.weight_decay``, except biases and normalisation weights (1-D or named "norm"), which get none.
-    ``shape(param)``: the true shape (an engine that partitions parameters passes its own)."""
+    """``Trainer``'s two AdamW groups: trainable parameters with ``config.weight_decay``, biases and norm weights
+    (1-D or named "norm") with none. ``shape(param)``: the true shape, for engines that partition parameters."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -28,8 +27,7 @@ def parameter_groups(model, config, shape=lambda param: param.shape) -> list[dic
 
 
 def build_optimizer(model, config, groups: list[dict] | None = None) -> torch.optim.AdamW:
-    """AdamW over ``groups`` (default ``parameter_groups(model, config)``); ``--optim`` picks the implementation
-    as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused"."""
+    """AdamW over ``groups`` (default ``parameter_groups``), fused for ``--optim adamw_torch_fused`` as in Trainer."""
     return torch.optim.AdamW(groups if groups is not None else parameter_groups(model, config), lr=config.learning_rate,
                              betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
                              fused=config.optim == "adamw_torch_fused" or None)
@@ -48,8 +46,7 @@ class Prepared:
 
 
 class PlainEngine:
-    """One process, or data parallel (DDP, gloo on a CPU): gradients all-reduced on the window's last
-    micro-batch, our AdamW and schedule, weights whole on every rank."""
+    """One process or DDP: gradients all-reduced on a window's last micro-batch, weights whole on every rank."""
 
     sync_each_batch = False  # gradients synchronised on every micro-batch of a window (FSDP) or on its last
     generation_synced = False  # the weights are whole on every rank: each generates alone
@@ -67,13 +64,13 @@ class PlainEngine:
         return effective_mixed_precision(self.accelerator)
 
     def prepare(self, config, model, train_dataloader, eval_dataloader) -> Prepared:
-        """``accelerator.prepare`` the model, AdamW and the dataloaders, then the schedule, sized in optimizer
-        steps and stepped by hand (not prepared: Accelerate's wrapper steps once per process per call)."""
+        """``accelerator.prepare`` model, AdamW and dataloaders; the schedule sized in optimizer steps."""
         accelerator = self.accelerator
         optimizer = build_optimizer(model, config)
         model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
             model, optimizer, train_dataloader, eval_dataloader)
         plan = plan_steps(len(train_dataloader), config)
+        # not prepared: Accelerate's wrapper would step it once per process per call
         scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=plan.steps(config.warmup_steps),
                                   num_training_steps=plan.max_steps)
         accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
@@ -95,9 +92,8 @@ class PlainEngine:
         return None
 
     def save_model(self, model, tokenizer, output_dir: Path, config, writes: bool) -> None:
-        """Write the model (safetensors) and tokenizer with ``save_pretrained`` (or, with ``--use_peft``, a PEFT
-        adapter directory: ``lora.save_adapter``). Every process calls it (gathering a sharded state dict is
-        collective); those with ``writes`` write (global rank 0, or one per machine without a shared disk)."""
+        """Write the model (safetensors) and tokenizer, or with ``--use_peft`` an adapter (``lora.save_adapter``).
+        Collective: every process calls it; those with ``writes`` write (global rank 0, or one per machine)."""
         accelerator = self.accelerator
         accelerator.wait_for_everyone()
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
