@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from finetune.checkpoint import MARKER, STATE_FILE, is_complete
 from finetune.errors import FinetuneError
+from finetune.recipes import load_recipe
 
 # torch, transformers' pipelines, accelerate and peft are imported where they are used: together they take
 # ~6 s to import, which `--help`, a mistyped --model or a bad input file should not wait for (and peft is
@@ -58,16 +59,33 @@ def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
                         "Pass the --output_dir of a finished training run.")
 
 
-def _run_max_length(path: Path) -> int:
-    """``max_length`` of the run that wrote ``path`` (its ``run_config.json``; for a checkpoint, its run's),
-    else 128."""
+def _run_config(path: Path) -> dict:
+    """The ``run_config.json`` of the run that wrote ``path`` (for a checkpoint, its run's), or {}."""
     if not (path / "run_config.json").is_file() and (path / STATE_FILE).is_file():
         path = path.parent.parent  # <run>/checkpoints/step_N
     try:
-        value = json.loads((path / "run_config.json").read_text()).get("max_length")
-    except (OSError, ValueError, AttributeError):
-        return DEFAULT_MAX_LENGTH
+        config = json.loads((path / "run_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _run_max_length(path: Path) -> int:
+    """``max_length`` of the run that wrote ``path``, else 128."""
+    value = _run_config(path).get("max_length")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_LENGTH
+
+
+def _trained_on_chats(path: Path) -> bool:
+    """Whether the run that wrote ``path`` was instruction tuning (its recipe's ``TASK`` is "sft"): its model
+    answers prompts rendered with the chat template, not raw text."""
+    recipe = _run_config(path).get("recipe")
+    if not isinstance(recipe, str):
+        return False
+    try:
+        return load_recipe(recipe).TASK == "sft"
+    except (FinetuneError, OSError, ImportError, SyntaxError):
+        return False
 
 
 def model_kind(config, where: str = "--model") -> str:
@@ -175,6 +193,7 @@ class Predictor:
         if device is not None:  # under torch.distributed the pipeline runs where the model is
             model.to(device)
         self.pipe = pipeline(PIPELINE_TASKS[self.kind], model=model, tokenizer=tokenizer, device=device)
+        self.chat = self.kind == "generation" and _trained_on_chats(path)  # prompts go through the chat template
 
     def predict(self, texts: list, batch_size: int = 32, max_new_tokens: int = 40, progress: bool | None = None):
         """Predict for N ``texts`` (strings, or (first, second) pairs for a classifier), ``batch_size`` per forward
@@ -196,6 +215,12 @@ class Predictor:
         else:
             options = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_full_text": False,
                        "tokenizer_encode_kwargs": {"truncation": True, "max_length": self.max_length}}
+        if self.chat:  # as the run evaluated its generations: one user turn, the template, stop at end of turn
+            from finetune.sft import generate_completions  # imports transformers: see the note at the top
+
+            generated = generate_completions(self.pipe.model, self.pipe.tokenizer, texts, max_new_tokens, batch_size,
+                                             self.max_length) if texts else []
+            return [{"text": text, "generated": completion} for text, completion in zip(texts, generated)]
         order = sorted(range(len(texts)), key=lambda i: -len("".join(texts[i])))
         inputs = ({"text": texts[i][0], "text_pair": texts[i][1]} if pairs else texts[i] for i in order)
         outputs = self.pipe(inputs, batch_size=batch_size, **options) if texts else []
