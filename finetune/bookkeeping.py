@@ -12,6 +12,14 @@ from finetune.output import clear_output_dir
 from finetune.steps import StepPlan
 
 
+def empty_window_error(samples: int) -> FinetuneError:
+    """The error for an accumulation window whose ``samples`` hold no trained item (no label token): its loss
+    would divide by zero."""
+    return FinetuneError(f"an accumulation window of {samples} samples has no trained tokens (every label is "
+                         "masked: texts of one token, or --max_length too small to keep a target). Raise "
+                         "--max_length (>= 2 for causal LM) or remove such samples (finetune check-data).")
+
+
 def grad_norm_value(grad_norm) -> float | None:
     """A gradient norm (tensor, float, or None) as a float for the log, or None."""
     return None if grad_norm is None else float(grad_norm)

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
 from finetune import distributed
-from finetune.bookkeeping import Bookkeeping
+from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
@@ -125,13 +125,15 @@ class WindowCounts:
 
 def count_window(window: list[dict], task, accelerator) -> WindowCounts:
     """The window's ``WindowCounts`` over all processes, known before any backward: one all-reduce (a
-    sync point) per window."""
+    sync point) per window. Raises ``FinetuneError`` (on every process alike) for a window with no item."""
     device = accelerator.device
     local = torch.stack([sum(task.count(b["labels"]) for b in window),
                          torch.tensor(sum(b["labels"].shape[0] for b in window), device=device),
                          sum(b["attention_mask"].sum() for b in window),
                          torch.tensor(sum(b["attention_mask"].numel() for b in window), device=device)])
     items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
+    if items == 0:
+        raise empty_window_error(int(samples))
     return WindowCounts(items, int(samples), int(input_tokens), int(padded))
 
 

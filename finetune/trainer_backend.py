@@ -26,7 +26,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
 from finetune import distributed
-from finetune.bookkeeping import Bookkeeping
+from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
@@ -140,6 +140,8 @@ class BookkeepingCallback(TrainerCallback):
         window's items ``num_items_in_batch``; the window's loss, items and samples are counted for the log."""
         if num_items_in_batch is None or not torch.is_grad_enabled():  # evaluation (Trainer passes a count there too)
             return loss_sum / self.task.count(labels).clamp(min=1)
+        if int(num_items_in_batch) == 0:  # counted over every process: all raise alike
+            raise empty_window_error(labels.shape[0])
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
         self.window_items = int(num_items_in_batch)
         self.window_samples += labels.shape[0]
