@@ -30,6 +30,20 @@ def apply_lora(model, config, task_name: str) -> PeftModel:
     return get_peft_model(model, lora_config(config, task_name))
 
 
+def save_pretrained_here(model, path, **kwargs) -> None:
+    """``model.save_pretrained(path, **kwargs)`` written by this process, whatever its global rank: transformers 5
+    writes on global rank 0 only once torch.distributed is up (``distributed/mixin.py``
+    ``should_save_on_this_rank``), which would leave a machine's own copy without the file."""
+    if hasattr(model, "should_save_on_this_rank"):
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            model.save_pretrained(path, is_main_process=True, **kwargs)
+        finally:
+            del model.should_save_on_this_rank
+    else:
+        model.save_pretrained(path, **kwargs)
+
+
 def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_dir: Path, base_name_or_path: str,
                  is_main_process: bool, merge: bool) -> None:
     """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer) into
@@ -44,7 +58,7 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
         model.get_base_model().config.save_pretrained(output_dir)
     if base_name_or_path.endswith(".gguf"):
         base, _ = load_gguf_causal_lm(base_name_or_path)
-        base.save_pretrained(output_dir / BASE_DIR)
+        save_pretrained_here(base, output_dir / BASE_DIR)
         tokenizer.save_pretrained(output_dir / BASE_DIR)
         path = output_dir / ADAPTER_CONFIG
         adapter = json.loads(path.read_text())
@@ -52,7 +66,7 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
         path.write_text(json.dumps(adapter, indent=2) + "\n")
     if merge:
         merged = model.merge_and_unload()  # the adapter was saved above; this ends the PeftModel
-        merged.save_pretrained(output_dir / "merged")
+        save_pretrained_here(merged, output_dir / "merged")
         tokenizer.save_pretrained(output_dir / "merged")
 
 

@@ -182,3 +182,23 @@ def test_a_stuck_peer_fails_the_run_after_ddp_timeout(tmp_path, tiny_bert):
             child.kill()
         wait_all(machines, timeout=30)
     assert code != 0 and waited < 120, (code, waited)
+
+
+def test_each_machine_keeps_the_merged_lora_model(tmp_path, tiny_llama, clm_texts):
+    """LoRA with --merge_adapter on two machines without a shared filesystem: each machine's copy holds the
+    adapter and the merged model. transformers 5 writes save_pretrained on global rank 0 only, so machine 1's
+    merged/ stayed empty while its adapter directory claimed to be complete."""
+    from safetensors.torch import load_file
+
+    train, valid = clm_texts
+    args = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", train,
+            "--validation_file", valid, "--max_steps", "2", "--eval_strategy", "no", "--max_length", "32",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--mixed_precision", "no",
+            "--use_peft", "--merge_adapter", "--learning_rate", "1e-3", "--seed", "5"]
+    codes = wait_all(start_machines(tmp_path, "lora", args), timeout=300)
+    assert codes == [0, 0], [(tmp_path / f"lora.m{r}.err").read_text()[-3000:] for r in (0, 1)]
+    merged = [load_file(str(tmp_path / f"m{rank}" / "merged" / "model.safetensors")) for rank in (0, 1)]
+    assert merged[0].keys() == merged[1].keys() and all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0])
+    for rank in (0, 1):
+        assert (tmp_path / f"m{rank}" / "adapter_model.safetensors").is_file()
+        assert (tmp_path / f"m{rank}" / "merged" / "tokenizer.json").is_file()

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import get_scheduler
 
 from finetune.errors import FinetuneError
-from finetune.lora import save_adapter
+from finetune.lora import save_adapter, save_pretrained_here
 from finetune.precision import effective_mixed_precision
 from finetune.steps import StepPlan, plan_steps
 
@@ -109,15 +109,6 @@ class PlainEngine:
             save_adapter(unwrapped, state_dict, tokenizer, output_dir, config.model_name_or_path, writes,
                          merge=config.merge_adapter)
             return
-        if writes and not accelerator.is_main_process and hasattr(unwrapped, "should_save_on_this_rank"):
-            # a machine's own copy: transformers 5 writes on global rank 0 only once torch.distributed is up,
-            # whatever is_main_process says (DistributedMixin.should_save_on_this_rank)
-            unwrapped.should_save_on_this_rank = lambda is_main_process: is_main_process
-            try:
-                unwrapped.save_pretrained(output_dir, is_main_process=True, state_dict=state_dict)
-            finally:
-                del unwrapped.should_save_on_this_rank
-        else:
-            unwrapped.save_pretrained(output_dir, is_main_process=writes, state_dict=state_dict)
-        if writes:
+        if writes:  # global rank 0, or a machine's local main process writing that machine's copy
+            save_pretrained_here(unwrapped, output_dir, state_dict=state_dict)
             tokenizer.save_pretrained(output_dir)
