@@ -83,7 +83,7 @@ def setup(config, recipe) -> Setup:
     layout = distributed.plan_storage(accelerator, config.output_dir)
     # each machine's local main process writes its own copy of the model, optimizer and scheduler states
     accelerator.project_configuration.save_on_each_node = layout.per_machine
-    engine.configure(config)
+    engine.configure(config, per_machine=layout.per_machine)
     precision = engine.precision()
     task = get_task(recipe.TASK)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(

@@ -510,3 +510,28 @@ def test_ddp_evaluation_never_runs_ddps_forward():
     batch = {"input_ids": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5, dtype=torch.long),
              "labels": torch.zeros(4, dtype=torch.long)}
     assert evaluate(accelerator, wrapped, [batch], get_task("sequence-classification"), {})["eval_samples"] == 4
+
+
+def test_machines_without_a_shared_filesystem_under_sharded_engines(tmp_path):
+    """Each machine keeping its own copy (no shared filesystem): DeepSpeed writes its model states on every
+    machine (``checkpoint.use_node_local_storage``, as transformers 5.23's Trainer sets for save_on_each_node in
+    ``integrations/deepspeed.py``); FSDP and ZeRO-3, whose full weights exist on global rank 0 only, are refused
+    before training instead of writing copies marked complete that hold no weights."""
+    from finetune.config import TrainConfig
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none")
+    for stage in (2, 3):
+        accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(
+            deepspeed_plugin=SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": stage}})))
+        engine = engine_for(accelerator)
+        engine.configure(config)  # one machine, or a shared filesystem: untouched
+        assert "checkpoint" not in engine.ds_config
+        if stage == 2:
+            engine.configure(config, per_machine=True)
+            assert engine.ds_config["checkpoint"]["use_node_local_storage"] is True
+        else:
+            with pytest.raises(FinetuneError, match="shared --output_dir"):
+                engine.configure(config, per_machine=True)
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(FinetuneError, match="shared --output_dir"):
+        engine_for(fsdp).configure(config, per_machine=True)

@@ -35,11 +35,20 @@ class DeepSpeedEngine(PlainEngine):
     def ds_config(self) -> dict:
         return self.accelerator.state.deepspeed_plugin.deepspeed_config
 
-    def configure(self, config) -> None:
-        """Write the flags into the config (``deepspeed_config_updates``); ``FinetuneError`` on a contradiction."""
+    def configure(self, config, per_machine: bool = False) -> None:
+        """Write the flags into the config (``deepspeed_config_updates``); ``FinetuneError`` on a contradiction.
+        ``per_machine``: DeepSpeed writes its model states on each machine's local rank 0
+        (``checkpoint.use_node_local_storage``, what Trainer sets for ``save_on_each_node``: transformers 5.23
+        ``integrations/deepspeed.py``); refused under ZeRO-3, whose 16-bit weights are gathered on rank 0 only."""
         self.ds_config.update(deepspeed_config_updates(
             self.ds_config, max_grad_norm=config.max_grad_norm, micro_batch=config.per_device_train_batch_size,
             accumulation_steps=config.gradient_accumulation_steps))
+        if per_machine:
+            if (self.ds_config.get("zero_optimization") or {}).get("stage") == 3:
+                raise FinetuneError("DeepSpeed ZeRO-3 over machines needs one shared --output_dir: the final model's "
+                                    "weights are gathered on global rank 0 only. Give every machine the same directory "
+                                    "on a shared filesystem, or use ZeRO stage 1 or 2.")
+            self.ds_config.setdefault("checkpoint", {})["use_node_local_storage"] = True
 
     def precision(self) -> str:
         """``deepspeed_precision`` of the config: DeepSpeed casts the model, autocast would report fp32."""

@@ -7,6 +7,7 @@ from accelerate.utils import GradientAccumulationPlugin
 from torch.distributed import fsdp
 
 from finetune.engine.plain import PlainEngine
+from finetune.errors import FinetuneError
 
 _SHARDED_MODULES = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, name))
 
@@ -19,8 +20,14 @@ class FsdpEngine(PlainEngine):
     generation_synced = True  # every forward all-gathers: ranks generate in lockstep
     eval_may_split_batch = False  # all-gathers run inside every forward: a rank retrying alone would hang
 
-    def configure(self, config) -> None:
-        """Replace the accumulation plugin with one that syncs each batch; ``RuntimeError`` if it did not take."""
+    def configure(self, config, per_machine: bool = False) -> None:
+        """Replace the accumulation plugin with one that syncs each batch; ``RuntimeError`` if it did not take.
+        Raises ``FinetuneError`` for machines without a shared filesystem: FSDP's full state dict is gathered on
+        rank 0 and its sharded checkpoints' metadata written there, so no other machine's copy would be whole."""
+        if per_machine:
+            raise FinetuneError("FSDP over machines needs one shared --output_dir: its checkpoints and final model "
+                                "are written by global rank 0 (and each rank's shard), so a machine's own copy would "
+                                "not be whole. Give every machine the same directory on a shared filesystem.")
         # GradientState's constructor replaces a different plugin (accelerate 1.15 state.py); accumulate() reads it
         GradientState(gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False, sync_each_batch=True))

@@ -56,8 +56,9 @@ class PlainEngine:
         self.accelerator = accelerator
         self.note: str | None = None  # a banner line, set by configure/prepare
 
-    def configure(self, config) -> None:
-        """Before the model is built: adapt Accelerate's plugin to the run's flags."""
+    def configure(self, config, per_machine: bool = False) -> None:
+        """Before the model is built: adapt Accelerate's plugin to the run's flags. ``per_machine``: each machine
+        keeps its own copy of the run's files (no shared filesystem, ``distributed.plan_storage``)."""
 
     def precision(self) -> str:
         """The precision the run trains in ("fp16", "bf16" or "no"), measured under autocast."""
