@@ -1,24 +1,8 @@
-"""The accelerate engine: setup, then one visible ``train()`` loop with exact gradient accumulation inline.
-
-Exactness rules (tested in ``tests/test_accumulation.py``):
-
-- An accumulation window is up to N = ``gradient_accumulation_steps`` micro-batches; an epoch of M
-  micro-batches has ceil(M / N) optimizer steps; the last window may be partial.
-- Every micro-batch's loss is the *sum* of its per-item losses divided by the number of items in the
-  whole window, counted across all processes. So each window's gradient is the mean over exactly the
-  items it holds, and a partial last window is weighted by its true size (Accelerate's own
-  ``accelerator.backward`` divides by N, which under-weights it; we multiply N back in).
-- Gradients are clipped only on the sync (last) micro-batch of a window; the LR schedule is sized in
-  optimizer steps and advances only when the optimizer really stepped (fp16 overflow skips do not; a
-  skip is Accelerate's flag or a drop of the GradScaler's scale, see ``precision.optimizer_step_skipped``).
-- Under DeepSpeed the same loop runs through Accelerate's DeepSpeed integration: ``accelerator.backward``
-  runs DeepSpeed's backward (which divides by its ``gradient_accumulation_steps``, set to N) and, on the
-  sync micro-batch, DeepSpeed's optimizer step with its clipping (set from ``--max_grad_norm``) and its
-  overflow skip; ``optimizer.step()``/``zero_grad()`` are no-ops there, ``clip_grad_norm_`` reports the
-  norm DeepSpeed computed (``finetune/sharded.py``).
-
-Everything that is not the accumulation step (counters, the log record, trackers, progress, guards,
-checkpoint and evaluation cadence) is ``RunState``'s.
+"""The accelerate engine: ``setup()`` asks the engine seam (``finetune.engine``), then one visible ``train()``
+loop with exact accumulation inline. Each micro-batch's summed loss is divided by the items of its whole window
+over all processes (a partial last window weighs its true size); clipping on the sync micro-batch only; the
+schedule advances only after a real optimizer step. Under an engine that steps inside ``backward`` (DeepSpeed)
+the same loop runs, ``optimizer.step()`` is a no-op there. Rules and their tests: docs/design-notes.md#train.
 """
 
 from __future__ import annotations
@@ -55,7 +39,7 @@ class Setup:
     """Everything ``train()`` needs, built from a config and a recipe."""
 
     accelerator: object
-    engine: PlainEngine  # plain/DDP, FSDP or DeepSpeed: finetune.engine
+    engine: PlainEngine  # plain/DDP or a sharding engine: finetune.engine
     model: object
     tokenizer: object
     optimizer: object
@@ -160,8 +144,8 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 # also for a short last window (it syncs when its counter reaches a multiple of N).
                 accelerator.step = N - len(window)
                 window_loss = torch.zeros((), device=accelerator.device)
-                # Read before any backward: under DeepSpeed the last one runs the optimizer step, and with a
-                # schedule DeepSpeed owns, the schedule step too.
+                # Read before any backward: an engine may run the optimizer (and its own schedule's) step
+                # inside the last one.
                 learning_rate = built.learning_rate()
                 for batch in window:
                     with accelerator.accumulate(model):
