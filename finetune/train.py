@@ -1,7 +1,7 @@
 """The accelerate engine: ``setup()`` asks the engine seam (``finetune.engine``), then one visible ``train()``
 loop with exact accumulation inline. Each micro-batch's summed loss is divided by the items of its whole window
 over all processes (a partial last window weighs its true size); clipping on the sync micro-batch only; the
-schedule advances only after a real optimizer step. Under an engine that steps inside ``backward`` (DeepSpeed)
+schedule advances only after a real optimizer step. Under an engine that steps inside ``backward``
 the same loop runs, ``optimizer.step()`` is a no-op there. Rules and their tests: docs/design-notes.md#train.
 """
 
