@@ -1,10 +1,5 @@
-"""Bookkeeping both engines share, so they behave alike by construction: the output directory and who
-writes it, the ``log.jsonl`` record of each optimizer step and evaluation, the evaluation and checkpoint
-cadence, the best model and early stopping, and fp16 skip counting (``--max_skipped_steps``).
-
-The accelerate loop calls it directly (``train.RunState``); the Trainer backend through one callback.
-Units: optimizer steps; samples and label tokens summed over all processes; seconds.
-"""
+"""Bookkeeping both engines share (output directory, ``log.jsonl``, cadence, best model, early stopping, fp16
+skips). Units: optimizer steps, samples and tokens over all processes, seconds. See docs/design-notes.md#bookkeeping."""
 
 from __future__ import annotations
 
@@ -17,15 +12,21 @@ from finetune.output import clear_output_dir
 from finetune.steps import StepPlan
 
 
+def empty_window_error(samples: int) -> FinetuneError:
+    """The error for an accumulation window whose ``samples`` hold no trained item (no label token): its loss
+    would divide by zero."""
+    return FinetuneError(f"an accumulation window of {samples} samples has no trained tokens (every label is "
+                         "masked: texts of one token, or --max_length too small to keep a target). Raise "
+                         "--max_length (>= 2 for causal LM) or remove such samples (finetune check-data).")
+
+
 def grad_norm_value(grad_norm) -> float | None:
-    """A gradient norm as a float for the log: a tensor, a float (an engine's own norm), or None (none
-    computed) -> None."""
+    """A gradient norm (tensor, float, or None) as a float for the log, or None."""
     return None if grad_norm is None else float(grad_norm)
 
 
 class JsonlLog:
-    """``log.jsonl``: one JSON object per line, written by the main process only and flushed at once so a
-    run that dies keeps its log. ``append`` continues a resumed run's file."""
+    """``log.jsonl``, one JSON object per line, main process only, flushed at once; ``append`` resumes."""
 
     def __init__(self, path: Path, enabled: bool, append: bool = False):
         self.file = open(path, "a" if append else "w", encoding="utf-8") if enabled else None
@@ -44,8 +45,7 @@ class JsonlLog:
 
 
 def restore_log(path: Path, step: int) -> None:
-    """On resume: keep the log records up to the checkpoint's ``step`` (optimizer-step records up to and
-    including it, evaluations before it) and drop what a killed run wrote after it."""
+    """On resume: drop the log records a killed run wrote after the checkpoint's ``step``."""
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines()
@@ -54,10 +54,8 @@ def restore_log(path: Path, step: int) -> None:
 
 
 class Bookkeeping:
-    """One run's records and cadence. ``writes``: this process writes the run's files into its
-    ``--output_dir`` (global rank 0, or each machine's local main process without a shared filesystem).
-    ``say``: prints on the processes that should (the main process). ``progress``: the counters a
-    checkpoint holds (``checkpoint.RunProgress``)."""
+    """One run's records and cadence. ``writes``: this process writes ``--output_dir``; ``say``: prints where it
+    should; ``progress``: the counters a checkpoint holds (``checkpoint.RunProgress``)."""
 
     def __init__(self, config, plan: StepPlan, progress: RunProgress, *, writes: bool, say, counts_tokens: bool):
         self.config, self.plan, self.progress, self.writes, self.say = config, plan, progress, writes, say
@@ -70,9 +68,7 @@ class Bookkeeping:
 
     # -------------------------------------------------------------------------------- the output directory
     def open(self, resume_step: int | None) -> None:
-        """Prepare the output directory: cleared under ``--overwrite_output_dir`` on a fresh start (only now:
-        a run refused before training touches nothing), ``run_config.json`` written, a resumed run's
-        ``log.jsonl`` cut back to ``resume_step`` and continued."""
+        """Clear (``--overwrite_output_dir``, fresh runs only), write ``run_config.json``, resume ``log.jsonl``."""
         if self.writes:
             if self.config.overwrite_output_dir and resume_step is None:
                 clear_output_dir(self.output_dir)
@@ -93,8 +89,7 @@ class Bookkeeping:
         return self.config.eval_strategy == "steps" and step % self.eval_steps == 0
 
     def save_after_step(self, step: int) -> bool:
-        """``--save_strategy steps``: checkpoint after ``step`` (not after the last step: the final model is
-        written then, nor once early stopping fired)."""
+        """``--save_strategy steps``: checkpoint after ``step`` (not the last, nor after early stopping)."""
         return (self.config.save_strategy == "steps" and step % self.save_steps == 0 and step < self.plan.max_steps
                 and not self.stopping_early)
 
@@ -107,11 +102,8 @@ class Bookkeeping:
     def record_step(self, *, loss: float, samples: int, items: float, micro_batches: int, learning_rate: float | None,
                     grad_norm, loss_scale: float | None, skipped: bool, input_tokens: int | None = None,
                     padded_tokens: int | None = None, **extra) -> dict:
-        """Count one optimizer step and write its ``log.jsonl`` record: ``loss`` (mean per item over the
-        window), ``samples`` and ``items`` (label tokens for causal LM) over all processes, the learning rate
-        the step used, the pre-clip ``grad_norm``, the fp16 ``loss_scale`` after the step and whether it was
-        ``skipped``; ``extra`` keys are added to the record. Returns the record. Raises ``NumericalError``
-        after more than ``--max_skipped_steps`` fp16 skips in a row."""
+        """Count one optimizer step and return its ``log.jsonl`` record (``loss``: mean per item over the window;
+        ``samples``, ``items`` over all processes). Raises ``NumericalError`` past ``--max_skipped_steps`` skips."""
         progress = self.progress
         progress.record_step(loss, skipped)
         progress.samples_seen += samples
@@ -138,10 +130,19 @@ class Bookkeeping:
                 "Use --mixed_precision bf16 or no, or lower --learning_rate; raise --max_skipped_steps to tolerate more.")
         return record
 
-    def record_evaluation(self, results: dict, seconds: float) -> None:
-        """Log an evaluation after the current step (``seconds`` it took, kept out of ``train_runtime``), track
-        the best model (``--metric_for_best_model``) and early stopping (``--early_stopping_patience``:
-        ``stopping_early`` is set). Raises ``FinetuneError`` when the metric is not among ``results``."""
+    def checkpointed_after(self, step: int, at_epoch_end: bool) -> bool:
+        """Whether the model evaluated after ``step`` is kept by the accelerate loop: a checkpoint follows
+        the evaluation (``--save_strategy``), or it is the final model."""
+        if step >= self.plan.max_steps:
+            return True
+        if at_epoch_end:
+            return self.config.save_strategy == "epoch"
+        return self.config.save_strategy == "steps" and step > 0 and step % self.save_steps == 0
+
+    def record_evaluation(self, results: dict, seconds: float, checkpointed: bool) -> None:
+        """Log an evaluation (``seconds``, kept out of ``train_runtime``), track early stopping and the best
+        model: the best evaluation whose model is ``checkpointed``. Raises ``FinetuneError`` when
+        ``--metric_for_best_model`` is not among ``results``."""
         step, config = self.progress.step, self.config
         self.eval_runtime += seconds
         self.eval_results, self.last_eval_step = results, step
@@ -154,7 +155,7 @@ class Bookkeeping:
         if config.best_metric_key not in results:
             raise FinetuneError(f"--metric_for_best_model {config.metric_for_best_model!r}: the evaluation has no "
                                 f"{config.best_metric_key!r} (it has {', '.join(sorted(results))}).")
-        if self.progress.record_evaluation(results[config.best_metric_key], config.greater_is_better):
+        if self.progress.record_evaluation(results[config.best_metric_key], config.greater_is_better, checkpointed):
             self.best_eval_results = results
         patience = config.early_stopping_patience
         if patience and self.progress.evals_without_improvement >= patience:
@@ -163,8 +164,7 @@ class Bookkeeping:
                      f"best {self.progress.best_metric:.4f} at step {self.progress.best_step}.")
 
     def final_eval_results(self) -> dict:
-        """The evaluation ``metrics.json`` reports: the best one under ``--load_best_model_at_end``, else the
-        last."""
+        """The evaluation ``metrics.json`` reports: the best under ``--load_best_model_at_end``, else the last."""
         if self.config.load_best_model_at_end and self.best_eval_results:
             return self.best_eval_results
         return self.eval_results

@@ -1,11 +1,7 @@
-"""Checkpoints that survive: atomic, complete-or-ignored, pruned only after the new one is complete, and
-refused when resuming would change what a step means.
-
-Layout: ``<output_dir>/checkpoints/step_00000012/`` holds ``accelerator.save_state`` output (model,
-optimizer, scheduler, RNG states), ``trainer_state.json`` (our loop state) and, written last, the
-``COMPLETE`` marker. A checkpoint is written into ``.tmp-step_...`` and renamed into place, so a crash or
-a full disk mid-write never leaves a half checkpoint under a real name.
-"""
+"""Checkpoints that survive: written to ``.tmp-step_...`` and renamed, ``COMPLETE`` marker last, pruned only
+after the new one is complete, refused when resuming would change what a step means. Layout:
+``<output_dir>/checkpoints/step_00000012/`` = ``accelerator.save_state`` output, ``trainer_state.json`` and
+``COMPLETE`` (see docs/design-notes.md#checkpoint)."""
 
 from __future__ import annotations
 
@@ -50,6 +46,7 @@ class RunProgress:
     best_metric: float | None = None  # --metric_for_best_model's best value so far, and where
     best_step: int | None = None
     evals_without_improvement: int = 0  # for --early_stopping_patience
+    patience_best: float | None = None  # the best value of every evaluation (best_metric: of those kept)
     train_runtime: float = 0.0
     num_processes: int = 1
     step_meaning: dict = field(default_factory=dict)
@@ -62,17 +59,26 @@ class RunProgress:
         self.skipped_steps += int(skipped)
         self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
 
-    def record_evaluation(self, value: float | None, greater_is_better: bool) -> bool:
-        """Track ``--metric_for_best_model`` after an evaluation at ``self.step``; return whether it is the
-        best so far (strictly better, as Trainer's ``EarlyStoppingCallback`` with threshold 0)."""
+    def record_evaluation(self, value: float | None, greater_is_better: bool, checkpointed: bool = True) -> bool:
+        """Track ``--metric_for_best_model`` after an evaluation at ``self.step``. Early stopping counts
+        evaluations without a strict improvement over every evaluation so far (Trainer's
+        ``EarlyStoppingCallback``, threshold 0); the best model is the best evaluation whose model is kept
+        (``checkpointed``: a checkpoint follows it, or it is the final model). Returns whether this
+        evaluation is the new best model."""
         if value is None:
             return False
-        better = self.best_metric is None or (value > self.best_metric if greater_is_better else value < self.best_metric)
-        if better:
-            self.best_metric, self.best_step, self.evals_without_improvement = value, self.step, 0
+
+        def better(than):
+            return than is None or (value > than if greater_is_better else value < than)
+
+        if better(self.patience_best):
+            self.patience_best, self.evals_without_improvement = value, 0
         else:
             self.evals_without_improvement += 1
-        return better
+        if checkpointed and better(self.best_metric):
+            self.best_metric, self.best_step = value, self.step
+            return True
+        return False
 
 
 def checkpoints_dir(output_dir) -> Path:
@@ -101,11 +107,8 @@ def is_complete(path: Path) -> bool:
 
 
 def find_resume_checkpoint(output_dir, spec: str) -> Path:
-    """The checkpoint to resume from: ``spec`` "latest" -> the newest complete one under ``output_dir``
-    (incomplete ones are skipped with a warning); otherwise ``spec`` is a checkpoint path.
-
-    Raises ``FinetuneError`` when there is none, or the path is not a complete checkpoint.
-    """
+    """``spec`` "latest": the newest complete checkpoint under ``output_dir`` (incomplete ones skipped with a
+    warning); otherwise the path ``spec``. Raises ``FinetuneError`` if there is none or it is incomplete."""
     if spec == "latest":
         candidates = list_checkpoints(output_dir)
         for path in reversed(candidates):
@@ -128,8 +131,9 @@ def read_state(path: Path) -> RunProgress:
     """The ``RunProgress`` saved in checkpoint ``path``. Raises ``FinetuneError`` if it is unreadable."""
     try:
         saved = json.loads((path / STATE_FILE).read_text())
-        if "loss_sum" in saved:  # the name before round 3
+        if "loss_sum" in saved:  # the names before round 3
             saved["step_loss_total"] = saved.pop("loss_sum")
+            saved.setdefault("patience_best", saved.get("best_metric"))
         return RunProgress(**saved)
     except (OSError, ValueError, TypeError) as err:
         raise FinetuneError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}). Resume from another checkpoint "
@@ -154,24 +158,12 @@ def checkpoint_path(output_dir, step: int) -> Path:
 
 def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limit: int | None,
                     model=None, tokenizer=None, layout=None) -> Path:
-    """Write a checkpoint for ``state.step`` atomically, then prune to ``save_total_limit`` (oldest first,
-    only complete ones, never the new one, never the best one: ``state.best_step``). Every process calls
-    this (``save_state`` is collective).
-
-    With ``model`` and ``tokenizer``, the checkpoint is also a loadable model directory: the model's
-    ``config.json`` (and generation config) and the tokenizer beside ``save_state``'s ``model.safetensors``,
-    so ``from_pretrained(checkpoint)`` and the predict command work on it (a sharded state dict is consolidated
-    with ``accelerate merge-weights``).
-
-    ``layout`` (``distributed.StorageLayout``; None: global rank 0 writes) says who finalises: with
-    ``per_machine``, each machine's local main process writes its own complete copy (Accelerate's
-    ``save_on_each_node`` writes the model, optimizer and scheduler files there; the random-number states,
-    one file per rank, are exchanged so that each machine's copy holds every rank's and can be copied to
-    another machine).
-
-    Raises ``FinetuneError`` on every process if the write fails on any (e.g. disk full): the partial write
-    is removed and the previous checkpoints are untouched.
-    """
+    """Write ``state.step``'s checkpoint atomically, then prune to ``save_total_limit`` (oldest complete first,
+    never the new or the best one); returns its path. Collective: every process calls it. With ``model`` and
+    ``tokenizer`` it is also a ``from_pretrained`` directory. ``layout`` (``distributed.StorageLayout``; None: global
+    rank 0 writes): ``per_machine`` gives each machine a complete copy (docs/design-notes.md#checkpoint).
+    Raises ``FinetuneError`` on every process if the write fails on any (e.g. disk full): the partial write is
+    removed, the previous checkpoints untouched."""
     writes = accelerator.is_main_process if layout is None else layout.writes
     per_machine = layout is not None and layout.per_machine
     root = checkpoints_dir(output_dir)

@@ -1,28 +1,7 @@
-"""Chunked cross-entropy for causal language models: the next-token loss computed from the final hidden
-states through the output embedding, a chunk of label tokens at a time, so the (batch, seq, vocab) logits
-are never materialised.
-
-With a large vocabulary the logits dominate a causal LM's activation memory: SmolLM2-135M (vocab 49152)
-at 8 x 512 tokens has 768 MiB of fp32 logits, and the plain path (``model(...).logits`` then
-``CausalLM.loss_sum``) holds three tensors that size at its peak (logits, their shifted copy, the
-log-probabilities: 2301 MiB measured for the loss's forward + backward, against 320 MiB here at the default
-chunk, in 0.93x the time; docs/benchmarks.md). Here only the positions whose
-shifted label is not ``IGNORE_INDEX`` are gathered (so prompt and padding positions cost nothing), and the
-logits of ``chunk_size`` label tokens exist at any one time, in forward and in backward.
-
-The idea is torchtune's ``LinearCrossEntropyLoss(num_output_chunks=...)`` (which chunks the sequence and
-checkpoints nothing: autograd keeps every chunk's logits for backward) and TRL's ``loss_type="chunked_nll"``;
-the backward that recomputes or precomputes a chunk's gradient instead of keeping its logits is the
-approach of Liger-Kernel's ``FusedLinearCrossEntropy``. This module is written from those ideas, not from
-their code. See ``bench/bench_chunked_loss.py`` for measurements.
-
-Engine use (the loss convention of ``finetune.tasks.CausalLM``: a sum over label tokens, which the engine
-divides by the label tokens of the accumulation window)::
-
-    hidden, head = causal_lm_hidden_and_head(model, batch)          # batch without "labels"
-    with accelerator.autocast():                                     # the same matmul precision as the model's lm_head
-        loss_sum = chunked_causal_lm_loss_sum(hidden, head, labels)  # == task.loss_sum(model(**batch).logits, labels)
-"""
+"""Chunked cross-entropy for causal LMs: the next-token loss from the final hidden states through the
+output embedding, ``chunk_size`` label tokens at a time, so the (batch, seq, vocab) logits never exist.
+Ideas from torchtune ``LinearCrossEntropyLoss``, TRL ``chunked_nll`` and Liger-Kernel's ``FusedLinearCrossEntropy``
+(not their code). Design: docs/design-notes.md#chunked_loss; measurements: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -46,51 +25,20 @@ METHODS = ("fused", "recompute", "checkpoint")
 # --------------------------------------------------------------------------------------------- loss
 def chunked_causal_lm_loss_sum(hidden_states: torch.Tensor, lm_head, labels: torch.Tensor,
                                chunk_size: int = DEFAULT_CHUNK_SIZE, *, method: str | None = None) -> torch.Tensor:
-    """Summed next-token cross-entropy over label tokens, from the final hidden states, chunk by chunk.
+    """Summed next-token cross-entropy over label tokens: a 0-d fp32 tensor in nats (0 with zero gradients if
+    there are none), equal to float rounding, gradients included, to ``CausalLM().loss_sum(lm_head(hidden_states),
+    labels)`` without the (batch, seq, vocab) logits.
 
-    Equal (to float rounding) to ``CausalLM().loss_sum(lm_head(hidden_states), labels)``, with the same
-    gradients for ``hidden_states`` and the head's weight and bias, but without the (batch, seq, vocab)
-    logits: positions whose shifted label is ``IGNORE_INDEX`` (-100) are dropped before the matmul, and the
-    remaining label tokens go through ``logits = hidden @ weight.T (+ bias)`` ``chunk_size`` at a time.
+    ``hidden_states``: (batch, seq, hidden), the input of ``lm_head`` (after the final norm). ``lm_head``: a
+    ``torch.nn.Linear``, its (vocab, hidden) weight, or another (n, hidden) -> (n, vocab) module (peft wrapper,
+    quantized linear: "checkpoint" only). ``labels``: (batch, seq) token ids, unshifted, ``IGNORE_INDEX`` skipped.
+    ``chunk_size``: label tokens per chunk (chunk_size x vocab fp32 logits at a time). ``method``: "fused" (default
+    for a Linear or weight), "recompute" or "checkpoint" (default for a module): see docs/design-notes.md#chunked_loss.
+    Call inside the model's autocast context to match its matmul dtype; the cross-entropy runs in fp32.
 
-    - ``hidden_states``: (batch, seq, hidden) floating tensor, the input of the model's ``lm_head`` (after the
-      final norm), e.g. from ``causal_lm_hidden_and_head``.
-    - ``lm_head``: the output embedding, a ``torch.nn.Linear`` (weight (vocab, hidden), optional bias
-      (vocab,)) or its weight tensor. Any other module mapping (n, hidden) -> (n, vocab) (a peft LoRA or
-      ``modules_to_save`` wrapper around ``lm_head``, a quantized linear) is called as a module, chunk by chunk
-      under ``torch.utils.checkpoint`` (``method="checkpoint"``, the only one that applies to it).
-    - ``labels``: (batch, seq) integer token ids, **unshifted**, as ``CausalLM.loss_sum`` takes them: the
-      logits at position t are scored against ``labels[:, t + 1]``; ``IGNORE_INDEX`` marks positions to skip.
-    - ``chunk_size``: label tokens per chunk (any positive int; it need not divide the token count). Memory
-      of the loss grows with it (chunk_size x vocab fp32 logits); very small chunks make the matmuls slow.
-    - ``method``: how a chunk's logits are freed before backward; None (default) picks "fused" for a plain
-      Linear or weight and "checkpoint" for another module:
-
-      * ``"fused"``: the forward computes each chunk's loss *and* its gradients (softmax - one-hot, multiplied
-        into the weight and the hidden states), and backward only scales them by the incoming gradient: three
-        vocab-sized matmuls, as the plain path, so no slower than it. Holds the weight's and the hidden
-        states' gradients (fp32) from forward to backward (none for a frozen head). Without grad mode
-        (evaluation), or when no input requires grad, only the loss is computed. Under fp16 autocast it rounds
-        softmax - one-hot to fp16 before the loss scale multiplies it (the plain path after), so the tiniest
-        probabilities' gradients flush to zero sooner: prefer bf16, or "recompute", with fp16.
-      * ``"recompute"``: a custom autograd Function that keeps the selected hidden states, the weight and each
-        token's log-sum-exp, and recomputes each chunk's logits in backward (four vocab-sized matmuls).
-      * ``"checkpoint"``: each chunk's (matmul + cross-entropy) under
-        ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (four matmuls, and autograd's own
-        buffers: more memory than "recompute").
-
-    Precision: the matmul runs in the dtype the plain path's ``lm_head`` would use: the autocast dtype if
-    autocast is on for the tensors' device (call this inside the autocast context the model ran in, e.g.
-    ``accelerator.autocast()``, to match the plain path; outside it an fp32 model's matmul runs in fp32), else
-    the weight's dtype. The logits are then upcast to fp32 for the cross-entropy, as ``CausalLM.loss_sum``
-    does, and the loss is summed in fp32. Gradients are returned in each input's dtype.
-
-    Returns a 0-d fp32 tensor: the loss in nats, summed over label tokens (0 with zero gradients when there
-    are none). Raises ``ValueError`` on inconsistent shapes, a ``chunk_size`` that is not a positive int, an
-    unknown ``method`` (or one other than "checkpoint" for a head that is not a plain Linear or weight), or a
-    label outside [0, vocab) other than ``IGNORE_INDEX``; ``TypeError`` if the hidden states and the weight
-    have different dtypes outside autocast (the plain path's matmul would refuse them too).
-    """
+    Raises ``ValueError`` on inconsistent shapes, a ``chunk_size`` that is not a positive int, an unknown or
+    inapplicable ``method``, or a label outside [0, vocab) other than ``IGNORE_INDEX``; ``TypeError`` if the
+    hidden states' and the weight's dtypes differ outside autocast."""
     if not (isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be a positive int (label tokens per chunk), got {chunk_size!r}")
     if method is not None and method not in METHODS:
@@ -176,8 +124,7 @@ def _cast(tensor, dtype):
 
 
 def _forward_chunks(hidden, weight, bias, targets, chunk_size, compute_dtype, grads=None, need=(False,) * 3):
-    """The summed loss (0-d fp32) over chunks; with ``grads`` = (grad_hidden, grad_weight, grad_bias) buffers,
-    also accumulates d(loss)/d(input) into those that ``need`` says are wanted (the fused forward)."""
+    """The summed loss (0-d fp32) over chunks; with ``grads``, also accumulates the gradients ``need`` asks for."""
     weight_c, bias_c = _cast(weight, compute_dtype), _cast(bias, compute_dtype)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
@@ -194,8 +141,8 @@ def _forward_chunks(hidden, weight, bias, targets, chunk_size, compute_dtype, gr
 
 
 def _softmax_(logits: torch.Tensor, target_chunk: torch.Tensor):
-    """Overwrites ``logits`` (fp32, chunk x vocab) with their softmax, in place (``torch.logsumexp`` would
-    allocate another chunk-sized buffer); returns each row's log-sum-exp and target logit, (chunk,) fp32."""
+    """Overwrites ``logits`` (fp32, chunk x vocab) with their softmax in place; returns each row's log-sum-exp
+    and target logit, (chunk,) fp32."""
     target_logits = logits.gather(1, target_chunk[:, None]).squeeze(1)
     top = logits.amax(dim=1, keepdim=True)
     probs = logits.sub_(top).exp_()
@@ -205,10 +152,8 @@ def _softmax_(logits: torch.Tensor, target_chunk: torch.Tensor):
 
 
 def _chunk_grads(probs, target_chunk, hidden_chunk, weight_c, start, grads, need, scale) -> None:
-    """Turns ``probs`` (the chunk's softmax, fp32, chunk x vocab, overwritten) into d(loss)/d(logits) =
-    scale x (softmax - one-hot) (``scale``: a 0-d tensor, the incoming gradient, or None for 1) and accumulates
-    the chunk's gradients into ``grads`` (grad_hidden rows [start, start + chunk), grad_weight, grad_bias, each
-    only where ``need``)."""
+    """Turns ``probs`` (softmax, overwritten) into d(loss)/d(logits) = scale x (softmax - one-hot) and
+    accumulates the chunk's gradients into ``grads`` (grad_hidden rows from ``start``) where ``need`` says."""
     grad_hidden, grad_weight, grad_bias = grads
     rows = torch.arange(probs.shape[0], device=probs.device)
     probs[rows, target_chunk] -= 1.0
@@ -220,6 +165,10 @@ def _chunk_grads(probs, target_chunk, hidden_chunk, weight_c, start, grads, need
     if need[1]:
         if grad_weight.dtype == grad_logits.dtype:
             grad_weight.addmm_(grad_logits.T, hidden_chunk)
+        elif grad_logits.dtype == torch.float16:
+            # unscaled (softmax - one-hot) summed over the chunk's tokens overflows fp16's 65504 where the
+            # plain path's scaled gradients would not (a hidden value of 80 over 1,025 tokens): sum in fp32
+            grad_weight.addmm_(probs.T, hidden_chunk.float())
         else:
             grad_weight += grad_logits.T @ hidden_chunk
     if need[2]:
@@ -227,8 +176,7 @@ def _chunk_grads(probs, target_chunk, hidden_chunk, weight_c, start, grads, need
 
 
 def _grad_buffers(hidden, weight, bias, need):
-    """Zero buffers for the gradients that are needed: hidden's in its dtype; weight's and bias's in fp32 (they
-    sum over chunks) unless they are fp32 already (then the sum runs in place, in their dtype)."""
+    """Zero buffers for the needed gradients: hidden's in its dtype, weight's and bias's in fp32 (fp64 stays)."""
     acc = lambda t: torch.zeros(t.shape, dtype=torch.float32 if t.dtype != torch.float64 else t.dtype,  # noqa: E731
                                 device=t.device)
     return (torch.empty_like(hidden) if need[0] else None,
@@ -263,8 +211,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 class _RecomputeLinearCrossEntropy(torch.autograd.Function):
-    """Loss only in forward (keeping hidden, weight, targets and each token's log-sum-exp); backward
-    recomputes each chunk's logits and turns them into its gradients in place."""
+    """Loss only in forward (keeping each token's log-sum-exp); backward recomputes each chunk's logits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size, compute_dtype):
@@ -328,30 +275,13 @@ def _checkpointed(hidden, targets, chunk_size, module, weight, bias) -> torch.Te
 
 # ------------------------------------------------------------------------------------- model side
 def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.nn.Module]:
-    """Run a causal LM's forward on ``batch`` and return ``(hidden_states, lm_head)`` instead of its logits:
-    the (batch, seq, hidden) input of the output embedding (after the final norm) and that module
-    (``get_output_embeddings()``), for ``chunked_causal_lm_loss_sum(hidden_states, lm_head, labels)``.
-
-    ``model``: a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...), bare or wrapped by
-    peft (``PeftModelForCausalLM``, LoRA or not), by ``accelerator.prepare`` (its autocast/fp32-output
-    forward), or by DDP or DataParallel. Not a whole-model ``torch.compile`` (a compiled forward does not run
-    hooks added after compilation); compiling only the decoder layers is fine. The forward runs through the outermost wrapper, so DDP's gradient synchronisation and Accelerate's
-    autocast apply exactly as for ``model(**batch)``. ``batch``: the forward's keyword arguments
-    (``input_ids``, ``attention_mask``, ...); a ``labels`` entry is ignored, so the model computes no loss.
-
-    How: transformers 5 offers no "return hidden states instead of logits" switch for the causal-LM heads
-    (``logits_to_keep`` slices positions - an int, index tensor or (batch, seq) bool mask - but whatever it
-    keeps still goes through ``lm_head`` whole, and calling the inner ``model.model`` would bypass DDP's and
-    Accelerate's forward wrappers). So a forward pre-hook on the output embedding records its input and
-    hands it the last position only: the logits computed are (batch, 1, vocab), not (batch, seq, vocab).
-    Those few logits also check that the model returns what its head computed: a model that transforms
-    logits after ``lm_head`` would be trained on a different objective by the chunked loss, so it is refused.
-
-    Raises ``ValueError`` if the model has no output embedding, is ``torch.compile``'d as a whole, uses final logit softcapping (Gemma-2/3
-    ``final_logit_softcapping``) or any other post-head logit transform (Cohere's ``logit_scale``, Granite's
-    ``logits_scaling`` != 1, ...: detected by the comparison above), or does not call its head exactly once
-    on (batch, seq, hidden) hidden states.
-    """
+    """Run a causal LM's forward on ``batch`` (``labels`` ignored) and return ``(hidden_states, lm_head)``: the
+    (batch, seq, hidden) input of ``get_output_embeddings()`` and that module, for ``chunked_causal_lm_loss_sum``.
+    ``model``: a transformers causal LM, bare or wrapped by peft, ``accelerator.prepare``, DDP or DataParallel; the
+    forward runs through the outermost wrapper, and a pre-hook hands the head the last position only (see
+    docs/design-notes.md#chunked_loss). Raises ``ValueError`` if there is no output embedding, the model is
+    ``torch.compile``'d as a whole, transforms logits after its head (Gemma ``final_logit_softcapping``, Cohere
+    ``logit_scale``, ...), or does not call its head exactly once on (batch, seq, hidden) hidden states."""
     inner = _unwrap(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
@@ -398,8 +328,7 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
 
 
 def _wrapper_chain(model: torch.nn.Module) -> list:
-    """``model`` and what it wraps, outermost first: ``.module`` (DDP, DataParallel and the sharding wrappers),
-    ``._orig_mod`` (torch.compile) and peft's ``get_base_model()``."""
+    """``model`` and what it wraps, outermost first (``.module``, ``._orig_mod``, peft's ``get_base_model()``)."""
     chain = [model]
     while len(chain) < 16:
         m = chain[-1]

@@ -1,11 +1,6 @@
-"""Side-by-side comparison of the two engines: ``finetune compare --recipe NAME`` (or any training
-command with ``--compare``).
-
-Each backend runs in a fresh subprocess with the same resolved settings, one after the other, so its
-peak memory (``metrics.json``: process max RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU) and
-wall time are its own. Writes into ``--output_dir``: ``accelerate/`` and ``trainer/`` (each a full run),
-``comparison.json``, ``comparison.md`` and ``loss_curves.png``.
-"""
+"""Side-by-side comparison of the two engines: ``finetune compare --recipe NAME`` (or ``--compare``), each in a
+fresh subprocess, one after the other. Writes ``accelerate/``, ``trainer/``, ``comparison.json``/``.md`` and
+``loss_curves.png`` into ``--output_dir``. See docs/design-notes.md#compare."""
 
 from __future__ import annotations
 
@@ -46,13 +41,9 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def summarize(runs: dict[str, dict]) -> dict:
-    """The comparison from each backend's ``metrics`` and per-step ``log`` records.
-
-    ``runs``: backend -> {"metrics": dict, "steps": [log records with "loss"], "wall_time": seconds}.
-    Returns per-backend figures, the per-step loss differences over the steps both ran (max and mean of
-    |accelerate - trainer|; the mean catches a systematic drift), and the samples/s ratio
-    accelerate / trainer measured in this one comparison.
-    """
+    """The comparison of ``runs`` (backend -> {"metrics", "steps": log records, "wall_time": seconds}): per-backend
+    figures, the per-step loss differences over the steps both ran (max and mean of |accelerate - trainer|), and
+    the samples/s ratio accelerate / trainer."""
     a, t = (runs[b]["steps"] for b in BACKENDS)
     n = min(len(a), len(t))
     diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a[:n], t[:n])]
@@ -138,11 +129,8 @@ def plot_loss_curves(summary: dict, path: Path) -> None:
 
 
 def compare(config) -> dict:
-    """Run both backends with ``config`` and write the comparison into ``config.output_dir``.
-
-    Returns the summary dict (also ``comparison.json``). Raises ``FinetuneError`` when launched with
-    several processes (each backend is launched here, single-process) or when a backend's run fails.
-    """
+    """Run both backends with ``config``, write the comparison into ``config.output_dir`` and return the summary
+    (``comparison.json``). Raises ``FinetuneError`` under several processes, or when a backend's run fails."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise FinetuneError("--compare launches each backend itself in a single process; run it with "
                             "`finetune compare ...` or a 1-process `accelerate launch`.")

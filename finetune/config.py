@@ -178,6 +178,10 @@ class TrainConfig:
     max_skipped_steps: int = field(
         default=10, metadata={"help": "fp16: stop after this many optimizer steps in a row skipped by the GradScaler."}
     )
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Seconds a collective waits for a peer process before the run fails (torch's "
+                                        "process-group timeout; TrainingArguments' name and default)."}
+    )
     report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = field(
         default="none", metadata={"help": "Experiment tracking through Accelerate's trackers (TensorBoard works offline)."}
     )
@@ -361,6 +365,8 @@ class TrainConfig:
             raise FinetuneError(f"--save_total_limit must be >= 1, got {self.save_total_limit}.")
         if self.dataloader_num_workers < 0:
             raise FinetuneError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}.")
+        if self.ddp_timeout < 1:
+            raise FinetuneError(f"--ddp_timeout must be a positive number of seconds, got {self.ddp_timeout}.")
         if self.max_skipped_steps < 1:
             raise FinetuneError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}.")
         if self.auto_find_batch_size and not self.total_batch_size:

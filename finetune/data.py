@@ -1,7 +1,5 @@
-"""Loading what a run needs: models and tokenizers (hub ids, local directories, GGUF files) with fast,
-clear failures when the hub is out of reach; data files; tokenization. Put together per task by
-``finetune.tasks`` and ``finetune.builders``.
-"""
+"""Loading what a run needs: models and tokenizers (hub ids, local directories, GGUF files) with fast, clear
+failures when the hub is out of reach; data files; tokenization. See docs/design-notes.md#data."""
 
 from __future__ import annotations
 
@@ -22,20 +20,10 @@ LABEL_COLUMN = "label"
 
 # --------------------------------------------------------------------------------------- the hub
 def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub answers an HTTP request within ``timeout_s`` seconds.
-
-    The request (``HEAD {endpoint}/``) goes through huggingface_hub's own HTTP client
-    (``huggingface_hub.get_session()``), so it honours what every hub download honours: ``HF_ENDPOINT``
-    (``huggingface_hub.constants.ENDPOINT``) and the ``HTTP(S)_PROXY``/``NO_PROXY`` variables. Any answer
-    below 500 counts as reachable (a 4xx is still the hub answering); a 5xx (e.g. a proxy's 502), a
-    connection or proxy error, or no answer within ``timeout_s`` counts as unreachable. False at once,
-    without a request, in huggingface_hub's offline mode (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``,
-    read when huggingface_hub is imported). Never raises.
-
-    The whole check, name resolution included, is bounded by ``timeout_s`` (the request runs in a daemon
-    thread), so callers fail in seconds instead of after the ~45 s of retries that ``from_pretrained``
-    spends on an unreachable hub.
-    """
+    """Whether the Hugging Face Hub answers ``HEAD {endpoint}/`` below HTTP 500 within ``timeout_s`` seconds
+    (name resolution included), through ``huggingface_hub.get_session()`` (so ``HF_ENDPOINT`` and proxies apply).
+    False at once in offline mode (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``). Never raises. Why bounded:
+    docs/design-notes.md#data."""
     if constants.is_offline_mode():
         return False
     answers: list[bool] = []
@@ -92,9 +80,8 @@ def _from_pretrained(loader, name_or_path: str, **kwargs):
 
 
 def load_tokenizer(name_or_path: str):
-    """The tokenizer of a hub id, a local model directory, or a ``.gguf`` file (``AutoTokenizer``).
-    A tokenizer without a pad token (most causal LMs) pads with its end-of-sequence token.
-    Errors as ``_from_pretrained``."""
+    """The ``AutoTokenizer`` of a hub id, a model directory or a ``.gguf`` file; without a pad token it pads
+    with eos. Errors as ``_from_pretrained``."""
     if name_or_path.endswith(".gguf"):
         tokenizer = load_gguf_tokenizer(name_or_path)
     else:
@@ -126,11 +113,8 @@ def load_causal_lm(name_or_path: str, disable_dropout: bool = False):
 
 
 def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: bool = False):
-    """``AutoModelForSequenceClassification`` with ``len(label_names)`` outputs and named labels
-    (``config.id2label``, so saved models say "sports", not "LABEL_3").
-
-    ``disable_dropout`` sets every ``*dropout*`` probability in the config to 0 (deterministic runs).
-    """
+    """``AutoModelForSequenceClassification`` with ``len(label_names)`` named outputs (``config.id2label``);
+    ``disable_dropout`` sets every ``*dropout*`` probability to 0. Errors as ``_from_pretrained``."""
     config = _from_pretrained(
         AutoConfig,
         name_or_path,
@@ -185,14 +169,9 @@ HOLDOUT_FRACTION = 0.2  # of --train_file held out for validation when no --vali
 
 
 def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | None = None) -> None:
-    """Raise ``FinetuneError`` unless ``HOLDOUT_FRACTION`` of ``train_file``'s ``n_rows`` rows can be held
-    out for validation with rows left to train on, which is what ``Dataset.train_test_split`` needs.
-
-    With ``label_counts`` (label name -> rows; a stratified split) every label needs 2+ rows (one on each
-    side), and the held-out ``ceil(20% of n)`` rows, like the rest, must hold one of each of the k labels:
-    n >= 5k - 4. The message names the file, the labels with too few rows, and the fix (more rows, or
-    ``--validation_file``), instead of datasets' "Minimum class count error" traceback.
-    """
+    """Raise ``FinetuneError`` (naming the file, the short labels and the fix) unless ``HOLDOUT_FRACTION`` of
+    ``n_rows`` can be held out with rows left; stratified (``label_counts``): every label 2+ rows and n >= 5k - 4
+    for k labels, what ``Dataset.train_test_split`` needs (see docs/design-notes.md#data)."""
     n_test = math.ceil(HOLDOUT_FRACTION * n_rows)
     fix = "Add rows, or pass --validation_file with your own validation data."
     if label_counts is None:
@@ -223,15 +202,11 @@ def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | 
 
 
 def load_data_files(train_file: str, validation_file: str | None, text_columns, cache_dir=None, with_labels=True):
-    """Your own data as a DatasetDict (``train``, ``validation``) with a ``ClassLabel`` ``label``
-    (``with_labels=False``: text columns only, for causal LM).
-
-    Labels may be strings or integers; the class names are the sorted distinct train labels. Without
+    """Your own data as a DatasetDict (``train``, ``validation``) with a ``ClassLabel`` ``label`` (the sorted
+    distinct train labels, strings or ints; ``with_labels=False``: text columns only). Without
     ``validation_file``, 20% of ``train_file`` (rounded up) is held out (stratified, seed 42). Raises
-    ``FinetuneError`` for a missing/empty/unreadable file, missing columns, empty texts, validation labels
-    that the training data never shows, or (without ``validation_file``) a ``train_file`` too small to
-    hold out 20%: see ``_check_holdout``.
-    """
+    ``FinetuneError`` for a missing/empty/unreadable file, missing columns, empty texts, validation labels the
+    training data never shows, or a ``train_file`` too small to hold out from (``_check_holdout``)."""
     train = _read_data_file(train_file, "--train_file", text_columns, cache_dir, with_labels)
     if not with_labels:
         if validation_file:
@@ -272,11 +247,8 @@ def load_data_files(train_file: str, validation_file: str | None, text_columns, 
 
 # --------------------------------------------------------------------------------------- tokenization
 def tokenize_datasets(raw, tokenizer, text_columns, max_length: int):
-    """Tokenize every split with ``Dataset.map`` (batched, cached by the datasets library), truncating
-    to ``max_length`` tokens, without padding (the collator pads each micro-batch dynamically).
-
-    Output columns: ``input_ids``, ``attention_mask`` (and ``token_type_ids`` for BERT), ``labels``.
-    """
+    """Every split tokenized with ``Dataset.map`` (batched, cached), truncated to ``max_length`` tokens, unpadded
+    (the collator pads per micro-batch). Columns: ``input_ids``, ``attention_mask`` (``token_type_ids``), ``labels``."""
 
     def encode(batch):
         texts = [batch[c] for c in text_columns]
@@ -289,14 +261,10 @@ def tokenize_datasets(raw, tokenizer, text_columns, max_length: int):
 
 
 def tokenize_for_causal_lm(raw, tokenizer, text_columns, max_length: int, block_size: int | None = None):
-    """Tokenize texts for next-token prediction with ``Dataset.map`` (batched, cached).
-
-    Without ``block_size``: one sample per text, truncated at ``max_length`` tokens (variable lengths;
-    the collator pads and masks padding with -100). With ``block_size``: all texts of a split are
-    concatenated (an end-of-sequence token between texts) and cut into blocks of exactly ``block_size``
-    tokens; the tail shorter than a block is dropped (as transformers' ``run_clm.py`` does).
-    Output column: ``input_ids`` (the collator derives ``labels``). Empty texts are dropped.
-    """
+    """Texts -> ``input_ids`` for next-token prediction (``Dataset.map``, batched, cached; empty texts dropped).
+    One sample per text truncated at ``max_length`` tokens, or with ``block_size`` all texts of a split joined by
+    eos and cut into ``block_size``-token blocks, the short tail dropped (transformers' ``run_clm.py``). The
+    collator derives ``labels``."""
     (column,) = text_columns
 
     def encode(batch):
@@ -323,11 +291,10 @@ def check_max_length(max_length: int, model_config) -> None:
 
 
 def load_conversation_files(train_file: str, validation_file: str | None, cache_dir=None):
-    """Instruction data as a DatasetDict (``train``, ``validation``): JSON lines in TRL's formats,
-    ``prompt`` + ``completion`` (strings, or lists of role/content turns) or ``messages``. Rows are checked
-    when they are rendered (``finetune.sft``, which names a malformed row). Without ``validation_file``, 20%
-    of ``train_file`` is held out (seed 42). Raises ``FinetuneError`` for a missing, empty or unreadable file
-    or one with neither format's columns."""
+    """Instruction data (JSON lines in TRL's ``prompt`` + ``completion`` or ``messages`` format) as a DatasetDict
+    (``train``, ``validation``); rows are checked when rendered (``finetune.sft``). Without ``validation_file``,
+    20% of ``train_file`` is held out (seed 42). Raises ``FinetuneError`` for a missing, empty or unreadable
+    file, or one with neither format's columns."""
     def read(path_str: str, flag: str):
         path = Path(path_str)
         if not path.is_file() or path.stat().st_size == 0:

@@ -23,6 +23,7 @@ import math
 import os
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -36,11 +37,13 @@ from finetune.errors import FinetuneError
 _PROBE = ".write_test"  # the prefix check_output_dir's own probes use: no rank mistakes it for content
 
 
-def process_state(cpu: bool = False) -> PartialState:
+def process_state(cpu: bool = False, timeout_seconds: int | None = None) -> PartialState:
     """Accelerate's process-wide ``PartialState`` (starting the process group if the launcher asked for
     several processes): on the CPU when ``ACCELERATE_USE_CPU`` is set (``accelerate launch --cpu``, or the
-    tests' gloo ranks) or ``cpu`` is True. The only place the package constructs one."""
-    return PartialState(cpu=cpu or parse_flag_from_env("ACCELERATE_USE_CPU"))
+    tests' gloo ranks) or ``cpu`` is True. The only place the package constructs one. ``timeout_seconds``:
+    the collective timeout (``--ddp_timeout``), effective only where this call starts the process group."""
+    kwargs = {} if timeout_seconds is None else {"timeout": timedelta(seconds=timeout_seconds)}
+    return PartialState(cpu=cpu or parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
 
 
 def distributed_state():
@@ -49,6 +52,16 @@ def distributed_state():
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     return process_state()
+
+
+def world_size() -> int:
+    """Processes in the run, from the launcher's ``WORLD_SIZE`` (1 when not launched)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_process_count() -> int:
+    """Processes of the run on this machine, from the launcher's ``LOCAL_WORLD_SIZE`` (1 when not launched)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def machine_index(state) -> int:

@@ -2,12 +2,9 @@
 
 
 class FinetuneError(Exception):
-    """A problem with the user's input or environment, with a message that names it and the fix.
+    """A problem with the user's input or environment; ``run.py`` prints ``error: <message>`` (name and fix)."""
 
-    ``run.py`` prints ``error: <message>`` and exits with ``exit_code`` (2 by default, like argparse).
-    """
-
-    exit_code = 2
+    exit_code = 2  # like argparse
 
 
 class HubUnreachableError(FinetuneError):
@@ -15,16 +12,14 @@ class HubUnreachableError(FinetuneError):
 
 
 class TrainingStopped(FinetuneError):
-    """The run stopped early on purpose (SIGTERM/SIGINT) after writing a checkpoint; the message holds
-    the command that resumes it. Exit code 128 + signal number, as a shell reports a signalled process."""
+    """Stopped on purpose (SIGTERM/SIGINT) after a checkpoint; the message holds the command that resumes it."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
-        self.exit_code = 128 + signum
+        self.exit_code = 128 + signum  # as a shell reports a signalled process
 
 
 class NumericalError(FinetuneError):
-    """A non-finite loss or gradient (fp32/bf16), or too many fp16 overflow skips in a row. The last good
-    checkpoint is kept; nothing after it is saved."""
+    """A non-finite loss or gradient, or too many fp16 overflow skips in a row; the last good checkpoint is kept."""
 
     exit_code = 3

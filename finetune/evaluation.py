@@ -1,25 +1,25 @@
-"""Evaluation, shared by both engines so their eval metrics are defined identically."""
+"""Evaluation, shared by both engines so their metrics are defined identically (docs/design-notes.md#evaluation)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import gather_object
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
-from finetune.sft import generation_metrics, prompt_and_reference
+from finetune.sft import generate_completions, prompt_and_reference, score_completions
 
 GENERATIONS_FILE = "generations.jsonl"  # in the output dir: generated completions beside the references
 
 
 def check_eval_set(num_samples: int, config) -> None:
-    """Refuse, before any training, a run that must evaluate on an empty validation set (e.g. a causal-LM
-    validation text shorter than one ``--block_size`` block). ``num_samples``: validation samples after
-    tokenization. Raises ``FinetuneError`` naming the fixes."""
+    """Raise ``FinetuneError`` naming the fixes, before training, if the run must evaluate on 0 validation
+    samples (``num_samples``, after tokenization; e.g. a text shorter than one ``--block_size`` block)."""
     if num_samples == 0 and config.eval_strategy != "no":
         raise FinetuneError("the validation set is empty after tokenization"
                             + (f" (no text fills one --block_size {config.block_size} block)" if config.block_size else "")
@@ -28,22 +28,18 @@ def check_eval_set(num_samples: int, config) -> None:
 
 
 def evaluate(accelerator, model, dataloader, task, metric_specs: dict) -> dict:
-    """Evaluate on every process: the task's per-sample outputs are gathered with
-    ``gather_for_metrics`` (which drops the samples Accelerate repeats to even out the last batch), then
-    scored once.
-
-    ``task``: a ``finetune.tasks`` task; ``metric_specs``: shipped metric name -> compute kwargs.
-    Returns e.g. ``{"eval_loss", "eval_accuracy", "eval_f1", "eval_samples"}`` (classification) or
-    ``{"eval_loss" (per token), "eval_perplexity", "eval_tokens", "eval_samples"}`` (causal LM); an empty
-    set gives ``{"eval_samples": 0}``.
-    """
+    """Evaluate on every process, gather per-sample outputs (``gather_for_metrics``, which drops Accelerate's
+    padding repeats) and score once with ``task.eval_metrics``: e.g. ``eval_loss`` (per sample, or per token for
+    causal LM), the metrics, ``eval_samples``; ``{"eval_samples": 0}`` for an empty set."""
     was_training = model.training
     model.eval()
     parts = []
-    splittable = engine_for(accelerator).eval_may_split_batch  # no collective inside the forward
+    engine = engine_for(accelerator)
+    splittable = engine.eval_may_split_batch  # no collective inside the forward
+    forward = engine.eval_model(model)
     for batch in dataloader:
         labels = batch.pop("labels")
-        outputs = _eval_outputs(model, batch, labels, task, splittable)
+        outputs = _eval_outputs(forward, batch, labels, task, splittable)
         parts.append([t.cpu() for t in accelerator.gather_for_metrics(outputs)])
     model.train(was_training)
     if not parts:
@@ -52,10 +48,8 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict) -> dict:
 
 
 def _eval_outputs(model, batch: dict, labels, task, splittable: bool) -> tuple:
-    """The task's per-sample eval outputs for one batch; on out-of-memory (Accelerate's
-    ``should_reduce_batch_size``) the batch is split in halves and each half retried, recursively, where
-    ``splittable``. Only evaluation shrinks: the training micro-batch, and so the optimisation, never
-    changes."""
+    """The task's per-sample outputs for one batch; on out-of-memory (``should_reduce_batch_size``) a
+    ``splittable`` batch is retried in halves, recursively. The training micro-batch never changes."""
     try:
         with torch.no_grad():
             return task.eval_outputs(model(**batch).logits, labels)
@@ -72,29 +66,34 @@ def _eval_outputs(model, batch: dict, labels, task, splittable: bool) -> tuple:
 
 
 def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tuple[dict, list[str]]:
-    """For recipes with ``GENERATION`` settings (instruction tuning): greedy completions of the raw
-    validation ``rows`` (the first ``GENERATION["num_samples"]`` of them, all if unset), scored with the
-    recipe's ``METRICS`` (e.g. ROUGE-L and exact match). Generated on the main process (unwrapped model)
-    and broadcast, so every rank logs the same figures and judges the best model alike. Returns
-    ``(metrics, predictions)``; ``({}, [])`` for other recipes."""
+    """``(metrics, predictions)`` of greedy completions for the first ``GENERATION["num_samples"]`` raw ``rows``,
+    scored with the recipe's ``METRICS``; ``({}, [])`` without it. Every process generates its share (rows r,
+    r + P, ...; as many prompts on each, synced where the engine shards) and the completions are gathered in
+    row order, so every rank scores the same figures."""
     spec = dict(getattr(recipe, "GENERATION", None) or {})
     if not spec or rows is None:
         return {}, []
     count = spec.pop("num_samples", None)
     if count is not None:
         rows = rows.select(range(min(count, len(rows)))) if hasattr(rows, "select") else rows[:count]
-    result = [None]
-    if accelerator.is_main_process:
-        result = [generation_metrics(accelerator.unwrap_model(model), tokenizer, rows, recipe.METRICS,
-                                     max_length=config.max_length, **spec)]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(result)
-    return result[0]
+    pairs = [prompt_and_reference(row, f"row {i}") for i, row in enumerate(rows)]
+    rank, processes = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(pairs), processes))
+    share = math.ceil(len(pairs) / processes)
+    padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
+    completions = []
+    if padded:
+        completions = generate_completions(accelerator.unwrap_model(model), tokenizer, [pairs[i][0] for i in padded],
+                                           max_length=config.max_length,
+                                           synced_gpus=engine_for(accelerator).generation_synced, **spec)
+    own = list(zip(mine, completions))
+    gathered = gather_object(own) if processes > 1 else own
+    predictions = [text for _, text in sorted(gathered)]
+    return score_completions(predictions, [reference for _, reference in pairs], recipe.METRICS), predictions
 
 
 def write_generations(output_dir: Path, rows, predictions: list[str]) -> None:
-    """``generations.jsonl``: one line per evaluated validation row, ``{"generated", "reference"}``, from the
-    latest evaluation (the model card shows a few)."""
+    """``generations.jsonl``: ``{"generated", "reference"}`` per row of the latest evaluation."""
     with open(Path(output_dir) / GENERATIONS_FILE, "w", encoding="utf-8") as f:
         for i, (row, generated) in enumerate(zip(rows, predictions)):
             f.write(json.dumps({"generated": generated, "reference": prompt_and_reference(row, f"row {i}")[1]}) + "\n")

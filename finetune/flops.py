@@ -1,9 +1,5 @@
-"""Model FLOPs utilisation (MFU): achieved training FLOP/s over the device's peak.
-
-Training FLOPs per token are approximated as 6 x N (N parameters: 2 for the forward matmuls, 4 for the
-backward; Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1), attention's
-sequence-length term left out. Peaks are dense bf16/fp16 tensor-core figures from NVIDIA's datasheets.
-"""
+"""Model FLOPs utilisation: training FLOPs per token = 6 x parameters (Kaplan et al. 2020, "Scaling Laws for
+Neural Language Models", 2.1; attention's term left out) over dense bf16/fp16 peaks from NVIDIA datasheets."""
 
 from __future__ import annotations
 
@@ -29,9 +25,8 @@ PEAK_FLOPS: list[tuple[str, float, str]] = [
 
 
 def peak_flops(device_name: str | None, override_tflops: float | None = None) -> tuple[float, str] | None:
-    """(peak dense bf16/fp16 tensor-core FLOP/s, its source) for a GPU named ``device_name`` (as
-    ``torch.cuda.get_device_name`` spells it), from ``PEAK_FLOPS`` (NVIDIA datasheets). ``override_tflops``
-    (TFLOP/s) wins when given. None for no device or an unknown one."""
+    """(peak dense bf16/fp16 FLOP/s, its source) for a GPU named as ``torch.cuda.get_device_name`` does;
+    ``override_tflops`` (TFLOP/s) wins. None for no device or an unknown one."""
     if override_tflops:
         return override_tflops * 1e12, "--peak_tflops"
     if not device_name:

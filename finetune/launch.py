@@ -1,15 +1,7 @@
-"""``finetune train``: start training through Accelerate's own launcher machinery, as torchtune's ``tune run``
-wraps torchrun, and do what a bare ``accelerate launch`` cannot:
-
-- pass SIGTERM/SIGINT on to the training processes and wait for their checkpoint (a 1-process
-  ``accelerate launch`` exits at once and leaves the training process running as an orphan);
-- end a user error with the training process's one ``error:`` line and its exit code (2), without the
-  launcher's ``CalledProcessError`` traceback.
-
-The command line takes Accelerate's launcher flags (``--config_file``, ``--num_processes``,
-``--multi_gpu``, ``--num_machines``, ``--machine_rank``, ``--main_process_ip``, ``--main_process_port``, ...)
-mixed with the training flags; a flag both know (``--mixed_precision``) is the training run's.
-"""
+"""``finetune train``: training through Accelerate's launcher machinery (as torchtune's ``tune run`` wraps
+torchrun) that passes SIGTERM/SIGINT on and waits for the checkpoint, and ends a user error with the one
+``error:`` line and exit 2. Takes launcher flags mixed with training flags; a flag both know is the training
+run's (see docs/design-notes.md#launch)."""
 
 from __future__ import annotations
 
@@ -30,11 +22,8 @@ TRAINING_MODULE = "finetune.run"
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Split ``finetune train`` arguments into (Accelerate launcher flags, training flags).
-
-    A flag goes to the launcher when ``accelerate launch`` knows it and ``TrainConfig`` does not; its value
-    (if the launcher flag takes one) goes with it. ``--flag=value`` forms are kept whole.
-    """
+    """(Accelerate launcher flags, training flags): a flag ``accelerate launch`` knows and ``TrainConfig`` does not
+    goes to the launcher, with its value; ``--flag=value`` stays whole."""
     parser = launch_command_parser()
     training = {f"--{name}" for name in TrainConfig.__dataclass_fields__}
     takes_value = {}
@@ -63,9 +52,8 @@ def _exit_code(returncode: int) -> int:
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
-    """Run the one training process, forwarding SIGINT/SIGTERM to it once each, and wait for it to end
-    (it finishes its optimizer step and writes a checkpoint). It runs in its own session, so a Ctrl-C in
-    the terminal reaches it once, through us, not twice."""
+    """Run the training process in its own session (a Ctrl-C reaches it once, through us), forward SIGINT/SIGTERM
+    once each, and return its exit code once it has checkpointed and ended."""
     process = subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def forward(signum, frame):

@@ -1,9 +1,5 @@
-"""LoRA through ``peft``: wrap the model, count what trains, and save a PEFT adapter directory.
-
-The flags are TRL's (``--use_peft``, ``--lora_r``, ``--lora_alpha``, ``--lora_dropout``,
-``--lora_target_modules``). The base model is frozen, so it keeps no gradients and no optimizer state;
-for classification peft keeps the new head (``classifier``/``score``) trainable (``modules_to_save``).
-"""
+"""LoRA through ``peft`` with TRL's flags (``--use_peft``, ``--lora_r``, ...): wrap the model, count what trains,
+save an adapter directory. The base is frozen; a classifier's new head trains and is saved (``modules_to_save``)."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ BASE_DIR = "base_model"  # a GGUF base, de-quantized once, where the adapter con
 
 
 def lora_config(config, task_name: str) -> LoraConfig:
-    """The ``peft.LoraConfig`` for ``config``'s LoRA flags: ``SEQ_CLS`` for classification (peft then keeps
-    the classifier head trainable and saves it with the adapter), ``CAUSAL_LM`` otherwise."""
+    """The ``peft.LoraConfig`` of the LoRA flags: ``SEQ_CLS`` for classification, else ``CAUSAL_LM``."""
     targets = config.lora_target_modules
     if targets and targets != "all-linear":
         targets = [name.strip() for name in targets.split(",") if name.strip()]
@@ -31,20 +26,29 @@ def lora_config(config, task_name: str) -> LoraConfig:
 
 
 def apply_lora(model, config, task_name: str) -> PeftModel:
-    """``peft.get_peft_model`` with ``lora_config``. Raises ``ValueError`` (peft's) for target modules the
-    model does not have; the caller turns it into a clear error."""
+    """``peft.get_peft_model`` with ``lora_config``; peft's ``ValueError`` for target modules the model lacks."""
     return get_peft_model(model, lora_config(config, task_name))
+
+
+def save_pretrained_here(model, path, **kwargs) -> None:
+    """``model.save_pretrained(path, **kwargs)`` written by this process, whatever its global rank: transformers 5
+    writes on global rank 0 only once torch.distributed is up (``distributed/mixin.py``
+    ``should_save_on_this_rank``), which would leave a machine's own copy without the file."""
+    if hasattr(model, "should_save_on_this_rank"):
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            model.save_pretrained(path, is_main_process=True, **kwargs)
+        finally:
+            del model.should_save_on_this_rank
+    else:
+        model.save_pretrained(path, **kwargs)
 
 
 def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_dir: Path, base_name_or_path: str,
                  is_main_process: bool, merge: bool) -> None:
-    """Write a PEFT adapter directory into ``output_dir``: ``adapter_config.json``,
-    ``adapter_model.safetensors`` (the LoRA weights and any trainable head) and the tokenizer, loadable with
-    ``load_adapter_model(output_dir)`` (or peft's ``AutoPeftModelForCausalLM``; a classification adapter's
-    ``config.json`` holds the trained labels, which the base model's config lacks). A ``.gguf`` base cannot be reloaded by name, so
-    it is de-quantized once into ``output_dir/base_model`` and the adapter config points there. ``merge``:
-    also write the model with the adapter merged in to ``output_dir/merged`` (a plain model directory).
-    ``state_dict``: the full (gathered) state dict, or None for the model's own."""
+    """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer) into
+    ``output_dir``; a ``.gguf`` base is de-quantized once into ``output_dir/base_model``, ``merge`` also writes
+    ``output_dir/merged``. ``state_dict``: the gathered full state dict, or None (see docs/design-notes.md#lora)."""
     model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=is_main_process)
     if not is_main_process:
         return
@@ -54,7 +58,7 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
         model.get_base_model().config.save_pretrained(output_dir)
     if base_name_or_path.endswith(".gguf"):
         base, _ = load_gguf_causal_lm(base_name_or_path)
-        base.save_pretrained(output_dir / BASE_DIR)
+        save_pretrained_here(base, output_dir / BASE_DIR)
         tokenizer.save_pretrained(output_dir / BASE_DIR)
         path = output_dir / ADAPTER_CONFIG
         adapter = json.loads(path.read_text())
@@ -62,14 +66,13 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
         path.write_text(json.dumps(adapter, indent=2) + "\n")
     if merge:
         merged = model.merge_and_unload()  # the adapter was saved above; this ends the PeftModel
-        merged.save_pretrained(output_dir / "merged")
+        save_pretrained_here(merged, output_dir / "merged")
         tokenizer.save_pretrained(output_dir / "merged")
 
 
 def load_adapter_model(path) -> PeftModel:
-    """The base model named in ``path``'s ``adapter_config.json`` with the adapter of ``path`` applied
-    (``peft.PeftModel.from_pretrained``). A classification adapter's base is built with the labels of its
-    ``config.json``. Raises ``OSError``/``ValueError`` (transformers', peft's) when either cannot be loaded."""
+    """The base model of ``path``'s ``adapter_config.json`` with the adapter applied (``PeftModel.from_pretrained``).
+    Raises ``OSError``/``ValueError`` (transformers', peft's) when either cannot be loaded."""
     path = Path(path)
     adapter = json.loads((path / ADAPTER_CONFIG).read_text())
     base_path = adapter["base_model_name_or_path"]

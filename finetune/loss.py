@@ -12,13 +12,9 @@ DEFAULT_LOSS_CHUNK_SIZE = 1024  # label tokens per chunk on a CPU (measured: doc
 
 def loss_function(task, config, accelerator):
     """``summed_loss(model, batch, labels)``: the micro-batch's loss summed over its items (samples, or label
-    tokens for causal LM), which the loop divides by the window's items.
-
-    Causal LM with ``--loss_chunk_size`` > 0 (the default on a CPU): the chunked loss from the final hidden
-    states (``finetune.chunked_loss``), inside ``accelerator.autocast()`` as the model's own head would run.
-    A model it cannot serve (refused by the engine, compiled as a whole, a softcapped head) falls back to the
-    plain loss when the chunked loss was the default, and raises ``FinetuneError`` when it was asked for.
-    """
+    tokens), which the loop divides by the window's items. Causal LM with ``--loss_chunk_size`` > 0 (default on
+    a CPU): ``finetune.chunked_loss`` under ``accelerator.autocast()``; a model it cannot serve falls back to the
+    plain loss, or raises ``FinetuneError`` if ``--loss_chunk_size`` was given."""
     chunk = config.loss_chunk_size
     if chunk is None:
         chunk = DEFAULT_LOSS_CHUNK_SIZE if accelerator.device.type == "cpu" else 0

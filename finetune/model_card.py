@@ -1,7 +1,6 @@
 """The model card: ``README.md`` in a run's output directory, built with ``huggingface_hub.ModelCard``:
 metadata (``ModelCardData``, every eval metric an ``EvalResult``) over a Markdown body that says what was
-trained, on what, how (as it ran), how well, and the command that reproduces it.
-"""
+trained, on what, how (as it ran), how well, and the command that reproduces it."""
 
 from __future__ import annotations
 
@@ -174,13 +173,10 @@ def _generations(output_dir: Path, count: int = 5) -> str:
 
 # ------------------------------------------------------------------------------------------ the card
 def render_model_card(config, metrics: dict, recipe, command: str, output_dir=None) -> str:
-    """The model card's text (``str`` of a ``huggingface_hub.ModelCard``): YAML metadata, then Markdown.
-
-    Arguments as for ``write_model_card``; ``output_dir`` (default ``config.output_dir``) names the model
-    (its last path component), is the path in the usage snippets, and supplies the label names (its
-    ``config.json``, when present). Writes nothing. Raises ``ValueError`` (from ``huggingface_hub``) if the
-    metadata does not form a valid model card, ``AttributeError`` if ``config`` lacks a ``TrainConfig`` field.
-    """
+    """The model card's text (``str`` of a ``huggingface_hub.ModelCard``): YAML metadata, then Markdown; writes
+    nothing. ``output_dir`` (default ``config.output_dir``): the model's name, snippets' path, label names.
+    Raises ``ValueError`` (``huggingface_hub``) for invalid metadata, ``AttributeError`` if ``config`` lacks a
+    ``TrainConfig`` field."""
     output_dir = Path(output_dir if output_dir is not None else config.output_dir)
     model_name = output_dir.resolve().name or "model"
     recipe_name = str(getattr(recipe, "NAME", config.recipe))
@@ -218,17 +214,11 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
 
 def write_model_card(output_dir, config, metrics: dict, recipe, command: str) -> Path:
     """Write the model card to ``output_dir/README.md`` (overwriting it) and return that path.
-
-    ``config``: the run's ``TrainConfig``. ``metrics``: what ``train()`` returns (``metrics.json``: batch sizes
-    in samples, ``mixed_precision`` as it ran, ``eval_*``, runtimes in s, ``peak_memory_bytes``; a missing key
-    is shown from ``config`` or left out). ``recipe``: the recipe module (``NAME``, ``DESCRIPTION``, ``DATASET``,
-    ``TASK``; optional ``HUB_DATASET``, ``METRICS``, ``TEXT_COLUMNS``). ``command``: the reproduce line (see
-    ``reproduce_command``), shown verbatim. Metadata (``ModelCard.load(path).data``): ``library_name``,
-    ``pipeline_tag``, ``tags``, ``model_name``, ``base_model`` if the base model is a hub id (a local directory
-    or GGUF file is named in the text only), ``datasets`` if the data is a hub dataset, and ``eval_results``:
-    one ``EvalResult`` per finite eval metric, bookkeeping (``eval_samples``, ``eval_runtime``, ...) left out.
-    Raises ``OSError`` if the directory cannot be created or written, and what ``render_model_card`` raises.
-    """
+    ``metrics``: what ``train()`` returns (batch sizes in samples, runtimes in s, ``peak_memory_bytes``; a missing
+    key falls back to ``config`` or is left out). ``recipe``: the recipe module; ``command``: the reproduce line,
+    verbatim. Metadata: ``base_model`` only for a hub id, ``datasets`` only for a hub dataset, one ``EvalResult``
+    per finite quality metric (see docs/design-notes.md#model_card). Raises ``OSError`` if the directory cannot
+    be written, and what ``render_model_card`` raises."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / "README.md"

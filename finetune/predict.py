@@ -1,19 +1,7 @@
-"""Predict with a trained model: ``finetune predict --model OUTPUT_DIR "some text" ...`` (or ``python -m finetune.predict``)
-(``accelerate launch -m finetune.predict ...`` splits the texts over the processes).
-
-A thin CLI on ``transformers.pipeline``: "text-classification" for a sequence classifier, "text-generation"
-for a causal LM. ``--model`` is a training run's ``--output_dir``, a checkpoint inside it
-(``checkpoints/step_N``: the run's model with that step's weights), or a PEFT adapter directory (one
-holding ``adapter_config.json``).
-
-Texts come from positional arguments, ``--file`` (plain text: one text per line; ``.csv``/``.jsonl``/
-``.json``: a ``text`` column, or ``sentence1`` + ``sentence2`` for sentence-pair models), or stdin
-(neither given, or ``-``). A sequence classifier prints one line per text: the label, its probability and
-the start of the text, tab-separated (``--top_k`` labels per line); a causal LM prints its greedy
-continuation. ``--output PATH`` also writes one JSON object per text.
-
-User errors print one ``error:`` line and exit 2, without a traceback.
-"""
+"""Predict with a trained model: ``finetune predict --model OUTPUT_DIR "some text" ...`` (or ``python -m
+finetune.predict``; ``accelerate launch -m finetune.predict`` splits the texts over the processes). A thin CLI
+on ``transformers.pipeline`` ("text-classification" or "text-generation"). Inputs, output lines and
+``--model`` forms: see docs/design-notes.md#predict. User errors print one ``error:`` line and exit 2."""
 
 from __future__ import annotations
 
@@ -29,6 +17,7 @@ from tqdm.auto import tqdm
 
 from finetune.checkpoint import MARKER, STATE_FILE, is_complete
 from finetune.errors import FinetuneError
+from finetune.recipes import load_recipe
 
 # torch, transformers' pipelines, accelerate and peft are imported where they are used: together they take
 # ~6 s to import, which `--help`, a mistyped --model or a bad input file should not wait for (and peft is
@@ -42,13 +31,9 @@ ADAPTER_KINDS = {"SEQ_CLS": "classification", "CAUSAL_LM": "generation"}  # peft
 
 # ------------------------------------------------------------------------------------------ the model
 def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
-    """(the model directory, the checkpoint directory or ``None``) for ``--model model_dir``.
-
-    A model directory holds ``config.json`` (``save_pretrained``) or ``adapter_config.json`` (a PEFT
-    adapter). A training checkpoint (``<run>/checkpoints/step_N``, written by ``Accelerator.save_state``)
-    resolves to its run's output directory, whose config and tokenizer it is loaded with. Raises
-    ``FinetuneError`` naming --model and the fix.
-    """
+    """(the model directory, the checkpoint directory or ``None``) for ``--model model_dir``; a checkpoint
+    (``<run>/checkpoints/step_N``, ``Accelerator.save_state``) resolves to its run's output directory.
+    Raises ``FinetuneError`` naming --model and the fix."""
     path = Path(model_dir).expanduser()
     where = f"--model {str(model_dir)!r}"
     if not path.exists():
@@ -74,24 +59,38 @@ def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
                         "Pass the --output_dir of a finished training run.")
 
 
-def _run_max_length(path: Path) -> int:
-    """``max_length`` of the run that wrote ``path`` (its ``run_config.json``; for a checkpoint, its run's),
-    else 128."""
+def _run_config(path: Path) -> dict:
+    """The ``run_config.json`` of the run that wrote ``path`` (for a checkpoint, its run's), or {}."""
     if not (path / "run_config.json").is_file() and (path / STATE_FILE).is_file():
         path = path.parent.parent  # <run>/checkpoints/step_N
     try:
-        value = json.loads((path / "run_config.json").read_text()).get("max_length")
-    except (OSError, ValueError, AttributeError):
-        return DEFAULT_MAX_LENGTH
+        config = json.loads((path / "run_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _run_max_length(path: Path) -> int:
+    """``max_length`` of the run that wrote ``path``, else 128."""
+    value = _run_config(path).get("max_length")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_LENGTH
 
 
-def model_kind(config, where: str = "--model") -> str:
-    """``"classification"`` or ``"generation"`` for a transformers config, from ``config.architectures``.
+def _trained_on_chats(path: Path) -> bool:
+    """Whether the run that wrote ``path`` was instruction tuning (its recipe's ``TASK`` is "sft"): its model
+    answers prompts rendered with the chat template, not raw text."""
+    recipe = _run_config(path).get("recipe")
+    if not isinstance(recipe, str):
+        return False
+    try:
+        return load_recipe(recipe).TASK == "sft"
+    except (FinetuneError, OSError, ImportError, SyntaxError):
+        return False
 
-    Raises ``FinetuneError`` for a model with neither a sequence-classification nor a causal-LM head
-    (e.g. a bare ``BertModel``).
-    """
+
+def model_kind(config, where: str = "--model") -> str:
+    """``"classification"`` or ``"generation"`` from ``config.architectures``; ``FinetuneError`` for a
+    model with neither head (e.g. a bare ``BertModel``)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     architectures = list(config.architectures or [])
@@ -151,15 +150,10 @@ def _load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
 
 
 class Predictor:
-    """A ``transformers.pipeline`` for a model directory, ready for repeated ``predict`` calls.
-
-    ``model_dir``: a training run's ``--output_dir``, a checkpoint directory inside it, or a PEFT adapter
-    directory. ``max_length``: truncation in tokens; default: the run's ``max_length`` from
-    ``run_config.json``, else 128. ``device``: a torch device (default: the pipeline's choice, the first
-    GPU if there is one, else the CPU). Attributes: ``kind`` (``"classification"``/``"generation"``),
-    ``max_length``, ``pipe`` (the pipeline). Raises ``FinetuneError`` for a missing directory, one without
-    a loadable model/tokenizer, or a ``max_length`` above the model's position limit.
-    """
+    """A ``transformers.pipeline`` for ``model_dir`` (as ``predict`` takes it), for repeated ``predict`` calls.
+    ``max_length``: truncation in tokens (default: the run's ``run_config.json``, else 128); ``device``: default
+    the pipeline's. Attributes ``kind``, ``max_length``, ``pipe``. Raises ``FinetuneError`` for a missing
+    directory, no loadable model/tokenizer, or a ``max_length`` above the model's position limit."""
 
     def __init__(self, model_dir, max_length: int | None = None, device=None):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -199,21 +193,14 @@ class Predictor:
         if device is not None:  # under torch.distributed the pipeline runs where the model is
             model.to(device)
         self.pipe = pipeline(PIPELINE_TASKS[self.kind], model=model, tokenizer=tokenizer, device=device)
+        self.chat = self.kind == "generation" and _trained_on_chats(path)  # prompts go through the chat template
 
     def predict(self, texts: list, batch_size: int = 32, max_new_tokens: int = 40, progress: bool | None = None):
-        """Predict for ``texts`` (a list of N strings, or for a classifier of N (first, second) string pairs),
-        ``batch_size`` texts per forward pass (longest first, so that a batch pads little; the results come
-        back in input order).
-
-        Returns N dicts. Classification: ``{"text", "label", "score", "scores"}``: ``scores`` maps every
-        label name to its probability (the pipeline's softmax over the labels, summing to 1, for a
-        single-label classifier), ``label`` is the most probable and ``score`` its probability.
-        Causal LM: ``{"text", "generated"}``, the greedy continuation of up to ``max_new_tokens`` tokens,
-        decoded without special tokens. ``progress``: a tqdm bar on stderr; ``None`` shows it when there is
-        more than one batch. An empty ``texts`` returns ``[]``. Raises ``FinetuneError`` for a
-        ``batch_size``/``max_new_tokens`` below 1, or sentence pairs mixed with single texts or given to a
-        causal LM.
-        """
+        """Predict for N ``texts`` (strings, or (first, second) pairs for a classifier), ``batch_size`` per forward
+        pass, longest first. Returns N dicts in input order: ``{"text", "label", "score", "scores"}`` (probabilities
+        0..1, the pipeline's softmax) or ``{"text", "generated"}`` (greedy, <= ``max_new_tokens`` tokens); ``[]`` for
+        none. ``progress``: a tqdm bar on stderr (None: if more than one batch). Raises ``FinetuneError`` for a size
+        below 1, or pairs mixed with texts or given to a causal LM."""
         for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise FinetuneError(f"--{name} must be a positive integer, got {value!r}.")
@@ -228,6 +215,12 @@ class Predictor:
         else:
             options = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_full_text": False,
                        "tokenizer_encode_kwargs": {"truncation": True, "max_length": self.max_length}}
+        if self.chat:  # as the run evaluated its generations: one user turn, the template, stop at end of turn
+            from finetune.sft import generate_completions  # imports transformers: see the note at the top
+
+            generated = generate_completions(self.pipe.model, self.pipe.tokenizer, texts, max_new_tokens, batch_size,
+                                             self.max_length) if texts else []
+            return [{"text": text, "generated": completion} for text, completion in zip(texts, generated)]
         order = sorted(range(len(texts)), key=lambda i: -len("".join(texts[i])))
         inputs = ({"text": texts[i][0], "text_pair": texts[i][1]} if pairs else texts[i] for i in order)
         outputs = self.pipe(inputs, batch_size=batch_size, **options) if texts else []
@@ -245,19 +238,9 @@ class Predictor:
 
 def predict(model_dir, texts: list, batch_size: int = 32, max_length: int | None = None, *,
             max_new_tokens: int = 40, device=None, progress: bool | None = None) -> list[dict]:
-    """Load the model in ``model_dir`` (a training run's output directory, a checkpoint inside it, or a
-    PEFT adapter directory) and predict for ``texts``.
-
-    ``texts``: N strings (or N (first, second) pairs for a sentence-pair classifier). ``batch_size``:
-    texts per forward pass. ``max_length``: truncation in tokens (default: the run's ``max_length`` from
-    ``run_config.json``, else 128). Returns N dicts in input order: for a sequence classifier
-    ``{"text", "label", "score", "scores"}`` (``scores`` maps every label name to its probability, summing
-    to 1; ``label`` is the most probable, ``score`` its probability, 0..1); for a causal LM
-    ``{"text", "generated"}`` (greedy, up to ``max_new_tokens`` new tokens).
-
-    Raises ``FinetuneError`` for no texts, a missing directory, a directory that is not a loadable model,
-    or a bad ``batch_size``/``max_length``. Loads the model on every call: for many calls use ``Predictor``.
-    """
+    """Load ``model_dir`` (a run's output directory, a checkpoint in it, or a PEFT adapter directory) and
+    return ``Predictor.predict``'s N dicts for ``texts``. Raises ``FinetuneError`` for no texts, a missing or
+    unloadable directory, or a bad ``batch_size``/``max_length``. Loads the model per call: reuse a ``Predictor``."""
     texts = list(texts)
     if not texts:
         raise FinetuneError("no texts to predict. Pass texts as arguments, --file PATH, or lines on stdin.")
@@ -294,13 +277,9 @@ def _rows_to_texts(rows: list[dict], source: str) -> list:
 
 
 def read_texts_file(path_str: str) -> list:
-    """Texts from ``path_str``: ``.csv`` (a ``text`` column), ``.jsonl``/``.json`` (JSON lines, or a JSON
-    list, of objects with ``text``), anything else one text per line (blank lines skipped). A file with
-    ``sentence1`` and ``sentence2`` (and no ``text``) gives (first, second) pairs.
-
-    Raises ``FinetuneError`` naming --file for a missing, empty or unreadable file, a missing column, or
-    an empty text in a CSV/JSON row.
-    """
+    """Texts from ``path_str``: ``.csv``/``.jsonl``/``.json`` rows' ``text`` (or (``sentence1``, ``sentence2``)
+    pairs), anything else one text per line (blank lines skipped). Raises ``FinetuneError`` naming --file for
+    a missing, empty or unreadable file, a missing column, or an empty text."""
     path = Path(path_str).expanduser()
     if not path.is_file():
         raise FinetuneError(f"--file {path_str!r} does not exist or is not a file. Pass a text file (one text per line), "
@@ -417,12 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); returns the process exit code (0 on success,
-    2 on a user error, printed as one ``error:`` line).
-
-    Under ``accelerate launch`` with several processes, each predicts a contiguous share of the texts
-    and the main process prints all results in input order.
-    """
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); returns the exit code (0, or 2 after one ``error:``
+    line). With several processes each predicts a contiguous share; the main process prints all, in order."""
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 

@@ -84,6 +84,8 @@ def run(config) -> dict | None:
     metrics (None for ``--compare``). Raises ``FinetuneError``."""
     recipe = load_recipe(config.recipe)
     config.validate()
+    if distributed.world_size() > 1:  # the process group starts here, with the run's collective timeout
+        distributed.process_state(timeout_seconds=config.ddp_timeout)
     # the same outcome on every process: on machines of their own, one output dir can fail alone
     distributed.agree(lambda: check_output_dir(config))
     use_available_cpu_cores()

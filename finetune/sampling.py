@@ -1,4 +1,4 @@
-"""The training order: the length-grouped sampler, and the loop's accumulation windows."""
+"""The training order: the length-grouped sampler, the accumulation windows (docs/design-notes.md#sampling)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,14 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
-    """transformers' ``LengthGroupedSampler`` (what ``TrainingArguments(train_sampling_strategy=
-    "group_by_length")`` uses) whose order depends on the seed and the epoch only.
-
-    Each epoch: a seeded permutation, cut into mega-batches of ``50 x batch_size`` samples (fewer on small
-    data), each sorted by length, longest first. ``batch_size`` is the global effective batch (samples per
-    optimizer step), as in Trainer, so every window holds samples of similar length. ``lengths`` in tokens.
-    ``set_epoch`` (called by Accelerate's dataloader) reseeds, so a resumed run and every process replay the
-    same order.
-    """
+    """transformers' ``LengthGroupedSampler`` (``group_by_length``), its order set by seed and epoch only."""
 
     def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        # batch_size: the global effective batch (samples per optimizer step), as in Trainer; lengths in tokens
         super().__init__(batch_size, lengths=lengths, generator=torch.Generator())
         self.seed, self.epoch = seed, 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int) -> None:  # called by Accelerate's dataloader: resumes replay the same order
         """Select the epoch whose order ``__iter__`` yields."""
         self.epoch = epoch
 
@@ -31,8 +24,7 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
 
 
 def iter_windows(dataloader, gradient_accumulation_steps: int):
-    """Group a dataloader's micro-batches into accumulation windows: lists of N micro-batches, the
-    last one possibly shorter. Prefetching a window lets the engine count its items before any backward."""
+    """Accumulation windows: lists of N micro-batches (the last may be shorter), so items are counted first."""
     window = []
     for batch in dataloader:
         window.append(batch)

@@ -1,33 +1,7 @@
-"""Instruction fine-tuning (SFT) with completion-only loss: conversations rendered with the model's chat
-template, the loss on the assistant's tokens only.
-
-Data: rows in TRL's dataset formats (https://huggingface.co/docs/trl/dataset_formats):
-
-- prompt-completion: ``{"prompt": str, "completion": str}`` or, conversational,
-  ``{"prompt": [{"role", "content"}, ...], "completion": [{"role": "assistant", "content"}, ...]}``;
-- conversational language modelling: ``{"messages": [{"role", "content"}, ...]}``.
-
-Plain strings become one user turn and one assistant turn, rendered with the chat template (TRL applies no
-template to plain strings and appends EOS; we render them, so training matches how the model is prompted
-at inference).
-
-Labels (TRL's ``completion_only_loss`` / ``assistant_only_loss``; torchtune's ``train_on_input=False``):
-``IGNORE_INDEX`` (-100) everywhere except each trained assistant turn and its end-of-turn token. A turn's
-tokens are found as TRL's ``SFTTrainer`` finds a completion in prompt-completion data (its tokenizing step
-renders the prompt with ``add_generation_prompt=True`` and the prompt + completion, and masks the prompt's
-length): the conversation before the turn, rendered with ``add_generation_prompt=True``, must be a token
-prefix of the rendered conversation (TRL only warns on a mismatch; we raise ``FinetuneError``); the turn
-runs from there to the end of the conversation rendered through the turn, minus the whitespace the
-template writes after the end-of-turn token (SmolLM2's ChatML puts ``"\\n"`` after ``<|im_end|>``: that newline is a prompt
-token of the next turn, not something the model must learn to emit; the model stops at ``<|im_end|>``).
-
-Length: sequences hold at most ``max_length`` tokens. Only the prompt is shortened: the content of the last
-user turn before the last trained turn (e.g. the article) loses its tail; the completion is never cut
-(torchtune truncates the whole sequence, TRL the end of it, which can drop the completion; we don't).
-
-Loss (``InstructionCausalLM``): the causal-LM task's summed, shifted cross-entropy over label tokens, so
-items = trained completion tokens and ``eval_loss`` is per completion token.
-"""
+"""Instruction fine-tuning (SFT): TRL-format rows (https://huggingface.co/docs/trl/dataset_formats) rendered
+with the chat template; labels are ``IGNORE_INDEX`` except the trained assistant turns and their end-of-turn
+token (TRL ``completion_only_loss``). Truncation cuts only the last user turn's content, never the
+completion. Rationale, and the differences from TRL and torchtune: see docs/design-notes.md#sft."""
 
 from __future__ import annotations
 
@@ -62,8 +36,8 @@ _SANITIZE = {"sanitize_control_tokens": True} if _supports_sanitizing() else {}
 # ----------------------------------------------------------------------------------------- rows -> turns
 
 def _check_messages(messages, row: str, field: str) -> list[dict]:
-    """``messages`` as a list of ``{"role": str, "content": str}`` dicts (other keys kept, ``None``
-    values dropped as ``apply_chat_template`` does); ``FinetuneError`` naming ``row`` and ``field`` if not."""
+    """``messages`` as ``{"role": str, "content": str}`` dicts (``None`` values dropped, as
+    ``apply_chat_template`` does); ``FinetuneError`` naming ``row`` and ``field`` if malformed."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise FinetuneError(f"{row}: {field!r} must be a non-empty list of {{'role', 'content'}} messages, "
                             f"got {_describe(messages)}.")
@@ -107,14 +81,9 @@ def row_format(row: dict, row_name: str = "row") -> str:
 
 
 def row_to_conversation(row: dict, row_name: str = "row") -> tuple[list[dict], list[int]]:
-    """One dataset row -> ``(messages, trained)``: the whole conversation and the indices of the assistant
-    turns to train on (the completion's turns; for ``messages``, every assistant turn).
-
-    Plain-string prompt/completion become ``[{"role": "user", ...}, {"role": "assistant", ...}]``.
-    Raises ``FinetuneError`` naming ``row_name`` and the problem: missing or null field, a string mixed
-    with a message list, a message without string ``role``/``content``, an empty completion, a completion
-    turn that is not an assistant turn, no assistant turn, or an assistant turn with nothing before it.
-    """
+    """One dataset row -> ``(messages, trained)``: the conversation and the indices of the assistant
+    turns to train on (the completion's turns; for ``messages``, every assistant turn). Raises
+    ``FinetuneError`` naming ``row_name`` and the problem (missing field, mixed types, no or empty assistant turn)."""
     if row_format(row, row_name) == "messages":
         messages = _check_messages(row["messages"], row_name, "messages")
         trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -154,8 +123,7 @@ def require_chat_template(tokenizer) -> None:
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template (no special tokens added beyond the
-    template's own, as ``apply_chat_template`` does)."""
+    """Token ids of ``messages`` rendered with the chat template (no special tokens beyond the template's)."""
     if not messages:  # an empty conversation: apply_chat_template refuses it, the rendering is empty
         return []
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
@@ -195,8 +163,8 @@ def _is_control_token(tokenizer, token_id: int) -> bool:
 
 def _turn_spans(tokenizer, messages: list[dict], trained: list[int], ids: list[int],
                 row_name: str) -> list[tuple[int, int]]:
-    """``[(start, end), ...]``: the token range of each trained turn in ``ids`` (the rendered
-    ``messages``), its end-of-turn token included, the whitespace the template writes after it excluded."""
+    """``[(start, end), ...]``: each trained turn's token range in ``ids``, its end-of-turn token included,
+    the whitespace the template writes after it excluded (see docs/design-notes.md#sft)."""
     spans = []
     for turn in trained:
         prompt = _render(tokenizer, messages[:turn], add_generation_prompt=True)
@@ -227,9 +195,8 @@ def _content_cut_points(tokenizer, content: str) -> list[int]:
 
 
 def _fit(tokenizer, messages: list[dict], cut: int | None, budget: int, render, row_name: str, what: str):
-    """Shorten the content of ``messages[cut]`` from its end until ``render(messages)`` holds at most
-    ``budget`` tokens. Returns ``(messages, ids)``. Raises ``FinetuneError`` if even an empty
-    ``messages[cut]`` (or, with ``cut=None``, the untouched conversation) is too long."""
+    """``(messages, ids)`` with ``render(messages)`` at most ``budget`` tokens, ``messages[cut]``'s content cut
+    from its end. Raises ``FinetuneError`` if even an empty ``messages[cut]`` (or ``cut=None``) is too long."""
     ids = render(messages)
     if len(ids) <= budget:
         return messages, ids
@@ -273,20 +240,10 @@ def _as_messages(value, role: str) -> list[dict]:
 
 
 def encode_conversation(tokenizer, prompt_messages, completion_messages, max_length: int) -> dict:
-    """Tokenize one prompt-completion pair for completion-only training.
-
-    ``prompt_messages``: a string (one user turn) or a list of ``{"role", "content"}`` messages;
-    ``completion_messages``: a string (one assistant turn) or a list of assistant messages.
-    Returns ``{"input_ids": [int] * n, "labels": [int] * n}``, ``n <= max_length`` tokens, where ``labels``
-    is ``IGNORE_INDEX`` (-100) except on the completion's tokens and its end-of-turn token (for SmolLM2:
-    ``"<headline><|im_end|>"``, without the ``"\\n"`` the template adds after it). If the conversation is
-    longer than ``max_length``, the content of the prompt's last user turn loses its tail (never the
-    completion).
-
-    Raises ``FinetuneError`` if the tokenizer has no chat template, the pair is malformed, the rendered
-    prompt is not a token prefix of the rendered conversation, the template ends the assistant turn
-    without a special token, or the completion plus the template's overhead exceed ``max_length``.
-    """
+    """One prompt-completion pair (strings or message lists) -> ``{"input_ids": [int] * n, "labels": [int] * n}``,
+    ``n <= max_length`` tokens; labels are ``IGNORE_INDEX`` (-100) except the completion and its end-of-turn token
+    (SmolLM2: ``<|im_end|>``, not the ``"\\n"`` after it). Raises ``FinetuneError`` for no chat template, a malformed
+    pair, a prompt that is not a token prefix, a turn without a special end token, or no fit in ``max_length``."""
     messages, trained = row_to_conversation({"prompt": _as_messages(prompt_messages, "user"),
                                              "completion": _as_messages(completion_messages, "assistant")},
                                             "the conversation")
@@ -294,12 +251,8 @@ def encode_conversation(tokenizer, prompt_messages, completion_messages, max_len
 
 
 def encode_messages(tokenizer, messages, max_length: int) -> dict:
-    """Tokenize one ``messages`` conversation, training on every assistant turn (TRL's
-    ``assistant_only_loss``, without needing ``{% generation %}`` markers in the template): each
-    assistant turn and its end-of-turn token are labelled, everything else is ``IGNORE_INDEX``. Each
-    turn's start is located by rendering the conversation before it with ``add_generation_prompt=True``
-    (prefix-checked). Truncation shortens the last user turn before the last assistant turn.
-    Returns and raises as ``encode_conversation``."""
+    """``encode_conversation`` for a ``messages`` conversation, training on every assistant turn (TRL's
+    ``assistant_only_loss`` without ``{% generation %}`` markers). Returns and raises as ``encode_conversation``."""
     messages, trained = row_to_conversation({"messages": messages}, "the conversation")
     return _encode(tokenizer, messages, trained, max_length, "the conversation")
 
@@ -312,17 +265,9 @@ def encode_row(tokenizer, row: dict, max_length: int, row_name: str = "row") -> 
 
 
 def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering conversations"):
-    """Tokenize rows for completion-only training with ``Dataset.map`` (batched; cached by the datasets
-    library when ``rows`` is an on-disk ``Dataset``).
-
-    ``rows``: a ``datasets.Dataset`` or a list of dicts in one TRL format (prompt + completion, strings or
-    message lists; or messages). Returns a ``datasets.Dataset`` with columns ``input_ids`` and ``labels``
-    (lists of ints, equal lengths, at most ``max_length``), one row per input row, in order; the input
-    columns are dropped.
-
-    Raises ``FinetuneError`` naming the row (0-based index) and the problem for a malformed row (a list
-    mixing formats included), and the fix if the tokenizer has no chat template.
-    """
+    """``rows`` (a ``datasets.Dataset`` or list of dicts, one TRL format) -> a ``datasets.Dataset`` of ``input_ids``
+    and ``labels`` (int lists, equal lengths, <= ``max_length`` tokens), one row per row, in order (``Dataset.map``).
+    Raises ``FinetuneError`` naming the row (0-based) if malformed or of another format, or without chat template."""
     require_chat_template(tokenizer)
     if not isinstance(rows, datasets.Dataset):
         rows = list(rows)
@@ -356,9 +301,8 @@ def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering co
 # ------------------------------------------------------------------------------------------- the task
 
 class SFTCollator:
-    """Right-pads ``input_ids`` (with the pad token) and ``labels`` (with ``IGNORE_INDEX``) to the
-    micro-batch's longest sequence, rounded up to ``pad_to_multiple_of``; ``attention_mask`` is 0 on
-    padding. Right padding keeps every token's position independent of its batch (exact accumulation)."""
+    """Right-pads ``input_ids`` (pad token) and ``labels`` (``IGNORE_INDEX``) to the micro-batch's longest
+    sequence, rounded up to ``pad_to_multiple_of``; right padding keeps positions batch-independent."""
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None = None):
         # the pad id's value is irrelevant (masked out of attention and loss); 0 if the tokenizer has none
@@ -385,18 +329,13 @@ class SFTCollator:
 
 
 class InstructionCausalLM(CausalLM):
-    """Instruction fine-tuning with completion-only loss. Items = trained completion tokens (labels
-    shifted by one, ``IGNORE_INDEX`` skipped; the first token is always prompt, so no label is lost to the
-    shift). ``load_model``, ``count``, ``loss_sum`` and ``eval_outputs`` are the causal-LM task's.
-    Metrics from the loss pass: ``eval_loss`` (nats per completion token), ``eval_perplexity``,
-    ``eval_tokens``, ``eval_samples``; generation metrics (ROUGE-L, exact match) come from
-    ``generation_metrics``, which the engine calls separately (it needs the raw prompts)."""
+    """The causal-LM task on completion-only labels: items = trained completion tokens. Generation metrics
+    (ROUGE-L, exact match) come from ``generation_metrics``, which needs the raw prompts."""
 
     name = "sft"
 
     def tokenize(self, raw, tokenizer, config, text_columns=None):
-        """Every split of the ``DatasetDict`` ``raw`` through ``rows_to_features`` at ``config.max_length``
-        (``text_columns`` is unused: the format is read from the column names)."""
+        """Every split of ``raw`` through ``rows_to_features`` (``text_columns`` unused)."""
         return datasets.DatasetDict({split: rows_to_features(ds, tokenizer, config.max_length,
                                                              desc=f"Rendering conversations ({split})")
                                      for split, ds in raw.items()})
@@ -406,10 +345,8 @@ class InstructionCausalLM(CausalLM):
         return SFTCollator(tokenizer, pad_to_multiple_of)
 
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict | None = None) -> dict:
-        """From the gathered ``eval_outputs`` (summed loss per sample, label tokens per sample): ``eval_loss``
-        per completion token over the whole set, ``eval_perplexity``, ``eval_tokens``, ``eval_samples``. An
-        empty set (the engine may pass any number of empty tensors) gives NaN loss and perplexity, 0 counts.
-        ``metric_specs`` (generation metrics) is ignored here: see ``generation_metrics``."""
+        """``eval_loss`` (nats per completion token), ``eval_perplexity``, ``eval_tokens``, ``eval_samples`` from
+        the gathered (loss sum, label tokens) per sample; NaN loss and 0 counts for an empty set."""
         if not gathered or not len(gathered[0]):
             return {"eval_loss": float("nan"), "eval_perplexity": float("nan"), "eval_tokens": 0, "eval_samples": 0}
         loss_sums, counts = gathered[0], gathered[1]
@@ -425,8 +362,8 @@ SFT_TASK = InstructionCausalLM()
 # ------------------------------------------------------------------------------------------ generation
 
 def end_of_turn_ids(tokenizer) -> list[int]:
-    """Token ids that end an assistant turn: the template's end-of-turn token (found by rendering a probe
-    conversation, as training labels it) and the tokenizer's eos token, deduplicated."""
+    """Token ids that end an assistant turn: the template's end-of-turn token (as training labels it) and
+    eos, deduplicated."""
     probe = encode_conversation(tokenizer, "Hi", "Hello", max_length=1 << 20)
     trained = [t for t in probe["labels"] if t != IGNORE_INDEX]
     ids = [trained[-1]] + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
@@ -443,22 +380,13 @@ def _prompt_ids(tokenizer, prompt, budget: int | None) -> list[int]:
 
 
 def generate_completions(model, tokenizer, prompts_messages: Sequence, max_new_tokens: int = 32, batch_size: int = 8,
-                         max_length: int | None = None) -> list[str]:
-    """Greedy completions for prompts, in order.
-
-    ``prompts_messages``: prompts, each a string (one user turn) or a list of ``{"role", "content"}``
-    messages; each is rendered with the chat template and ``add_generation_prompt=True``. Batches of
-    ``batch_size`` prompts are left-padded (generation appends on the right, so every prompt must end at
-    the same position). At most ``max_new_tokens`` tokens are generated per prompt; generation of a prompt
-    stops at its end-of-turn token (``end_of_turn_ids``). With ``max_length``, the last user turn of a
-    prompt longer than ``max_length - max_new_tokens`` tokens loses its tail, as in training.
-    ``model``: an unwrapped ``PreTrainedModel`` (call ``accelerator.unwrap_model`` first); it is put in
-    eval mode and restored afterwards.
-
-    Returns the decoded new tokens of each prompt (special tokens dropped, whitespace stripped).
-    Raises ``FinetuneError`` if the tokenizer has no chat template, ``max_new_tokens`` or ``batch_size``
-    is not positive, or a prompt cannot be fitted into ``max_length``.
-    """
+                         max_length: int | None = None, synced_gpus: bool = False) -> list[str]:
+    """Greedy completions, in order, for prompts (strings or message lists, rendered with
+    ``add_generation_prompt=True``, left-padded in batches of ``batch_size``), stopping at ``end_of_turn_ids``.
+    Returns the decoded new tokens per prompt (<= ``max_new_tokens``, special tokens dropped, stripped). ``model``:
+    unwrapped; eval mode, restored after. With ``max_length``, a prompt's last user turn is cut to ``max_length -
+    max_new_tokens`` tokens; ``synced_gpus``: transformers' flag for a sharded model. Raises ``FinetuneError``
+    for no chat template, non-positive sizes, or a prompt too long."""
     require_chat_template(tokenizer)
     if max_new_tokens < 1 or batch_size < 1:
         raise FinetuneError(f"max_new_tokens and batch_size must be positive, got {max_new_tokens} and {batch_size}.")
@@ -481,7 +409,8 @@ def generate_completions(model, tokenizer, prompts_messages: Sequence, max_new_t
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded], device=device)
             attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
             with torch.no_grad():
-                output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+                output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                        synced_gpus=synced_gpus)
             for row in output[:, width:].tolist():
                 stop = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
                 completions.append(tokenizer.decode(row[:stop], skip_special_tokens=True).strip())
@@ -491,9 +420,8 @@ def generate_completions(model, tokenizer, prompts_messages: Sequence, max_new_t
 
 
 def prompt_and_reference(row: dict, row_name: str = "row") -> tuple[list[dict], str]:
-    """For generation eval: the prompt messages and the reference text of a row (prompt-completion: the
-    completion's assistant text, turns joined by newlines; messages: everything before the last
-    assistant turn, and that turn's text). Raises ``FinetuneError`` for a malformed row."""
+    """``(prompt messages, reference text)`` of a row for generation eval (prompt-completion: the completion's
+    turns joined by newlines; messages: the last assistant turn). Raises ``FinetuneError`` if malformed."""
     messages, trained = row_to_conversation(row, row_name)
     if row_format(row, row_name) == "messages":
         return messages[:trained[-1]], messages[trained[-1]]["content"]
@@ -502,16 +430,19 @@ def prompt_and_reference(row: dict, row_name: str = "row") -> tuple[list[dict], 
 
 def generation_metrics(model, tokenizer, rows, metric_specs: dict, max_new_tokens: int = 32, batch_size: int = 8,
                        max_length: int | None = None) -> tuple[dict, list[str]]:
-    """Generate a completion for every row of ``rows`` (raw rows, as ``rows_to_features`` takes them:
-    a ``datasets.Dataset`` or a list of dicts) with ``generate_completions`` and score it against the
-    row's reference with each shipped metric of ``metric_specs`` (name -> compute kwargs, e.g.
-    ``{"rouge": {}}``). Returns ``(metrics, predictions)``: metrics ``{"eval_<key>": float, ...,
-    "eval_generated": n}`` (NaN for every key of the ``rouge`` metric when ``rows`` is empty), and the
-    ``n`` predicted strings in row order."""
+    """Generate for every raw row (``generate_completions``) and score against its reference
+    (``score_completions``). Returns ``(metrics, predictions)``, predictions in row order."""
     pairs = [prompt_and_reference(row, f"row {i}") for i, row in enumerate(rows)]
     predictions = generate_completions(model, tokenizer, [p for p, _ in pairs], max_new_tokens, batch_size, max_length)
+    return score_completions(predictions, [r for _, r in pairs], metric_specs), predictions
+
+
+def score_completions(predictions: list[str], references: list[str], metric_specs: dict) -> dict:
+    """Each shipped metric of ``metric_specs`` (name -> compute kwargs, e.g. ``{"rouge": {}}``) over the
+    predictions: ``{"eval_<key>": float, ..., "eval_generated": n}`` (NaN for every key of the ``rouge`` metric
+    when there are none)."""
     results = {"eval_generated": len(predictions)}
     for name, kwargs in metric_specs.items():
-        computed = load_metric(name).compute(predictions=predictions, references=[r for _, r in pairs], **kwargs)
+        computed = load_metric(name).compute(predictions=predictions, references=references, **kwargs)
         results.update({f"eval_{k}": v for k, v in (computed or {}).items()})
-    return results, predictions
+    return results

@@ -1,26 +1,6 @@
-"""Signals: a training process that stops with its launcher, and SIGINT/SIGTERM that end a run after its
-optimizer step with a checkpoint (``GracefulStop``). When the launcher dies, the training process gets
-SIGTERM, finishes its optimizer step, writes a checkpoint and exits 128 + 15.
-
-Why: a 1-process ``accelerate launch`` (its "simple launcher", accelerate 1.15) neither handles SIGTERM
-nor passes it on. ``kill -TERM`` to it, as a scheduler or Kubernetes sends, ends the launcher at once and
-the training process trains on as an orphan, writing no checkpoint when its node is then torn down.
-With ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (Linux) the kernel signals the training process the moment its
-parent dies, whatever killed it (even SIGKILL). Torchrun workers get the same protection against a killed
-agent.
-
-The bare launcher still returns before the checkpoint is written: whoever waits for it (a job script, a
-container runtime) sees it end while the orphaned training process is still saving, and may tear the
-machine down under it. ``finetune train`` passes the signal on and waits for the checkpoint: use it.
-
-The kernel ties the signal to the thread that started this process, and every launcher here (accelerate's
-simple launcher, torchrun's agent, ``finetune train``) starts it from its main thread, which ends only with
-the launcher.
-
-Only this module's functions are imported before torch, so the window in which a launcher that dies
-goes unnoticed is the interpreter's start-up, before ``watch_launcher`` runs (tens of milliseconds); a
-death in that window is then seen as a changed parent process id.
-"""
+"""Signals: a training process that stops with its launcher (``prctl(PR_SET_PDEATHSIG, SIGTERM)``, Linux), and
+SIGINT/SIGTERM that end a run after its optimizer step with a checkpoint and exit 128 + signal
+(``GracefulStop``). Imported before torch, to narrow the start-up window. Why: docs/design-notes.md#signals."""
 
 from __future__ import annotations
 
@@ -36,20 +16,14 @@ _launcher_pid: int | None = None  # the parent process id recorded when the watc
 
 
 def launched_by_accelerate() -> bool:
-    """Whether this process was started by ``accelerate launch`` (or ``finetune train``, or torchrun under
-    ``accelerate launch``): the launcher exports ``ACCELERATE_DYNAMO_BACKEND`` to its children."""
+    """Whether ``accelerate launch`` (or ``finetune train``) started us: it exports ``ACCELERATE_DYNAMO_BACKEND``."""
     return "ACCELERATE_DYNAMO_BACKEND" in os.environ
 
 
 def watch_launcher() -> bool:
-    """If launched by accelerate: ask the kernel to send this process SIGTERM when its launcher (the parent
-    process) dies, and check that it has not died already. Idempotent; a no-op (returns False) when not
-    launched by accelerate or not on Linux. Returns True when the watch is on.
-
-    If the launcher is already gone (the parent process id changed since the first call: it died before
-    the request, which the kernel does not signal), nothing has been trained yet: this prints an
-    ``error:`` line and exits 128 + 15 at once, as if the signal had arrived.
-    """
+    """If launched by accelerate on Linux: have the kernel send SIGTERM when the launcher (parent) dies; True when
+    the watch is on (idempotent). A launcher already gone (the parent id changed) prints an ``error:`` line and
+    exits 128 + 15 at once."""
     global _launcher_pid
     if not launched_by_accelerate() or not sys.platform.startswith("linux"):
         return False
@@ -74,13 +48,8 @@ def watch_launcher() -> bool:
 
 
 def launcher_gone() -> bool:
-    """Whether the launcher recorded by ``watch_launcher`` has died or is dying: this process was re-parented,
-    or the launcher's main thread is exiting (``PF_EXITING``) or a zombie. False when no watch is on.
-
-    The kernel sends the signal when the *thread* that started this process exits, and again on each
-    re-parenting: a launcher with several threads dies thread by thread, so the first signal can come while
-    ``getppid()`` still names the launcher. Its exiting main thread tells that signal apart from a SIGTERM
-    sent to this process by someone else."""
+    """Whether the watched launcher died or is dying: re-parented, or its main thread exiting (``PF_EXITING``) or
+    a zombie; False with no watch (why the thread: docs/design-notes.md#signals)."""
     if _launcher_pid is None:
         return False
     if os.getppid() != _launcher_pid:
@@ -95,12 +64,8 @@ def launcher_gone() -> bool:
 
 
 class GracefulStop:
-    """SIGINT/SIGTERM handling: the first signal sets ``signum`` (the loop finishes the optimizer step in
-    progress, writes a checkpoint and exits); a second one exits at once.
-
-    Except a SIGTERM after the launcher died (``watch_launcher``): that is the kernel's notice of the
-    launcher's death, which follows the Ctrl-C that a terminal sends to the launcher and this process
-    alike, and must not cut short the checkpoint that Ctrl-C started."""
+    """SIGINT/SIGTERM: the first sets ``signum`` (the loop finishes its optimizer step, checkpoints, exits), a
+    second exits at once; not a SIGTERM after the launcher died, the kernel's echo of a Ctrl-C being handled."""
 
     def __init__(self):
         self.signum = None

@@ -10,24 +10,18 @@ from finetune.errors import FinetuneError
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How long a run is, in optimizer steps.
+    """How long a run is, in optimizer steps (micro-batches per process)."""
 
-    ``micro_batches_per_epoch``: per process. ``steps_per_epoch`` = ceil(micro-batches / N) (the last
-    window of an epoch may be partial). ``max_steps``: ``--max_steps`` if > 0, else ceil(epochs x steps
-    per epoch). ``num_epochs``: epochs started, ceil(max_steps / steps per epoch).
-    """
-
-    micro_batches_per_epoch: int
-    steps_per_epoch: int
-    max_steps: int
-    num_epochs: int
+    micro_batches_per_epoch: int  # per process
+    steps_per_epoch: int  # ceil(micro-batches / N): an epoch's last window may be partial
+    max_steps: int  # --max_steps if > 0, else ceil(epochs x steps per epoch)
+    num_epochs: int  # epochs started: ceil(max_steps / steps per epoch)
 
     def steps(self, value: float | None) -> int | None:
-        """A TrainingArguments step value in optimizer steps: a count (>= 1) as is, a ratio in [0, 1) of
-        ``max_steps`` rounded up (``TrainingArguments.get_warmup_steps``'s rule); None stays None."""
+        """A step value in optimizer steps: >= 1 as is, a ratio of ``max_steps`` rounded up; None stays None."""
         if value is None:
             return None
-        return int(value) if value >= 1 else math.ceil(self.max_steps * value)
+        return int(value) if value >= 1 else math.ceil(self.max_steps * value)  # TrainingArguments.get_warmup_steps
 
     def epoch_fraction(self, step: int) -> float:
         """Epochs completed after ``step`` optimizer steps (e.g. 1.5)."""
@@ -35,8 +29,7 @@ class StepPlan:
 
 
 def plan_steps(micro_batches_per_epoch: int, config) -> StepPlan:
-    """The ``StepPlan`` for ``micro_batches_per_epoch`` micro-batches per process per epoch. Raises
-    ``FinetuneError`` if there is no data."""
+    """The ``StepPlan`` for micro-batches per process per epoch; ``FinetuneError`` if there are none."""
     if micro_batches_per_epoch == 0:
         raise FinetuneError("the training set is empty after --max_train_samples; use more samples.")
     steps_per_epoch = math.ceil(micro_batches_per_epoch / config.gradient_accumulation_steps)
@@ -45,6 +38,5 @@ def plan_steps(micro_batches_per_epoch: int, config) -> StepPlan:
 
 
 def micro_batches_per_process(num_samples: int, micro_batch: int, num_processes: int) -> int:
-    """Micro-batches each process runs per epoch: ceil(ceil(samples / micro-batch) / processes), as
-    Accelerate's sharded dataloader (``even_batches``) yields them."""
+    """ceil(ceil(samples / micro-batch) / processes), as Accelerate's sharded dataloader yields them."""
     return math.ceil(math.ceil(num_samples / micro_batch) / num_processes)

@@ -1,11 +1,5 @@
-"""The two kinds of task a recipe can be: what differs between classification and causal language
-modelling, and nothing else. Each task says how to build its model, tokenize, collate, count the items
-its loss averages over, sum its loss, and score an evaluation. The training loop is the same for both.
-
-Loss convention (exact accumulation): ``loss_sum`` is the **sum** of per-item losses in a micro-batch
-(items are samples for classification, label tokens for causal LM) and ``count`` the number of items,
-so the engine can divide by the items of the whole window across processes.
-"""
+"""The two kinds of task, classification and causal LM: model, tokenization, collation, items, loss, metrics.
+``loss_sum`` sums per-item losses; the engine divides by the window's items (docs/design-notes.md#tasks)."""
 
 from __future__ import annotations
 
@@ -51,8 +45,7 @@ class SequenceClassification:
         return F.cross_entropy(logits.float(), labels, reduction="none"), logits.argmax(dim=-1), labels
 
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict:
-        """``eval_loss`` (mean per sample), ``eval_samples`` and each metric of ``metric_specs``
-        (shipped evaluate module -> compute kwargs)."""
+        """``eval_loss`` (mean per sample), ``eval_samples``, and each metric of ``metric_specs`` (name -> kwargs)."""
         losses, predictions, labels = gathered
         results = {"eval_loss": losses.mean().item() if len(losses) else float("nan"), "eval_samples": len(labels)}
         for name, kwargs in metric_specs.items():
@@ -62,28 +55,24 @@ class SequenceClassification:
 
 
 class CausalLMCollator:
-    """Pads ``input_ids`` on the right to the micro-batch's longest sequence (rounded up to
-    ``pad_to_multiple_of``) and sets ``labels`` to ``input_ids`` with ``IGNORE_INDEX`` wherever
-    ``attention_mask`` is 0. Masking by the mask, not by ``pad_token_id``, keeps real end-of-sequence
-    tokens in the loss when pad = eos (as in SmolLM2); right padding keeps every token's position
-    independent of the batch it lands in, which exact accumulation needs."""
+    """Right-pads ``input_ids``; ``labels`` = ``input_ids`` with ``IGNORE_INDEX`` where ``attention_mask`` is 0."""
 
     def __init__(self, tokenizer, pad_to_multiple_of=None):
         self.tokenizer, self.pad_to_multiple_of = tokenizer, pad_to_multiple_of
 
     def __call__(self, features: list[dict]) -> dict:
-        """``features``: [{"input_ids": [int, ...]}, ...] -> tensors (batch, seq): input_ids,
-        attention_mask, labels."""
+        """[{"input_ids": [int, ...]}, ...] -> tensors (batch, seq): input_ids, attention_mask, labels."""
+        # right padding: a token's position does not depend on its batch, which exact accumulation needs
         batch = self.tokenizer.pad({"input_ids": [f["input_ids"] for f in features]}, padding=True,
                                    pad_to_multiple_of=self.pad_to_multiple_of, padding_side="right",
                                    return_tensors="pt")
+        # masked by the mask, not pad_token_id: real eos tokens stay in the loss when pad = eos (SmolLM2)
         batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
         return batch
 
 
 class CausalLM:
-    """Next-token prediction. Items = label tokens (labels shifted by one, ``IGNORE_INDEX`` skipped).
-    Metrics: eval_loss (mean per token, nats) and eval_perplexity = exp(eval_loss)."""
+    """Next-token prediction. Items = label tokens (labels shifted by one, ``IGNORE_INDEX`` skipped)."""
 
     name = "causal-lm"
 
@@ -92,8 +81,7 @@ class CausalLM:
         return load_causal_lm(config.model_name_or_path, disable_dropout=config.disable_dropout)
 
     def tokenize(self, raw, tokenizer, config, text_columns):
-        """One sample per text truncated at ``max_length`` tokens (variable lengths), or, with
-        ``block_size``, all texts concatenated and cut into blocks of ``block_size`` tokens."""
+        """One sample per text (<= ``max_length`` tokens), or ``block_size``-token blocks of the joined texts."""
         return tokenize_for_causal_lm(raw, tokenizer, text_columns, config.max_length, config.block_size)
 
     def collator(self, tokenizer, pad_to_multiple_of):
@@ -116,8 +104,7 @@ class CausalLM:
         return token_losses.sum(dim=1), (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict:
-        """``eval_loss`` (mean per label token over the whole set), ``eval_perplexity``, ``eval_tokens``,
-        ``eval_samples``."""
+        """``eval_loss`` (nats per label token, whole set), ``eval_perplexity``, ``eval_tokens``, ``eval_samples``."""
         loss_sums, counts = gathered
         tokens = int(counts.sum().item())
         loss = loss_sums.sum().item() / tokens if tokens else float("nan")

@@ -1,24 +1,8 @@
-"""The accelerate engine: setup, then one visible ``train()`` loop with exact gradient accumulation inline.
-
-Exactness rules (tested in ``tests/test_accumulation.py``):
-
-- An accumulation window is up to N = ``gradient_accumulation_steps`` micro-batches; an epoch of M
-  micro-batches has ceil(M / N) optimizer steps; the last window may be partial.
-- Every micro-batch's loss is the *sum* of its per-item losses divided by the number of items in the
-  whole window, counted across all processes. So each window's gradient is the mean over exactly the
-  items it holds, and a partial last window is weighted by its true size (Accelerate's own
-  ``accelerator.backward`` divides by N, which under-weights it; we multiply N back in).
-- Gradients are clipped only on the sync (last) micro-batch of a window; the LR schedule is sized in
-  optimizer steps and advances only when the optimizer really stepped (fp16 overflow skips do not; a
-  skip is Accelerate's flag or a drop of the GradScaler's scale, see ``precision.optimizer_step_skipped``).
-- Under DeepSpeed the same loop runs through Accelerate's DeepSpeed integration: ``accelerator.backward``
-  runs DeepSpeed's backward (which divides by its ``gradient_accumulation_steps``, set to N) and, on the
-  sync micro-batch, DeepSpeed's optimizer step with its clipping (set from ``--max_grad_norm``) and its
-  overflow skip; ``optimizer.step()``/``zero_grad()`` are no-ops there, ``clip_grad_norm_`` reports the
-  norm DeepSpeed computed (``finetune/sharded.py``).
-
-Everything that is not the accumulation step (counters, the log record, trackers, progress, guards,
-checkpoint and evaluation cadence) is ``RunState``'s.
+"""The accelerate engine: ``setup()`` asks the engine seam (``finetune.engine``), then one visible ``train()``
+loop with exact accumulation inline. Each micro-batch's summed loss is divided by the items of its whole window
+over all processes (a partial last window weighs its true size); clipping on the sync micro-batch only; the
+schedule advances only after a real optimizer step. Under an engine that steps inside ``backward``
+the same loop runs, ``optimizer.step()`` is a no-op there. Rules and their tests: docs/design-notes.md#train.
 """
 
 from __future__ import annotations
@@ -34,7 +18,7 @@ from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
 from finetune import distributed
-from finetune.bookkeeping import Bookkeeping
+from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
@@ -55,7 +39,7 @@ class Setup:
     """Everything ``train()`` needs, built from a config and a recipe."""
 
     accelerator: object
-    engine: PlainEngine  # plain/DDP, FSDP or DeepSpeed: finetune.engine
+    engine: PlainEngine  # plain/DDP or a sharding engine: finetune.engine
     model: object
     tokenizer: object
     optimizer: object
@@ -83,7 +67,7 @@ def setup(config, recipe) -> Setup:
     layout = distributed.plan_storage(accelerator, config.output_dir)
     # each machine's local main process writes its own copy of the model, optimizer and scheduler states
     accelerator.project_configuration.save_on_each_node = layout.per_machine
-    engine.configure(config)
+    engine.configure(config, per_machine=layout.per_machine)
     precision = engine.precision()
     task = get_task(recipe.TASK)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
@@ -125,13 +109,15 @@ class WindowCounts:
 
 def count_window(window: list[dict], task, accelerator) -> WindowCounts:
     """The window's ``WindowCounts`` over all processes, known before any backward: one all-reduce (a
-    sync point) per window."""
+    sync point) per window. Raises ``FinetuneError`` (on every process alike) for a window with no item."""
     device = accelerator.device
     local = torch.stack([sum(task.count(b["labels"]) for b in window),
                          torch.tensor(sum(b["labels"].shape[0] for b in window), device=device),
                          sum(b["attention_mask"].sum() for b in window),
                          torch.tensor(sum(b["attention_mask"].numel() for b in window), device=device)])
     items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
+    if items == 0:
+        raise empty_window_error(int(samples))
     return WindowCounts(items, int(samples), int(input_tokens), int(padded))
 
 
@@ -158,8 +144,8 @@ def train(config, recipe, process_start: float | None = None) -> dict:
                 # also for a short last window (it syncs when its counter reaches a multiple of N).
                 accelerator.step = N - len(window)
                 window_loss = torch.zeros((), device=accelerator.device)
-                # Read before any backward: under DeepSpeed the last one runs the optimizer step, and with a
-                # schedule DeepSpeed owns, the schedule step too.
+                # Read before any backward: an engine may run the optimizer (and its own schedule's) step
+                # inside the last one.
                 learning_rate = built.learning_rate()
                 for batch in window:
                     with accelerator.accumulate(model):
@@ -242,7 +228,7 @@ class RunState:
         self.runtime_before, self.train_start = self.progress.train_runtime, time.perf_counter()
         self.samples_at_start = self.progress.samples_seen
         if config.eval_on_start and self.progress.step == 0:
-            self.evaluate()
+            self.evaluate(at_epoch_end=False)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -324,7 +310,7 @@ class RunState:
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} after optimizer step {step}; "
                                   f"checkpoint: {path}. Resume with:\n    {self.resume_command()}", signum)
         if book.evaluate_after_step(step):
-            self.evaluate()
+            self.evaluate(at_epoch_end=False)
         if book.save_after_step(step):
             self.save(f"every {book.save_steps} steps")
 
@@ -333,15 +319,15 @@ class RunState:
         epoch and checkpoint per ``--save_strategy``."""
         last = self.progress.step >= self.plan.max_steps or self.book.stopping_early
         if self.book.evaluate_at_epoch_end(self.progress.step, last):
-            self.evaluate()
-        if last:
+            self.evaluate(at_epoch_end=True)
+        if last or self.book.stopping_early:  # early stopping at this evaluation ends the run here
             return
         self.progress.epoch, self.progress.micro_batches_done = self.progress.epoch + 1, 0
         if self.config.save_strategy == "epoch":
             self.save("end of epoch")
 
     # -------------------------------------------------------------------------------- evaluation, checkpoints
-    def evaluate(self) -> None:
+    def evaluate(self, at_epoch_end: bool) -> None:
         """Evaluate now (loss and metrics, then generation for SFT recipes); record it."""
         built, start = self.built, time.perf_counter()
         results = evaluate(self.accelerator, built.model, built.eval_dataloader, built.task, built.metric_specs)
@@ -353,7 +339,8 @@ class RunState:
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()},
                                  step=self.progress.step)
-        self.book.record_evaluation(results, time.perf_counter() - start)
+        step = self.progress.step
+        self.book.record_evaluation(results, time.perf_counter() - start, self.book.checkpointed_after(step, at_epoch_end))
 
     def save(self, reason: str) -> Path:
         """Write a checkpoint of the state after the current optimizer step (collective)."""

@@ -26,7 +26,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
 from finetune import distributed
-from finetune.bookkeeping import Bookkeeping
+from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
@@ -89,6 +89,7 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
         dataloader_pin_memory=config.dataloader_pin_memory,
         include_num_input_tokens_seen="non_padding",  # the same count as the accelerate engine's
         average_tokens_across_devices=True,
+        ddp_timeout=config.ddp_timeout,
     )
 
 
@@ -139,6 +140,8 @@ class BookkeepingCallback(TrainerCallback):
         window's items ``num_items_in_batch``; the window's loss, items and samples are counted for the log."""
         if num_items_in_batch is None or not torch.is_grad_enabled():  # evaluation (Trainer passes a count there too)
             return loss_sum / self.task.count(labels).clamp(min=1)
+        if int(num_items_in_batch) == 0:  # counted over every process: all raise alike
+            raise empty_window_error(labels.shape[0])
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
         self.window_items = int(num_items_in_batch)
         self.window_samples += labels.shape[0]
@@ -174,9 +177,9 @@ class BookkeepingCallback(TrainerCallback):
         self.book.record_step(**pending, learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
                               trainer_logged_loss=logs["loss"])
         if self.book.evaluate_after_step(state.global_step):
-            self.run_evaluation(state, control)
+            self.run_evaluation(state, control, at_epoch_end=False)
 
-    def run_evaluation(self, state, control) -> None:
+    def run_evaluation(self, state, control, at_epoch_end: bool) -> None:
         """Evaluate with the shared ``evaluate()`` on Trainer's prepared eval dataloader; record it; mirror the
         best model and early stopping into Trainer's ``state``/``control``."""
         start, trainer, step = time.perf_counter(), self.trainer, state.global_step
@@ -187,7 +190,7 @@ class BookkeepingCallback(TrainerCallback):
         results.update(generated)
         if predictions and self.book.writes:
             write_generations(Path(self.config.output_dir), self.raw_validation, predictions)
-        self.book.record_evaluation(results, time.perf_counter() - start)
+        self.book.record_evaluation(results, time.perf_counter() - start, self._checkpointed(step, at_epoch_end))
         progress = self.book.progress
         if progress.best_step == step and self.book.best_eval_results is results:
             state.best_metric, state.best_global_step = progress.best_metric, step
@@ -195,14 +198,23 @@ class BookkeepingCallback(TrainerCallback):
         if self.book.stopping_early:
             control.should_training_stop = True
 
+    def _checkpointed(self, step: int, at_epoch_end: bool) -> bool:
+        """Whether Trainer keeps the model evaluated after ``step``: it checkpoints every ``save_steps`` and at
+        the last step (``save_strategy`` steps), or at every epoch's end (DefaultFlowCallback, transformers
+        5.23 ``trainer_callback.py``)."""
+        strategy = self.config.save_strategy
+        if strategy == "steps":
+            return step > 0 and (step % self.book.save_steps == 0 or step >= self.trainer.state.max_steps)
+        return strategy == "epoch" and at_epoch_end
+
     def on_train_begin(self, args, state, control, **kwargs):
         if self.config.eval_on_start and state.global_step == 0:
-            self.run_evaluation(state, control)
+            self.run_evaluation(state, control, at_epoch_end=False)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         last = state.global_step >= state.max_steps or control.should_training_stop
         if self.book.evaluate_at_epoch_end(state.global_step, last):
-            self.run_evaluation(state, control)
+            self.run_evaluation(state, control, at_epoch_end=True)
 
     def on_save(self, args, state, control, **kwargs):
         # what a step means, beside Trainer's checkpoint, so a resume with other settings is refused
@@ -229,8 +241,9 @@ def _resume_checkpoint(config, meaning: dict) -> str | None:
     return str(path)
 
 
-def _progress_from_log(path: Path, step: int, progress: ckpt.RunProgress, config) -> None:
-    """On resume: rebuild the counts up to ``step`` from ``log.jsonl`` (already cut back to it)."""
+def _progress_from_log(path: Path, step: int, progress: ckpt.RunProgress, config, save_steps: int | None) -> None:
+    """On resume: rebuild the counts up to ``step`` from ``log.jsonl`` (already cut back to it). An evaluation
+    before ``step`` was kept by a checkpoint at a ``save_steps`` multiple, or at an epoch's end."""
     if not path.is_file():
         return
     for record in map(json.loads, path.read_text().splitlines()):
@@ -240,7 +253,9 @@ def _progress_from_log(path: Path, step: int, progress: ckpt.RunProgress, config
             progress.tokens_seen += int(record.get("label_tokens", 0))
         elif config.metric_for_best_model is not None:
             progress.step = record["step"]
-            progress.record_evaluation(record.get(config.best_metric_key), config.greater_is_better)
+            kept = progress.step > 0 and (config.save_strategy == "epoch" or
+                                          (config.save_strategy == "steps" and progress.step % save_steps == 0))
+            progress.record_evaluation(record.get(config.best_metric_key), config.greater_is_better, kept)
     progress.step = step
 
 
@@ -270,7 +285,8 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     book.open(resume_step)  # a resumed run's log is cut back to its step
     if resume_from is not None:
         args.distributed_state.wait_for_everyone()
-        _progress_from_log(Path(config.output_dir) / "log.jsonl", resume_step, progress, config)  # on every rank
+        _progress_from_log(Path(config.output_dir) / "log.jsonl", resume_step, progress, config,  # on every rank
+                           book.save_steps)
     callback = BookkeepingCallback(config, recipe, task, book, raw_validation)
     trainer = FinetuneTrainer(callback.account, model=model, args=args, train_dataset=datasets["train"],
                               eval_dataset=datasets["validation"], data_collator=collator, processing_class=tokenizer,

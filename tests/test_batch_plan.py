@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 
@@ -461,3 +462,82 @@ def test_planner_chooses_among_checkpointing_and_the_chunked_loss_for_causal_lm(
         "total_batch_size": 8, "lever": {"activation_checkpointing": config["activation_checkpointing"],
                                          "loss_chunk_size": config["loss_chunk_size"]}}
     assert config["precision_source"] == "--mixed_precision"
+
+
+def test_a_resume_takes_the_recorded_plan_and_never_probes_again(tmp_path, tiny_bert, monkeypatch):
+    """A resume under --auto_find_batch_size reuses the plan in run_config.json: timing noise in a second
+    probe could pick another micro-batch, which the resume check would refuse, so a requeued job would fail
+    at random. Here the probing is made to fail on resume: the resume must not call it."""
+    import finetune.planner as planner
+    from helpers import run_in_process
+
+    common = dict(model_name_or_path=tiny_bert, total_batch_size=8, auto_find_batch_size=True,
+                  max_memory_mb=64 * 1024, max_train_samples=32, max_eval_samples=4, max_length=32,
+                  eval_strategy="no", save_steps=2, max_steps=4)
+    first, out = run_in_process(tmp_path, "run", **common)
+    recorded = json.loads((out / "run_config.json").read_text())["batch_plan"]
+    shutil.rmtree(out / "checkpoints" / "step_00000004", ignore_errors=True)
+
+    def must_not_probe(*args, **kwargs):
+        raise AssertionError("the planner probed again on resume")
+
+    monkeypatch.setattr(planner, "_probe_and_choose", must_not_probe)
+    resumed, _ = run_in_process(tmp_path, "run", resume_from_checkpoint="latest", **common)
+    assert resumed["optimizer_steps"] == 4 and resumed["resumed_from"].endswith("step_00000002")
+    assert json.loads((out / "run_config.json").read_text())["batch_plan"] == recorded
+    assert resumed["per_device_train_batch_size"] == recorded["per_device_train_batch_size"]
+
+
+def test_one_probe_model_is_alive_at_a_time():
+    """choose_plan builds each lever setting's probe only after the previous one is closed, so the planner
+    never holds two probe models (with their optimizer state) at once."""
+    alive, most = [], []
+
+    class Probe:
+        def __init__(self, room):
+            self.room = room
+            alive.append(self)
+            most.append(len(alive))
+
+        def fits(self, m):
+            return m <= self.room
+
+        def estimate(self, m):
+            return None
+
+        def seconds_per_sample(self, m):
+            return 1.0 / m
+
+        def close(self):
+            alive.remove(self)
+
+    probes = {Lever(False, None): lambda: Probe(4), Lever(True, None): lambda: Probe(8)}
+    chosen, candidates = choose_plan(8, 1, probes)
+    assert max(most) == 1 and alive == []
+    assert chosen.plan.per_device_train_batch_size == 8 and chosen.lever == Lever(True, None)
+
+
+def test_the_cpu_budget_is_shared_by_the_processes_of_a_machine(tmp_path, tiny_bert, monkeypatch, capsys):
+    """Without --max_memory_mb each of P local processes budgets 1/P of the machine's free memory, not all of
+    it; with several processes DDP's gradient buckets (the trainable bytes once more) join the fixed part."""
+    import psutil
+    import torch
+
+    from finetune.config import TrainConfig
+    from finetune.planner.probes import Probe
+    from finetune.recipes import load_recipe
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 64 * 2**30})())
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), model_name_or_path=tiny_bert, max_length=32)
+    config.validate()
+    seen = {}
+    for processes in (1, 4):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+        monkeypatch.setenv("WORLD_SIZE", str(processes))
+        probe = Probe(config, load_recipe("bbc-news"), torch.device("cpu"), Lever(False, None), held=0)
+        trainable = sum(p.numel() * p.element_size() for p in probe.model.parameters() if p.requires_grad)
+        budget = int(re.search(r"budget (\d+) MiB", capsys.readouterr().out).group(1))
+        seen[processes] = (budget, probe.fixed_bytes, probe.per_sample_bytes)
+        probe.close()
+    assert seen[1][0] == 64 * 1024 and seen[4][0] == 16 * 1024
+    assert seen[4][1] - seen[1][1] == trainable and seen[4][2] == seen[1][2]

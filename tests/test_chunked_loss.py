@@ -359,3 +359,33 @@ def test_bench_smoke():
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[2:]] == ["plain", *(f"{m} 13" for m in METHODS)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fp16_weight_gradient_does_not_overflow(method):
+    """fp16 autocast, 1,025 label tokens of which one differs from the rest, one hidden value of 80: the
+    lm_head weight's gradient sums 1,025 tokens' (softmax - one-hot) x hidden, -71,680 on that entry, past
+    fp16's 65504. The loss is divided by its tokens, as training does: the plain path's gradients arrive
+    scaled by that and stay finite; the fused path summed its unscaled fp16 values in fp16 and got -inf, so
+    every fp16 step would be skipped."""
+    torch.manual_seed(0)
+    vocab, size, tokens = 8, 4, 1025
+    head = torch.nn.Linear(size, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.zero_()
+    hidden = torch.zeros(1, tokens + 1, size)
+    hidden[..., 0] = 80.0
+    labels = torch.zeros(1, tokens + 1, dtype=torch.long)
+    labels[0, 5] = 3
+
+    def weight_grad(loss_of):
+        head.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_of().backward()
+        return head.weight.grad.clone()
+
+    plain_grad = weight_grad(lambda: CausalLM().loss_sum(head(hidden), labels) / tokens)
+    chunked_grad = weight_grad(lambda: chunked_causal_lm_loss_sum(hidden, head, labels, 2048, method=method) / tokens)
+    assert torch.isfinite(plain_grad).all() and plain_grad.abs().max() * tokens > 65504
+    assert torch.isfinite(chunked_grad).all()
+    torch.testing.assert_close(chunked_grad, plain_grad, rtol=2e-3, atol=1e-3)

@@ -107,3 +107,24 @@ def test_block_size_groups_texts_into_equal_blocks(tmp_path, tiny_llama, clm_tex
                                                              gradient_accumulation_steps=2, block_size=16))
     steps = train_steps(out)
     assert all(r["label_tokens"] == r["samples"] * 15 for r in steps)  # every block: 16 tokens, 15 targets
+
+
+def test_a_window_with_no_trained_token_is_a_clear_error():
+    """A window whose labels are all masked (-100: one-token texts, nothing to predict) would divide its loss by
+    zero items (NaN weights). Both engines refuse it with one clear error, raised alike on every process (the
+    count is summed over the processes first)."""
+    from types import SimpleNamespace
+
+    from finetune.errors import FinetuneError
+    from finetune.tasks import CausalLM
+    from finetune.train import count_window
+    from finetune.trainer_backend import BookkeepingCallback
+
+    batch = {"labels": torch.full((2, 5), -100), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    accelerator = SimpleNamespace(device=torch.device("cpu"), reduce=lambda tensor, op: tensor)
+    with pytest.raises(FinetuneError, match="no trained tokens"):
+        count_window([batch, dict(batch)], CausalLM(), accelerator)
+    callback = BookkeepingCallback.__new__(BookkeepingCallback)
+    callback.task = CausalLM()
+    with pytest.raises(FinetuneError, match="no trained tokens"):
+        callback.account(torch.tensor(0.0, requires_grad=True), batch["labels"], torch.tensor(0))

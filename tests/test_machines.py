@@ -154,3 +154,51 @@ def test_the_trainer_backend_keeps_a_copy_on_each_machine(tmp_path, tiny_bert):
         assert final.keys() == single.keys()
         difference = torch.cat([(final[k] - single[k]).flatten() for k in single]).norm()
         assert difference / torch.cat([t.flatten() for t in single.values()]).norm() < 2e-3  # measured 6e-4
+
+
+def test_a_stuck_peer_fails_the_run_after_ddp_timeout(tmp_path, tiny_bert):
+    """--ddp_timeout is the collective timeout (TrainingArguments' name): a machine whose peer stops answering
+    (its training process frozen with SIGSTOP, as a hung node would be) fails after that many seconds instead
+    of torch's 30 minutes. (A peer that dies outright closes its sockets and gloo fails at once.)"""
+    import psutil
+
+    args = [*common(tiny_bert), "--per_device_train_batch_size", "2", "--ddp_timeout", "20"]
+    machines = start_machines(tmp_path, "stuck", args)
+    frozen = None
+    try:
+        deadline = time.monotonic() + 240
+        while len(train_steps(tmp_path / "m0")) < 2 if (tmp_path / "m0" / "log.jsonl").is_file() else True:
+            assert all(p.poll() is None for p in machines) and time.monotonic() < deadline, "no training"
+            time.sleep(0.05)
+        frozen = [c for c in psutil.Process(machines[1].pid).children(recursive=True) if "run.py" in " ".join(c.cmdline())]
+        assert frozen
+        for child in frozen:
+            child.suspend()
+        stopped = time.monotonic()
+        code = machines[0].wait(timeout=150)
+        waited = time.monotonic() - stopped
+    finally:
+        for child in frozen or []:
+            child.kill()
+        wait_all(machines, timeout=30)
+    assert code != 0 and waited < 120, (code, waited)
+
+
+def test_each_machine_keeps_the_merged_lora_model(tmp_path, tiny_llama, clm_texts):
+    """LoRA with --merge_adapter on two machines without a shared filesystem: each machine's copy holds the
+    adapter and the merged model. transformers 5 writes save_pretrained on global rank 0 only, so machine 1's
+    merged/ stayed empty while its adapter directory claimed to be complete."""
+    from safetensors.torch import load_file
+
+    train, valid = clm_texts
+    args = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", train,
+            "--validation_file", valid, "--max_steps", "2", "--eval_strategy", "no", "--max_length", "32",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--mixed_precision", "no",
+            "--use_peft", "--merge_adapter", "--learning_rate", "1e-3", "--seed", "5"]
+    codes = wait_all(start_machines(tmp_path, "lora", args), timeout=300)
+    assert codes == [0, 0], [(tmp_path / f"lora.m{r}.err").read_text()[-3000:] for r in (0, 1)]
+    merged = [load_file(str(tmp_path / f"m{rank}" / "merged" / "model.safetensors")) for rank in (0, 1)]
+    assert merged[0].keys() == merged[1].keys() and all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0])
+    for rank in (0, 1):
+        assert (tmp_path / f"m{rank}" / "adapter_model.safetensors").is_file()
+        assert (tmp_path / f"m{rank}" / "merged" / "tokenizer.json").is_file()

@@ -464,3 +464,24 @@ def test_accelerate_launch_two_processes_gives_the_same_lines(tmp_path, trained)
     assert [line[-1] for line in lines] == texts
     for a, b in zip(lines, single):
         assert abs(float(a[1]) - float(b[1])) < 1e-4
+
+
+def test_an_instruction_tuned_model_is_prompted_through_its_chat_template(tmp_path):
+    """A model from an SFT run (its run_config.json names a recipe whose TASK is "sft") answers the text as a
+    user turn rendered with the chat template, stopping at its end-of-turn token, as the run's evaluation
+    generated; before, predict sent the raw text and the headline model just continued the article. A
+    causal-LM run's model still continues raw text."""
+    from tiny_models import build_tiny_chat_llama
+
+    from finetune.predict import Predictor
+    from finetune.sft import generate_completions
+
+    model_dir = build_tiny_chat_llama(tmp_path / "sft")
+    (model_dir / "run_config.json").write_text(json.dumps({"recipe": "bbc-headlines", "max_length": 64}))
+    predictor = Predictor(model_dir)
+    texts = ["Shares in the bank fell after the match", "The minister resigned"]
+    got = [r["generated"] for r in predictor.predict(texts, batch_size=2, max_new_tokens=6)]
+    expected = generate_completions(predictor.pipe.model, predictor.pipe.tokenizer, texts, 6, 2, 64)
+    assert predictor.chat and got == expected
+    (model_dir / "run_config.json").write_text(json.dumps({"recipe": "bbc-news-clm", "max_length": 64}))
+    assert not Predictor(model_dir).chat

@@ -196,3 +196,45 @@ def test_log_and_trackers_are_closed_when_training_raises(tmp_path, tiny_bert, m
     events = EventAccumulator(str(next((out / "runs").rglob("events.out.tfevents.*")).parent))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1]
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_the_best_model_is_the_best_evaluation_that_has_a_checkpoint(tmp_path, tiny_bert, backend):
+    """--save_steps a multiple (2) of --eval_steps (1), as validate() and Trainer accept: the best model is
+    the best evaluation whose model was kept (a checkpoint at an even step, or the final model), the final
+    weights are that checkpoint's, and metrics.json reports that evaluation. Before, the accelerate engine
+    looked for a checkpoint that was never written and the Trainer backend kept the last model while
+    reporting the best evaluation. A high learning rate makes the loss rise and fall: the best of all
+    evaluations is at step 3, which has no checkpoint (checked below)."""
+    from safetensors.torch import load_file
+
+    kw = dict(TINY, learning_rate=0.02)
+    metrics, out = run_in_process(tmp_path, "best", backend=backend, model_name_or_path=tiny_bert, max_steps=7,
+                                  eval_strategy="steps", eval_steps=1, save_steps=2, load_best_model_at_end=True, **kw)
+    losses = {r["step"]: r["eval_loss"] for r in evals(out)}
+    assert min(losses, key=losses.get) == 3  # the case at issue: the best evaluation was not kept
+    kept = {step: loss for step, loss in losses.items() if step % 2 == 0 or step == 7}
+    best = min(kept, key=kept.get)
+    assert metrics["best_step"] == best and metrics["eval_loss"] == losses[best] == metrics["best_metric"]
+    final = load_params(out)
+    if best != 7:
+        name = f"step_{best:08d}" if backend == "accelerate" else f"checkpoint-{best}"
+        checkpoint = load_file(str(out / "checkpoints" / name / "model.safetensors"))
+        for key, tensor in final.items():
+            torch.testing.assert_close(tensor, checkpoint[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_early_stopping_at_an_epoch_evaluation_ends_the_run_there(tmp_path, tiny_bert, backend):
+    """Early stopping at an epoch's evaluation: no further epoch starts and (accelerate engine) no
+    checkpoint is written after it; the run's last record is that evaluation."""
+    kw = dict(TINY, learning_rate=0.05)
+    metrics, out = run_in_process(tmp_path, "epochs", backend=backend, model_name_or_path=tiny_bert, num_train_epochs=8,
+                                  eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True,
+                                  early_stopping_patience=1, **kw)
+    records = read_log(out)
+    stopped = records[-1]["step"]
+    assert "eval_loss" in records[-1] and stopped < 32 and metrics["optimizer_steps"] == stopped
+    if backend == "accelerate":
+        steps = sorted(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").glob("step_*"))
+        assert steps and max(steps) < stopped, steps

@@ -112,11 +112,11 @@ def test_two_gloo_processes_equal_one(tmp_path, chat_llama, sft_files):
     2 x 2 equal 1 process x micro-batch 4 x 2 (the same 8 samples per optimizer step)."""
     from helpers import launch
 
-    _, one = run_in_process(tmp_path, "one", **_kw(**common(chat_llama, sft_files), per_device_train_batch_size=4,
-                                                   gradient_accumulation_steps=2))
+    one_metrics, one = run_in_process(tmp_path, "one", **_kw(**{**common(chat_llama, sft_files), "eval_strategy": "epoch"},
+                                                             per_device_train_batch_size=4, gradient_accumulation_steps=2))
     args = ["--output_dir", str(tmp_path / "two"), "--per_device_train_batch_size", "2",
             "--gradient_accumulation_steps", "2"]
-    for key, value in _kw(**common(chat_llama, sft_files)).items():
+    for key, value in _kw(**{**common(chat_llama, sft_files), "eval_strategy": "epoch"}).items():
         args += [f"--{key}", str(value)]
     result = launch(args, num_processes=2)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -124,3 +124,39 @@ def test_two_gloo_processes_equal_one(tmp_path, chat_llama, sft_files):
     diff = torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a)) / torch.sqrt(sum((a[k] ** 2).sum() for k in a))
     assert diff < 1e-5, diff
     assert [r["label_tokens"] for r in train_steps(tmp_path / "two")] == [r["label_tokens"] for r in train_steps(one)]
+    # each process generated its share of the 6 validation rows; gathered in row order, as one process has them
+    generated = [(tmp_path / "two" / "generations.jsonl").read_text(), (one / "generations.jsonl").read_text()]
+    assert generated[0] == generated[1] and len(generated[0].splitlines()) == 6
+    two_metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert two_metrics["eval_generated"] == 6 and two_metrics["eval_rougeL"] == one_metrics["eval_rougeL"]
+
+
+@pytest.mark.parametrize("distributed_type", ["MULTI_CPU", "FSDP"])
+def test_every_rank_generates_its_share(monkeypatch, distributed_type):
+    """Generation during evaluation: rank 1 of 2 generates rows 1, 3 (and repeats 3, so both ranks make the same
+    number of generate calls, which a sharded model's collectives need; synced_gpus where the engine shards),
+    then the completions of every rank are gathered in row order. Only rank 0 generating hung FSDP and ZeRO-3
+    (their all-gathers run inside the forward) while the others waited in a broadcast."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    import finetune.evaluation as evaluation
+
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)]
+    calls = []
+
+    def generate(model, tokenizer, prompts, max_length=None, synced_gpus=False, **spec):
+        texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]  # a user turn, rendered later
+        calls.append((texts, synced_gpus))
+        return [text.replace("p", "g") for text in texts]
+
+    rank0 = [(0, "g0"), (2, "g2"), (4, "g4")]
+    monkeypatch.setattr(evaluation, "generate_completions", generate)
+    monkeypatch.setattr(evaluation, "gather_object", lambda own: rank0 + own)
+    accelerator = SimpleNamespace(process_index=1, num_processes=2, distributed_type=getattr(DistributedType, distributed_type),
+                                  unwrap_model=lambda model: model)
+    recipe = SimpleNamespace(GENERATION={"max_new_tokens": 4}, METRICS={"rouge": {}})
+    metrics, predictions = evaluation.generation_eval(accelerator, None, None, rows, recipe, SimpleNamespace(max_length=64))
+    assert calls == [(["p1", "p3", "p3"], distributed_type == "FSDP")]
+    assert predictions == ["g0", "g1", "g2", "g3", "g4"] and metrics["eval_generated"] == 5

@@ -465,3 +465,73 @@ def test_fsdp2_sync_each_batch_trains_the_same_weights(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert float(result.read_text()) < 1e-6
+
+
+def test_the_final_save_under_zero3_off_rank_0_writes_nothing_and_does_not_fail(tmp_path):
+    """Under ZeRO-3 ``accelerator.get_state_dict`` returns DeepSpeed's consolidated 16-bit state dict, which
+    is None on every rank but 0 (deepspeed 0.19 ``runtime/engine.py`` ``_zero3_consolidated_16bit_state_dict``:
+    ``state_dict = OrderedDict() if dist.get_rank() == 0 else None``; accelerate 1.15 ``accelerator.py``
+    ``get_state_dict`` returns it as is). The save used to call ``.items()`` on it and crash there, and torchrun
+    then tore rank 0 down while it wrote the model. A process that writes needs the weights: a clear error."""
+    saved = []
+    model = SimpleNamespace(save_pretrained=lambda *a, **k: saved.append(a))
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_main_process=False,
+                                  wait_for_everyone=lambda: None, get_state_dict=lambda model: None,
+                                  unwrap_model=lambda model, keep_torch_compile=False: model)
+    config = SimpleNamespace(model_name_or_path="m", merge_adapter=False)
+    engine = engine_for(accelerator)
+    engine.save_model(model, SimpleNamespace(save_pretrained=lambda *a: saved.append(a)), tmp_path, config,
+                      writes=False)
+    assert saved == []
+    with pytest.raises(FinetuneError, match="shared --output_dir"):
+        engine.save_model(model, None, tmp_path, config, writes=True)
+
+
+def test_ddp_evaluation_never_runs_ddps_forward():
+    """Evaluation under DDP calls the module DDP wraps: DDP's forward broadcasts buffers on its first call after
+    a training step, and after an out-of-memory on one rank the retried halves would broadcast again on that
+    rank alone (a hang; torch 2.13 ``nn/parallel/distributed.py``, ``require_forward_param_sync``). So the
+    split-and-retry evaluation stays local to the rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from finetune.builders import get_task
+    from finetune.evaluation import evaluate
+
+    class Inner(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            if input_ids.shape[0] > 2:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], 3))
+
+    wrapped = DistributedDataParallel.__new__(DistributedDataParallel)  # no process group: DDP's forward must not run
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = Inner()
+    accelerator = SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, gather_for_metrics=lambda outputs: outputs)
+    batch = {"input_ids": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5, dtype=torch.long),
+             "labels": torch.zeros(4, dtype=torch.long)}
+    assert evaluate(accelerator, wrapped, [batch], get_task("sequence-classification"), {})["eval_samples"] == 4
+
+
+def test_machines_without_a_shared_filesystem_under_sharded_engines(tmp_path):
+    """Each machine keeping its own copy (no shared filesystem): DeepSpeed writes its model states on every
+    machine (``checkpoint.use_node_local_storage``, as transformers 5.23's Trainer sets for save_on_each_node in
+    ``integrations/deepspeed.py``); FSDP and ZeRO-3, whose full weights exist on global rank 0 only, are refused
+    before training instead of writing copies marked complete that hold no weights."""
+    from finetune.config import TrainConfig
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none")
+    for stage in (2, 3):
+        accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(
+            deepspeed_plugin=SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": stage}})))
+        engine = engine_for(accelerator)
+        engine.configure(config)  # one machine, or a shared filesystem: untouched
+        assert "checkpoint" not in engine.ds_config
+        if stage == 2:
+            engine.configure(config, per_machine=True)
+            assert engine.ds_config["checkpoint"]["use_node_local_storage"] is True
+        else:
+            with pytest.raises(FinetuneError, match="shared --output_dir"):
+                engine.configure(config, per_machine=True)
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(FinetuneError, match="shared --output_dir"):
+        engine_for(fsdp).configure(config, per_machine=True)

@@ -16,7 +16,7 @@ SHARED = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient
           "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "num_train_epochs",
           "max_steps", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "seed", "optim",
           "dataloader_num_workers", "dataloader_pin_memory", "train_sampling_strategy", "torch_compile",
-          "torch_compile_mode"]
+          "torch_compile_mode", "ddp_timeout"]
 
 
 def test_every_shared_hyperparameter_reaches_training_arguments(tmp_path):
@@ -28,7 +28,7 @@ def test_every_shared_hyperparameter_reaches_training_arguments(tmp_path):
                            "--max_grad_norm", "0.5", "--seed", "9", "--optim", "adamw_torch_fused",
                            "--dataloader_num_workers", "2", "--dataloader_pin_memory", "False",
                            "--mixed_precision", "bf16", "--train_sampling_strategy", "group_by_length",
-                           "--torch_compile_mode", "max-autotune"])
+                           "--torch_compile_mode", "max-autotune", "--ddp_timeout", "77"])
     config.validate()
     args = training_arguments(config)
     names = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -1,15 +1,14 @@
-"""The engine seam: which distributed engine runs the model (plain/DDP, FSDP or DeepSpeed), chosen from the
-Accelerator's ``distributed_type``. Only this package names FSDP or DeepSpeed; everything else asks the
-engine (``engine_for(accelerator)``): the precision that runs, how to prepare and save, whether evaluation
-may split a batch, the true size of a parameter.
-"""
+"""The engine seam: plain/DDP, FSDP or DeepSpeed, from the Accelerator's ``distributed_type``. Only this package
+names FSDP or DeepSpeed; the rest asks ``engine_for(accelerator)`` (precision, prepare, save, parameter sizes)."""
 
 from __future__ import annotations
 
 import importlib.util
+from datetime import timedelta
 
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, TorchDynamoPlugin
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                               TorchDynamoPlugin)
 
 from finetune.engine.deepspeed import DeepSpeedEngine, parameter_numel, parameter_shape
 from finetune.engine.fsdp import FsdpEngine
@@ -34,17 +33,15 @@ def engine_for(accelerator) -> PlainEngine:
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(trainable parameters, all parameters), in elements; true counts also where an engine left empty
-    placeholders (``parameter_numel``)."""
+    """(trainable, all) parameters in elements, true counts even for placeholders (``parameter_numel``)."""
     sizes = [(parameter_numel(p), p.requires_grad) for p in model.parameters()]
     return sum(n for n, trainable in sizes if trainable), sum(n for n, _ in sizes)
 
 
 def make_accelerator(config) -> Accelerator:
-    """An ``Accelerator`` for ``config``: N-step accumulation that the loop aligns to its windows itself
-    (``sync_with_dataloader=False``), a seeded sampler (every process and every resume sees the same order),
-    the schedule stepped by hand. Raises ``FinetuneError`` for bf16 on a device without it, or a
-    ``--report_to`` tracker whose package is not installed."""
+    """An ``Accelerator`` for ``config``: N-step accumulation aligned to the loop's windows, a seeded sampler,
+    the schedule stepped by hand. Raises ``FinetuneError`` for bf16 on a device without it, or a ``--report_to``
+    tracker whose package is not installed."""
     check_precision_supported(config.mixed_precision)
     log_with = None if config.report_to == "none" else config.report_to
     if log_with in _TRACKER_MODULES:
@@ -65,6 +62,7 @@ def make_accelerator(config) -> Accelerator:
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False),
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
             # Where Accelerate wraps the schedule (DeepSpeed), each step() call is then one step, not one per process.
             step_scheduler_with_optimizer=False,
         )

@@ -1,5 +1,4 @@
-"""The FSDP engine (versions 1 and 2): the plain engine's loop with gradients reduce-scattered on every
-micro-batch, and weights that are whole only inside a forward."""
+"""The FSDP engine (1 and 2): gradients reduce-scattered every micro-batch; weights whole only inside a forward."""
 
 from __future__ import annotations
 
@@ -8,26 +7,28 @@ from accelerate.utils import GradientAccumulationPlugin
 from torch.distributed import fsdp
 
 from finetune.engine.plain import PlainEngine
+from finetune.errors import FinetuneError
 
 _SHARDED_MODULES = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, name))
 
 
 class FsdpEngine(PlainEngine):
-    """FSDP through Accelerate's plugin (from the launcher's config).
+    """FSDP through Accelerate's plugin (from the launcher's config), synchronised on every micro-batch so that
+    each rank keeps only its gradient shard while accumulating (see docs/design-notes.md#engine)."""
 
-    ``sync_each_batch``: skipping the sync (``no_sync``) would keep every rank's full gradients alive for the
-    first N-1 micro-batches, so FULL_SHARD would save no gradient memory while accumulating; synchronised on
-    every micro-batch, each rank keeps only its shard (accelerate PR 2531). Exactness is unchanged: a sum of
-    rank averages is the average of the sums (tested with FSDP2 on two gloo ranks, tests/test_sharded.py).
-    """
-
-    sync_each_batch = True
+    sync_each_batch = True  # no_sync would keep full gradients for N-1 micro-batches (accelerate PR 2531)
+    generation_synced = True  # every forward all-gathers: ranks generate in lockstep
     eval_may_split_batch = False  # all-gathers run inside every forward: a rank retrying alone would hang
 
-    def configure(self, config) -> None:
-        """Replace the accumulation plugin with one that syncs each batch. Accelerate keeps it in the
-        process-wide ``GradientState``, whose constructor replaces a different plugin (accelerate 1.15
-        ``state.py``: "Allow plugin to be updated"); ``accumulate()`` reads it at every call."""
+    def configure(self, config, per_machine: bool = False) -> None:
+        """Replace the accumulation plugin with one that syncs each batch; ``RuntimeError`` if it did not take.
+        Raises ``FinetuneError`` for machines without a shared filesystem: FSDP's full state dict is gathered on
+        rank 0 and its sharded checkpoints' metadata written there, so no other machine's copy would be whole."""
+        if per_machine:
+            raise FinetuneError("FSDP over machines needs one shared --output_dir: its checkpoints and final model "
+                                "are written by global rank 0 (and each rank's shard), so a machine's own copy would "
+                                "not be whole. Give every machine the same directory on a shared filesystem.")
+        # GradientState's constructor replaces a different plugin (accelerate 1.15 state.py); accumulate() reads it
         GradientState(gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False, sync_each_batch=True))
         if not self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
@@ -35,6 +36,10 @@ class FsdpEngine(PlainEngine):
                                f"{self.accelerator.gradient_state.plugin_kwargs}")
         self.note = ("FSDP: gradients are reduce-scattered on every micro-batch (sync_each_batch), so each rank "
                      "keeps only its gradient shard while accumulating")
+
+    def eval_model(self, model):
+        """The wrapped model: its all-gathers are part of every forward."""
+        return model
 
     def chunked_loss_refusal(self, model) -> str | None:
         if any(isinstance(module, _SHARDED_MODULES) for module in (model, *model.modules())):

@@ -7,17 +7,18 @@ from pathlib import Path
 
 from peft import PeftModel
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import get_scheduler
 
-from finetune.lora import save_adapter
+from finetune.errors import FinetuneError
+from finetune.lora import save_adapter, save_pretrained_here
 from finetune.precision import effective_mixed_precision
 from finetune.steps import StepPlan, plan_steps
 
 
 def parameter_groups(model, config, shape=lambda param: param.shape) -> list[dict]:
-    """The optimizer's two parameter groups (``Trainer``'s grouping): every trainable parameter with
-    ``config.weight_decay``, except biases and normalisation weights (1-D or named "norm"), which get none.
-    ``shape(param)``: the true shape (an engine that partitions parameters passes its own)."""
+    """``Trainer``'s two AdamW groups: trainable parameters with ``config.weight_decay``, biases and norm weights
+    (1-D or named "norm") with none. ``shape(param)``: the true shape, for engines that partition parameters."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -26,8 +27,7 @@ def parameter_groups(model, config, shape=lambda param: param.shape) -> list[dic
 
 
 def build_optimizer(model, config, groups: list[dict] | None = None) -> torch.optim.AdamW:
-    """AdamW over ``groups`` (default ``parameter_groups(model, config)``); ``--optim`` picks the implementation
-    as ``TrainingArguments.optim`` does: "adamw_torch" or "adamw_torch_fused"."""
+    """AdamW over ``groups`` (default ``parameter_groups``), fused for ``--optim adamw_torch_fused`` as in Trainer."""
     return torch.optim.AdamW(groups if groups is not None else parameter_groups(model, config), lr=config.learning_rate,
                              betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
                              fused=config.optim == "adamw_torch_fused" or None)
@@ -46,35 +46,43 @@ class Prepared:
 
 
 class PlainEngine:
-    """One process, or data parallel (DDP, gloo on a CPU): gradients all-reduced on the window's last
-    micro-batch, our AdamW and schedule, weights whole on every rank."""
+    """One process or DDP: gradients all-reduced on a window's last micro-batch, weights whole on every rank."""
 
     sync_each_batch = False  # gradients synchronised on every micro-batch of a window (FSDP) or on its last
+    generation_synced = False  # the weights are whole on every rank: each generates alone
     eval_may_split_batch = True  # no collective inside the forward: a rank may retry half a batch alone
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
         self.note: str | None = None  # a banner line, set by configure/prepare
 
-    def configure(self, config) -> None:
-        """Before the model is built: adapt Accelerate's plugin to the run's flags."""
+    def configure(self, config, per_machine: bool = False) -> None:
+        """Before the model is built: adapt Accelerate's plugin to the run's flags. ``per_machine``: each machine
+        keeps its own copy of the run's files (no shared filesystem, ``distributed.plan_storage``)."""
 
     def precision(self) -> str:
         """The precision the run trains in ("fp16", "bf16" or "no"), measured under autocast."""
         return effective_mixed_precision(self.accelerator)
 
     def prepare(self, config, model, train_dataloader, eval_dataloader) -> Prepared:
-        """``accelerator.prepare`` the model, AdamW and the dataloaders, then the schedule, sized in optimizer
-        steps and stepped by hand (not prepared: Accelerate's wrapper steps once per process per call)."""
+        """``accelerator.prepare`` model, AdamW and dataloaders; the schedule sized in optimizer steps."""
         accelerator = self.accelerator
         optimizer = build_optimizer(model, config)
         model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
             model, optimizer, train_dataloader, eval_dataloader)
         plan = plan_steps(len(train_dataloader), config)
+        # not prepared: Accelerate's wrapper would step it once per process per call
         scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=plan.steps(config.warmup_steps),
                                   num_training_steps=plan.max_steps)
         accelerator.register_for_checkpointing(scheduler)  # not prepared, so registered by hand
         return Prepared(model, optimizer, scheduler, train_dataloader, eval_dataloader, plan)
+
+    def eval_model(self, model):
+        """The module evaluation calls: under DDP the module it wraps, so no forward of DDP's runs outside
+        training (its first forward after a training step broadcasts the buffers, and a retry of half a batch
+        on one rank after out-of-memory would broadcast them again there alone: torch 2.13
+        ``nn/parallel/distributed.py`` ``_pre_forward``/``_post_forward``, ``require_forward_param_sync``)."""
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     def learning_rate(self, optimizer, scheduler) -> float:
         """The learning rate the next optimizer step uses."""
@@ -85,27 +93,23 @@ class PlainEngine:
         return None
 
     def save_model(self, model, tokenizer, output_dir: Path, config, writes: bool) -> None:
-        """Write the model (safetensors) and tokenizer with ``save_pretrained`` (or, with ``--use_peft``, a PEFT
-        adapter directory: ``lora.save_adapter``). Every process calls it (gathering a sharded state dict is
-        collective); those with ``writes`` write (global rank 0, or one per machine without a shared disk)."""
+        """Write the model (safetensors) and tokenizer, or with ``--use_peft`` an adapter (``lora.save_adapter``).
+        Collective: every process calls it; those with ``writes`` write (global rank 0, or one per machine)."""
         accelerator = self.accelerator
         accelerator.wait_for_everyone()
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         # a torch.compile'd model names every tensor "_orig_mod.<name>": from_pretrained needs the plain names
-        state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in accelerator.get_state_dict(model).items()}
+        gathered = accelerator.get_state_dict(model)
+        if gathered is None:  # ZeRO-3 consolidates the 16-bit weights on global rank 0 only
+            if writes:
+                raise FinetuneError("the final model's weights were gathered on global rank 0 only, but this process "
+                                    "must write a copy: give every machine one shared --output_dir.")
+            return
+        state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in gathered.items()}
         if isinstance(unwrapped, PeftModel):
             save_adapter(unwrapped, state_dict, tokenizer, output_dir, config.model_name_or_path, writes,
                          merge=config.merge_adapter)
             return
-        if writes and not accelerator.is_main_process and hasattr(unwrapped, "should_save_on_this_rank"):
-            # a machine's own copy: transformers 5 writes on global rank 0 only once torch.distributed is up,
-            # whatever is_main_process says (DistributedMixin.should_save_on_this_rank)
-            unwrapped.should_save_on_this_rank = lambda is_main_process: is_main_process
-            try:
-                unwrapped.save_pretrained(output_dir, is_main_process=True, state_dict=state_dict)
-            finally:
-                del unwrapped.should_save_on_this_rank
-        else:
-            unwrapped.save_pretrained(output_dir, is_main_process=writes, state_dict=state_dict)
-        if writes:
+        if writes:  # global rank 0, or a machine's local main process writing that machine's copy
+            save_pretrained_here(unwrapped, output_dir, state_dict=state_dict)
             tokenizer.save_pretrained(output_dir)

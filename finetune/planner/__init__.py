@@ -22,12 +22,14 @@ from it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from pathlib import Path
 
 import psutil
 
 from finetune.distributed import agreed_max, all_reduce_max, process_state
-from finetune.planner.plans import BatchPlan, choose_plan, given_plan, plan_table
+from finetune.planner.plans import BatchPlan, Lever, choose_plan, given_plan, plan_table
 from finetune.planner.probes import Probe, levers
 
 __all__ = ["BatchPlan", "plan_for"]
@@ -47,6 +49,11 @@ def plan_for(config, recipe) -> BatchPlan | None:
     if not config.total_batch_size:
         return None
     state = process_state()
+    if config.resume_from_checkpoint and (recorded := recorded_plan(config, state.num_processes)) is not None:
+        if state.is_main_process:
+            print(f"Batch plan for --total_batch_size {config.total_batch_size}: {recorded} (the resumed run's, "
+                  "from its run_config.json: not planned again)")
+        return recorded
     if config.auto_find_batch_size:
         plan = _probe_and_choose(config, recipe, state)
     else:
@@ -56,25 +63,42 @@ def plan_for(config, recipe) -> BatchPlan | None:
     return plan
 
 
+def recorded_plan(config, num_processes: int) -> BatchPlan | None:
+    """The plan a resumed run was started with (``batch_plan`` in ``<output_dir>/run_config.json``), so a
+    resume never re-probes: timing noise could pick another micro-batch, which the resume would then refuse
+    as another step. None where nothing was recorded for this effective batch and process count."""
+    try:
+        recorded = json.loads((Path(config.output_dir) / "run_config.json").read_text()).get("batch_plan")
+    except (OSError, ValueError):
+        return None
+    if not recorded or recorded.get("total_batch_size") != config.total_batch_size \
+            or recorded.get("num_processes") != num_processes:
+        return None
+    lever = recorded.get("lever")
+    return BatchPlan(**{**recorded, "lever": Lever(**lever) if lever else None})
+
+
 def _probe_and_choose(config, recipe, state) -> BatchPlan:
-    """``--auto_find_batch_size``: build one ``Probe`` per lever setting on every rank (a build that fails on
-    one rank fails on all), ``choose_plan`` among them, print the table; the probes are freed in any case."""
+    """``--auto_find_batch_size``: ``choose_plan`` over one ``Probe`` per lever setting, each built on every
+    rank (a build that fails on one rank fails on all) only once the previous one is freed; print the table."""
     started = time.perf_counter()
     max_over_processes = all_reduce_max(state)
     held = psutil.Process().memory_info().rss  # before any probe copy of the model exists
-    probes = {}
-    try:
-        for lever in levers(config, recipe, state.device):
-            def build(lever=lever) -> int:  # may fail on one rank only (e.g. no room under --max_memory_mb)
-                probes[lever] = Probe(config, recipe, state.device, lever, held)
+    def builder(lever):
+        def build() -> Probe:
+            made = []
+
+            def attempt() -> int:  # may fail on one rank only (e.g. no room under --max_memory_mb)
+                made.append(Probe(config, recipe, state.device, lever, held))
                 return 0
 
-            agreed_max(build, max_over_processes, "probing the batch size for --auto_find_batch_size")
-        chosen, candidates = choose_plan(config.total_batch_size, state.num_processes, probes, max_over_processes,
-                                         max_over_processes)
-    finally:
-        for probe in probes.values():
-            probe.close()
+            agreed_max(attempt, max_over_processes, "probing the batch size for --auto_find_batch_size")
+            return made[0]
+        return build
+
+    probes = {lever: builder(lever) for lever in levers(config, recipe, state.device)}
+    chosen, candidates = choose_plan(config.total_batch_size, state.num_processes, probes, max_over_processes,
+                                     max_over_processes)
     if state.is_main_process:
         print(plan_table(chosen, candidates))
         print(f"Planning took {time.perf_counter() - started:.1f} s (memory probes and timed passes).")

@@ -255,7 +255,8 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
     """The fastest plan that fits, and every plan considered.
 
     ``probes``: ``Lever`` -> a ``Probe``-like object with ``fits(m)``, ``estimate(m)`` (bytes or None) and
-    ``seconds_per_sample(m)`` (seconds). ``max_over_processes``/``slowest_over_processes``: MAX over the ranks
+    ``seconds_per_sample(m)`` (seconds), or a callable that builds one: then each is built, used and
+    ``close()``d before the next, so no two probe models (and optimizer states) are alive at once. ``max_over_processes``/``slowest_over_processes``: MAX over the ranks
     (``distributed.all_reduce_max``; the identity for one process). For every setting: the exact plans
     (``valid_plans``), the largest that fits on every rank (``plan_batch`` on ``agreed_fits``; smaller ones
     fit too, ``fits`` being monotone), then a timed descent from it (``timed_micro_batches``): each micro-
@@ -275,34 +276,40 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
     """
     plans = valid_plans(total_batch_size, num_processes)
     largest: dict[Lever, int | None] = {}
-    for lever, probe in probes.items():
-        try:
-            best = plan_batch(total_batch_size, num_processes, agreed_fits(probe.fits, max_over_processes))
-            largest[lever] = best.per_device_train_batch_size
-        except NothingFits:  # any other error (a probe that failed, on any rank) ends the planning on every rank
-            largest[lever] = None
     candidates, measured = [], []
     for lever, probe in probes.items():
-        without = largest.get(Lever(False, lever.loss_chunk_size)) if lever.activation_checkpointing else None
-        to_time = [] if largest[lever] is None else timed_micro_batches(lever, largest[lever], plans, without)
-        previous = None
-        rows = {}
-        for m, n in plans:
-            fits = largest[lever] is not None and m <= largest[lever]
-            rows[m] = Candidate(BatchPlan(m, n, num_processes, total_batch_size), lever, probe.estimate(m), fits,
-                                note="" if fits else "does not fit")
-            candidates.append(rows[m])
-        for m in to_time:
-            seconds = agreed_seconds(lambda: probe.seconds_per_sample(m), slowest_over_processes)
-            rows[m].seconds_per_sample = seconds
-            measured.append(rows[m])
-            if previous is not None and seconds > previous:
-                break
-            previous = seconds
-        for m, row in rows.items():
-            if row.fits and row.seconds_per_sample is None:
-                row.note = ("checkpointing: fits without it" if without is not None and m <= without
-                            else "smaller than a slower timed one")
+        built = callable(probe) and not hasattr(probe, "fits")
+        probe = probe() if built else probe  # one probe model at a time: each is freed before the next is built
+        try:
+            try:
+                best = plan_batch(total_batch_size, num_processes, agreed_fits(probe.fits, max_over_processes))
+                largest[lever] = best.per_device_train_batch_size
+            except NothingFits:  # any other error (a probe that failed, on any rank) ends the planning on every rank
+                largest[lever] = None
+            # settings come without checkpointing first (probes.levers): its largest fit is known here
+            without = largest.get(Lever(False, lever.loss_chunk_size)) if lever.activation_checkpointing else None
+            to_time = [] if largest[lever] is None else timed_micro_batches(lever, largest[lever], plans, without)
+            previous = None
+            rows = {}
+            for m, n in plans:
+                fits = largest[lever] is not None and m <= largest[lever]
+                rows[m] = Candidate(BatchPlan(m, n, num_processes, total_batch_size), lever, probe.estimate(m), fits,
+                                    note="" if fits else "does not fit")
+                candidates.append(rows[m])
+            for m in to_time:
+                seconds = agreed_seconds(lambda: probe.seconds_per_sample(m), slowest_over_processes)
+                rows[m].seconds_per_sample = seconds
+                measured.append(rows[m])
+                if previous is not None and seconds > previous:
+                    break
+                previous = seconds
+            for m, row in rows.items():
+                if row.fits and row.seconds_per_sample is None:
+                    row.note = ("checkpointing: fits without it" if without is not None and m <= without
+                                else "smaller than a slower timed one")
+        finally:
+            if built:
+                probe.close()
     chosen = None
     for candidate in measured:  # settings in order (no checkpointing, plain loss first), micro-batch descending
         if chosen is None or candidate.seconds_per_sample < chosen.seconds_per_sample * (1 - PROBE_MARGIN):

@@ -22,6 +22,7 @@ import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.builders import build_model, get_task
+from finetune.distributed import local_process_count, world_size
 from finetune.engine import build_optimizer
 from finetune.loss import DEFAULT_LOSS_CHUNK_SIZE, loss_function
 from finetune.errors import FinetuneError
@@ -56,7 +57,7 @@ def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
 
 
 def oom_probe(model, optimizer, loss_at: Callable[[int], "torch.Tensor"],
-              release: Callable[[], None] = lambda: None) -> Callable[[int], bool]:
+              release: Callable[[], None] = lambda: None, bucket_bytes: int = 0) -> Callable[[int], bool]:
     """A ``fits(m)`` that tries a whole training step: ``loss_at(m)`` (forward at micro-batch m, returning
     the loss), backward, and ``optimizer.step()``; out-of-memory (Accelerate's ``should_reduce_batch_size``,
     as ``find_executable_batch_size`` recognises it) answers False, any other error propagates.
@@ -64,7 +65,8 @@ def oom_probe(model, optimizer, loss_at: Callable[[int], "torch.Tensor"],
     The optimizer's state is allocated before the first probe (one step on zero gradients, on this probe
     copy of the model) and kept, as it is through training: AdamW holds two moments per parameter, as large
     as the weights, which a forward/backward probe alone leaves out. After each probe the gradients are
-    freed (``zero_grad(set_to_none=True)``) and ``release()`` runs (e.g. ``torch.cuda.empty_cache``)."""
+    freed (``zero_grad(set_to_none=True)``) and ``release()`` runs (e.g. ``torch.cuda.empty_cache``).
+    ``bucket_bytes``: held during each probe, as DDP's gradient buckets (a copy of the gradients) are."""
     state_ready = False
 
     def allocate_state() -> None:
@@ -80,8 +82,10 @@ def oom_probe(model, optimizer, loss_at: Callable[[int], "torch.Tensor"],
             if not state_ready:
                 allocate_state()
                 optimizer.zero_grad(set_to_none=True)
+            buckets = torch.empty(bucket_bytes, dtype=torch.uint8, device=model.device) if bucket_bytes else None
             loss_at(micro_batch).backward()
             optimizer.step()
+            del buckets
             return True
         except Exception as err:  # noqa: BLE001 - the OOM types differ by backend
             if should_reduce_batch_size(err):
@@ -125,17 +129,20 @@ class Probe:
         self.vocab = self.model.config.vocab_size
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
         self.loss_sum = probe_loss_function(task, config, device)
+        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        buckets = trainable if world_size() > 1 else 0  # DDP keeps its gradient buckets beside the gradients
         if device.type == "cuda":
             self.fits = oom_probe(self.model, build_optimizer(self.model, config), self.step,
-                                  release=torch.cuda.empty_cache)
+                                  release=torch.cuda.empty_cache, bucket_bytes=buckets)
             self.estimate = lambda m: None
             return
-        budget = (config.max_memory_mb * 2**20) if config.max_memory_mb else psutil.virtual_memory().available
+        # the machine's free memory is shared by the processes on it; --max_memory_mb is per process
+        budget = (config.max_memory_mb * 2**20 if config.max_memory_mb
+                  else psutil.virtual_memory().available // local_process_count())
         one, two = self.activation_bytes(1), self.activation_bytes(2)
         per_sample = max(two - one, 1)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        fixed = max(one - per_sample, 0) + weights + 3 * trainable
+        fixed = max(one - per_sample, 0) + weights + 3 * trainable + buckets
         self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held
         print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
@@ -186,8 +193,8 @@ class Probe:
         return statistics.median(times) / m
 
     def close(self) -> None:
-        """Free the probe copy of the model."""
-        self.model = None
+        """Free the probe copy of the model, and its optimizer state held by the ``fits`` closure."""
+        self.model = self.fits = self.estimate = self.loss_sum = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

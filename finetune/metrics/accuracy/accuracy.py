@@ -1,8 +1,5 @@
-"""Accuracy: the fraction of predictions equal to their reference label.
-
-A local evaluate module (loaded by path, so no hub access). Same inputs and output key as the
-hub's `accuracy` metric: ``compute(predictions=[...], references=[...]) -> {"accuracy": float}``.
-"""
+"""Accuracy: the fraction of predictions equal to their reference label; a local evaluate module (no hub).
+As the hub's `accuracy`: ``compute(predictions=[...], references=[...]) -> {"accuracy": float}``."""
 
 import datasets
 import evaluate

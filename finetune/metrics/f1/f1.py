@@ -1,8 +1,5 @@
-"""F1 score, the harmonic mean of precision and recall (macro-averaged over classes by default here).
-
-A local evaluate module (loaded by path, so no hub access). Inputs and output key as the hub's `f1`
-metric: ``compute(predictions=[...], references=[...], average="macro") -> {"f1": float}``.
-"""
+"""F1, the harmonic mean of precision and recall (macro-averaged by default); a local evaluate module (no hub).
+As the hub's `f1`: ``compute(predictions=[...], references=[...], average="macro") -> {"f1": float}``."""
 
 import datasets
 import evaluate

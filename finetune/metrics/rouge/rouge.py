@@ -1,14 +1,7 @@
-"""ROUGE-L and exact match between generated texts and their references.
-
-A local evaluate module (loaded by path, so no hub access). Keys as the hub's `rouge` and `exact_match`
-metrics: ``compute(predictions=[str], references=[str]) -> {"rougeL": float, "exact_match": float}``.
-
-ROUGE-L (Lin, 2004) is the F-measure of the longest common subsequence of words, computed per pair by
-Google's `rouge_score` package (the hub metric's backend; needs ``pip install rouge_score``) with its
-default tokenizer (lowercase, non-alphanumerics dropped) and Porter stemming, then averaged over pairs:
-a plain mean, where the hub metric reports the median of bootstrap resamples (random, and close to it).
-Exact match is the fraction of pairs equal after ``strip()`` and ``lower()``.
-"""
+"""ROUGE-L and exact match of generated texts; a local evaluate module (no hub). As the hub's `rouge` and
+`exact_match`: ``compute(predictions=[str], references=[str]) -> {"rougeL": float, "exact_match": float}``.
+ROUGE-L (Lin, 2004) per pair by Google's `rouge_score` (its tokenizer, Porter stemming), then a plain mean where
+the hub reports a bootstrap median. Exact match: equal after ``strip()`` and ``lower()``."""
 
 import datasets
 import evaluate
