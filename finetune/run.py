@@ -1,11 +1,6 @@
-"""The training entry point: ``accelerate launch finetune/run.py --recipe NAME [flags]`` (also
-``accelerate launch -m finetune.run``, ``python -m finetune.run``, and ``finetune train``, which launches
-this module).
-
-Parses flags into a ``TrainConfig`` (recipe defaults under the flags), then runs the engine. User errors
-print one ``error:`` line and exit 2 (3 for a numerical failure, 128 + N after signal N), without a
-traceback.
-"""
+"""The training entry point (``accelerate launch finetune/run.py --recipe NAME``, ``-m finetune.run``, ``finetune
+train``): flags into a ``TrainConfig``, then the engine. User errors print one ``error:`` line and exit 2 (3 for a
+numerical failure, 128 + N after signal N)."""
 
 from __future__ import annotations
 
@@ -43,14 +38,8 @@ from finetune.reporting import format_summary  # noqa: E402
 
 
 def use_available_cpu_cores() -> str | None:
-    """Undo ``accelerate launch``'s one-thread default on a CPU-only machine.
-
-    Without ``--cpu`` or ``--num_cpu_threads_per_process``, the launcher exports ``OMP_NUM_THREADS=1``
-    (accelerate 1.15, ``commands/launch.py``), which halves the speed of a 1-process run on 2 cores. When
-    that default is in force, set torch's intra-op threads to the cores available to this process divided
-    by the local processes. Returns the note it printed, or None when it changed nothing (a GPU, several
-    processes sharing the cores, or a thread count the user chose).
-    """
+    """Undo ``accelerate launch``'s ``OMP_NUM_THREADS=1`` default on a CPU (accelerate 1.15 ``commands/launch.py``):
+    torch threads = this process's cores / local processes. Returns the note printed, or None if unchanged."""
     if not launched_by_accelerate() or os.environ.get("OMP_NUM_THREADS") != "1" or torch.cuda.is_available():
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -100,13 +89,8 @@ def run(config) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code (0 on success, ``FinetuneError.exit_code`` on a user
-    error: 2, or 3 for a numerical failure, 128 + N after signal N).
-
-    Launched by accelerate, the process stops with its launcher: when the launcher dies (a bare 1-process
-    ``accelerate launch`` killed by SIGTERM exits at once), this process gets SIGTERM, finishes its optimizer
-    step, checkpoints and exits 143 (``finetune.signals``). The bare launcher has returned by then, before
-    the checkpoint is written; ``finetune train`` waits for it."""
+    """Run the CLI; returns the exit code (0, or ``FinetuneError.exit_code``). The process stops with its
+    launcher (``finetune.signals``): a dead launcher's SIGTERM ends it after a checkpoint, exit 143."""
     watch_launcher()
     try:
         config = parse_config(argv)

@@ -1,17 +1,7 @@
-"""The Trainer engine: the same recipe, model, data, collator, optimizer settings and schedule, run by
-``transformers.Trainer`` so it can be compared with our ``accelerator.accumulate()`` loop.
-
-Only the loop differs. What we add to a plain Trainer:
-
-- ``compute_loss_func`` returns the micro-batch's summed loss divided by ``num_items_in_batch`` (the items
-  of the whole accumulation window, across processes). A plain Trainer with a model that accepts loss
-  kwargs (BERT in transformers 5) neither normalises by the window nor divides by the accumulation steps,
-  so its gradients and its logged loss are N times the mean (6.43 instead of 1.61 at N = 4 on bbc-news).
-- ``BookkeepingCallback`` (which also provides that loss function) writes our ``log.jsonl`` (the mean loss
-  per item of each optimizer step, the learning rate used and the pre-clip grad norm that Trainer
-  reports) and runs the shared evaluation on our ``--eval_strategy``, tracking the best model and early
-  stopping. Checkpoints are Trainer's own (``<output_dir>/checkpoints/checkpoint-N``), plus the settings
-  that define a step, so a resume with other settings is refused as on the accelerate side.
+"""The Trainer engine: the same recipe, model, data, collator, optimizer and schedule on ``transformers.Trainer``;
+only the loop differs. Our loss divides each micro-batch's summed loss by the window's items over all processes
+(a plain Trainer with a loss-kwargs model logs and trains N times the mean); records and cadence come from the
+shared ``bookkeeping`` through ``BookkeepingCallback``. See docs/design-notes.md#trainer_backend.
 """
 
 from __future__ import annotations
@@ -41,13 +31,9 @@ STEP_MEANING_FILE = "finetune_step_meaning.json"  # in each Trainer checkpoint
 
 
 def training_arguments(config, output_dir: str | None = None) -> TrainingArguments:
-    """The ``TrainingArguments`` for ``config``: the one place our settings map to Trainer's.
-
-    Every shared hyperparameter keeps its name and value (tested in ``tests/test_trainer_backend.py``).
-    Checkpoints go to ``<output_dir>/checkpoints``; evaluation is ours (``BookkeepingCallback``), so Trainer's is
-    off; logging is every optimizer step. fp16 is asked for only where it can run (a CUDA device), as on the
-    accelerate side, where a CPU silently runs fp32.
-    """
+    """The ``TrainingArguments`` for ``config``, the one place our settings map to Trainer's (same names and
+    values; checkpoints under ``<output_dir>/checkpoints``; Trainer's evaluation off: ours runs in the callback;
+    fp16 asked for on CUDA only, as a CPU runs fp32 on the accelerate side)."""
     fp16 = config.mixed_precision == "fp16" and torch.cuda.is_available()
     return TrainingArguments(
         output_dir=str(ckpt.checkpoints_dir(output_dir or config.output_dir)),
@@ -94,10 +80,9 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
 
 
 class FinetuneTrainer(Trainer):
-    """``Trainer`` whose training loss is the accelerate engine's (``loss.loss_function``: the chunked loss
-    for causal LM where it is on), accounted by ``BookkeepingCallback.account``. Trainer is still given that
-    callback's ``compute_loss_func``, so it neither divides the loss by the accumulation steps nor skips
-    averaging ``num_items_in_batch`` across devices."""
+    """``Trainer`` whose loss is the accelerate engine's (``loss.loss_function``), accounted by
+    ``BookkeepingCallback.account`` (Trainer also gets its ``compute_loss_func``, so it neither divides by N nor
+    skips averaging ``num_items_in_batch`` over devices)."""
 
     def __init__(self, account, **kwargs):
         super().__init__(**kwargs)
@@ -113,13 +98,9 @@ class FinetuneTrainer(Trainer):
 
 
 class BookkeepingCallback(TrainerCallback):
-    """The shared ``Bookkeeping`` on Trainer: one ``log.jsonl`` record per optimizer step (the mean loss per
-    item over the window, summed over processes; the learning rate and pre-clip grad norm as Trainer logs
-    them; Trainer's own logged loss for reference), evaluation with the shared ``evaluate()`` on the shared
-    cadence, the best model (recorded in Trainer's state, so its rotation keeps it and
-    ``load_best_model_at_end`` loads it) and early stopping, fp16 skips detected as in the accelerate loop
-    (``precision.optimizer_step_skipped``), held out of Trainer's LR schedule and limited by
-    ``--max_skipped_steps``."""
+    """The shared ``Bookkeeping`` on Trainer: the step records (learning rate and grad norm as Trainer logs them),
+    evaluation on the shared cadence, the best model mirrored into Trainer's state (its rotation keeps it,
+    ``load_best_model_at_end`` loads it), early stopping, fp16 skips held out of its LR schedule."""
 
     def __init__(self, config, recipe, task, book: Bookkeeping, raw_validation=None):
         self.config, self.recipe, self.task, self.book = config, recipe, task, book
