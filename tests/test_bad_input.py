@@ -61,6 +61,7 @@ def cases(tmp, tiny_bert):
         ("hub-id-offline", ["--model_name_or_path", "some-org/uncached-model"], ["Hugging Face Hub", "--model_name_or_path DIR"]),
         ("bad-checkpointing-steps", ["--checkpointing_steps", "often"], ["--checkpointing_steps"]),
         ("resume-nothing", ["--resume_from_checkpoint", str(tmp / "nowhere")], ["--resume_from_checkpoint", "not a directory"]),
+        ("ddp-timeout-zero", ["--ddp_timeout", "0"], ["--ddp_timeout must be a positive number of seconds"]),
     ]
 
 
