@@ -13,10 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from accelerate.utils import gather_object
+from safetensors import SafetensorError
 
 from finetune.errors import FinetuneError
 
 MARKER = "COMPLETE"
+# What the writers raise on a full or failing disk: OSError (open/write/fsync/rename), safetensors' SafetensorError
+# (not an OSError: safetensors/__init__.pyi), RuntimeError (torch.save's "PytorchStreamWriter failed writing file")
+WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
 STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^step_(\d{8})$")
 
@@ -176,13 +180,13 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp), safe_serialization=True)
-    except OSError as err:
+    except WRITE_ERRORS as err:
         error = err
     if per_machine:  # collective: every process, also one whose write failed
         name = f"random_states_{accelerator.process_index}.pkl"
         try:
             own = (tmp / name).read_bytes() if error is None else None
-        except OSError as err:
+        except WRITE_ERRORS as err:
             own, error = None, err
         rng_states = gather_object([(name, own)])
     try:
@@ -207,9 +211,10 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-    except OSError as err:
+    except WRITE_ERRORS as err:
         error = err
-    errors = gather_object([None if error is None else str(error)]) if accelerator.num_processes > 1 else [error]
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    errors = gather_object([message]) if accelerator.num_processes > 1 else [message]
     failed = [e for e in errors if e is not None]
     if failed:
         if writes:
