@@ -42,20 +42,20 @@ def main(argv: list[str] | None = None) -> int:
             from finetune.run import main as run_main  # lazy: see the module docstring
 
             return run_main(["--help"])
-        from finetune.launch import train_command
+        from finetune.launch import train_command  # lazy: `finetune --help` and `recipes` start without torch
 
         return train_command(rest)
     if command == "recipes":
-        from finetune.recipes import list_recipes
+        from finetune.recipes import list_recipes  # lazy: `finetune --help` and `recipes` start without torch
 
         print(list_recipes())
         return 0
     if command == "predict":
-        from finetune.predict import main as predict_main
+        from finetune.predict import main as predict_main  # lazy: `finetune --help` and `recipes` start without torch
 
         return predict_main(rest)
     if command == "compare":
-        from finetune.run import main as run_main
+        from finetune.run import main as run_main  # lazy: `finetune --help` and `recipes` start without torch
 
         return run_main([*rest, "--compare", "True"])
     print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare (finetune --help).",
