@@ -91,7 +91,7 @@ def _trained_on_chats(path: Path) -> bool:
 def model_kind(config, where: str = "--model") -> str:
     """``"classification"`` or ``"generation"`` from ``config.architectures``; ``FinetuneError`` for a
     model with neither head (e.g. a bare ``BertModel``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: slow import (see the top)
 
     architectures = list(config.architectures or [])
     if not architectures:
@@ -109,9 +109,9 @@ def _load_adapter(path: Path, adapter: dict, where: str):
     """(the PEFT model: base model + adapter, the tokenizer) of the adapter directory ``path`` (``adapter``:
     its adapter_config.json). The tokenizer is the adapter directory's if it holds one, else the base
     model's. Raises ``FinetuneError`` without peft, or naming the base model if loading fails."""
-    from transformers import AutoTokenizer  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+    from transformers import AutoTokenizer  # lazy: slow import (see the top)
 
-    from finetune.lora import load_adapter_model  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+    from finetune.lora import load_adapter_model  # lazy: slow import (see the top)
 
     base = adapter.get("base_model_name_or_path")
     try:
@@ -128,7 +128,7 @@ def _load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
     """Overwrite ``model``'s weights with ``checkpoint/model.safetensors`` (``Accelerator.save_state``: names
     may carry DDP's ``module.`` or torch.compile's ``_orig_mod.`` prefix, and one of two tied tensors is
     left out). Raises ``FinetuneError`` if the file is missing or does not fit the model."""
-    from safetensors.torch import load_file  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+    from safetensors.torch import load_file  # lazy: slow import (see the top)
 
     file = checkpoint / "model.safetensors"
     if not file.is_file():
@@ -156,8 +156,8 @@ class Predictor:
     directory, no loadable model/tokenizer, or a ``max_length`` above the model's position limit."""
 
     def __init__(self, model_dir, max_length: int | None = None, device=None):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer  # lazy: --help and input errors answer without the ~6 s of torch/transformers
-        from transformers import pipeline  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer  # lazy: slow import (see the top)
+        from transformers import pipeline  # lazy: slow import (see the top)
 
         where = f"--model {str(model_dir)!r}"
         path, checkpoint = _resolve_model_dir(model_dir)
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); returns the exit code (0, or 2 after one ``error:``
     line). With several processes each predicts a contiguous share; the main process prints all, in order."""
     args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+    from transformers.utils import logging as hf_logging  # lazy: slow import (see the top)
 
     hf_logging.disable_progress_bar()  # the CLI prints results; loading bars and load reports are noise
     hf_logging.set_verbosity_error()
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         with state.split_between_processes(texts) as share:
             results = predictor.predict(share, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                                         progress=(None if bulk else False) if state.is_main_process else False)
-        from accelerate.utils import gather_object  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+        from accelerate.utils import gather_object  # lazy: slow import (see the top)
 
         results = gather_object(results)  # one process: unchanged; several: every share, in rank order
         if not state.is_main_process:
@@ -441,9 +441,9 @@ def main(argv: list[str] | None = None) -> int:
 def _process_state():
     """Accelerate's ``PartialState``: one process, or one of ``accelerate launch``'s. CPU processes
     (``ACCELERATE_USE_CPU``, or several processes and no GPU) join a gloo group, as ``Accelerator`` does."""
-    import torch  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+    import torch  # lazy: slow import (see the top)
 
-    from finetune.distributed import process_state  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+    from finetune.distributed import process_state  # lazy: slow import (see the top)
 
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
     state = process_state(cpu=several and not torch.cuda.is_available())
@@ -456,7 +456,7 @@ def _gather_texts_once(args, state) -> tuple[list, bool]:
     """``gather_texts`` on the main process, shared with the others (stdin can be read only once)."""
     if state.num_processes <= 1:
         return gather_texts(args)
-    from accelerate.utils import broadcast_object_list  # lazy: --help and input errors answer without the ~6 s of torch/transformers
+    from accelerate.utils import broadcast_object_list  # lazy: slow import (see the top)
 
     payload = [None]
     if state.is_main_process:
