@@ -110,9 +110,12 @@ def is_complete(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def find_resume_checkpoint(output_dir, spec: str) -> Path:
+def find_resume_checkpoint(output_dir, spec: str) -> Path | None:
     """``spec`` "latest": the newest complete checkpoint under ``output_dir`` (incomplete ones skipped with a
-    warning); otherwise the path ``spec``. Raises ``FinetuneError`` if there is none or it is incomplete."""
+    warning); "auto": the same, or None where there is none (a fresh start); otherwise the path ``spec``.
+    Raises ``FinetuneError`` if there is none ("latest") or it is incomplete."""
+    if spec == "auto":
+        return newest_complete_checkpoint(output_dir)
     if spec == "latest":
         candidates = list_checkpoints(output_dir)
         for path in reversed(candidates):
@@ -129,6 +132,11 @@ def find_resume_checkpoint(output_dir, spec: str) -> Path:
         raise FinetuneError(f"--resume_from_checkpoint {spec!r} is incomplete (no {MARKER} marker): its write was "
                             "interrupted. Use an earlier checkpoint, or 'latest' to pick the newest complete one.")
     return path
+
+
+def newest_complete_checkpoint(output_dir) -> Path | None:
+    """The newest checkpoint under ``output_dir`` with its completion marker, or None."""
+    return next((p for p in reversed(list_checkpoints(output_dir)) if is_complete(p)), None)
 
 
 def read_state(path: Path) -> RunProgress:

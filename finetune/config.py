@@ -170,7 +170,9 @@ class TrainConfig:
     )
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir) or a checkpoint path."}
+        default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir), 'auto' (latest if there "
+                                        "is one, else a fresh start; a finished run exits 0: one command for a "
+                                        "requeued job) or a checkpoint path."}
     )
     ignore_checkpoint_mismatch: bool = field(
         default=False, metadata={"help": "Resume even if batch sizes, accumulation, processes or data differ."}

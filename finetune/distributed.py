@@ -250,7 +250,11 @@ def plan_storage(state, output_dir) -> StorageLayout:
                         "the same directory on one shared filesystem, or each machine a directory of its own.")
 
 
-def agree_on_checkpoint(state, output_dir, spec: str) -> Path:
+class _NoCheckpoint(Exception):
+    """``--resume_from_checkpoint auto`` found no checkpoint on this process."""
+
+
+def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:
     """The checkpoint to resume from (``checkpoint.find_resume_checkpoint`` in this process's
     ``output_dir``), checked to be the same step on every process (collective; every process calls it).
 
@@ -261,25 +265,35 @@ def agree_on_checkpoint(state, output_dir, spec: str) -> Path:
     the checkpoint to the machine that lacks it, or resume every machine from a step all of them hold.
     """
     mine: dict = {"name": None, "error": None, "step": None}
+    caught = None
     try:
         path = ckpt.find_resume_checkpoint(output_dir, spec)
+        if path is None:  # "auto" with no checkpoint: a fresh start, if every process agrees
+            raise _NoCheckpoint()
         saved = ckpt.read_state(path)
         rng = path / f"random_states_{state.process_index}.pkl"
         if saved.num_processes == state.num_processes and not rng.is_file():
             raise FinetuneError(f"checkpoint {path} lacks this process's random-number state ({rng.name})")
         mine.update(name=path.name, step=saved.step)
+    except _NoCheckpoint:
+        path = None
     except FinetuneError as err:
         path, caught, mine["error"] = None, err, str(err)
     if state.num_processes <= 1:
-        if path is None:
+        if caught is not None:
             raise caught
         return path
     held = [int(p.name.removeprefix("step_")) for p in ckpt.list_checkpoints(output_dir) if ckpt.is_complete(p)]
     mine.update(machine=machine_index(state), rank=state.process_index, held=held, dir=str(Path(output_dir).resolve()))
     outcomes = gather_object([mine])
     names = {o["name"] for o in outcomes}
-    if len(names) == 1 and None not in names:
-        return path
+    if len(names) == 1 and (None not in names or not any(o["error"] for o in outcomes)):
+        return path  # the same checkpoint everywhere, or ("auto") none anywhere
+    for o in outcomes:  # "auto": some processes found a checkpoint, these none
+        if o["name"] is None and o["error"] is None:
+            o["error"] = f"no complete checkpoint under {ckpt.checkpoints_dir(o['dir'])}"
+    if caught is None and path is None:
+        caught = FinetuneError(f"no complete checkpoint under {ckpt.checkpoints_dir(output_dir)}")
     failed = _group(outcomes, "error")
     if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
         raise caught  # the same on every process: as on one process

@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from finetune.checkpoint import is_complete, list_checkpoints
+from finetune.checkpoint import is_complete, list_checkpoints, newest_complete_checkpoint
 from finetune.config import DERIVED_FIELDS
 from finetune.errors import FinetuneError
 
@@ -26,7 +26,10 @@ def check_output_dir(config) -> None:
     Raises ``FinetuneError`` naming the differing settings and the flags that fix it.
     """
     out = Path(config.output_dir)
-    if config.overwrite_output_dir and not config.resume_from_checkpoint:
+    resuming = bool(config.resume_from_checkpoint)
+    if config.resume_from_checkpoint == "auto":  # a fresh start passes the new-run checks
+        resuming = newest_complete_checkpoint(out) is not None
+    if config.overwrite_output_dir and not resuming:
         resolved, cwd = out.expanduser().resolve(), Path.cwd().resolve()
         if resolved in (cwd, *cwd.parents, Path.home().resolve()):
             raise FinetuneError(f"--output_dir {str(out)!r} with --overwrite_output_dir would delete the current "
@@ -35,7 +38,7 @@ def check_output_dir(config) -> None:
         raise FinetuneError(f"--output_dir {str(out)!r} is a file, not a directory. Choose another --output_dir.")
     previous = out / "run_config.json"
     # On resume the checkpoint's own check names what changed (finetune.checkpoint.check_compatible).
-    if previous.is_file() and not config.overwrite_output_dir and not config.resume_from_checkpoint:
+    if previous.is_file() and not config.overwrite_output_dir and not resuming:
         try:
             old = json.loads(previous.read_text())
         except (OSError, ValueError):
@@ -47,7 +50,7 @@ def check_output_dir(config) -> None:
                 f"--output_dir {str(out)!r} holds a different run (settings that differ: {', '.join(differences)}). "
                 "Choose another --output_dir, or pass --overwrite_output_dir to replace it."
             )
-    if previous.is_file() and not config.overwrite_output_dir and not config.resume_from_checkpoint:
+    if previous.is_file() and not config.overwrite_output_dir and not resuming:
         if any(is_complete(p) for p in list_checkpoints(out)):
             raise FinetuneError(
                 f"--output_dir {str(out)!r} holds checkpoints of this run. Continue it with "

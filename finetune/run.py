@@ -5,9 +5,11 @@ numerical failure, 128 + N after signal N)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 PROCESS_START = time.time()
 
@@ -67,6 +69,15 @@ def apply_plan(config, plan: BatchPlan):
     return planned
 
 
+def finished_metrics(output_dir) -> dict | None:
+    """The metrics of a finished run in ``output_dir`` (``metrics.json`` is written last, after the final
+    model), or None."""
+    try:
+        return json.loads((Path(output_dir) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run(config) -> dict | None:
     """Run a parsed ``config``: check the output dir, plan the batch (``--total_batch_size``: the engines get
     the planned config, ``apply_plan``), then train with its backend (or ``--compare`` both). Returns the
@@ -77,6 +88,11 @@ def run(config) -> dict | None:
         distributed.process_state(timeout_seconds=config.ddp_timeout)
     # the same outcome on every process: on machines of their own, one output dir can fail alone
     distributed.agree(lambda: check_output_dir(config))
+    if config.resume_from_checkpoint == "auto" and (finished := finished_metrics(config.output_dir)) is not None:
+        if distributed.world_size() <= 1 or distributed.process_state().is_main_process:
+            print(f"--resume_from_checkpoint auto: {config.output_dir} holds a finished run (metrics.json); "
+                  "nothing to do.")
+        return finished
     use_available_cpu_cores()
     plan = plan_for(config, recipe)
     if plan is not None:

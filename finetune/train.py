@@ -206,7 +206,11 @@ class RunState:
         if config.resume_from_checkpoint:
             # every process must resume from the same step, also where each machine has its own files
             self.resume_from = distributed.agree_on_checkpoint(accelerator, self.output_dir, config.resume_from_checkpoint)
-            distributed.agree(lambda: self._resume(self.resume_from), accelerator)
+            if self.resume_from is None:
+                accelerator.print(f"--resume_from_checkpoint auto: no complete checkpoint under "
+                                  f"{ckpt.checkpoints_dir(self.output_dir)}; starting a fresh run.")
+            else:
+                distributed.agree(lambda: self._resume(self.resume_from), accelerator)
         self.book.open(self.progress.step if self.resume_from is not None else None)
         accelerator.wait_for_everyone()
         accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.built.precision,

@@ -211,9 +211,13 @@ def _resume_checkpoint(config, meaning: dict) -> str | None:
     if not spec:
         return None
     root = ckpt.checkpoints_dir(config.output_dir)
-    path = get_last_checkpoint(str(root)) if spec == "latest" and root.is_dir() else (None if spec == "latest" else spec)
+    newest = spec in ("latest", "auto")
+    path = (get_last_checkpoint(str(root)) if root.is_dir() else None) if newest else spec
+    if path is None and spec == "auto":
+        print(f"--resume_from_checkpoint auto: no Trainer checkpoint under {root}; starting a fresh run.")
+        return None
     if path is None or not Path(path, "trainer_state.json").is_file():
-        raise FinetuneError(f"--resume_from_checkpoint {spec}: no Trainer checkpoint {'under ' + str(root) if spec == 'latest' else 'there'}"
+        raise FinetuneError(f"--resume_from_checkpoint {spec}: no Trainer checkpoint {'under ' + str(root) if newest else 'there'}"
                             ". Pass a checkpoint-N directory, or start without --resume_from_checkpoint.")
     saved = Path(path, STEP_MEANING_FILE)
     if saved.is_file():

@@ -7,15 +7,17 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
-from helpers import read_log, run_in_process, train_steps
+from helpers import read_log, run_in_process, train_steps, load_params
 
 # 40 samples, micro 2 x accumulation 3: 20 micro-batches -> windows 3,3,3,3,3,3,2 = 7 steps per epoch.
 RUN = dict(max_train_samples=40, max_eval_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=3,
@@ -224,3 +226,59 @@ def test_sigterm_to_finetune_train_then_resume(tmp_path, tiny_bert):
                              cwd=tmp_path, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in train_steps(out)] == list(range(1, 121))
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_resume_auto_is_one_command_for_every_start_of_a_requeued_job(tmp_path, tiny_bert, backend, capsys):
+    """--resume_from_checkpoint auto: the first start (no checkpoint) trains from scratch; a start after a
+    preemption resumes the newest checkpoint, even with --overwrite_output_dir (a complete checkpoint is never
+    cleared), to the uninterrupted run's weights; a start after the run finished exits at once, touching
+    nothing. `latest` fails on the first start, so a requeued job could not use one command."""
+    from finetune.run import main
+
+    kw = dict(model_name_or_path=tiny_bert, backend=backend, save_steps=2, max_steps=4, eval_strategy="no",
+              max_train_samples=32, max_eval_samples=8, per_device_train_batch_size=4, max_length=32,
+              disable_dropout=True, seed=3)
+    full_metrics, full = run_in_process(tmp_path, "full", **kw)
+    # the first start of the job: nothing there yet
+    first, out = run_in_process(tmp_path, "job", resume_from_checkpoint="auto", **kw)
+    assert "starting a fresh run" in capsys.readouterr().out and "resumed_from" not in first
+    # preempted after step 2: what a killed run leaves (the step-2 checkpoint, no final model)
+    name = "step_00000002" if backend == "accelerate" else "checkpoint-2"
+    for leftover in ("model.safetensors", "metrics.json"):
+        (out / leftover).unlink()
+    for path in (out / "checkpoints").iterdir():
+        if path.name != name:
+            shutil.rmtree(path)
+    resumed, _ = run_in_process(tmp_path, "job", resume_from_checkpoint="auto", overwrite_output_dir=True, **kw)
+    assert resumed["resumed_from"].endswith(name)
+    a, b = load_params(full), load_params(out)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
+    # the requeued job starts once more after it finished: exit 0, nothing touched
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    code = main(["--recipe", "bbc-news", "--output_dir", str(out), "--resume_from_checkpoint", "auto",
+                 *[f"--{k}={v}" for k, v in kw.items()]])
+    assert code == 0 and "holds a finished run" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.integration
+def test_resume_auto_on_two_processes_starts_fresh_then_resumes(tmp_path, tiny_bert):
+    """Through the real launcher with two gloo processes: every rank agrees that there is no checkpoint on the
+    first start (a fresh run), and on the newest one afterwards."""
+    from helpers import launch
+
+    out = tmp_path / "job"
+    args = ["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir", str(out), "--max_steps", "4",
+            "--save_steps", "2", "--eval_strategy", "no", "--max_train_samples", "32", "--max_length", "32",
+            "--per_device_train_batch_size", "2", "--resume_from_checkpoint", "auto"]
+    first = launch(args, num_processes=2, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "starting a fresh run" in first.stdout and len(train_steps(out)) == 4
+    for leftover in ("model.safetensors", "metrics.json"):
+        (out / leftover).unlink()
+    again = launch(args, num_processes=2, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from" in again.stdout and "step_00000002" in again.stdout
+    assert [r["step"] for r in train_steps(out)] == [1, 2, 3, 4]
