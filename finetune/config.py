@@ -184,6 +184,12 @@ class TrainConfig:
         default=1800, metadata={"help": "Seconds a collective waits for a peer process before the run fails (torch's "
                                         "process-group timeout; TrainingArguments' name and default)."}
     )
+    preemption_grace_seconds: float | None = field(
+        default=None, metadata={"help": "Seconds the scheduler allows between its stop signal and SIGKILL (SLURM: the "
+                                        "partition's GraceTime, or N of --signal=B:USR1@N). finetune train sets "
+                                        "torchrun's shutdown timeout to it (default 30 s), and the run warns when an "
+                                        "optimizer step plus a checkpoint will not fit in it."}
+    )
     report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = field(
         default="none", metadata={"help": "Experiment tracking through Accelerate's trackers (TensorBoard works offline)."}
     )
@@ -369,6 +375,7 @@ class TrainConfig:
             raise FinetuneError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}.")
         if self.ddp_timeout < 1:
             raise FinetuneError(f"--ddp_timeout must be a positive number of seconds, got {self.ddp_timeout}.")
+        check_grace_seconds(self.preemption_grace_seconds)
         if self.max_skipped_steps < 1:
             raise FinetuneError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}.")
         if self.auto_find_batch_size and not self.total_batch_size:
@@ -410,6 +417,21 @@ class TrainConfig:
     def to_json(self) -> str:
         """The resolved configuration as indented JSON (what ``run_config.json`` holds)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def check_grace_seconds(value) -> float | None:
+    """``--preemption_grace_seconds``: None, or a positive, finite number of seconds (returned as a float). Raises
+    ``FinetuneError`` otherwise."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not 0 < seconds < float("inf"):
+        raise FinetuneError(f"--preemption_grace_seconds must be a positive number of seconds (the scheduler's grace "
+                            f"between its stop signal and SIGKILL, e.g. 120), got {value!r}.")
+    return seconds
 
 
 class _FlagParser(HfArgumentParser):
