@@ -6,6 +6,8 @@ run's (see docs/design-notes.md#launch)."""
 from __future__ import annotations
 
 import logging
+import math
+import os
 import signal
 import subprocess
 import sys
@@ -15,10 +17,18 @@ from accelerate.utils import prepare_simple_launcher_cmd_env
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from finetune.config import TrainConfig
+from finetune.config import TrainConfig, check_grace_seconds
 from finetune.engine import launcher_spawns_processes
+from finetune.errors import FinetuneError
 
 TRAINING_MODULE = "finetune.run"
+GRACE_FLAG = "--preemption_grace_seconds"
+# torch 2.13's elastic agent waits this long after passing SIGTERM on before it SIGKILLs its workers:
+# torch/distributed/launcher/api.py LaunchConfig.__post_init__ (lines 145-149) reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# (default 30) unless torchrun's --shutdown_timeout is given, which its parser also takes from PET_SHUTDOWN_TIMEOUT
+# (torch/distributed/run.py 689-698, argparse_util.env); accelerate 1.15 has no flag for it (its multi_gpu_launcher
+# passes only the torchrun arguments its own parser shares, accelerate/utils/launch.py _filter_args).
+SHUTDOWN_TIMEOUT_ENV = ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT")
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -46,6 +56,28 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return launcher, rest
 
 
+def grace_seconds(training: list[str]) -> float | None:
+    """The ``--preemption_grace_seconds`` among the training flags (the last one given), checked. Raises
+    ``FinetuneError`` for a value that is not a positive number of seconds."""
+    value = None
+    for i, arg in enumerate(training):
+        if arg == GRACE_FLAG and i + 1 < len(training):
+            value = training[i + 1]
+        elif arg.startswith(GRACE_FLAG + "="):
+            value = arg.split("=", 1)[1]
+    return check_grace_seconds(value)
+
+
+def shutdown_timeout_env(grace: float | None) -> dict:
+    """The environment that makes torchrun's agent wait ``grace`` seconds (rounded up: it takes whole seconds)
+    for the workers' checkpoint after SIGTERM, instead of its default 30: ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, and
+    ``PET_SHUTDOWN_TIMEOUT`` too where the user set that one (it wins). Empty without a grace."""
+    if grace is None:
+        return {}
+    seconds = str(math.ceil(grace))
+    return {name: seconds for name in SHUTDOWN_TIMEOUT_ENV if name == SHUTDOWN_TIMEOUT_ENV[0] or name in os.environ}
+
+
 def _exit_code(returncode: int) -> int:
     # Popen reports a child killed by signal N as -N; a shell reports 128 + N
     return 128 - returncode if returncode < 0 else returncode
@@ -71,6 +103,11 @@ def train_command(argv: list[str]) -> int:
     """``finetune train [launcher flags] [training flags]``: returns the exit code of the training run
     (0, 2 for a user error, 3 for a numerical failure, 128 + N after signal N)."""
     launcher, training = split_argv(argv)
+    try:
+        grace = grace_seconds(training)
+    except FinetuneError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
     # Its "values were not passed ... defaults used" list is noise here: the run's banner says what it runs on.
     logging.getLogger("accelerate.commands.launch").setLevel(logging.ERROR)
     args = launch_command_parser().parse_args([*launcher, "--module", TRAINING_MODULE, *training])
@@ -80,8 +117,12 @@ def train_command(argv: list[str]) -> int:
         cmd, env = prepare_simple_launcher_cmd_env(args)
         return _run_forwarding_signals(cmd, env)
     # Several processes: torchrun's elastic agent runs here, in this process. It passes SIGTERM/SIGINT on to
-    # every worker and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) seconds later; the workers checkpoint
-    # well within that. Its failures are reported by the workers' own error lines: no traceback here.
+    # every worker and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) seconds later, or after the
+    # --preemption_grace_seconds the scheduler gives (set here, in the environment the agent reads and the
+    # workers inherit). Its failures are reported by the workers' own error lines: no traceback here.
+    timeout_env = shutdown_timeout_env(grace)
+    previous = {name: os.environ.get(name) for name in timeout_env}
+    os.environ.update(timeout_env)
     try:
         launch_command(args)
     except ChildFailedError as err:
@@ -90,6 +131,12 @@ def train_command(argv: list[str]) -> int:
         return 128 + int(err.sigval)
     except subprocess.CalledProcessError as err:  # how a pdsh-style multi-node launcher fails
         return _exit_code(err.returncode)
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
 
 
