@@ -8,6 +8,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PF_EXITING = 0x4  # <linux/sched.h>: the task is exiting (set before the kernel signals its children)
@@ -65,11 +66,16 @@ def launcher_gone() -> bool:
 
 class GracefulStop:
     """SIGINT/SIGTERM: the first sets ``signum`` (the loop finishes its optimizer step, checkpoints, exits), a
-    second exits at once; not a SIGTERM after the launcher died, the kernel's echo of a Ctrl-C being handled."""
+    second exits at once; not a SIGTERM after the launcher died, the kernel's echo of a Ctrl-C being handled, nor
+    a SIGTERM within ``repeat_window`` seconds of the first SIGTERM: a scheduler signals every process of a job step
+    (SLURM, on preemption and at the time limit), and torchrun's agent, signalled too, passes it on as well."""
 
-    def __init__(self):
+    def __init__(self, repeat_window: float = 5.0):
         self.signum = None
+        self.repeat_window = repeat_window
+        self._since = None  # time.monotonic() of the first signal
         self._launcher_noted = False
+        self._repeat_noted = False
         self._previous = {}
 
     def __enter__(self) -> "GracefulStop":
@@ -89,11 +95,19 @@ class GracefulStop:
                       file=sys.stderr)
             self._launcher_noted = True
             return
+        if (self.signum == signum == signal.SIGTERM and self._since is not None
+                and time.monotonic() - self._since < self.repeat_window):
+            if not self._repeat_noted:
+                print(f"\nSIGTERM again within {self.repeat_window:g} s: the same request (a scheduler signals every "
+                      "process, and the launcher passes it on); still finishing the checkpoint.", file=sys.stderr)
+            self._repeat_noted = True
+            return
         if self.signum is not None:
             print(f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint.", file=sys.stderr)
             os._exit(128 + signum)
-        self.signum, self._launcher_noted = signum, launcher_died
+        self.signum, self._launcher_noted, self._since = signum, launcher_died, time.monotonic()
         cause = " (the launcher exited)" if launcher_died else ""
-        again = "SIGINT" if launcher_died else "it"
+        again = ("SIGINT again" if launcher_died else
+                 f"it again after {self.repeat_window:g} s" if signum == signal.SIGTERM else "it again")
         print(f"\n{signal.Signals(signum).name}{cause}: finishing this optimizer step, then saving a checkpoint "
-              f"(send {again} again to exit at once).", file=sys.stderr)
+              f"(send {again} to exit at once).", file=sys.stderr)
