@@ -24,6 +24,7 @@ from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
+from finetune.preemption import SaveBudget
 from finetune.signals import GracefulStop
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
@@ -194,6 +195,10 @@ class RunState:
         self.resume_from = None
         self.progress_bar = None
         self.trackers = False
+        # will a stop signal's step and checkpoint fit the grace before SIGKILL? (the main process says)
+        self.budget = SaveBudget(config.preemption_grace_seconds, self.accelerator.print,
+                                 active=self.accelerator.is_main_process)
+        self.step_mark = None  # time.perf_counter() when the optimizer step in progress began
 
     @property
     def progress(self) -> ckpt.RunProgress:
@@ -231,8 +236,10 @@ class RunState:
                                  disable=not accelerator.is_local_main_process)
         self.runtime_before, self.train_start = self.progress.train_runtime, time.perf_counter()
         self.samples_at_start = self.progress.samples_seen
+        self.budget.start(self.built.model, self.output_dir)
         if config.eval_on_start and self.progress.step == 0:
             self.evaluate(at_epoch_end=False)
+        self.step_mark = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -289,6 +296,7 @@ class RunState:
         """Account for the optimizer step just taken (``Bookkeeping.record_step``), trackers and progress; then
         a signal, and the evaluation and checkpoint cadence."""
         accelerator, book = self.accelerator, self.book
+        self.budget.step(time.perf_counter() - self.step_mark)
         # One reduction per optimizer step: the window's loss, and whether any process was signalled (every
         # process must stop at the same step).
         loss_total, stop_votes = accelerator.reduce(
@@ -317,6 +325,7 @@ class RunState:
             self.evaluate(at_epoch_end=False)
         if book.save_after_step(step):
             self.save(f"every {book.save_steps} steps")
+        self.step_mark = time.perf_counter()
 
     def end_epoch(self) -> None:
         """After an epoch (or the last, partial one): evaluate per ``--eval_strategy``, then move to the next
@@ -329,6 +338,7 @@ class RunState:
         self.progress.epoch, self.progress.micro_batches_done = self.progress.epoch + 1, 0
         if self.config.save_strategy == "epoch":
             self.save("end of epoch")
+        self.step_mark = time.perf_counter()
 
     # -------------------------------------------------------------------------------- evaluation, checkpoints
     def evaluate(self, at_epoch_end: bool) -> None:
@@ -349,9 +359,11 @@ class RunState:
     def save(self, reason: str) -> Path:
         """Write a checkpoint of the state after the current optimizer step (collective)."""
         self.progress.train_runtime = self._train_runtime()
+        start = time.perf_counter()
         path = ckpt.save_checkpoint(self.accelerator, self.output_dir, self.progress, self.config.save_total_limit,
                                     model=self.built.model, tokenizer=self.built.tokenizer, layout=self.built.layout)
         self.accelerator.print(f"checkpoint ({reason}): {path}")
+        self.budget.saved(time.perf_counter() - start)
         return path
 
     def _train_runtime(self) -> float:

@@ -23,6 +23,7 @@ from finetune.errors import FinetuneError
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
+from finetune.preemption import SaveBudget
 from finetune.reporting import run_banner, run_metrics, write_outputs
 from finetune.steps import micro_batches_per_process, plan_steps
 from finetune.tasks import CausalLM
@@ -109,6 +110,8 @@ class BookkeepingCallback(TrainerCallback):
         self.window_loss, self.window_items, self.window_samples, self.micro_batches = None, 0, 0, 0
         self.pending = None  # the step's counts, written in on_log with Trainer's learning rate and grad norm
         self.scale_before, self.step_skipped = None, False
+        self.budget = SaveBudget(config.preemption_grace_seconds, book.say, active=book.writes)
+        self.mark = None  # time.perf_counter() at the start of the step in progress, then of the save's
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
         """Trainer's ``compute_loss_func``: the micro-batch's summed loss (the task's: samples or label tokens)
@@ -143,6 +146,7 @@ class BookkeepingCallback(TrainerCallback):
                 optimizer._is_overflow = True
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.budget.step(time.perf_counter() - self.mark)
         accelerator = self.trainer.accelerator
         loss = (accelerator.reduce(self.window_loss, "sum") / self.window_items).item()
         samples = int(accelerator.reduce(torch.tensor(self.window_samples, device=accelerator.device), "sum").item())
@@ -159,6 +163,7 @@ class BookkeepingCallback(TrainerCallback):
                               trainer_logged_loss=logs["loss"])
         if self.book.evaluate_after_step(state.global_step):
             self.run_evaluation(state, control, at_epoch_end=False)
+        self.mark = time.perf_counter()  # Trainer saves after logging (_maybe_log_save_evaluate), then on_save
 
     def run_evaluation(self, state, control, at_epoch_end: bool) -> None:
         """Evaluate with the shared ``evaluate()`` on Trainer's prepared eval dataloader; record it; mirror the
@@ -188,9 +193,14 @@ class BookkeepingCallback(TrainerCallback):
             return step > 0 and (step % self.book.save_steps == 0 or step >= self.trainer.state.max_steps)
         return strategy == "epoch" and at_epoch_end
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.budget.start(model if model is not None else self.trainer.model, self.config.output_dir)
         if self.config.eval_on_start and state.global_step == 0:
             self.run_evaluation(state, control, at_epoch_end=False)
+        self.mark = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.mark = time.perf_counter()
 
     def on_epoch_end(self, args, state, control, **kwargs):
         last = state.global_step >= state.max_steps or control.should_training_stop
@@ -198,6 +208,7 @@ class BookkeepingCallback(TrainerCallback):
             self.run_evaluation(state, control, at_epoch_end=True)
 
     def on_save(self, args, state, control, **kwargs):
+        self.budget.saved(time.perf_counter() - self.mark)
         # what a step means, beside Trainer's checkpoint, so a resume with other settings is refused
         if self.book.writes:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STEP_MEANING_FILE
