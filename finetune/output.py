@@ -15,7 +15,7 @@ from finetune.errors import FinetuneError
 # values a run derives (the new config is compared before they are derived).
 _IGNORED = {"output_dir", "overwrite_output_dir", "list_recipes", "resume_from_checkpoint",
             "ignore_checkpoint_mismatch", "checkpointing_steps", "save_strategy", "save_steps", "save_total_limit",
-            "logging_steps", *DERIVED_FIELDS}
+            "logging_steps", "preemption_grace_seconds", *DERIVED_FIELDS}
 _PROBE = ".write_test"  # + "-<pid>": each process probes with its own file
 
 

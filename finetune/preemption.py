@@ -21,6 +21,10 @@ TORCHRUN_DEFAULT_TIMEOUT = 30.0  # torch 2.13 launcher/api.py: TORCH_ELASTIC_SHU
 _MIB = 1 << 20
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.2f}"
+
+
 def known_grace(grace_flag: float | None, environ=os.environ) -> tuple[float, str] | None:
     """(seconds, what sets them): the shorter of ``--preemption_grace_seconds`` and, in a process torchrun's
     agent started (it exports ``TORCHELASTIC_RUN_ID``), the agent's shutdown timeout (``PET_SHUTDOWN_TIMEOUT``,
@@ -95,7 +99,7 @@ class SaveBudget:
         self.save_seconds = size / speed
         self.save_source = f"estimated: {size / _MIB:.1f} MiB at {speed / _MIB:.0f} MiB/s"
         self.say(f"Checkpoint: {size / _MIB:.1f} MiB of model and optimizer state; --output_dir writes "
-                 f"{speed / _MIB:.0f} MiB/s: ~{self.save_seconds:.1f} s to save; grace before SIGKILL: {grace}.")
+                 f"{speed / _MIB:.0f} MiB/s: ~{_seconds(self.save_seconds)} s to save; grace before SIGKILL: {grace}.")
         self.check()
 
     def step(self, seconds: float) -> None:
@@ -121,9 +125,9 @@ class SaveBudget:
         if total <= self.grace[0]:
             return False
         if not self.warned:
-            timed = f"an optimizer step ({step:.1f} s) plus " if self.step_seconds is not None else ""
-            self.say(f"warning: {timed}a checkpoint ({self.save_seconds:.1f} s, {self.save_source}) take "
-                     f"{total:.1f} s, more than the {self.grace[0]:g} s grace of {self.grace[1]}: a stop signal now "
+            timed = f"an optimizer step ({_seconds(step)} s) plus " if self.step_seconds is not None else ""
+            self.say(f"warning: {timed}a checkpoint ({_seconds(self.save_seconds)} s, {self.save_source}) take "
+                     f"{_seconds(total)} s, more than the {self.grace[0]:g} s grace of {self.grace[1]}: a stop signal now "
                      "would end in SIGKILL before the checkpoint is complete, losing the work since the last one. "
                      "Give the run more time (finetune train --preemption_grace_seconds N raises torchrun's timeout; "
                      "SLURM: --signal=B:USR1@N, or a longer GraceTime), or write --output_dir to faster storage.")

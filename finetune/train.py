@@ -232,11 +232,11 @@ class RunState:
                        for k, v in config.to_dict().items() if v is not None}
             accelerator.init_trackers("runs", config=hparams)
             self.trackers = True
+        self.budget.start(self.built.model, self.output_dir)
         self.progress_bar = tqdm(total=self.plan.max_steps, initial=self.progress.step, desc="Training", unit="step",
                                  disable=not accelerator.is_local_main_process)
         self.runtime_before, self.train_start = self.progress.train_runtime, time.perf_counter()
         self.samples_at_start = self.progress.samples_seen
-        self.budget.start(self.built.model, self.output_dir)
         if config.eval_on_start and self.progress.step == 0:
             self.evaluate(at_epoch_end=False)
         self.step_mark = time.perf_counter()
