@@ -1,25 +1,18 @@
-"""Preemption by a cluster scheduler: ``--resume_from_checkpoint auto`` (one command for every start of a requeued
-job), ``--preemption_grace_seconds`` (torchrun's shutdown timeout raised to it by ``finetune train``; a warning
+"""Preemption by a cluster scheduler (``--resume_from_checkpoint auto`` is tested in ``test_resume.py``):
+``--preemption_grace_seconds`` (torchrun's shutdown timeout raised to it by ``finetune train``; a warning
 when a step plus a checkpoint will not fit), and a SIGTERM that reaches a training process twice at once (a
 scheduler signals every process of a job step, and the launcher passes the signal on as well)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from finetune.run import main
-from helpers import REPO, load_params, train_steps
-from test_resume import _stop_during_window
+
 
 # 40 samples, micro 2 x accumulation 3: windows 3,3,3,3,3,3,2 = 7 optimizer steps (1 epoch)
 RUN = ["--recipe", "bbc-news", "--max_train_samples", "40", "--max_eval_samples", "8", "--per_device_train_batch_size",
@@ -27,118 +20,8 @@ RUN = ["--recipe", "bbc-news", "--max_train_samples", "40", "--max_eval_samples"
        "1e-3", "--warmup_steps", "0", "--seed", "11", "--eval_strategy", "no"]
 
 
-def digest(path) -> dict:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
-
-
 def argv(tiny_bert, out, *extra) -> list[str]:
     return [*RUN, "--model_name_or_path", tiny_bert, "--output_dir", str(out), *extra]
-
-
-def test_auto_starts_fresh_resumes_after_a_stop_and_then_has_nothing_to_do(tmp_path, tiny_bert, monkeypatch, capsys):
-    """The one command a requeued job runs every time: a fresh start (no checkpoint yet), a resume after SIGTERM
-    stopped it, and exit 0 once the run is finished, touching nothing; the weights equal an uninterrupted run's."""
-    import finetune.train as engine
-
-    assert main(argv(tiny_bert, tmp_path / "full")) == 0
-    out = tmp_path / "auto"
-    command = argv(tiny_bert, out, "--save_steps", "2", "--resume_from_checkpoint", "auto")
-    capsys.readouterr()
-
-    original = _stop_during_window(monkeypatch, index=3)  # SIGTERM during optimizer step 4
-    assert main(command) == 128 + signal.SIGTERM
-    first = capsys.readouterr()
-    assert f"--resume_from_checkpoint auto: no complete checkpoint under {out / 'checkpoints'}: starting a fresh " \
-           "run." in first.out
-    assert "error: stopped by SIGTERM after optimizer step 4" in first.err
-    assert (out / "checkpoints" / "step_00000004" / "COMPLETE").is_file() and not (out / "metrics.json").exists()
-
-    monkeypatch.setattr(engine, "iter_windows", original)
-    assert main(command) == 0
-    second = capsys.readouterr()
-    assert "--resume_from_checkpoint auto: resuming from the newest complete checkpoint " \
-           f"({out / 'checkpoints' / 'step_00000004'})." in second.out
-    assert "Resuming from" in second.out
-    assert [r["step"] for r in train_steps(out)] == list(range(1, 8))
-    assert [r["loss"] for r in train_steps(out)] == [r["loss"] for r in train_steps(tmp_path / "full")]
-    full, resumed = load_params(tmp_path / "full"), load_params(out)
-    assert all(torch.equal(full[name], resumed[name]) for name in full)
-
-    before = digest(out)
-    assert main(command) == 0
-    third = capsys.readouterr()
-    assert f"--resume_from_checkpoint auto: {out} holds this run, finished (7 optimizer steps, metrics.json): " \
-           "nothing to do." in third.out
-    assert "Run summary" not in third.out and not third.err.strip()
-    assert digest(out) == before
-
-
-def test_auto_never_clears_a_complete_checkpoint_even_with_overwrite(tmp_path, tiny_bert, monkeypatch, capsys):
-    import finetune.train as engine
-
-    out = tmp_path / "run"
-    original = _stop_during_window(monkeypatch, index=2)
-    assert main(argv(tiny_bert, out, "--save_steps", "2")) == 128 + signal.SIGTERM
-    monkeypatch.setattr(engine, "iter_windows", original)
-    kept = digest(out / "checkpoints" / "step_00000003")
-    capsys.readouterr()
-    assert main(argv(tiny_bert, out, "--save_steps", "2", "--resume_from_checkpoint", "auto",
-                     "--overwrite_output_dir")) == 0
-    assert "resuming from the newest complete checkpoint" in capsys.readouterr().out
-    assert [r["step"] for r in train_steps(out)] == list(range(1, 8))  # steps 1-3 kept, not started over
-    assert digest(out / "checkpoints" / "step_00000003") == kept
-
-
-def test_auto_fresh_start_gets_the_new_run_checks_of_the_output_dir(tmp_path, tiny_bert, capsys):
-    """No checkpoint: a fresh start, so an output dir holding another run, or something else, is refused as for
-    any new run (nothing touched), and --overwrite_output_dir replaces it."""
-    other = tmp_path / "other"
-    assert main(argv(tiny_bert, other, "--max_steps", "1")) == 0  # finished, no checkpoint
-    before = digest(other)
-    capsys.readouterr()
-    assert main(argv(tiny_bert, other, "--resume_from_checkpoint", "auto")) == 2
-    err = capsys.readouterr().err
-    assert "holds a different run (settings that differ: max_steps)" in err and "Traceback" not in err
-    assert digest(other) == before
-
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
-    (foreign / "notes.txt").write_text("mine")
-    assert main(argv(tiny_bert, foreign, "--resume_from_checkpoint", "auto")) == 2
-    assert "not empty and does not hold a finetune run" in capsys.readouterr().err
-    assert (foreign / "notes.txt").read_text() == "mine"
-
-    assert main(argv(tiny_bert, other, "--resume_from_checkpoint", "auto", "--overwrite_output_dir")) == 0
-    assert "starting a fresh run" in capsys.readouterr().out
-    assert [r["step"] for r in train_steps(other)] == list(range(1, 8))
-
-
-def test_auto_on_the_trainer_backend(tmp_path, tiny_bert, capsys):
-    """Trainer's checkpoints (checkpoint-N): a fresh start, a resume from the newest one that holds its
-    trainer_state.json after a run that died (no metrics.json), and nothing to do once finished."""
-    out = tmp_path / "trainer"
-    command = argv(tiny_bert, out, "--backend", "trainer", "--save_steps", "2", "--resume_from_checkpoint", "auto")
-    assert main(command) == 0
-    assert "no complete checkpoint under" in capsys.readouterr().out
-    full = load_params(out)
-    # as if the run had died while writing step 6's checkpoint: no metrics.json, no final model or checkpoint-7,
-    # checkpoint-6 without its state
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"checkpoint-{n}" for n in (2, 4, 6, 7)]
-    (out / "metrics.json").unlink()
-    (out / "model.safetensors").unlink()
-    shutil.rmtree(out / "checkpoints" / "checkpoint-7")
-    (out / "checkpoints" / "checkpoint-6" / "trainer_state.json").unlink()
-    assert main(command) == 0
-    assert f"resuming from the newest complete checkpoint ({out / 'checkpoints' / 'checkpoint-4'})" \
-           in capsys.readouterr().out
-    assert json.loads((out / "metrics.json").read_text())["resumed_from"].endswith("checkpoint-4")
-    assert [r["step"] for r in train_steps(out)] == list(range(1, 8))
-    resumed = load_params(out)
-    for name in full:
-        torch.testing.assert_close(resumed[name], full[name], rtol=1e-5, atol=1e-6)
-    assert main(command) == 0
-    assert "nothing to do" in capsys.readouterr().out
 
 
 def test_finetune_train_raises_torchruns_shutdown_timeout_to_the_grace(monkeypatch):
