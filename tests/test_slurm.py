@@ -113,7 +113,7 @@ def test_two_node_job_is_stopped_by_its_signal_requeued_and_finishes_as_an_unint
     out = log.read_text()
     assert code == 0, out[-4000:]
     assert "job 200, start 2" in out
-    assert f"resuming from the newest complete checkpoint ({job / 'checkpoints' / f'step_{stopped_at:08d}'})" in out
+    assert f"Resuming from {job / 'checkpoints' / f'step_{stopped_at:08d}'}: optimizer step {stopped_at}," in out
     assert requeues(tmp_path) == ["requeue 200"]  # finished: not requeued again
     assert [r["step"] for r in train_steps(job)] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in train_steps(job)] == pytest.approx([r["loss"] for r in train_steps(reference)],
@@ -124,4 +124,4 @@ def test_two_node_job_is_stopped_by_its_signal_requeued_and_finishes_as_an_unint
     code = finish(start_job("train_multi_node.sbatch", env, log), timeout=300)
     out = log.read_text()
     assert code == 0, out[-4000:]
-    assert f"{job} holds this run, finished ({STEPS} optimizer steps, metrics.json): nothing to do." in out
+    assert f"--resume_from_checkpoint auto: {job} holds a finished run (metrics.json); nothing to do." in out
