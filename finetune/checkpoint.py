@@ -1,10 +1,12 @@
-"""Checkpoints that survive: written to ``.tmp-step_...`` and renamed, ``COMPLETE`` marker last, pruned only
-after the new one is complete, refused when resuming would change what a step means. Layout:
-``<output_dir>/checkpoints/step_00000012/`` = ``accelerator.save_state`` output, ``trainer_state.json`` and
-``COMPLETE`` (see docs/design-notes.md#checkpoint)."""
+"""Checkpoints that survive: written to ``.tmp-step_...`` and renamed, ``manifest.json`` (every file's size, the
+small files' sha256) then the ``COMPLETE`` marker last, pruned only after the new one is complete, verified
+before a resume, refused when resuming would change what a step means. Layout:
+``<output_dir>/checkpoints/step_00000012/`` = ``accelerator.save_state`` output, ``trainer_state.json``,
+``manifest.json`` and ``COMPLETE`` (see docs/design-notes.md#checkpoint)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -13,16 +15,33 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from accelerate.utils import gather_object
-from safetensors import SafetensorError
 
 from finetune.errors import FinetuneError
 
 MARKER = "COMPLETE"
-# What the writers raise on a full or failing disk: OSError (open/write/fsync/rename), safetensors' SafetensorError
-# (not an OSError: safetensors/__init__.pyi), RuntimeError (torch.save's "PytorchStreamWriter failed writing file")
-WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+HASH_LIMIT = 1 << 20  # files up to 1 MiB (the state files, configs, tokenizer) get a sha256; bigger ones a size
 _NAME = re.compile(r"^step_(\d{8})$")
+# Folders a save or a prune leaves behind when killed: never named step_*, so never resumed; the next save
+# removes them.
+_LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")
+# What the writers of a checkpoint raise when the disk is full or failing (each measured on a full tmpfs, torch
+# 2.13, safetensors 0.8.0, tokenizers 0.23.3, transformers 5.23):
+# - OSError (ENOSPC, EIO, ...): open/write/fsync/os.replace of our own files, and transformers' config and
+#   generation-config save_pretrained (configuration_utils.py to_json_file: a plain open());
+# - safetensors.SafetensorError, an Exception but not an OSError (safetensors/__init__.pyi line 291), from the
+#   weights (accelerate/utils/other.py save -> safetensors.torch.save_file): "Error while serializing: I/O error:
+#   No space left on device (os error 28)";
+# - RuntimeError from torch.save (optimizer, scheduler, sampler, scaler, random states: accelerate/checkpointing.py):
+#   its zip writer is torch._C.PyTorchFileWriter (torch/serialization.py lines 810-834), whose C++ checks raise
+#   c10::Error as RuntimeError: "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534", which
+#   does not even say the disk is full (so the error adds the free space);
+# - a plain Exception from the tokenizers library (Tokenizer.save, reached from tokenizer.save_pretrained through
+#   transformers/tokenization_utils_tokenizers.py line 1205): "No space left on device (os error 28)".
+# So each stage of a save catches Exception: an error type one process let through would skip the collectives
+# the others wait in (a hang), and every process must raise the same FinetuneError.
 
 # Settings that change what one optimizer step means, or which samples it sees: resuming under a change
 # of any of them would not continue the same run.
@@ -111,19 +130,16 @@ def is_complete(path: Path) -> bool:
 
 
 def find_resume_checkpoint(output_dir, spec: str) -> Path | None:
-    """``spec`` "latest": the newest complete checkpoint under ``output_dir`` (incomplete ones skipped with a
-    warning); "auto": the same, or None where there is none (a fresh start); otherwise the path ``spec``.
-    Raises ``FinetuneError`` if there is none ("latest") or it is incomplete."""
-    if spec == "auto":
-        return newest_complete_checkpoint(output_dir)
-    if spec == "latest":
-        candidates = list_checkpoints(output_dir)
-        for path in reversed(candidates):
-            if is_complete(path):
-                return path
-            print(f"warning: skipping incomplete checkpoint {path} (no {MARKER} marker: its write was interrupted)")
-        raise FinetuneError(f"--resume_from_checkpoint latest: no complete checkpoint under "
-                            f"{checkpoints_dir(output_dir)}. Start without --resume_from_checkpoint.")
+    """``spec`` "latest": the newest complete checkpoint under ``output_dir`` that verifies (``verify_checkpoint``;
+    incomplete and damaged ones are skipped with a warning naming why); "auto": the same, or None where there is
+    none (a fresh start); otherwise the path ``spec``, which must be complete and verify. Raises
+    ``FinetuneError`` if there is none ("latest"), or the path is incomplete or damaged (naming the file)."""
+    if spec in ("latest", "auto"):
+        path = newest_complete_checkpoint(output_dir, warn=True)
+        if path is None and spec == "latest":
+            raise FinetuneError(f"--resume_from_checkpoint latest: no complete checkpoint under "
+                                f"{checkpoints_dir(output_dir)}. Start without --resume_from_checkpoint.")
+        return path
     path = Path(spec)
     if not path.is_dir():
         raise FinetuneError(f"--resume_from_checkpoint {spec!r} is not a directory. Pass a checkpoint directory "
@@ -131,12 +147,103 @@ def find_resume_checkpoint(output_dir, spec: str) -> Path | None:
     if not is_complete(path):
         raise FinetuneError(f"--resume_from_checkpoint {spec!r} is incomplete (no {MARKER} marker): its write was "
                             "interrupted. Use an earlier checkpoint, or 'latest' to pick the newest complete one.")
+    if not verify_checkpoint(path):
+        print(_unverified_note(path))
     return path
 
 
-def newest_complete_checkpoint(output_dir) -> Path | None:
-    """The newest checkpoint under ``output_dir`` with its completion marker, or None."""
-    return next((p for p in reversed(list_checkpoints(output_dir)) if is_complete(p)), None)
+def newest_complete_checkpoint(output_dir, warn: bool = False) -> Path | None:
+    """The newest checkpoint under ``output_dir`` that is complete and verifies (one written before manifests
+    counts, unverified), or None. ``warn``: print why each newer one was skipped (and a note for an unverified
+    one)."""
+    for path in reversed(list_checkpoints(output_dir)):
+        if not is_complete(path):
+            if warn:
+                print(f"warning: skipping incomplete checkpoint {path} (no {MARKER} marker: its write was interrupted)")
+            continue
+        problem, verified = _inspect(path)
+        if problem is not None:
+            if warn:
+                print(f"warning: skipping damaged checkpoint {path}: {problem}")
+            continue
+        if warn and not verified:
+            print(_unverified_note(path))
+        return path
+    return None
+
+
+def is_resumable(path: Path) -> bool:
+    """Whether ``path`` is complete and verifies (``verify_checkpoint``), without printing anything."""
+    return is_complete(path) and _inspect(path)[0] is None
+
+
+def verify_checkpoint(path: Path) -> bool:
+    """Check a complete checkpoint against its ``manifest.json``: every file recorded there exists with its
+    recorded size, and each small file (up to ``HASH_LIMIT``) has its sha256; the manifest itself has the sha256
+    the ``COMPLETE`` marker records. Cheap: sizes, and hashes of small files only. Returns True when verified,
+    False for a checkpoint written before manifests (its marker names none: unverified). Raises
+    ``FinetuneError`` naming the first missing, truncated or changed file and the fix."""
+    problem, verified = _inspect(path)
+    if problem is not None:
+        raise FinetuneError(f"checkpoint {path} is damaged: {problem}. Resume from another checkpoint: "
+                            "--resume_from_checkpoint latest takes the newest one that verifies, or pass an earlier "
+                            "one's path.")
+    return verified
+
+
+def _unverified_note(path: Path) -> str:
+    return (f"note: checkpoint {path} has no {MANIFEST} (written before checkpoints recorded their files): "
+            "resuming without verifying its files.")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _marker_text(step: int, manifest_sha256: str) -> str:
+    return f"step {step}\n{MANIFEST} sha256 {manifest_sha256}\n"
+
+
+def _inspect(path: Path) -> tuple[str | None, bool]:
+    """(what is wrong with complete checkpoint ``path``, or None; whether a manifest vouched for it)."""
+    try:
+        marker = (path / MARKER).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        return f"{MARKER} is unreadable ({err})", False
+    recorded = re.search(rf"^{re.escape(MANIFEST)} sha256 ([0-9a-f]{{64}})$", marker, re.MULTILINE)
+    if recorded is None:
+        return None, False  # written before manifests: nothing to check against
+    manifest_path = path / MANIFEST
+    try:
+        if _sha256(manifest_path) != recorded[1]:
+            return f"{MANIFEST} does not match the sha256 its {MARKER} marker recorded", True
+        files = json.loads(manifest_path.read_text())["files"]
+        entries = [(name, int(entry["size"]), entry.get("sha256")) for name, entry in files.items()]
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing", True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})", True
+    for name, size, sha256 in entries:
+        file = path / name
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing (it had {size} bytes when saved)", True
+        except OSError as err:
+            return f"{name} is unreadable ({err})", True
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} when saved (truncated or overwritten)", True
+        if sha256 is not None:
+            try:
+                if _sha256(file) != sha256:
+                    return f"{name} does not match the sha256 recorded when it was saved", True
+            except OSError as err:
+                return f"{name} is unreadable ({err})", True
+    return None, True
 
 
 def read_state(path: Path) -> RunProgress:
@@ -174,73 +281,186 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
     never the new or the best one); returns its path. Collective: every process calls it. With ``model`` and
     ``tokenizer`` it is also a ``from_pretrained`` directory. ``layout`` (``distributed.StorageLayout``; None: global
     rank 0 writes): ``per_machine`` gives each machine a complete copy (docs/design-notes.md#checkpoint).
-    Raises ``FinetuneError`` on every process if the write fails on any (e.g. disk full): the partial write is
+
+    Every process writes its part into ``.tmp-step_N``; whether every write succeeded is agreed on (one
+    ``gather_object``) before anything is committed; then the writers record ``manifest.json``, fsync, write the
+    ``COMPLETE`` marker and rename the folder to ``step_N``, and the outcome of that is agreed on too. Every
+    process reaches both exchanges whatever failed where. Raises ``FinetuneError`` on every process, the same
+    message naming the rank(s), stage and error, if any write fails (e.g. disk full): the partial write is
     removed, the previous checkpoints untouched."""
     writes = accelerator.is_main_process if layout is None else layout.writes
     per_machine = layout is not None and layout.per_machine
     root = checkpoints_dir(output_dir)
     final = checkpoint_path(output_dir, state.step)
     tmp = root / f".tmp-{final.name}"
-    error = None
+    failure = _Failure(accelerator.process_index, root)
     if writes:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        failure.run("preparing", lambda: _clear_leftovers(root))
     accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(tmp), safe_serialization=True)
-    except WRITE_ERRORS as err:
-        error = err
+    failure.run("accelerator.save_state", lambda: accelerator.save_state(str(tmp), safe_serialization=True))
+    rng_states = []
     if per_machine:  # collective: every process, also one whose write failed
         name = f"random_states_{accelerator.process_index}.pkl"
-        try:
-            own = (tmp / name).read_bytes() if error is None else None
-        except WRITE_ERRORS as err:
-            own, error = None, err
+        own = failure.run("reading its random state", lambda: (tmp / name).read_bytes())
         rng_states = gather_object([(name, own)])
-    try:
-        if writes and error is None:
-            if per_machine:
-                for name, data in rng_states:
-                    if data is not None and not (tmp / name).exists():
-                        (tmp / name).write_bytes(data)
-            if model is not None and hasattr(accelerator.unwrap_model(model), "peft_config"):
-                accelerator.unwrap_model(model).save_pretrained(tmp)  # a PEFT adapter dir (adapter weights are small)
-            elif model is not None:
-                unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-                unwrapped.config.architectures = [type(unwrapped).__name__]  # as save_pretrained records it
-                unwrapped.config.save_pretrained(tmp)
-                if getattr(unwrapped, "generation_config", None) is not None and unwrapped.can_generate():
-                    unwrapped.generation_config.save_pretrained(tmp)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            (tmp / STATE_FILE).write_text(json.dumps(asdict(state)) + "\n")
-            _fsync_tree(tmp)
-            (tmp / MARKER).write_text(f"step {state.step}\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-    except WRITE_ERRORS as err:
-        error = err
-    message = None if error is None else f"{type(error).__name__}: {error}"
-    errors = gather_object([message]) if accelerator.num_processes > 1 else [message]
-    failed = [e for e in errors if e is not None]
-    if failed:
-        if writes:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise FinetuneError(f"writing checkpoint {final.name} failed ({failed[0]}); the previous checkpoints are "
-                            "intact. Free disk space (or choose another --output_dir) and resume with "
-                            "--resume_from_checkpoint latest.") from None
+    if writes:
+        failure.run("writing model files and trainer state",
+                    lambda: _write_rest(accelerator, tmp, state, model, tokenizer, rng_states))
+    _agree(accelerator, failure, final, tmp, writes)  # nothing is committed unless every write succeeded
+    if writes:
+        failure.run("committing", lambda: _commit(tmp, final, state.step))
+    _agree(accelerator, failure, final, tmp, writes)
     if writes and save_total_limit:
         keep = {final, checkpoint_path(output_dir, state.best_step) if state.best_step is not None else final}
         complete = [p for p in list_checkpoints(output_dir) if is_complete(p) and p not in keep]
         for old in complete[: max(len(complete) + 1 - save_total_limit, 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old, root / f".deleting-{old.name}")
     return final
 
 
+class _Failure:
+    """The first error of this process in a save: its stage and a one-line description."""
+
+    def __init__(self, rank: int, root: Path):
+        self.rank, self.root, self.report = rank, root, None
+
+    def run(self, stage: str, action):
+        """``action()``'s value, unless an earlier stage failed or it raises (then None, the error recorded)."""
+        if self.report is not None:
+            return None
+        try:
+            return action()
+        except Exception as err:  # noqa: BLE001 - every type the writers raise, see the comment at the top
+            text = (str(err).strip().splitlines() or [""])[0][:300]
+            self.report = {"rank": self.rank, "text": f"{stage}: {type(err).__name__}: {text}{self._free()}"}
+            return None
+
+    def _free(self) -> str:
+        try:
+            return f"; {_format_bytes(shutil.disk_usage(self.root).free)} free on its disk"
+        except (OSError, ValueError):
+            return ""
+
+
+def _format_bytes(count: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} bytes"
+
+
+def _agree(accelerator, failure: _Failure, final: Path, tmp: Path, writes: bool) -> None:
+    """Exchange the failures (collective with several processes); raise the same ``FinetuneError`` everywhere
+    if any process failed, after its writers removed the partial folder."""
+    reports = gather_object([failure.report]) if accelerator.num_processes > 1 else [failure.report]
+    failed = sorted((r for r in reports if r is not None), key=lambda r: r["rank"])
+    if not failed:
+        return
+    if writes:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if accelerator.num_processes > 1:
+        where = " on " + "; ".join(f"rank {r['rank']} ({r['text']})" for r in failed)
+    else:
+        where = f" ({failed[0]['text']})"
+    raise FinetuneError(f"writing checkpoint {final.name} failed{where}; the previous checkpoints are intact. Free "
+                        "disk space (or choose another --output_dir) and resume with --resume_from_checkpoint latest.")
+
+
+def _clear_leftovers(root: Path) -> None:
+    """Create ``root``; remove what killed saves and prunes left there (never a ``step_*`` folder)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.name.startswith(_LEFTOVERS) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _write_rest(accelerator, tmp: Path, state: RunProgress, model, tokenizer, rng_states) -> None:
+    """What a writer adds to ``save_state``'s files: other machines' random states (``per_machine``), the
+    model's config (or a PEFT adapter), the tokenizer, ``trainer_state.json``."""
+    for name, data in rng_states:
+        if data is not None and not (tmp / name).exists():
+            (tmp / name).write_bytes(data)
+    if model is not None and hasattr(accelerator.unwrap_model(model), "peft_config"):
+        accelerator.unwrap_model(model).save_pretrained(tmp)  # a PEFT adapter dir (adapter weights are small)
+    elif model is not None:
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        unwrapped.config.architectures = [type(unwrapped).__name__]  # as save_pretrained records it
+        unwrapped.config.save_pretrained(tmp)
+        if getattr(unwrapped, "generation_config", None) is not None and unwrapped.can_generate():
+            unwrapped.generation_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    (tmp / STATE_FILE).write_text(json.dumps(asdict(state)) + "\n")
+
+
+def write_manifest(path: Path, step: int) -> str:
+    """Record every file under ``path`` in ``path/manifest.json``: its size, and the sha256 of each file of at
+    most ``HASH_LIMIT`` bytes. Returns the manifest's own sha256 (for the ``COMPLETE`` marker). Format::
+
+        {"format": 1, "step": 12, "hash_limit": 1048576,
+         "files": {"model.safetensors": {"size": 4001412},
+                   "trainer_state.json": {"size": 815, "sha256": "<64 hex digits>"}, ...}}
+
+    (names relative to ``path``, "/"-separated, sorted)."""
+    files = {}
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        name = file.relative_to(path).as_posix()
+        if name in (MANIFEST, MARKER):
+            continue
+        size = file.stat().st_size
+        files[name] = {"size": size, "sha256": _sha256(file)} if size <= HASH_LIMIT else {"size": size}
+    (path / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "step": step, "hash_limit": HASH_LIMIT,
+                                             "files": files}, indent=1) + "\n")
+    return _sha256(path / MANIFEST)
+
+
+def _commit(tmp: Path, final: Path, step: int) -> None:
+    """Make ``tmp`` the checkpoint ``final``: fsync its files, write the manifest, fsync it, write and fsync the
+    ``COMPLETE`` marker (naming the manifest's sha256), then rename. A ``final`` already there (the same step
+    saved again after a resume) is renamed aside first, so no moment shows a half-deleted ``step_N``."""
+    _fsync_tree(tmp)  # the manifest and marker must not reach the disk before the files they vouch for
+    manifest_sha256 = write_manifest(tmp, step)
+    _fsync_file(tmp / MANIFEST)
+    (tmp / MARKER).write_text(_marker_text(step, manifest_sha256))
+    _fsync_file(tmp / MARKER)
+    _fsync_file(tmp)
+    aside = final.parent / f".replaced-{final.name}"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if aside.exists() and not final.exists():
+            os.replace(aside, final)  # put the previous one back
+        raise
+    try:  # best effort from here: the checkpoint is in place
+        _fsync_file(final.parent)
+    except OSError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove(path: Path, doomed: Path) -> None:
+    """Delete checkpoint ``path``: renamed to ``doomed`` first, so a kill mid-way never leaves a ``step_*``
+    folder with part of its files."""
+    try:
+        os.replace(path, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(path: Path) -> None:
-    # the marker must not reach the disk before the files it vouches for
     for file in path.rglob("*"):
         if file.is_file():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
+            _fsync_file(file)

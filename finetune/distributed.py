@@ -258,7 +258,8 @@ def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:
     """The checkpoint to resume from (``checkpoint.find_resume_checkpoint`` in this process's
     ``output_dir``), checked to be the same step on every process (collective; every process calls it).
 
-    Each process resolves ``spec`` on its own machine and also checks that the checkpoint holds its own
+    Each process resolves ``spec`` on its own machine (verifying the checkpoint's files against its manifest:
+    ``checkpoint.verify_checkpoint``; "latest" skips damaged ones) and also checks that the checkpoint holds its own
     random-number state (``random_states_<rank>.pkl``; without it Accelerate resumes with other dropout
     masks, silently). The results are exchanged; if any process has none, or they differ, every process
     raises the same ``FinetuneError`` naming which machine and rank lacks what, and how to fix it: copy
@@ -283,7 +284,7 @@ def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:
         if caught is not None:
             raise caught
         return path
-    held = [int(p.name.removeprefix("step_")) for p in ckpt.list_checkpoints(output_dir) if ckpt.is_complete(p)]
+    held = [int(p.name.removeprefix("step_")) for p in ckpt.list_checkpoints(output_dir) if ckpt.is_resumable(p)]
     mine.update(machine=machine_index(state), rank=state.process_index, held=held, dir=str(Path(output_dir).resolve()))
     outcomes = gather_object([mine])
     names = {o["name"] for o in outcomes}

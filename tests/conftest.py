@@ -53,7 +53,8 @@ def _reset_accelerate_state():
 def faults():
     """The fault injectors of ``tests/faults/finetune_faults.py``, installed in this process on demand and
     undone after the test: ``faults.cpu_fp16()`` (fp16 on a CPU really runs fp16, in both engines),
-    ``faults.overflow({2})`` (optimizer step 2's loss times infinity), ``faults.undo()`` (remove all now)."""
+    ``faults.overflow({2})`` (optimizer step 2's loss times infinity), ``faults.save_error("RuntimeError", 0, 2)``
+    (rank 0's checkpoint write of step 2 raises torch.save's error), ``faults.undo()`` (remove all now)."""
     from faults import finetune_faults
 
     patch = pytest.MonkeyPatch()
@@ -64,5 +65,7 @@ def faults():
 
     yield SimpleNamespace(cpu_fp16=cpu_fp16,
                           overflow=lambda steps: finetune_faults.install_overflow(steps, patch.setattr),
+                          save_error=lambda kind, rank, step: finetune_faults.install_save_error(
+                              kind, rank, step, patch.setattr),
                           undo=patch.undo)
     patch.undo()

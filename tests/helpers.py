@@ -69,18 +69,21 @@ def launch_env(env: dict | None = None) -> dict:
     return {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
 
 
-def fault_env(cpu_fp16: bool = False, overflow_steps=()) -> dict:
+def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None = None) -> dict:
     """The environment additions that make a launched process inject faults (``tests/faults``): its folder
     first on ``PYTHONPATH`` (before this process's), so its ``sitecustomize`` runs, and the variables it
     reads: ``cpu_fp16``: fp16 on a CPU really runs fp16; ``overflow_steps``: those optimizer steps (1-based)
-    overflow. Pass the result as ``env=`` to ``launch``, ``run_script`` and the like."""
-    from faults.finetune_faults import CPU_FP16_ENV, FAULTS_DIR, OVERFLOW_STEPS_ENV
+    overflow; ``save_error``: ``FAULT_SAVE_ERROR`` (e.g. "RuntimeError@rank1@step2": that rank's checkpoint
+    write of that step fails). Pass the result as ``env=`` to ``launch``, ``run_script`` and the like."""
+    from faults.finetune_faults import CPU_FP16_ENV, FAULTS_DIR, OVERFLOW_STEPS_ENV, SAVE_ERROR_ENV
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (FAULTS_DIR, os.environ.get("PYTHONPATH", "")) if p)}
     if cpu_fp16:
         env[CPU_FP16_ENV] = "1"
     if overflow_steps:
         env[OVERFLOW_STEPS_ENV] = ",".join(str(step) for step in sorted(overflow_steps))
+    if save_error:
+        env[SAVE_ERROR_ENV] = save_error
     return env
 
 

@@ -105,8 +105,15 @@ def test_latest_skips_incomplete_and_corrupt_gives_clear_error(tmp_path, tiny_be
         find_resume_checkpoint(out, str(newest))
 
     good = out / "checkpoints" / "step_00000004"
-    (good / "model.safetensors").write_bytes(b"not a safetensors file")
+    weights = good / "model.safetensors"
+    # the same size, a broken header: the manifest checks only the size of a file this big, so the load finds it
+    with open(weights, "r+b") as handle:
+        handle.write(b"\xff" * 8)
     with pytest.raises(FinetuneError, match="corrupt"):
+        run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, resume_from_checkpoint=str(good),
+                       **{**RUN, "num_train_epochs": 1})
+    weights.write_bytes(b"not a safetensors file")  # another size: verification refuses it before loading
+    with pytest.raises(FinetuneError, match="damaged: model.safetensors has 22 bytes"):
         run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, resume_from_checkpoint=str(good),
                        **{**RUN, "num_train_epochs": 1})
 

@@ -2,7 +2,7 @@
 to produce on demand, injected from outside the package by wrapping methods of ``accelerate.Accelerator``
 (and, for fp16 in the Trainer backend, one finetune function); ``finetune/`` has no test hook of its own.
 
-Two faults:
+Three faults:
 
 - CPU fp16 (``FAULT_CPU_FP16=1``): an ``Accelerator`` created with ``mixed_precision="fp16"`` on a CPU
   (Accelerate 1.15 leaves it ``native_amp=False`` and ``scaler=None``: it runs fp32) gets what Accelerate
@@ -17,6 +17,11 @@ Two faults:
   GradScaler (or DeepSpeed's loss scaler) must skip the step and the schedule must not advance; under
   fp32/bf16 the run must stop with a ``NumericalError``. (A tiny ``--max_grad_norm`` cannot cause an
   overflow: clipping runs after the overflow check.) Wraps ``Accelerator.backward``.
+- a failing checkpoint write (``FAULT_SAVE_ERROR=RuntimeError@rank1@step2``): on that global rank, the first
+  write into the checkpoint folder of that optimizer step (``.tmp-step_00000002``) raises what the writer
+  raises on a full disk: ``RuntimeError`` (``torch.save``), ``SafetensorError`` (``safetensors``' ``save_file``),
+  ``OSError`` (ENOSPC) or a plain ``Exception`` (the ``tokenizers`` library). Wraps ``torch.save`` and
+  ``accelerate.utils.other.safe_save_file`` (the names ``Accelerator.save_state`` writes through).
 
 Two ways in:
 
@@ -35,10 +40,12 @@ import functools
 import importlib.abc
 import importlib.machinery
 import os
+import re
 import sys
 
 CPU_FP16_ENV = "FAULT_CPU_FP16"  # "1": fp16 on a CPU really runs fp16
 OVERFLOW_STEPS_ENV = "FAULT_OVERFLOW_STEPS"  # comma-separated optimizer steps (1-based) that overflow
+SAVE_ERROR_ENV = "FAULT_SAVE_ERROR"  # TYPE@rankR@stepS: that rank's checkpoint write of step S raises TYPE
 FAULTS_DIR = os.path.dirname(os.path.abspath(__file__))  # what goes first on a launched process's PYTHONPATH
 
 _STEPS_DONE = "_fault_optimizer_steps_done"  # attribute the overflow wrapper keeps on each Accelerator
@@ -159,6 +166,68 @@ def install_overflow(steps, set_attr=setattr, accelerator_class=None) -> None:
     set_attr(cls, "backward", backward)
 
 
+# ------------------------------------------------------------------------------------------ failing checkpoint write
+def _save_error(kind: str):
+    """An exception of ``kind`` with the message the real writer gives on a full disk (measured on a full
+    tmpfs with torch 2.13, safetensors 0.8.0, tokenizers 0.23.3)."""
+    import errno
+
+    if kind == "RuntimeError":  # torch.save: its zip writer's C++ check (c10::Error)
+        return RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534 (injected: "
+                            f"{SAVE_ERROR_ENV})")
+    if kind == "SafetensorError":  # a subclass of Exception only
+        from safetensors import SafetensorError
+
+        return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28) "
+                               f"(injected: {SAVE_ERROR_ENV})")
+    if kind == "OSError":
+        return OSError(errno.ENOSPC, f"No space left on device (injected: {SAVE_ERROR_ENV})")
+    if kind == "Exception":  # tokenizers' Tokenizer.save
+        return Exception(f"No space left on device (os error 28) (injected: {SAVE_ERROR_ENV})")
+    raise ValueError(f"{SAVE_ERROR_ENV}: unknown error type {kind!r} (RuntimeError, SafetensorError, OSError, "
+                     "Exception)")
+
+
+def parse_save_error(value: str) -> tuple[str, int, int]:
+    """``FAULT_SAVE_ERROR``'s (type, global rank, optimizer step), from "RuntimeError@rank1@step2". Raises
+    ``ValueError`` for another form or an unknown type."""
+    match = re.fullmatch(r"(\w+)@rank(\d+)@step(\d+)", value.strip())
+    if match is None:
+        raise ValueError(f"{SAVE_ERROR_ENV}={value!r}: expected TYPE@rankR@stepS, e.g. RuntimeError@rank1@step2")
+    _save_error(match[1])  # checks the type
+    return match[1], int(match[2]), int(match[3])
+
+
+def install_save_error(kind: str, rank: int, step: int, set_attr=setattr, torch_module=None,
+                       accelerate_other=None) -> None:
+    """Wrap ``torch.save`` and ``accelerate.utils.other.safe_save_file`` so that, in the process of global
+    ``rank`` (``RANK``; 0 without a launcher), a write to a path inside ``.tmp-step_<step, 8 digits>`` raises
+    ``_save_error(kind)`` before writing anything: from the writer that raises that type (``RuntimeError``:
+    ``torch.save`` only; ``SafetensorError``: ``safe_save_file`` only; ``OSError``, ``Exception``: both). The product is not touched: these are the functions
+    ``Accelerator.save_state`` writes with (``accelerate/checkpointing.py``: ``torch.save`` for the random
+    states and the scaler, ``accelerate/utils/other.py`` ``save``: ``safe_save_file`` for the weights,
+    ``torch.save`` for optimizer and scheduler)."""
+    if torch_module is None:
+        import torch as torch_module
+    if accelerate_other is None:
+        import accelerate.utils.other as accelerate_other
+    folder = f".tmp-step_{step:08d}"
+
+    def failing(original):
+        @functools.wraps(original)
+        def write(obj, f, *args, **kwargs):
+            if int(os.environ.get("RANK", "0")) == rank and isinstance(f, (str, os.PathLike)) and folder in str(f):
+                raise _save_error(kind)
+            return original(obj, f, *args, **kwargs)
+
+        return write
+
+    if kind != "SafetensorError":
+        set_attr(torch_module, "save", failing(torch_module.save))
+    if kind != "RuntimeError":
+        set_attr(accelerate_other, "safe_save_file", failing(accelerate_other.safe_save_file))
+
+
 # ------------------------------------------------------------------------------------------ from the environment
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs the callbacks registered for a module right after it has executed; steps aside when none is
@@ -203,8 +272,9 @@ def install_on_import(environ=None, after=after_import) -> None:
     """For ``sitecustomize``: install the faults the environment asks for, each when the process imports
     the module it wraps (``after``: ``after_import``). ``FAULT_CPU_FP16=1``: ``install_cpu_fp16`` on
     ``accelerate.accelerator`` and ``install_trainer_fp16`` on ``finetune.trainer_backend``;
-    ``FAULT_OVERFLOW_STEPS``: ``install_overflow`` on ``accelerate.accelerator``. Nothing is imported, and
-    nothing changes, when no fault is asked for. A malformed ``FAULT_OVERFLOW_STEPS`` fails the import of
+    ``FAULT_OVERFLOW_STEPS``: ``install_overflow`` on ``accelerate.accelerator``; ``FAULT_SAVE_ERROR``:
+    ``install_save_error`` on ``accelerate.checkpointing``. Nothing is imported, and nothing changes, when no
+    fault is asked for. A malformed ``FAULT_OVERFLOW_STEPS`` or ``FAULT_SAVE_ERROR`` fails the import of
     accelerate, loudly (an error in ``sitecustomize`` itself would only be printed)."""
     environ = os.environ if environ is None else environ
     if environ.get(CPU_FP16_ENV) == "1":
@@ -214,3 +284,6 @@ def install_on_import(environ=None, after=after_import) -> None:
     if value.strip():
         after("accelerate.accelerator",
               lambda module: install_overflow(parse_steps(value), accelerator_class=module.Accelerator))
+    save_error = environ.get(SAVE_ERROR_ENV, "")
+    if save_error.strip():
+        after("accelerate.checkpointing", lambda module: install_save_error(*parse_save_error(save_error)))

@@ -1,6 +1,6 @@
 """Fault injection in processes that tests (and ``bench/gpu_acceptance.py``) launch: Python imports this
-module at start-up when this folder is on ``PYTHONPATH``. It installs the faults that ``FAULT_CPU_FP16`` and
-``FAULT_OVERFLOW_STEPS`` ask for, each when the process imports the module it wraps (see
+module at start-up when this folder is on ``PYTHONPATH``. It installs the faults that ``FAULT_CPU_FP16``,
+``FAULT_OVERFLOW_STEPS`` and ``FAULT_SAVE_ERROR`` ask for, each when the process imports the module it wraps (see
 ``finetune_faults.install_on_import``), then runs the ``sitecustomize`` this one shadows, if there is one
 further on ``sys.path``."""
 
