@@ -1,0 +1,331 @@
+"""Kill-anywhere campaign: SIGKILL a training run at random moments, resume it, repeat; the result must be the
+uninterrupted run's.
+
+    python bench/kill_anywhere.py --smoke                                  # CI variant: 5 kills, one process
+    python bench/kill_anywhere.py --kills 30 --json k1.json                # the full campaign, one process
+    python bench/kill_anywhere.py --kills 10 --processes 2 --json k2.json  # two gloo processes
+
+A tiny BERT (``tests/tiny_models.py``) trains bbc-news through the real launcher (``accelerate launch
+finetune/run.py``), writing a checkpoint after every optimizer step (``--save_steps 1 --save_total_limit 2``, so
+saves also prune) and resuming with ``--resume_from_checkpoint auto``. Each trial starts the run, waits (seeded)
+and sends SIGKILL to one of: every process of the launch (a node lost, an OOM kill of the job), one training
+process (the launcher then tears the rest down), or the launcher alone (its workers see it die). A share of the
+kills is timed inside a checkpoint write: the script polls the checkpoints folder for the temporary folders a
+save makes (``.tmp-step_N``, and ``.replaced-``/``.deleting-`` while it prunes) and kills once one appears; no
+hook in the product. A kill counts as inside a save when such a folder is still there after every process is
+gone. After each trial the output directory is checked as a resume would (``checkpoint.find_resume_checkpoint``:
+every ``COMPLETE`` checkpoint must verify against its manifest) and the next trial resumes it; a trial that does
+not end within ``--trial_timeout`` seconds is a hang. After the last kill the run finishes, and its final
+weights and per-step losses are compared with an uninterrupted run's (bit-exact expected on one process). If a
+run finishes before all kills are spent, a new round starts from scratch (each round is compared).
+
+Exit status 0 when every round equals the reference, no directory was ever unresumable and nothing hung; else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import benchlib as bl  # noqa: E402
+from finetune import checkpoint as ckpt  # noqa: E402  (benchlib puts the repository on sys.path)
+from finetune.errors import FinetuneError  # noqa: E402
+
+SAVE_FOLDERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")  # what a save in progress leaves
+TARGETS = ("all", "worker", "launcher")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=30, help="kills to make (trials that end in a kill)")
+    p.add_argument("--processes", type=int, default=1, choices=(1, 2), help="training processes (2: gloo ranks)")
+    p.add_argument("--in_save_share", type=float, default=0.45, help="share of kills timed inside a checkpoint write")
+    p.add_argument("--train_samples", type=int, default=64, help="--max_train_samples of the run")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="seeds the kill schedule (the run's own seed is fixed)")
+    p.add_argument("--trial_timeout", type=float, default=180.0, help="seconds before a trial counts as a hang")
+    p.add_argument("--work_dir", help="keep the runs here (default: a temporary folder, removed at the end)")
+    p.add_argument("--json", help="write the trials and the summary to this file")
+    p.add_argument("--smoke", action="store_true", help="the CI variant: 5 kills, 48 samples, one epoch")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.kills, args.train_samples, args.epochs = min(args.kills, 5), 48, 1
+    if args.kills < 1 or not 0 <= args.in_save_share <= 1:
+        p.error("--kills must be >= 1 and --in_save_share in [0, 1]")
+    return args
+
+
+def run_args(model: str, out: Path, args) -> list[str]:
+    """The run every trial launches: micro-batch 2 x accumulation 2 per process, dropout on (the resume must restore
+    the random state), an evaluation at each epoch's end, a checkpoint after every optimizer step."""
+    return ["--recipe", "bbc-news", "--model_name_or_path", model, "--output_dir", str(out),
+            "--max_train_samples", str(args.train_samples), "--max_eval_samples", "8", "--max_length", "32",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            "--num_train_epochs", str(args.epochs), "--learning_rate", "1e-3", "--warmup_steps", "0", "--seed", "7",
+            "--eval_strategy", "epoch", "--save_steps", "1", "--save_total_limit", "2",
+            "--resume_from_checkpoint", "auto", "--ddp_timeout", "60"]
+
+
+def launch_command(args_list: list[str], processes: int) -> list[str]:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no"]
+    cmd += ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
+    return cmd + [str(bl.RUN_PY), *args_list]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=bl.REPO,
+                                start_new_session=True)
+
+
+def tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The launcher and every process under it."""
+    try:
+        root = psutil.Process(proc.pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The training processes: those running ``finetune/run.py`` under the launcher."""
+    found = []
+    for p in tree(proc)[1:]:
+        try:
+            if any(str(bl.RUN_PY) == a or a.endswith("finetune/run.py") for a in p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def save_folders(out: Path) -> set[str]:
+    """The names of the temporary folders of saves in progress (or killed) under ``out``'s checkpoints."""
+    try:
+        return {e.name for e in os.scandir(ckpt.checkpoints_dir(out)) if e.name.startswith(SAVE_FOLDERS)}
+    except OSError:
+        return set()
+
+
+def wait_all_gone(proc: subprocess.Popen, members: list[psutil.Process], limit: float) -> bool:
+    """Wait until the launcher and every process that was under it have exited; False after ``limit`` s."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        proc.poll()
+        alive = [m for m in members if m.is_running() and m.status() != psutil.STATUS_ZOMBIE]
+        if proc.returncode is not None and not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def kill_everything(proc: subprocess.Popen, members: list[psutil.Process]) -> None:
+    for m in [*members, *tree(proc)]:
+        try:
+            m.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def check_resumable(out: Path) -> tuple[str | None, int | None]:
+    """(problem, step) as a resume sees ``out``: every complete checkpoint verifies, and "auto" finds the newest
+    (step None: a fresh start). ``problem`` names what would make the directory unresumable."""
+    for path in ckpt.list_checkpoints(out):
+        if ckpt.is_complete(path) and not ckpt.is_resumable(path):
+            return f"complete checkpoint {path.name} does not verify", None
+    try:
+        path = ckpt.find_resume_checkpoint(out, "auto")
+    except FinetuneError as err:
+        return str(err), None
+    return None, (int(path.name.removeprefix("step_")) if path is not None else None)
+
+
+def final_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+
+def compare(out: Path, reference: Path) -> dict:
+    """Final weights and per-step losses of ``out`` against ``reference``: bit-exact or not, the largest absolute
+    weight difference, and whether the log has every step once with the reference's loss."""
+    mine, ref = final_weights(out), final_weights(reference)
+    exact = mine.keys() == ref.keys() and all(mine[k].dtype == ref[k].dtype and bool((mine[k] == ref[k]).all())
+                                              for k in ref)
+    diff = max(float((mine[k].double() - ref[k].double()).abs().max()) for k in ref) if mine.keys() == ref.keys() \
+        else float("inf")
+    return {"weights_bit_exact": exact, "max_abs_weight_diff": diff, "losses_equal": losses(out) == losses(reference)}
+
+
+def run_campaign(args) -> dict:
+    rng = random.Random(args.seed)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="kill-anywhere-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = str(bl.build_tiny_bert(work / "tiny-bert"))
+    log = work / "launches.log"
+
+    # the uninterrupted run: its weights, its wall time, when its first checkpoint appeared
+    reference = work / "reference"
+    shutil.rmtree(reference, ignore_errors=True)
+    t0 = time.monotonic()
+    proc = start(launch_command(run_args(model, reference, args), args.processes), log)
+    first_save = None
+    while proc.poll() is None:
+        if first_save is None and ckpt.checkpoints_dir(reference).is_dir():
+            first_save = time.monotonic() - t0
+        time.sleep(0.02)
+    ref_wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise bl.BenchError(f"the uninterrupted run failed (exit {proc.returncode}); see {log}")
+    first_save = first_save or ref_wall / 2
+    print(f"reference: {len(losses(reference))} optimizer steps in {ref_wall:.1f} s (first checkpoint after "
+          f"{first_save:.1f} s)", flush=True)
+
+    trials, rounds, round_no, failures = [], [], 1, []
+    out = work / "run"
+    shutil.rmtree(out, ignore_errors=True)
+    # the schedule: round(kills x share) kills inside a save (SIGKILL to every process or to one training process;
+    # a killed launcher lets its workers finish their save), the rest at random moments, any target; shuffled
+    inside = round(args.kills * args.in_save_share)
+    schedule = [(True, rng.choice(TARGETS[:2])) for _ in range(inside)]
+    schedule += [(False, rng.choice(TARGETS)) for _ in range(args.kills - inside)]
+    rng.shuffle(schedule)
+    kills = 0
+    while True:
+        finishing = kills >= args.kills
+        in_save, target = schedule[kills] if not finishing else (False, None)
+        # random moments span the start-up (imports, resume) as well as training
+        delay = rng.uniform(0.6 * first_save, ref_wall)
+        trial = {"trial": len(trials) + 1, "round": round_no, "target": target, "timing": "in save" if in_save else
+                 ("random" if not finishing else "to the end"), "delay_s": None, "killed": False,
+                 "inside_save": False}
+        before = check_resumable(out)[1]
+        stale = save_folders(out)  # left by an earlier killed save: cleared by the next save, not a new one
+        proc = start(launch_command(run_args(model, out, args), args.processes), log)
+        t0 = time.monotonic()
+        members: list[psutil.Process] = []
+        hung = False
+        if not finishing:
+            while proc.poll() is None and time.monotonic() - t0 < args.trial_timeout:
+                members = list({m.pid: m for m in [*members, *tree(proc)]}.values())
+                elapsed = time.monotonic() - t0
+                if (save_folders(out) - stale if in_save else elapsed >= delay):
+                    victims = {"all": tree(proc), "worker": workers(proc)[:1] or tree(proc)[-1:],
+                               "launcher": tree(proc)[:1]}[target]
+                    if not victims:
+                        break
+                    if target == "worker" and args.processes > 1:
+                        victims = [rng.choice(workers(proc) or victims)]
+                    for v in victims:
+                        try:
+                            v.send_signal(signal.SIGKILL)
+                        except psutil.NoSuchProcess:
+                            pass
+                    trial.update(killed=True, delay_s=round(elapsed, 2))
+                    break
+                time.sleep(0.002 if in_save else 0.01)
+        members = list({m.pid: m for m in [*members, *tree(proc)]}.values())
+        remaining = max(args.trial_timeout - (time.monotonic() - t0), 1.0)
+        if not wait_all_gone(proc, members, remaining):
+            hung = True
+            kill_everything(proc, members)
+        trial["exit_code"] = proc.returncode
+        trial["seconds"] = round(time.monotonic() - t0, 2)
+        trial["inside_save"] = trial["killed"] and bool(save_folders(out) - stale)
+        problem, step = check_resumable(out)
+        trial.update(resumed_from=before, resumable_at=step, problem=problem, hung=hung)
+        finished = (out / "metrics.json").is_file()
+        trial["finished"] = finished
+        if trial["killed"]:
+            kills += 1
+        if hung:
+            failures.append(f"trial {trial['trial']}: hung past {args.trial_timeout:.0f} s")
+        if problem:
+            failures.append(f"trial {trial['trial']}: unresumable: {problem}")
+        if not trial["killed"] and not finished and not hung:
+            failures.append(f"trial {trial['trial']}: exited {proc.returncode} without a kill and unfinished "
+                            f"(see {log})")
+        trials.append(trial)
+        print(f"trial {trial['trial']:3d} round {round_no} {trial['timing']:10s} {str(target):8s} "
+              f"killed={trial['killed']!s:5s} inside_save={trial['inside_save']!s:5s} delay={trial['delay_s']} "
+              f"exit={proc.returncode} resumes_at={step} finished={finished}", flush=True)
+        if hung or problem or (not trial["killed"] and not finished):
+            break
+        if finished:
+            result = {"round": round_no, "kills": sum(t["killed"] for t in trials if t["round"] == round_no),
+                      **compare(out, reference)}
+            rounds.append(result)
+            if not (result["weights_bit_exact"] if args.processes == 1 else result["max_abs_weight_diff"] < 1e-6) \
+                    or not result["losses_equal"] and args.processes == 1:
+                failures.append(f"round {round_no}: final weights or losses differ from the uninterrupted run: "
+                                f"{result}")
+            print(f"round {round_no}: {result}", flush=True)
+            if finishing:
+                break
+            round_no += 1
+            shutil.rmtree(out)
+    summary = {
+        "processes": args.processes, "seed": args.seed, "trials": len(trials), "kills": kills,
+        "kills_inside_save": sum(t["inside_save"] for t in trials),
+        "kills_by_target": {t: sum(1 for x in trials if x["killed"] and x["target"] == t) for t in TARGETS},
+        "unresumable_directories": sum(1 for t in trials if t["problem"]), "hangs": sum(t["hung"] for t in trials),
+        "rounds": rounds, "reference_steps": len(losses(reference)), "reference_seconds": round(ref_wall, 1),
+        "median_trial_seconds": statistics.median(t["seconds"] for t in trials) if trials else None,
+        "failures": failures, "machine": bl.format_machine(bl.machine_info()),
+    }
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"summary": summary, "trials": trials}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    report = run_campaign(args)
+    s = report["summary"]
+    s["wall_seconds"] = round(time.monotonic() - t0, 1)
+    print(f"\n{s['machine']}")
+    print(f"{s['processes']} process(es), seed {s['seed']}: {s['trials']} trials, {s['kills']} kills "
+          f"({s['kills_inside_save']} inside a save; by target {s['kills_by_target']}), "
+          f"{len(s['rounds'])} round(s), unresumable directories {s['unresumable_directories']}, hangs {s['hangs']}, "
+          f"{s['wall_seconds']} s")
+    for r in s["rounds"]:
+        print(f"  round {r['round']}: {r['kills']} kills, final weights bit-exact {r['weights_bit_exact']} "
+              f"(max |diff| {r['max_abs_weight_diff']:.3g}), per-step losses equal {r['losses_equal']}")
+    for f in s["failures"]:
+        print(f"FAILURE: {f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    ok = not s["failures"] and s["rounds"] and s["kills"] >= args.kills
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
