@@ -95,7 +95,13 @@ class FinetuneTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        return self.account(self.micro_batch_loss(model, inputs, labels), labels, num_items_in_batch)
+        loss = self.account(self.micro_batch_loss(model, inputs, labels), labels, num_items_in_batch)
+        if num_items_in_batch is not None and torch.is_grad_enabled():
+            # num_items_in_batch counts every process's items and DDP averages the gradients over the processes:
+            # undo the average, as Trainer.compute_loss does (transformers 5.23 trainer.py, "loss *= loss_scale");
+            # without it every gradient was 1/P of the accelerate engine's (found by finetune verify)
+            loss = loss * self.accelerator.num_processes
+        return loss
 
 
 class BookkeepingCallback(TrainerCallback):
