@@ -96,8 +96,9 @@ def enable_activation_checkpointing(model, config) -> None:
         model.enable_input_require_grads()
 
 
-def build_model(config, task, label_names=None, pad_token_id=None):
-    """The model as training builds it, before an engine wraps it: ``task.load_model(config, label_names)``;
+def build_model(config, task, label_names=None, pad_token_id=None, recipe=None):
+    """The model as training builds it, before an engine wraps it: ``task.load_model(config, label_names)``, or
+    the recipe's own ``build_model(config, label_names)`` where it has one (``recipes/__init__.py``);
     its ``pad_token_id`` set from ``pad_token_id`` (the tokenizer's) where the model has none; ``--max_length``
     (``--block_size`` where set, tokens) checked against its position limit; activation checkpointing under
     ``config.activation_checkpointing`` (``enable_activation_checkpointing``); LoRA adapters under
@@ -109,7 +110,7 @@ def build_model(config, task, label_names=None, pad_token_id=None):
     Raises ``FinetuneError`` (too long ``--max_length``, LoRA target modules the model lacks,
     ``--activation_checkpointing_kwargs`` this transformers cannot take) and the loaders' errors.
     """
-    model = task.load_model(config, label_names)
+    model = getattr(recipe, "build_model", task.load_model)(config, label_names)
     if model.config.pad_token_id is None and pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     check_max_length(config.block_size or config.max_length, model.config)
@@ -139,7 +140,7 @@ def build_components(config, recipe, precision: str, main_process_first):
     tokenizer = load_tokenizer(config.model_name_or_path)
     with main_process_first():
         datasets, label_names, raw_validation = build_datasets(recipe, config, tokenizer, task)
-    model = build_model(config, task, label_names, tokenizer.pad_token_id)
+    model = build_model(config, task, label_names, tokenizer.pad_token_id, recipe)
     warning = batchnorm_warning(model, config.gradient_accumulation_steps)
     if warning and int(os.environ.get("RANK", "0")) == 0:
         print(warning, file=sys.stderr)

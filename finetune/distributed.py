@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 from accelerate import PartialState
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import gather_object, parse_flag_from_env
 
 from finetune import checkpoint as ckpt
@@ -44,6 +45,15 @@ def process_state(cpu: bool = False, timeout_seconds: int | None = None) -> Part
     the collective timeout (``--ddp_timeout``), effective only where this call starts the process group."""
     kwargs = {} if timeout_seconds is None else {"timeout": timedelta(seconds=timeout_seconds)}
     return PartialState(cpu=cpu or parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
+
+
+def reset_state() -> None:
+    """Forget Accelerate's process-wide states (``AcceleratorState``, ``GradientState``, ``PartialState``) so the
+    next run in this process builds its own Accelerator; a started process group stays (``PartialState`` reuses
+    it). For several runs in one process: ``finetune verify``."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
 
 
 def distributed_state():

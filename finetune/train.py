@@ -123,16 +123,17 @@ def count_window(window: list[dict], task, accelerator) -> WindowCounts:
 
 
 # ------------------------------------------------------------------------------------------ the loop
-def train(config, recipe, process_start: float | None = None) -> dict:
+def train(config, recipe, process_start: float | None = None, build=None) -> dict:
     """Fine-tune ``recipe`` with ``config``; write the model, ``metrics.json``, ``log.jsonl``, the model card
     and ``run_config.json`` into ``config.output_dir``; return the metrics (``reporting.run_metrics``).
 
     Checkpoints are taken after an optimizer step, never inside a window. Raises ``TrainingStopped`` after
     SIGINT/SIGTERM (checkpoint written, resume command in the message), ``NumericalError`` on a non-finite
     loss or gradient (fp32/bf16) or too many fp16 skips in a row, and ``FinetuneError`` for a checkpoint
-    that cannot be resumed or written.
+    that cannot be resumed or written. ``build(config, recipe) -> Setup``: ``setup`` unless given
+    (``finetune.verify`` wraps it to observe a run, or to vary its data order or loss for its controls).
     """
-    built = setup(config, recipe)
+    built = (build or setup)(config, recipe)
     accelerator, model, optimizer, scheduler, task = built.accelerator, built.model, built.optimizer, built.scheduler, built.task
     N, P = config.gradient_accumulation_steps, accelerator.num_processes
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")

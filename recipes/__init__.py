@@ -10,7 +10,10 @@ A recipe module defines (see ``recipes/bbc_news.py``):
   ``NEEDS_HUB`` (bool), ``TEXT_COLUMNS`` (the input column names), ``METRICS`` (shipped metric name -> compute kwargs),
   ``DEFAULTS`` (a dict of ``TrainConfig`` fields);
 - ``load_raw_datasets(config) -> datasets.DatasetDict`` with ``train`` and ``validation`` splits holding
-  ``TEXT_COLUMNS`` and, for classification, a ``ClassLabel`` ``label`` column.
+  ``TEXT_COLUMNS`` and, for classification, a ``ClassLabel`` ``label`` column;
+- optionally ``build_model(config, label_names) -> PreTrainedModel``: a model of the recipe's own (label names
+  None for causal LM); without it the task loads ``--model_name_or_path``. A ``transformers`` model whose
+  forward takes ``labels``-free inputs and returns ``.logits`` (and, for mixture-of-experts, ``.aux_loss``).
 
 Model, tokenizer and tokenization are shared builders in ``finetune.data``.
 """

@@ -94,6 +94,15 @@ class DeepSpeedEngine(PlainEngine):
         """From the optimizer: a DeepSpeed-config schedule may not answer ``get_last_lr`` before a step."""
         return optimizer.param_groups[0]["lr"]
 
+    def full_parameters(self, model) -> dict:
+        """The fp32 master weights whole, name -> CPU tensor: ``deepspeed.utils.safe_get_full_fp32_param`` (ZeRO
+        1-3; deepspeed 0.19 ``utils/tensor_fragment.py``), not the 16-bit module weights. Collective under
+        ZeRO-3 (every process calls this)."""
+        from deepspeed.utils import safe_get_full_fp32_param  # only importable where deepspeed is installed
+
+        return {name: safe_get_full_fp32_param(param).detach().float().cpu().clone()
+                for name, param in model.module.named_parameters()}
+
     def chunked_loss_refusal(self, model) -> str | None:
         if any(hasattr(param, "ds_id") for param in model.parameters()):
             return "the lm_head weight is partitioned by DeepSpeed ZeRO-3 and not whole outside its forward"

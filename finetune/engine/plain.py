@@ -45,6 +45,11 @@ class Prepared:
     plan: StepPlan
 
 
+def _whole(tensor):
+    """A ``DTensor`` (FSDP2's shard) gathered whole (collective); any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 class PlainEngine:
     """One process or DDP: gradients all-reduced on a window's last micro-batch, weights whole on every rank."""
 
@@ -91,6 +96,19 @@ class PlainEngine:
     def chunked_loss_refusal(self, model) -> str | None:
         """Why the chunked loss cannot use ``model``'s output embedding outside its forward, or None."""
         return None
+
+    def full_parameters(self, model) -> dict:
+        """Every parameter whole, as fp32 CPU copies: name -> tensor (the weights the optimizer updates). Under
+        FSDP2 a parameter is a ``DTensor`` shard: ``full_tensor()`` all-gathers it (collective: every process
+        calls this)."""
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        return {name: _whole(param).detach().float().cpu().clone() for name, param in unwrapped.named_parameters()}
+
+    def full_buffers(self, model) -> dict:
+        """Every floating-point buffer (BatchNorm's running statistics, ...) as fp32 CPU copies: name -> tensor."""
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        return {name: _whole(buf).detach().float().cpu().clone() for name, buf in unwrapped.named_buffers()
+                if buf.is_floating_point()}
 
     def save_model(self, model, tokenizer, output_dir: Path, config, writes: bool) -> None:
         """Write the model (safetensors) and tokenizer, or with ``--use_peft`` an adapter (``lora.save_adapter``).

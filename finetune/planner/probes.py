@@ -123,7 +123,7 @@ class Probe:
         label_names = ["a", "b"] if task.name == "sequence-classification" else None
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         self.device, self.task, self.lever = device, task, lever
-        self.model = build_model(config, task, label_names).to(device)
+        self.model = build_model(config, task, label_names, recipe=recipe).to(device)
         self.model.train()
         self.length = config.block_size or config.max_length
         self.vocab = self.model.config.vocab_size
