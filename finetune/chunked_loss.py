@@ -274,14 +274,16 @@ def _checkpointed(hidden, targets, chunk_size, module, weight, bias) -> torch.Te
 
 
 # ------------------------------------------------------------------------------------- model side
-def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.nn.Module]:
+def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict,
+                              outputs_seen: list | None = None) -> tuple[torch.Tensor, torch.nn.Module]:
     """Run a causal LM's forward on ``batch`` (``labels`` ignored) and return ``(hidden_states, lm_head)``: the
     (batch, seq, hidden) input of ``get_output_embeddings()`` and that module, for ``chunked_causal_lm_loss_sum``.
     ``model``: a transformers causal LM, bare or wrapped by peft, ``accelerator.prepare``, DDP or DataParallel; the
     forward runs through the outermost wrapper, and a pre-hook hands the head the last position only (see
     docs/design-notes.md#chunked_loss). Raises ``ValueError`` if there is no output embedding, the model is
     ``torch.compile``'d as a whole, transforms logits after its head (Gemma ``final_logit_softcapping``, Cohere
-    ``logit_scale``, ...), or does not call its head exactly once on (batch, seq, hidden) hidden states."""
+    ``logit_scale``, ...), or does not call its head exactly once on (batch, seq, hidden) hidden states.
+    ``outputs_seen``: a list the forward's outputs are appended to (a mixture-of-experts model's ``aux_loss``)."""
     inner = _unwrap(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
@@ -318,6 +320,8 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict) -> tuple[torc
                          + (f" on a {seen[0]['hidden'].dim()}-d input" if len(seen) == 1 else "")
                          + "; the chunked loss needs exactly one call, on (batch, seq, hidden) hidden states, "
                          "through the module (not its weight)")
+    if outputs_seen is not None:
+        outputs_seen.append(outputs)
     returned = outputs.logits if hasattr(outputs, "logits") else outputs[0]
     head_logits = seen[0]["logits"]
     if returned.shape != head_logits.shape or not torch.equal(returned.detach().float(), head_logits.detach().float()):
