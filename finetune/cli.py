@@ -4,6 +4,7 @@
     finetune recipes
     finetune predict --model DIR TEXT ...
     finetune compare --recipe NAME [training flags]
+    finetune verify [accelerate launcher flags] --recipe NAME [training flags] [--verify_steps K]
 
 Each subcommand hands its arguments to the module that owns it; imports are lazy so that ``finetune
 --help`` and ``finetune recipes`` start in well under a second, without importing torch's launcher.
@@ -24,6 +25,8 @@ commands:
   recipes   list the recipes
   predict   predict with a trained model: finetune predict --model DIR "some text" (finetune predict --help)
   compare   run the accelerate and Trainer engines side by side: finetune compare --recipe NAME [flags]
+  verify    prove that accumulation trains what the large batch trains, on this model, precision, engine and
+            launch: finetune verify [launcher flags] --recipe NAME [flags] [--verify_steps K] (exit 0: exact)
 """
 
 
@@ -58,7 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.run import main as run_main  # lazy: `finetune --help` and `recipes` start without torch
 
         return run_main([*rest, "--compare", "True"])
-    print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare (finetune --help).",
+    if command == "verify":
+        if any(a in ("-h", "--help") for a in rest):
+            from finetune.verify import main as verify_main  # lazy: see the module docstring
+
+            return verify_main(["--help"])
+        from finetune.launch import VERIFY_MODULE, train_command  # lazy: see the module docstring
+
+        return train_command(rest, module=VERIFY_MODULE)
+    print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare, verify (finetune --help).",
           file=sys.stderr)
     return 2
 

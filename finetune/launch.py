@@ -22,6 +22,7 @@ from finetune.engine import launcher_spawns_processes
 from finetune.errors import FinetuneError
 
 TRAINING_MODULE = "finetune.run"
+VERIFY_MODULE = "finetune.verify"
 GRACE_FLAG = "--preemption_grace_seconds"
 # torch 2.13's elastic agent waits this long after passing SIGTERM on before it SIGKILLs its workers:
 # torch/distributed/launcher/api.py LaunchConfig.__post_init__ (lines 145-149) reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
@@ -99,9 +100,10 @@ def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
             signal.signal(sig, handler)
 
 
-def train_command(argv: list[str]) -> int:
+def train_command(argv: list[str], module: str = TRAINING_MODULE) -> int:
     """``finetune train [launcher flags] [training flags]``: returns the exit code of the training run
-    (0, 2 for a user error, 3 for a numerical failure, 128 + N after signal N)."""
+    (0, 2 for a user error, 3 for a numerical failure, 128 + N after signal N). ``module``: what each process
+    runs (``finetune verify`` launches ``VERIFY_MODULE`` the same way)."""
     launcher, training = split_argv(argv)
     try:
         grace = grace_seconds(training)
@@ -110,7 +112,7 @@ def train_command(argv: list[str]) -> int:
         return err.exit_code
     # Its "values were not passed ... defaults used" list is noise here: the run's banner says what it runs on.
     logging.getLogger("accelerate.commands.launch").setLevel(logging.ERROR)
-    args = launch_command_parser().parse_args([*launcher, "--module", TRAINING_MODULE, *training])
+    args = launch_command_parser().parse_args([*launcher, "--module", module, *training])
     args, defaults, mp_from_config = _validate_launch_command(args)
     # the routing of accelerate's launch_command: --cpu, or no multi-process option, is its simple launcher
     if not launcher_spawns_processes(args):

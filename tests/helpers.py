@@ -48,10 +48,12 @@ def train_steps(output_dir: Path) -> list[dict]:
     return [r for r in read_log(output_dir) if "loss" in r]
 
 
-def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, int, int] | None = None) -> list[str]:
+def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, int, int] | None = None,
+                   module: str | None = None) -> list[str]:
     """The ``accelerate launch finetune/run.py ARGS`` command line on CPU; ``num_processes`` > 1 gives gloo
     ranks. ``machine``: (machine rank, number of machines, main process port) for one "machine" of a run
-    over several, all on 127.0.0.1 (``num_processes`` is then the total over all machines)."""
+    over several, all on 127.0.0.1 (``num_processes`` is then the total over all machines). ``module``: run
+    that module instead (``--module finetune.verify``)."""
     machines = machine[1] if machine else 1
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", str(machines), "--mixed_precision",
            "no", "--dynamo_backend", "no"]
@@ -61,6 +63,8 @@ def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, 
     if machine:
         cmd += ["--machine_rank", str(machine[0]), "--main_process_ip", "127.0.0.1", "--main_process_port",
                 str(machine[2])]
+    if module:
+        return cmd + ["--module", module, *args]
     return cmd + [str(REPO / "finetune" / "run.py"), *args]
 
 
@@ -87,13 +91,14 @@ def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None 
     return env
 
 
-def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dict | None = None):
+def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dict | None = None,
+           module: str | None = None):
     """Run ``accelerate launch finetune/run.py ARGS`` on CPU; ``num_processes`` > 1 gives gloo ranks.
 
     Returns the ``CompletedProcess`` (stdout and stderr captured as text).
     """
-    return subprocess.run(launch_command(args, num_processes), capture_output=True, text=True, timeout=timeout,
-                          env=launch_env(env), cwd=REPO)
+    return subprocess.run(launch_command(args, num_processes, module=module), capture_output=True, text=True,
+                          timeout=timeout, env=launch_env(env), cwd=REPO)
 
 
 def start_launch(args: list[str], logs: Path, num_processes: int = 1, machine: tuple[int, int, int] | None = None):

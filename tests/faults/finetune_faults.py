@@ -2,7 +2,7 @@
 to produce on demand, injected from outside the package by wrapping methods of ``accelerate.Accelerator``
 (and, for fp16 in the Trainer backend, one finetune function); ``finetune/`` has no test hook of its own.
 
-Three faults:
+Four faults:
 
 - CPU fp16 (``FAULT_CPU_FP16=1``): an ``Accelerator`` created with ``mixed_precision="fp16"`` on a CPU
   (Accelerate 1.15 leaves it ``native_amp=False`` and ``scaler=None``: it runs fp32) gets what Accelerate
@@ -22,6 +22,10 @@ Three faults:
   raises on a full disk: ``RuntimeError`` (``torch.save``), ``SafetensorError`` (``safetensors``' ``save_file``),
   ``OSError`` (ENOSPC) or a plain ``Exception`` (the ``tokenizers`` library). Wraps ``torch.save`` and
   ``accelerate.utils.other.safe_save_file`` (the names ``Accelerator.save_state`` writes through).
+
+- a diverging learning rate (``FAULT_LEARNING_RATE=4:1.5``): runs with that many accumulation steps get
+  their learning rate multiplied by that factor: one split of ``finetune verify`` then trains other weights,
+  which verify must catch. Wraps ``finetune.engine.plain.build_optimizer`` (AdamW of the plain/DDP engine).
 
 Two ways in:
 
@@ -45,6 +49,7 @@ import sys
 
 CPU_FP16_ENV = "FAULT_CPU_FP16"  # "1": fp16 on a CPU really runs fp16
 OVERFLOW_STEPS_ENV = "FAULT_OVERFLOW_STEPS"  # comma-separated optimizer steps (1-based) that overflow
+LEARNING_RATE_ENV = "FAULT_LEARNING_RATE"  # ACCUMULATION:FACTOR: those runs train at FACTOR x the learning rate
 SAVE_ERROR_ENV = "FAULT_SAVE_ERROR"  # TYPE@rankR@stepS: that rank's checkpoint write of step S raises TYPE
 FAULTS_DIR = os.path.dirname(os.path.abspath(__file__))  # what goes first on a launched process's PYTHONPATH
 
@@ -256,6 +261,32 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def install_learning_rate(accumulation: int, factor: float, set_attr=setattr, plain_module=None) -> None:
+    """Wrap ``build_optimizer`` of ``finetune.engine.plain`` (``plain_module``) so that a run with
+    ``gradient_accumulation_steps == accumulation`` builds AdamW at ``factor`` x its learning rate (its schedule
+    follows the optimizer's)."""
+    if plain_module is None:
+        import finetune.engine.plain as plain_module
+    original = plain_module.build_optimizer
+
+    @functools.wraps(original)
+    def build_optimizer(model, config, groups=None):
+        if config.gradient_accumulation_steps == accumulation:
+            config = dataclasses.replace(config, learning_rate=config.learning_rate * factor)
+        return original(model, config, groups)
+
+    set_attr(plain_module, "build_optimizer", build_optimizer)
+
+
+def parse_learning_rate(value: str) -> tuple[int, float]:
+    """``"4:1.5"`` -> (4, 1.5). Raises ``ValueError`` naming the expected form."""
+    try:
+        accumulation, factor = value.split(":")
+        return int(accumulation), float(factor)
+    except ValueError:
+        raise ValueError(f"{LEARNING_RATE_ENV} must be ACCUMULATION:FACTOR (e.g. 4:1.5), got {value!r}") from None
+
+
 def after_import(name: str, callback) -> None:
     """Call ``callback(module)`` once the module ``name`` has been imported (at once if it has been)."""
     if name in sys.modules:
@@ -284,6 +315,10 @@ def install_on_import(environ=None, after=after_import) -> None:
     if value.strip():
         after("accelerate.accelerator",
               lambda module: install_overflow(parse_steps(value), accelerator_class=module.Accelerator))
+    learning_rate = environ.get(LEARNING_RATE_ENV, "")
+    if learning_rate.strip():
+        after("finetune.engine.plain",
+              lambda module: install_learning_rate(*parse_learning_rate(learning_rate), plain_module=module))
     save_error = environ.get(SAVE_ERROR_ENV, "")
     if save_error.strip():
         after("accelerate.checkpointing", lambda module: install_save_error(*parse_save_error(save_error)))

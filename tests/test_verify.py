@@ -1,0 +1,177 @@
+"""``finetune verify``: every shipped recipe's tiny variant verifies exact through both engines (one process,
+in-process; two processes through the real launcher for bbc-news and a causal LM); a model with BatchNorm, a
+model whose outputs depend on padding and two mixture-of-experts families with their auxiliary loss verify not
+exact with the cause named; a forced divergence (one split's learning rate changed through ``tests/faults``) is
+caught; the comparisons' arithmetic."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from faults.finetune_faults import install_learning_rate
+from helpers import REPO, launch
+from tiny_models import build_tiny_chat_llama, build_tiny_moe, write_variable_length_texts
+from finetune import verify
+from finetune.errors import FinetuneError
+
+TESTS = REPO / "tests"
+# B = 4 per process: the reference 4 x 1, splits 2 x 2 and 1 x 4; two optimizer steps
+SMALL = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--verify_steps", "2",
+         "--max_train_samples", "16", "--max_eval_samples", "4", "--max_length", "32", "--learning_rate", "1e-3",
+         "--warmup_steps", "0", "--mixed_precision", "no"]
+
+
+def run_verify(tmp_path, *args) -> tuple[int, dict]:
+    out = tmp_path / "verify"
+    code = verify.main([*SMALL, *args, "--output_dir", str(out)])
+    return code, json.loads((out / "verify.json").read_text())
+
+
+def rows(report, role) -> list[dict]:
+    return [r for r in report["rows"] if r["role"] == role]
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory) -> str:
+    return str(build_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-llama")))
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory) -> dict:
+    """Local train/validation files for the recipes that otherwise load from the Hub, and for SFT."""
+    root, rng = tmp_path_factory.mktemp("verify-data"), random.Random(3)
+    words = "the market rose as shares in the bank fell after the match ended with a late goal".split()
+
+    def sentence(n):
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    files = {}
+    for split, n in (("train", 24), ("valid", 8)):
+        pairs = root / f"mrpc-{split}.jsonl"
+        pairs.write_text("".join(json.dumps({"sentence1": sentence(rng.randint(3, 12)), "sentence2": sentence(
+            rng.randint(3, 12)), "label": rng.randint(0, 1)}) + "\n" for _ in range(n)))
+        sft = root / f"sft-{split}.jsonl"
+        sft.write_text("".join(json.dumps({"prompt": sentence(rng.randint(3, 20)), "completion": sentence(
+            rng.randint(1, 5))}) + "\n" for _ in range(n)))
+        files[f"mrpc-{split}"], files[f"sft-{split}"] = str(pairs), str(sft)
+        files[f"text-{split}"] = str(write_variable_length_texts(root / f"text-{split}.jsonl", n, seed=n))
+        labelled = root / f"labelled-{split}.jsonl"  # short texts of uneven length: micro-batches pad differently
+        labelled.write_text("".join(json.dumps({"text": sentence(rng.randint(2, 25)), "label": rng.choice(
+            ["sport", "business"])}) + "\n" for _ in range(n)))
+        files[f"labelled-{split}"] = str(labelled)
+    return files
+
+
+def assert_exact(code: int, report: dict) -> None:
+    assert code == 0 and report["verdict"] == "exact", json.dumps(report, indent=1)[-3000:]
+    splits = rows(report, "split")
+    assert len(splits) >= 2 and all(r["verdict"] == "exact" for r in splits)
+    assert all(r["gradient_difference"] <= report["tolerance"]["gradients"] for r in splits)
+    engines = rows(report, "engine")
+    assert len(engines) == 2 and all(r["verdict"] == "exact" for r in engines)
+    assert report["control_margin"] >= verify.CONTROL_FACTOR  # the comparison would have seen a wrong normalisation
+    floor = report["noise_floor"]["gradients"]
+    assert 0 < floor < 1e-5  # reordering the window's samples changes the float rounding, not the sum
+
+
+@pytest.mark.parametrize("recipe", ["bbc-news", "bbc-news-clm", "bbc-headlines", "glue-mrpc", "wikitext-clm"])
+def test_every_shipped_recipe_verifies_exact_on_both_engines(tmp_path, recipe, tiny_bert, tiny_llama, chat_llama,
+                                                              data_files):
+    args = {"bbc-news": ["--model_name_or_path", tiny_bert],
+            "bbc-news-clm": ["--model_name_or_path", tiny_llama],
+            "bbc-headlines": ["--model_name_or_path", chat_llama, "--train_file", data_files["sft-train"],
+                              "--validation_file", data_files["sft-valid"], "--max_length", "64"],
+            "glue-mrpc": ["--model_name_or_path", tiny_bert, "--train_file", data_files["mrpc-train"],
+                          "--validation_file", data_files["mrpc-valid"]],
+            "wikitext-clm": ["--model_name_or_path", tiny_llama, "--train_file", data_files["text-train"],
+                             "--validation_file", data_files["text-valid"], "--block_size", "32"]}[recipe]
+    code, report = run_verify(tmp_path, "--recipe", recipe, *args)
+    assert_exact(code, report)
+    assert report["effective_batch"] == 4 and report["processes"] == 1 and report["verify_steps"] == 2
+    if recipe == "bbc-headlines":  # uneven completion tokens: the control is the mean of the means
+        assert rows(report, "control")[0]["verdict"] == "control: the mean of the micro-batch means"
+
+
+@pytest.mark.parametrize("recipe", ["bbc-news", "bbc-news-clm"])
+def test_two_processes_verify_exact_through_the_launcher(tmp_path, recipe, tiny_bert, tiny_llama):
+    """Before the Trainer backend multiplied its loss by the number of processes, its gradients were half the
+    accelerate engine's on two processes, and this test failed on the engine rows."""
+    out = tmp_path / "verify"
+    model = tiny_bert if recipe == "bbc-news" else tiny_llama
+    result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, "--output_dir", str(out)],
+                    num_processes=2, module="finetune.verify")
+    report = json.loads((out / "verify.json").read_text())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_exact(0, report)
+    assert report["processes"] == 2 and report["effective_batch"] == 8 and report["engine"] == "DDP"
+    assert "Verdict: exact" in result.stdout
+
+
+def test_batchnorm_is_not_exact_and_named(tmp_path, tiny_bert):
+    code, report = run_verify(tmp_path, "--recipe", str(TESTS / "recipes" / "batchnorm_news.py"),
+                              "--model_name_or_path", tiny_bert)
+    assert code == 1 and report["verdict"] == "not exact"
+    assert report["not_exact"] and report["causes"][0].startswith("BatchNorm (classifier.0)")
+
+
+def test_outputs_that_depend_on_padding_are_not_exact_and_named(tmp_path, tiny_bert, data_files):
+    code, report = run_verify(tmp_path, "--recipe", str(TESTS / "recipes" / "padding_news.py"),
+                              "--model_name_or_path", tiny_bert, "--train_file", data_files["labelled-train"],
+                              "--validation_file", data_files["labelled-valid"])
+    assert code == 1 and report["verdict"] == "not exact"
+    assert any(c.startswith("the model's outputs depend on padding") for c in report["causes"]), report["causes"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_auxiliary_loss_is_named(tmp_path, family):
+    """The router load-balancing loss trains (both engines) and depends on the micro-batch: not exact, and
+    without it (router_aux_loss_coef 0) every split is exact: the cross-entropy part accumulates exactly."""
+    model = build_tiny_moe(tmp_path / family, family)
+    code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", str(model))
+    assert code == 1 and report["verdict"] == "not exact" and report["auxiliary_loss"]
+    assert report["auxiliary_loss_exact_without"] is True
+    assert report["causes"][0].startswith("the model's auxiliary (router load-balancing) loss")
+    without = [r for r in report["rows"] if r["way"].endswith("without the auxiliary loss")]
+    assert len(without) == 2 and all(r["verdict"] == "exact" for r in without)  # the splits, against 4 x 1 without
+
+
+def test_a_forced_divergence_is_caught(tmp_path, tiny_bert, monkeypatch):
+    install_learning_rate(2, 1.5, set_attr=monkeypatch.setattr)  # the 2 x 2 split trains at 1.5 x the rate
+    code, report = run_verify(tmp_path, "--recipe", "bbc-news", "--model_name_or_path", tiny_bert)
+    assert code == 1 and report["verdict"] == "not exact"
+    by_way = {r["way"]: r for r in report["rows"]}
+    assert by_way["2 x 2"]["verdict"].startswith("NOT EXACT") and "final weights differ" in by_way["2 x 2"]["verdict"]
+    assert by_way["1 x 4"]["verdict"] == "exact"
+    assert report["not_exact"] == ["2 x 2"]
+
+
+def test_bad_verify_steps_is_one_error_line(tmp_path, capsys):
+    assert verify.main(["--recipe", "bbc-news", "--verify_steps", "0", "--output_dir", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --verify_steps must be a positive number of optimizer steps, got '0'."]
+    assert not (tmp_path / "v").exists()
+
+
+def test_the_ways_of_an_effective_batch():
+    labels = [w.label for w in verify.ways_for(32, 4)]
+    assert labels == ["32 x 1", "32 x 1, samples reordered", "16 x 2", "8 x 4", "1 x 32", "1 x 32, wrong normalisation",
+                      "32 x 1, Trainer", "1 x 32, Trainer"]
+    with pytest.raises(FinetuneError, match="nothing to accumulate"):
+        verify.ways_for(1, 1)
+
+
+def test_the_comparisons():
+    ref = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0, 1.0])}
+    whole, worst, value = verify.gradient_difference({"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0, 2.0])}, ref)
+    assert whole == pytest.approx(1 / 26 ** 0.5) and worst == "b" and value == pytest.approx(1.0)
+    initial = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    whole, worst, _ = verify.weight_difference({"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0, 1.5])}, ref, initial)
+    assert whole == pytest.approx(0.5 / 26 ** 0.5) and worst == "b"
+    # torch's clip_grad_norm_ multiplied by max_norm / (norm + 1e-6): undone
+    unclipped = verify._unclip({"a": torch.tensor([0.6, 0.8])}, grad_norm=5.0, max_norm=1.0)
+    assert torch.allclose(unclipped["a"], torch.tensor([0.6, 0.8]) * (5.0 + 1e-6))
+    assert verify.loss_difference([1.0, 2.0, 3.3], [1.0, 2.0, 3.0]) == (pytest.approx(0.1), 3)
