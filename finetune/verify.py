@@ -86,7 +86,7 @@ class Way:
 class Outcome:
     """What one way produced (on global rank 0; other ranks keep nothing): per-step ``losses`` and ``skipped``
     steps (fp16 loss scaling), step 1's ``gradients`` before clipping (name -> fp32 tensor; None where the
-    optimizer step is inside the engine, DeepSpeed), the initial and final weights, the float buffers, and
+    optimizer step is inside a sharding engine's backward), the initial and final weights, the float buffers, and
     ``error`` for a way that did not run (out of memory)."""
 
     way: Way
@@ -411,22 +411,59 @@ def _first_departure(losses: list, reference: list, tolerance: float) -> int | N
                  if abs(a - b) / max(abs(b), 1e-30) > tolerance), None)
 
 
+def _measure(o: Outcome, reference: Outcome) -> dict:
+    """The differences of ``o`` from ``reference``: step 1's gradients (where both were seen), and except for
+    the control (one step only) the per-step losses and the final weights."""
+    row = {}
+    if o.gradients and reference.gradients:
+        g = gradient_difference(o.gradients, reference.gradients)
+        row.update(gradient_difference=g[0], gradient_worst_tensor=g[1], gradient_worst=g[2],
+                   gradient_step=o.gradient_step)
+    if o.way.role != "control":
+        loss = loss_difference(o.losses, reference.losses)
+        row.update(loss_difference=loss[0], loss_worst_step=loss[1])
+        if o.final is not None and reference.final is not None:
+            w = weight_difference(o.final, reference.final, reference.initial)
+            row.update(weight_difference=w[0], weight_worst_tensor=w[1], weight_worst=w[2])
+    return row
+
+
+def _departures(row: dict, o: Outcome, reference: Outcome, tolerance: dict) -> list[str]:
+    """What in ``row`` (``_measure``) exceeds ``tolerance``, in words; empty when ``o`` is exact."""
+    bad = []
+    if row.get("gradient_difference", 0.0) > tolerance["gradients"] and o.gradient_step == reference.gradient_step:
+        bad.append(f"step {o.gradient_step}'s gradients differ by {row['gradient_difference']:.2e} "
+                   f"(worst: {row['gradient_worst_tensor']})")
+    if row["loss_difference"] > tolerance["losses"]:
+        bad.append(f"the loss departs at step {_first_departure(o.losses, reference.losses, tolerance['losses'])}"
+                   f" ({row['loss_difference']:.2e})")
+    if row.get("weight_difference", 0.0) > tolerance["weights"]:
+        bad.append(f"the final weights differ by {row['weight_difference']:.2e} of the distance trained "
+                   f"(worst: {row['weight_worst_tensor']})")
+    if len(o.losses) != len(reference.losses):
+        bad.append(f"{len(o.losses)} optimizer steps ran, the reference ran {len(reference.losses)}")
+    return bad
+
+
+def _tolerances(floor: dict, precision: str) -> dict:
+    """``FLOOR_FACTOR`` x the noise floor of each comparison, at least ``MIN_TOLERANCE[precision]``."""
+    minimum = MIN_TOLERANCE.get(precision, MIN_TOLERANCE["no"])
+    return {key: max(FLOOR_FACTOR * value, minimum) for key, value in floor.items()}
+
+
 def compare(outcomes: list[Outcome], precision: str, steps: int, model_notes: dict) -> dict:
-    """The table and the verdict from every way's ``Outcome``: tolerances from the floor (``FLOOR_FACTOR`` x,
-    at least ``MIN_TOLERANCE[precision]``), each way against the reference, the control's margin, the causes."""
+    """The table and the verdict from every way's ``Outcome``: tolerances from the floor (``_tolerances``), each
+    way against the reference, the control's margin, the causes. Raises ``FinetuneError`` if no reference ran."""
     ran = [o for o in outcomes if o.error is None]
     reference = next((o for o in ran if o.way.role in ("reference", "split")), None)
     if reference is None:
         raise FinetuneError("verify: no way of the effective batch ran: "
                             + "; ".join(f"{o.way.label}: {o.error}" for o in outcomes if o.way.role != "floor")[:2000])
-    floor = next((o for o in ran if o.way.role == "floor"), None)
-    minimum = MIN_TOLERANCE.get(precision, MIN_TOLERANCE["no"])
-    grads_seen = reference.gradients is not None
-    floor_g = gradient_difference(floor.gradients, reference.gradients)[0] if floor and grads_seen and floor.gradients else 0.0
-    floor_l = loss_difference(floor.losses, reference.losses)[0] if floor else 0.0
-    floor_w = weight_difference(floor.final, reference.final, reference.initial)[0] if floor and floor.final else 0.0
-    tolerance = {"gradients": max(FLOOR_FACTOR * floor_g, minimum), "losses": max(FLOOR_FACTOR * floor_l, minimum),
-                 "weights": max(FLOOR_FACTOR * floor_w, minimum)}
+    floor_outcome = next((o for o in ran if o.way.role == "floor"), None)
+    measured = _measure(floor_outcome, reference) if floor_outcome else {}
+    floor = {"gradients": measured.get("gradient_difference", 0.0), "losses": measured.get("loss_difference", 0.0),
+             "weights": measured.get("weight_difference", 0.0)}
+    tolerance = _tolerances(floor, precision)
     rows, failures, control_margin = [], [], None
     for o in outcomes:
         row = {"way": o.way.label, "role": o.way.role, "engine": o.way.backend, "micro_batch": o.way.micro,
@@ -436,46 +473,22 @@ def compare(outcomes: list[Outcome], precision: str, steps: int, model_notes: di
             if o.way.role in ("split", "engine") and not o.error.startswith("does not fit"):
                 failures.append(o.way.label)
                 row["verdict"] = f"NOT EXACT: {o.error}"
-            rows.append(row)
-            continue
-        if o is reference:
+        elif o is reference:
             row["verdict"] = "reference"
-            rows.append(row)
-            continue
-        g = gradient_difference(o.gradients, reference.gradients) if grads_seen and o.gradients else None
-        if g is not None:
-            row.update(gradient_difference=g[0], gradient_worst_tensor=g[1], gradient_worst=g[2],
-                       gradient_step=o.gradient_step)
-        if o.way.role == "control":
-            control_margin = g[0] / tolerance["gradients"] if g else None
-            row["verdict"] = f"control: {o.control}"
-            rows.append(row)
-            continue
-        loss = loss_difference(o.losses, reference.losses)
-        row.update(loss_difference=loss[0], loss_worst_step=loss[1])
-        if o.final is not None and reference.final is not None:
-            w = weight_difference(o.final, reference.final, reference.initial)
-            row.update(weight_difference=w[0], weight_worst_tensor=w[1], weight_worst=w[2])
-        if o.way.role == "floor":
-            row["verdict"] = "noise floor"
-            rows.append(row)
-            continue
-        bad = []
-        if g is not None and g[0] > tolerance["gradients"] and o.gradient_step == reference.gradient_step:
-            bad.append(f"step {o.gradient_step}'s gradients differ by {g[0]:.2e} (worst: {g[1]})")
-        if loss[0] > tolerance["losses"]:
-            bad.append(f"the loss departs at step {_first_departure(o.losses, reference.losses, tolerance['losses'])}"
-                       f" ({loss[0]:.2e})")
-        if "weight_difference" in row and row["weight_difference"] > tolerance["weights"]:
-            bad.append(f"the final weights differ by {row['weight_difference']:.2e} of the distance trained "
-                       f"(worst: {row['weight_worst_tensor']})")
-        if len(o.losses) != len(reference.losses):
-            bad.append(f"{len(o.losses)} optimizer steps ran, the reference ran {len(reference.losses)}")
-        row["verdict"] = "exact" if not bad else "NOT EXACT: " + "; ".join(bad)
-        if bad:
-            failures.append(o.way.label)
+        else:
+            row.update(_measure(o, reference))
+            if o.way.role == "control":
+                margin = row.get("gradient_difference")
+                control_margin = margin / tolerance["gradients"] if margin is not None else None
+                row["verdict"] = f"control: {o.control}"
+            elif o.way.role == "floor":
+                row["verdict"] = "noise floor"
+            else:
+                bad = _departures(row, o, reference, tolerance)
+                row["verdict"] = "exact" if not bad else "NOT EXACT: " + "; ".join(bad)
+                failures += [o.way.label] if bad else []
         rows.append(row)
-    causes = _causes(outcomes, reference, tolerance, model_notes) if failures else []
+    grads_seen = reference.gradients is not None
     if failures:
         verdict = "not exact"
     elif grads_seen and (control_margin is None or control_margin < CONTROL_FACTOR):
@@ -483,9 +496,9 @@ def compare(outcomes: list[Outcome], precision: str, steps: int, model_notes: di
     else:
         verdict = "exact"
     return {"verdict": verdict, "precision": precision, "verify_steps": steps, "tolerance": tolerance,
-            "noise_floor": {"gradients": floor_g, "losses": floor_l, "weights": floor_w},
-            "control_margin": control_margin, "reference": reference.way.label, "rows": rows, "not_exact": failures,
-            "causes": causes, "gradients_compared": grads_seen, **model_notes}
+            "noise_floor": floor, "control_margin": control_margin, "reference": reference.way.label, "rows": rows,
+            "not_exact": failures, "causes": _causes(outcomes, reference, tolerance, model_notes) if failures else [],
+            "gradients_compared": grads_seen, **model_notes}
 
 
 def _causes(outcomes: list[Outcome], reference: Outcome, tolerance: dict, notes: dict) -> list[str]:
@@ -516,8 +529,7 @@ def _model_notes(built) -> dict:
     batchnorm = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     auxiliary = bool(getattr(model.config, "output_router_logits", False)) and bool(
         getattr(model.config, "router_aux_loss_coef", 0.0))
-    engine = {"PlainEngine": "plain" if built.accelerator.num_processes == 1 else "DDP", "FsdpEngine": "FSDP",
-              "DeepSpeedEngine": "DeepSpeed"}.get(type(built.engine).__name__, type(built.engine).__name__)
+    engine = built.engine.name if built.engine.name != "plain" or built.accelerator.num_processes == 1 else "DDP"
     return {"batchnorm_modules": batchnorm, "auxiliary_loss": auxiliary, "precision": built.precision,
             "engine": engine}
 
@@ -552,7 +564,7 @@ def render(report: dict) -> str:
                      f"tolerance (needs >= {CONTROL_FACTOR}).")
     if not report["gradients_compared"]:
         lines.append("Step-1 gradients not compared: the engine steps its optimizer inside its own backward "
-                     "(DeepSpeed); losses and the fp32 master weights are.")
+                     f"({report['engine']}); losses and the fp32 master weights are.")
     lines += ["", f"**Verdict: {report['verdict']}**"]
     lines += [f"- cause: {c}" for c in report["causes"]]
     return "\n".join(lines) + "\n"
@@ -585,24 +597,10 @@ def verify(config, steps: int) -> int:
     task = get_task(recipe.TASK)
     outcomes: list[Outcome] = []
     for way in ways:
-        control = None
         if way.role == "control":
-            ref = next((o for o in outcomes if o.error is None and o.way.role in ("reference", "split")), None)
-            window_items = distributed.all_reduce_max(distributed.distributed_state())(
-                float(_window_items(ref) if ref is not None else 0.0))
-            control = _WrongNormalisation(task, True, window_items, way.accumulation, processes)
-        outcome = run_way(way, base, recipe, root, steps, keep, control.vary if control else None)
-        if control is not None:
-            # every micro-batch had the same items: the mean of means is the window's mean; use the loss not
-            # divided by N instead (each process saw its own counts: the processes agree first)
-            differ = distributed.all_reduce_max(distributed.distributed_state())(
-                float(len(set(control.counts[: way.accumulation])) > 1))
-            if not differ:
-                control = _WrongNormalisation(task, False, window_items, way.accumulation, processes)
-                outcome = run_way(way, base, recipe, root, steps, keep, control.vary)
-        if control is not None:
-            outcome.control = ("the mean of the micro-batch means" if control.mean_of_means
-                               else "the loss not divided by N")
+            outcome = _run_control(way, outcomes, task, base, recipe, root, steps, keep)
+        else:
+            outcome = run_way(way, base, recipe, root, steps, keep)
         say(f"  {way.label:32s} {'(does not fit)' if outcome.error else ''}{outcome.seconds:6.1f} s", flush=True)
         outcomes.append(outcome)
     report = None
@@ -626,40 +624,50 @@ def verify(config, steps: int) -> int:
     if keep:
         root.mkdir(parents=True, exist_ok=True)
         (root / "verify.json").write_text(json.dumps(report, indent=2) + "\n")
-        text = render(report)
-        (root / "verify.md").write_text(text)
+        (root / "verify.md").write_text(text := render(report))
         print(text)
         code = 0 if report["verdict"] == "exact" else 1
     return int(agree(float(code)))
 
 
+def _run_control(way: Way, outcomes: list[Outcome], task, base, recipe, root: Path, steps: int,
+                 keep: bool) -> Outcome:
+    """The positive control's one step: the mean of the micro-batch means; run again with the loss not divided
+    by N where every micro-batch had the same items (the mean of means is then the window's mean). Collective."""
+    agree = distributed.all_reduce_max(distributed.distributed_state())
+    reference = next((o for o in outcomes if o.error is None and o.way.role in ("reference", "split")), None)
+    window_items = agree(float(_window_items(reference) if reference is not None else 0.0))
+    processes = distributed.world_size()
+    control = _WrongNormalisation(task, True, window_items, way.accumulation, processes)
+    outcome = run_way(way, base, recipe, root, steps, keep, control.vary)
+    if not agree(float(len(set(control.counts[: way.accumulation])) > 1)):  # each process saw its own counts
+        control = _WrongNormalisation(task, False, window_items, way.accumulation, processes)
+        outcome = run_way(way, base, recipe, root, steps, keep, control.vary)
+    outcome.control = "the mean of the micro-batch means" if control.mean_of_means else "the loss not divided by N"
+    return outcome
+
+
 def _explain_auxiliary(report: dict, outcomes: list[Outcome]) -> None:
     """Name the auxiliary loss as the cause when, without it, every split is exact within the same tolerances;
     adds the runs without it to the table."""
-    tolerance = report["tolerance"]
     reference = next(o for o in outcomes if o.error is None)
     exact = []
     for o in outcomes:
         if o is reference or o.error is not None:
             continue
-        g = gradient_difference(o.gradients, reference.gradients) if o.gradients and reference.gradients else None
-        loss = loss_difference(o.losses, reference.losses)[0]
-        w = weight_difference(o.final, reference.final, reference.initial)[0] if o.final and reference.final else 0.0
-        fine = (g is None or g[0] <= tolerance["gradients"]) and loss <= tolerance["losses"] and w <= tolerance["weights"]
-        exact.append(fine)
+        row = _measure(o, reference)
+        bad = _departures(row, o, reference, report["tolerance"])
+        exact.append(not bad)
         report["rows"].append({"way": o.way.label, "role": "split", "engine": "accelerate", "seconds": round(o.seconds, 2),
-                               "skipped_steps": o.skipped, "error": None, "gradient_difference": g[0] if g else None,
-                               "gradient_worst_tensor": g[1] if g else None, "loss_difference": loss,
-                               "weight_difference": w, "verdict": "exact" if fine else "NOT EXACT"})
-    if exact and all(exact):
+                               "skipped_steps": o.skipped, "error": None, **row,
+                               "verdict": "exact" if not bad else "NOT EXACT: " + "; ".join(bad)})
+    report["auxiliary_loss_exact_without"] = bool(exact) and all(exact)
+    if report["auxiliary_loss_exact_without"]:
         report["causes"] = [c for c in report["causes"] if not c.startswith("cause not identified")]
         report["causes"].insert(0, "the model's auxiliary (router load-balancing) loss: without it (router_aux_loss_coef "
                                    "0) every split is exact, so the cross-entropy part accumulates exactly; the "
                                    "auxiliary part is computed per forward pass over its own tokens and depends on "
                                    "the micro-batch")
-        report["auxiliary_loss_exact_without"] = True
-    else:
-        report["auxiliary_loss_exact_without"] = False
 
 
 def _window_items(outcome: Outcome) -> float:

@@ -28,6 +28,7 @@ def parameter_shape(param) -> tuple:
 class DeepSpeedEngine(PlainEngine):
     """DeepSpeed (ZeRO 1-3) through Accelerate: flags written into its config, the settings read back after."""
 
+    name = "DeepSpeed"
     generation_synced = True  # ZeRO-3 gathers partitions in every forward: ranks generate in lockstep
     eval_may_split_batch = False  # ZeRO-3 gathers partitions inside the forward
 

@@ -53,6 +53,8 @@ def _whole(tensor):
 class PlainEngine:
     """One process or DDP: gradients all-reduced on a window's last micro-batch, weights whole on every rank."""
 
+    name = "plain"  # what reports call the engine ("DDP" with several processes)
+
     sync_each_batch = False  # gradients synchronised on every micro-batch of a window (FSDP) or on its last
     generation_synced = False  # the weights are whole on every rank: each generates alone
     eval_may_split_batch = True  # no collective inside the forward: a rank may retry half a batch alone
