@@ -48,11 +48,11 @@ def mfu(num_parameters: int | None, tokens_per_second: float | None, peak: float
 
 
 def tokens_per_second(run: dict) -> tuple[float | None, str]:
-    """(tokens/s, how it was obtained) for one run: causal LM has metrics.json ``train_tokens_per_second``
+    """(tokens/s, how it was obtained) for one run: causal LM has metrics.json ``train_trained_tokens_per_second``
     (label tokens, padding excluded); classification has none, so samples/s x max_length is used, an
     upper bound (shorter texts are padded only to the longest in their micro-batch)."""
-    if run.get("train_tokens_per_second"):
-        return run["train_tokens_per_second"], "label tokens/s (metrics.json)"
+    if run.get("train_trained_tokens_per_second"):
+        return run["train_trained_tokens_per_second"], "trained (label) tokens/s (metrics.json)"
     if run.get("train_samples_per_second") and run.get("bench_max_length"):
         return run["train_samples_per_second"] * run["bench_max_length"], "upper bound: samples/s x max_length"
     return None, "n/a"
@@ -210,7 +210,7 @@ def render(args, info: dict, results: dict, skipped: dict[str, str]) -> str:
             notes.append(f"- MFU not computed: no peak FLOP/s known for {info['gpu']}; pass --peak_tflops.")
     notes += ["- model TFLOP/s = 6 x N_params x tokens/s (N from the saved model's safetensors, embeddings included; "
               "attention FLOPs left out).",
-              "- tokens/s: bbc-news-clm reports label tokens/s (metrics.json `train_tokens_per_second`); bbc-news has "
+              "- tokens/s: bbc-news-clm reports trained (label) tokens/s (metrics.json `train_trained_tokens_per_second`); bbc-news has "
               "no token count, so it is samples/s x max_length, an upper bound.",
               "- " + (bl.GPU_MEMORY_NOTE if on_gpu else bl.CPU_MEMORY_NOTE)]
     notes += [f"- {reason}" for reason in skipped.values()]

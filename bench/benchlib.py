@@ -387,7 +387,7 @@ def run_summary(config: Config, keys: tuple[str, ...]) -> dict:
 
 RUN_KEYS = ("train_samples_per_second", "train_runtime", "peak_memory_bytes", "peak_memory_kind", "mixed_precision",
             "mixed_precision_requested", "optimizer_steps", "train_samples", "effective_batch_size",
-            "per_device_train_batch_size", "gradient_accumulation_steps", "train_tokens", "train_tokens_per_second",
+            "per_device_train_batch_size", "gradient_accumulation_steps", "train_trained_tokens", "train_trained_tokens_per_second",
             "bench_wall_seconds", "bench_num_parameters", "bench_max_length", "device", "backend",
             "train_padding_fraction")
 

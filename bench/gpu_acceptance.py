@@ -452,7 +452,7 @@ def render(runs: list[Run], env: dict, smoke: bool, wall: float, workdir: Path |
             ["run", "ran", "eval_loss start -> end", "tokens/s", "samples/s", "peak MiB", "MFU", "result"],
             lambda r: [r.label, _precision_name((r.metrics or {}).get("mixed_precision")),
                        " -> ".join(_cell(e.get("eval_loss"), ".3f") for e in _evals(r)[:1] + _evals(r)[-1:]) or "n/a",
-                       _cell((r.metrics or {}).get("train_tokens_per_second"), ".0f"),
+                       _cell((r.metrics or {}).get("train_trained_tokens_per_second"), ".0f"),
                        _cell((r.metrics or {}).get("train_samples_per_second"), ".1f"),
                        _cell((r.metrics or {}).get("peak_memory_bytes"), ".0f", MIB),
                        _cell((r.metrics or {}).get("mfu"), ".4f")])
@@ -525,7 +525,7 @@ def fabricate(run: Run) -> None:
     elif run.section == "clm":
         steps.insert(0, {"step": 0, "epoch": 0.0, "eval_loss": 10.8})
         steps.append({"step": 56, "epoch": 1.0, "eval_loss": 6.2})
-        metrics.update(eval_loss=6.2, train_tokens_per_second=250000.0)
+        metrics.update(eval_loss=6.2, train_trained_tokens_per_second=250000.0)
     elif run.section == "autobatch":
         metrics.update(per_device_train_batch_size=64, gradient_accumulation_steps=1)
         output += "Batch plan for --total_batch_size 64: micro-batch 64 x accumulation 1 x 1 process = 64\n"

@@ -60,6 +60,7 @@ class Bookkeeping:
     def __init__(self, config, plan: StepPlan, progress: RunProgress, *, writes: bool, say, counts_tokens: bool):
         self.config, self.plan, self.progress, self.writes, self.say = config, plan, progress, writes, say
         self.counts_tokens = counts_tokens  # loss items are label tokens (causal LM), recorded as such
+        self.warm = False  # the first optimizer step of this start (compile, allocator warm-up) is not timed
         self.output_dir = Path(config.output_dir)
         self.eval_steps, self.save_steps = plan.steps(config.eval_steps), plan.steps(config.save_steps)
         self.eval_results, self.best_eval_results, self.eval_runtime, self.last_eval_step = {}, {}, 0.0, None
@@ -101,22 +102,38 @@ class Bookkeeping:
     # -------------------------------------------------------------------------------- records
     def record_step(self, *, loss: float, samples: int, items: float, micro_batches: int, learning_rate: float | None,
                     grad_norm, loss_scale: float | None, skipped: bool, input_tokens: int | None = None,
-                    padded_tokens: int | None = None, **extra) -> dict:
+                    padded_tokens: int | None = None, seconds: float | None = None, **extra) -> dict:
         """Count one optimizer step and return its ``log.jsonl`` record (``loss``: mean per item over the window;
-        ``samples``, ``items`` over all processes). Raises ``NumericalError`` past ``--max_skipped_steps`` skips."""
+        ``samples``, ``items`` over all processes; ``input_tokens`` without padding, ``padded_tokens`` with it;
+        ``seconds`` the step's duration, evaluation and checkpoints excluded). The record's throughput: padded,
+        input and trained tokens (the loss's items, causal LM) per second; the first step of each start is marked
+        ``warmup`` and left out of the run's figures. Raises ``NumericalError`` past ``--max_skipped_steps`` skips."""
         progress = self.progress
         progress.record_step(loss, skipped)
         progress.samples_seen += samples
-        if input_tokens is not None:
-            progress.input_tokens_seen += input_tokens
-        if padded_tokens is not None:
-            progress.padded_tokens_seen += padded_tokens
+        trained = int(items) if self.counts_tokens else 0
+        progress.input_tokens_seen += input_tokens or 0
+        progress.padded_tokens_seen += padded_tokens or 0
+        progress.tokens_seen += trained
         record = {"step": progress.step, "epoch": round(self.plan.epoch_fraction(progress.step), 4), "loss": loss,
                   "learning_rate": learning_rate, "grad_norm": grad_norm_value(grad_norm), "samples": samples,
                   "micro_batches": micro_batches}
-        if self.counts_tokens:
-            record["label_tokens"] = items
-            progress.tokens_seen += int(items)
+        counts = {"padded_tokens": padded_tokens, "input_tokens": input_tokens,
+                  "trained_tokens": trained if self.counts_tokens else None}
+        record.update({k: v for k, v in counts.items() if v is not None})
+        if seconds is not None and seconds > 0:
+            record["step_seconds"] = round(seconds, 6)
+            record.update({f"{k}_per_second": round(v / seconds, 3) for k, v in counts.items() if v is not None})
+            if self.warm:
+                progress.timed_steps += 1
+                progress.timed_seconds += seconds
+                progress.timed_samples += samples
+                progress.timed_padded_tokens += padded_tokens or 0
+                progress.timed_input_tokens += input_tokens or 0
+                progress.timed_trained_tokens += trained
+            else:
+                record["warmup"] = True
+            self.warm = True
         if loss_scale is not None:
             record["loss_scale"] = loss_scale  # fp16: after this step's GradScaler update (halved by a skip)
         if skipped:

@@ -62,6 +62,13 @@ class RunProgress:
     tokens_seen: int = 0
     input_tokens_seen: int = 0
     padded_tokens_seen: int = 0  # input positions incl. padding (what the model computed on)
+    # throughput over the timed steps: every optimizer step but the first of each start (warm-up)
+    timed_steps: int = 0
+    timed_seconds: float = 0.0
+    timed_samples: int = 0
+    timed_padded_tokens: int = 0
+    timed_input_tokens: int = 0
+    timed_trained_tokens: int = 0
     skipped_steps: int = 0
     consecutive_skipped: int = 0
     step_loss_total: float = 0.0  # sum over optimizer steps of each step's mean loss (train_loss: / step)

@@ -1,9 +1,12 @@
-"""Model FLOPs utilisation: training FLOPs per token = 6 x parameters (Kaplan et al. 2020, "Scaling Laws for
-Neural Language Models", 2.1; attention's term left out) over dense bf16/fp16 peaks from NVIDIA datasheets."""
+"""Training FLOPs per token and their utilisation of a GPU's peak: 6 N + 12 L d T per token (Chowdhery et al.
+2022, "PaLM", appendix B: N the parameters that multiply activations, L layers, d the model width, T the sequence
+length), over dense bf16/fp16 peaks from NVIDIA datasheets."""
 
 from __future__ import annotations
 
 import re
+
+import torch
 
 # Dense (no structured sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's product datasheets
 # (they print the 2:4-sparsity figure, twice these; "dense" = that figure / 2). Matched against
@@ -40,8 +43,52 @@ def peak_flops(device_name: str | None, override_tflops: float | None = None) ->
 def model_flops_utilization(num_parameters: int, tokens_per_second: float, device_name: str | None,
                             override_tflops: float | None = None) -> tuple[float, str] | None:
     """(MFU as a fraction of peak, the peak's source) = 6 x ``num_parameters`` x ``tokens_per_second``
-    / peak FLOP/s of ``device_name``; None when the device's peak is unknown (e.g. a CPU)."""
+    / peak FLOP/s of ``device_name``; None when the device's peak is unknown (e.g. a CPU). The benchmarks'
+    simple form; a run's own figures come from ``training_flops_per_token``."""
     peak = peak_flops(device_name, override_tflops)
     if peak is None:
         return None
     return 6 * num_parameters * tokens_per_second / peak[0], peak[1]
+
+
+def _unwrapped(model):
+    while hasattr(model, "module"):  # DDP, accelerate's wrappers
+        model = model.module
+    return model
+
+
+def matmul_parameters(model) -> tuple[int, int]:
+    """(all, trainable) parameters that multiply activations once per token, in elements: every parameter but
+    the embedding tables (a lookup, no multiply); an output embedding tied to the input one counts (its matmul
+    runs)."""
+    model = _unwrapped(model)
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    total = sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids)
+    trainable = sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids and p.requires_grad)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and id(head.weight) in embedding_ids:  # tied: the shared table is also the head's matmul
+        total += head.weight.numel()
+        trainable += head.weight.numel() if head.weight.requires_grad else 0
+    return total, trainable
+
+
+def training_flops_per_token(model, context: float, recompute: bool = False) -> tuple[float, str] | None:
+    """(training FLOPs per token, the formula with its numbers) for a token in a sequence of ``context`` tokens:
+    6 N + 12 L d T (PaLM, appendix B); where only some weights train (LoRA), 4 N + 2 N_trainable (a frozen
+    weight needs no weight gradient); ``recompute`` (activation checkpointing) adds the forward again, 2 N + 4 L d T.
+    None for a model whose config has no ``num_hidden_layers``/``hidden_size``."""
+    config = getattr(_unwrapped(model), "config", None)
+    layers, width = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+    if not layers or not width:
+        return None
+    total, trainable = matmul_parameters(model)
+    dense = 6 * total if trainable >= total else 4 * total + 2 * trainable
+    attention = 12 * layers * width * context
+    formula = (f"{'6 N' if trainable >= total else '4 N + 2 N_trainable'} + 12 L d T, N = {total:,}"
+               + ("" if trainable >= total else f", N_trainable = {trainable:,}")
+               + f", L = {layers}, d = {width}, T = {context:.1f}")
+    if recompute:
+        dense += 2 * total
+        attention += 4 * layers * width * context
+        formula += ", + 2 N + 4 L d T recomputed (activation checkpointing)"
+    return dense + attention, formula

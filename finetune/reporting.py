@@ -15,7 +15,7 @@ import torch
 
 from finetune.config import config_argv, reproduce_command
 from finetune.engine import parameter_counts
-from finetune.flops import model_flops_utilization
+from finetune.flops import peak_flops, training_flops_per_token
 from finetune.model_card import write_model_card
 from finetune.precision import PRECISION_NAMES
 
@@ -57,6 +57,44 @@ def _rate(count: float, seconds: float) -> float:
     return round(count / seconds, 3) if seconds > 0 else 0.0
 
 
+def throughput(state, runtime: float, model, config, device) -> dict:
+    """The run's token counts and rates, named by what they count: ``padded`` tokens (input positions with
+    padding: what the model computed on), ``input`` tokens (without padding), ``trained`` tokens (the loss's
+    items: label tokens; causal LM only). Rates are over the timed steps (every optimizer step but the first of
+    each start, a warm-up: ``throughput_steps``), else over ``runtime``. FLOP/s from ``flops.training_flops_per_token``:
+    model FLOP/s over input tokens at their mean length; hardware FLOP/s over padded tokens at the padded length,
+    with activation checkpointing's recompute; on a CUDA device with a known peak also ``mfu`` and ``hfu``."""
+    timed = state.timed_steps > 0 and state.timed_seconds > 0
+    seconds = state.timed_seconds if timed else runtime
+    counts = {"padded": state.timed_padded_tokens if timed else state.padded_tokens_seen,
+              "input": state.timed_input_tokens if timed else state.input_tokens_seen,
+              "trained": state.timed_trained_tokens if timed else state.tokens_seen}
+    samples = state.timed_samples if timed else state.samples_seen
+    metrics = {"train_padded_tokens": state.padded_tokens_seen, "train_input_tokens": state.input_tokens_seen,
+               **({"train_trained_tokens": state.tokens_seen} if state.tokens_seen else {}),
+               "throughput_steps": state.timed_steps if timed else state.step,
+               "throughput_excludes_warmup": timed}
+    for kind, count in counts.items():
+        if kind != "trained" or state.tokens_seen:
+            metrics[f"train_{kind}_tokens_per_second"] = _rate(count, seconds)
+    if not samples or not seconds:
+        return metrics
+    model_flops = training_flops_per_token(model, counts["input"] / samples)
+    hardware_flops = training_flops_per_token(model, counts["padded"] / samples,
+                                              recompute=bool(config.activation_checkpointing))
+    if model_flops is None or hardware_flops is None:
+        return metrics
+    metrics.update(model_flops_per_second=round(model_flops[0] * counts["input"] / seconds, 1),
+                   hardware_flops_per_second=round(hardware_flops[0] * counts["padded"] / seconds, 1),
+                   model_flops_formula=model_flops[1] + " (per input token)",
+                   hardware_flops_formula=hardware_flops[1] + " (per padded token)")
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if peak is not None:
+        metrics.update(mfu=round(metrics["model_flops_per_second"] / peak[0], 4),
+                       hfu=round(metrics["hardware_flops_per_second"] / peak[0], 4), mfu_peak_source=peak[1])
+    return metrics
+
+
 def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, precision: str, device,
                 model, eval_runtime: float, process_start: float | None) -> dict:
     """The ``metrics.json`` dict, the same for both engines.
@@ -66,8 +104,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
     input positions with padding, 0 where the engine cannot see its batches; ``step_loss_total`` over optimizer
     steps of each step's mean loss; ``train_runtime`` seconds, evaluation excluded). ``plan``: the
     ``steps.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
-    CUDA device with a known peak, ``mfu`` = 6 x ``num_parameters`` x input tokens/s / peak FLOP/s
-    (``finetune.flops``; the peak's source is recorded as ``mfu_peak_source``).
+    token counts, rates and FLOP/s as ``throughput`` gives them.
     """
     trainable_parameters, num_parameters = parameter_counts(model)
     effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
@@ -93,10 +130,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
         "device": device.type,
         "train_runtime": round(runtime, 3),
         "train_samples_per_second": _rate(state.samples_seen, runtime),
-        **({"train_tokens": state.tokens_seen, "train_tokens_per_second": _rate(state.tokens_seen, runtime)}
-           if state.tokens_seen else {}),
-        "train_input_tokens": state.input_tokens_seen,
-        "train_input_tokens_per_second": _rate(state.input_tokens_seen, runtime),
+        **throughput(state, runtime, model, config, device),
         **({"train_padding_fraction": round(1 - state.input_tokens_seen / state.padded_tokens_seen, 4)}
            if state.padded_tokens_seen else {}),
         "train_seconds_per_step": round(runtime / state.step, 4) if state.step else 0.0,
@@ -106,11 +140,6 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
     }
     if state.best_step is not None:
         metrics.update(best_step=state.best_step, best_metric=state.best_metric)
-    if device.type == "cuda" and runtime > 0:
-        mfu = model_flops_utilization(num_parameters, state.input_tokens_seen / runtime,
-                                      torch.cuda.get_device_name(device))
-        if mfu is not None:
-            metrics["mfu"], metrics["mfu_peak_source"] = round(mfu[0], 4), mfu[1]
     if process_start is not None:
         metrics["wall_time"] = round(time.time() - process_start, 3)
     return metrics

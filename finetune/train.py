@@ -297,7 +297,8 @@ class RunState:
         """Account for the optimizer step just taken (``Bookkeeping.record_step``), trackers and progress; then
         a signal, and the evaluation and checkpoint cadence."""
         accelerator, book = self.accelerator, self.book
-        self.budget.step(time.perf_counter() - self.step_mark)
+        seconds = time.perf_counter() - self.step_mark
+        self.budget.step(seconds)
         # One reduction per optimizer step: the window's loss, and whether any process was signalled (every
         # process must stop at the same step).
         loss_total, stop_votes = accelerator.reduce(
@@ -307,7 +308,8 @@ class RunState:
         self.progress.micro_batches_done += micro_batches
         record = book.record_step(loss=loss, samples=counts.samples, items=counts.items, micro_batches=micro_batches,
                                   learning_rate=learning_rate, grad_norm=grad_norm, loss_scale=loss_scale(accelerator),
-                                  skipped=skipped, input_tokens=counts.input_tokens, padded_tokens=counts.padded_tokens)
+                                  skipped=skipped, input_tokens=counts.input_tokens, padded_tokens=counts.padded_tokens,
+                                  seconds=seconds)
         step = self.progress.step
         self.progress_bar.update(1)
         if step % self.logging_steps == 0:

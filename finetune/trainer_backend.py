@@ -85,9 +85,10 @@ class FinetuneTrainer(Trainer):
     ``BookkeepingCallback.account`` (Trainer also gets its ``compute_loss_func``, so it neither divides by N nor
     skips averaging ``num_items_in_batch`` over devices)."""
 
-    def __init__(self, account, **kwargs):
+    def __init__(self, account, count_tokens, **kwargs):
         super().__init__(**kwargs)
-        self.account, self.micro_batch_loss = account, None  # set once the Trainer's accelerator exists
+        self.account, self.count_tokens = account, count_tokens
+        self.micro_batch_loss = None  # set once the Trainer's accelerator exists
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-batch's loss: ``micro_batch_loss(model, inputs, labels)`` / the window's items."""
@@ -96,6 +97,7 @@ class FinetuneTrainer(Trainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         loss = self.account(self.micro_batch_loss(model, inputs, labels), labels, num_items_in_batch)
+        self.count_tokens(inputs)
         if num_items_in_batch is not None and torch.is_grad_enabled():
             # num_items_in_batch counts every process's items and DDP averages the gradients over the processes:
             # undo the average, as Trainer.compute_loss does (transformers 5.23 trainer.py, "loss *= loss_scale");
@@ -114,6 +116,7 @@ class BookkeepingCallback(TrainerCallback):
         self.metric_specs, self.raw_validation = recipe.METRICS, raw_validation
         self.trainer = None  # set once the Trainer exists
         self.window_loss, self.window_items, self.window_samples, self.micro_batches = None, 0, 0, 0
+        self.window_tokens = None  # this process's (input, padded) tokens of the window: a tensor
         self.pending = None  # the step's counts, written in on_log with Trainer's learning rate and grad norm
         self.scale_before, self.step_skipped = None, False
         self.budget = SaveBudget(config.preemption_grace_seconds, book.say, active=book.writes)
@@ -124,6 +127,14 @@ class BookkeepingCallback(TrainerCallback):
         divided by the window's item count ``num_items_in_batch`` (all processes; Trainer counts it the same
         way), or by the batch's own items when there is no window."""
         return self.account(self.task.loss_sum(outputs.logits, labels), labels, num_items_in_batch)
+
+    def count_tokens(self, inputs) -> None:
+        """Add a training micro-batch's input tokens (attention mask 1) and input positions (with padding)."""
+        mask = inputs.get("attention_mask")
+        if mask is None or not torch.is_grad_enabled():
+            return
+        counts = torch.stack([mask.sum(), torch.tensor(mask.numel(), device=mask.device)])
+        self.window_tokens = counts if self.window_tokens is None else self.window_tokens + counts
 
     def account(self, loss_sum, labels, num_items_in_batch=None):
         """The loss Trainer back-propagates for a micro-batch whose summed loss is ``loss_sum``: divided by the
@@ -152,13 +163,18 @@ class BookkeepingCallback(TrainerCallback):
                 optimizer._is_overflow = True
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.budget.step(time.perf_counter() - self.mark)
+        seconds = time.perf_counter() - self.mark
+        self.budget.step(seconds)
         accelerator = self.trainer.accelerator
         loss = (accelerator.reduce(self.window_loss, "sum") / self.window_items).item()
-        samples = int(accelerator.reduce(torch.tensor(self.window_samples, device=accelerator.device), "sum").item())
+        tokens = self.window_tokens if self.window_tokens is not None else torch.zeros(2, device=accelerator.device)
+        samples, input_tokens, padded = (int(v) for v in accelerator.reduce(torch.cat([torch.tensor(
+            [self.window_samples], device=accelerator.device), tokens.to(accelerator.device)]), "sum").tolist())
         self.pending = dict(loss=loss, samples=samples, items=self.window_items, micro_batches=self.micro_batches,
-                            loss_scale=loss_scale(accelerator), skipped=self.step_skipped)
+                            loss_scale=loss_scale(accelerator), skipped=self.step_skipped, input_tokens=input_tokens,
+                            padded_tokens=padded, seconds=seconds)
         self.window_loss, self.window_samples, self.micro_batches, self.step_skipped = None, 0, 0, False
+        self.window_tokens = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -252,7 +268,16 @@ def _progress_from_log(path: Path, step: int, progress: ckpt.RunProgress, config
         if "loss" in record:
             progress.record_step(record["loss"], record.get("skipped", False))
             progress.samples_seen += record["samples"]
-            progress.tokens_seen += int(record.get("label_tokens", 0))
+            progress.tokens_seen += int(record.get("trained_tokens", record.get("label_tokens", 0)))  # the older name
+            progress.input_tokens_seen += int(record.get("input_tokens", 0))
+            progress.padded_tokens_seen += int(record.get("padded_tokens", 0))
+            if "step_seconds" in record and not record.get("warmup"):
+                progress.timed_steps += 1
+                progress.timed_seconds += record["step_seconds"]
+                progress.timed_samples += record["samples"]
+                progress.timed_padded_tokens += int(record.get("padded_tokens", 0))
+                progress.timed_input_tokens += int(record.get("input_tokens", 0))
+                progress.timed_trained_tokens += int(record.get("trained_tokens", 0))
         elif config.metric_for_best_model is not None:
             progress.step = record["step"]
             kept = progress.step > 0 and (config.save_strategy == "epoch" or
@@ -290,8 +315,9 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         _progress_from_log(Path(config.output_dir) / "log.jsonl", resume_step, progress, config,  # on every rank
                            book.save_steps)
     callback = BookkeepingCallback(config, recipe, task, book, raw_validation)
-    trainer = FinetuneTrainer(callback.account, model=model, args=args, train_dataset=datasets["train"],
-                              eval_dataset=datasets["validation"], data_collator=collator, processing_class=tokenizer,
+    trainer = FinetuneTrainer(callback.account, callback.count_tokens, model=model, args=args,
+                              train_dataset=datasets["train"], eval_dataset=datasets["validation"],
+                              data_collator=collator, processing_class=tokenizer,
                               compute_loss_func=callback.compute_loss, callbacks=[callback])
     callback.trainer = trainer
     trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
@@ -308,7 +334,6 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         start = time.perf_counter()
         trainer.train(resume_from_checkpoint=resume_from)
         progress.train_runtime = time.perf_counter() - start - book.eval_runtime
-        progress.input_tokens_seen = int(trainer.state.num_input_tokens_seen)
         metrics = run_metrics(config, progress, book.final_eval_results(), plan=plan, num_processes=processes,
                               precision=precision, device=trainer.accelerator.device, model=model,
                               eval_runtime=book.eval_runtime, process_start=process_start)

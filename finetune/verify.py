@@ -673,7 +673,7 @@ def _explain_auxiliary(report: dict, outcomes: list[Outcome]) -> None:
 def _window_items(outcome: Outcome) -> float:
     """Step 1's loss items over all processes (samples, or label tokens for causal LM), from the run's log."""
     records = _read_log(Path(outcome.output_dir))
-    return float(records[0].get("label_tokens", records[0]["samples"])) if records else 0.0
+    return float(records[0].get("trained_tokens", records[0]["samples"])) if records else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:

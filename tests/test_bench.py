@@ -149,7 +149,7 @@ def test_bench_precision_smoke(tmp_path):
         assert row["num_parameters"] > 100_000 and finite(row["tokens_per_second"]) and row["mfu"] is None
         assert finite(row["samples_per_second_vs_fp32"]) and row["samples_per_second_vs_fp32"] > 0
         assert row["model_flops_per_second"] == pytest.approx(6 * row["num_parameters"] * row["tokens_per_second"])
-    assert configs["bbc-news-clm fp32"]["tokens_per_second_how"].startswith("label tokens")
+    assert configs["bbc-news-clm fp32"]["tokens_per_second_how"].startswith("trained (label) tokens")
     assert configs["bbc-news fp32"]["tokens_per_second_how"].startswith("upper bound")
 
 

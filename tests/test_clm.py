@@ -82,9 +82,9 @@ def test_clm_accumulation_equals_large_batch(tmp_path, tiny_llama, clm_texts):
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     steps = train_steps(acc)
-    assert len(steps) == 6 and len({r["label_tokens"] for r in steps}) > 1
-    assert [r["label_tokens"] for r in steps] == [r["label_tokens"] for r in train_steps(big)]
-    assert acc_metrics["train_tokens"] == sum(r["label_tokens"] for r in steps)
+    assert len(steps) == 6 and len({r["trained_tokens"] for r in steps}) > 1
+    assert [r["trained_tokens"] for r in steps] == [r["trained_tokens"] for r in train_steps(big)]
+    assert acc_metrics["train_trained_tokens"] == sum(r["trained_tokens"] for r in steps)
     assert acc_metrics["eval_perplexity"] == pytest.approx(torch.tensor(acc_metrics["eval_loss"]).exp().item())
     evals = [r for r in (acc / "log.jsonl").read_text().splitlines() if "eval_perplexity" in r]
     assert len(evals) == 2  # before (eval_on_start) and after
@@ -99,14 +99,14 @@ def test_trainer_clm_losses_equal_accelerate(tmp_path, tiny_llama, clm_texts):
     assert len(a) == len(t) == 6 and t[-1]["micro_batches"] == 2
     for x, y in zip(a, t):
         assert abs(x["loss"] - y["loss"]) < 1e-4, (x, y)
-        assert x["label_tokens"] == y["label_tokens"]
+        assert x["trained_tokens"] == y["trained_tokens"]
 
 
 def test_block_size_groups_texts_into_equal_blocks(tmp_path, tiny_llama, clm_texts):
     metrics, out = run_in_process(tmp_path, "blocks", **_clm(tiny_llama, clm_texts, per_device_train_batch_size=2,
                                                              gradient_accumulation_steps=2, block_size=16))
     steps = train_steps(out)
-    assert all(r["label_tokens"] == r["samples"] * 15 for r in steps)  # every block: 16 tokens, 15 targets
+    assert all(r["trained_tokens"] == r["samples"] * 15 for r in steps)  # every block: 16 tokens, 15 targets
 
 
 def test_a_window_with_no_trained_token_is_a_clear_error():

@@ -56,7 +56,7 @@ def test_two_processes_causal_lm_uneven_tokens(tmp_path, tiny_llama, clm_texts, 
     _assert_same(two, one)
     steps_one, steps_two = train_steps(one), train_steps(two)
     assert len(steps_two) == 6 * int(order[1])
-    assert [r["label_tokens"] for r in steps_two] == [r["label_tokens"] for r in steps_one]
+    assert [r["trained_tokens"] for r in steps_two] == [r["trained_tokens"] for r in steps_one]
     assert [r["loss"] for r in steps_two] == pytest.approx([r["loss"] for r in steps_one], rel=1e-5)
     m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
     assert m2["eval_loss"] == pytest.approx(m1["eval_loss"], rel=1e-5)

@@ -65,7 +65,7 @@ def test_completion_only_accumulation_is_exact(tmp_path, chat_llama, sft_files):
     assert diff < 1e-5, diff
     steps_big, steps_small = train_steps(big), train_steps(small)
     assert [r["loss"] for r in steps_small] == pytest.approx([r["loss"] for r in steps_big], rel=1e-5)
-    assert [r["label_tokens"] for r in steps_small] == [r["label_tokens"] for r in steps_big]
+    assert [r["trained_tokens"] for r in steps_small] == [r["trained_tokens"] for r in steps_big]
 
     # the trained tokens are the completions' (+ one <|im_end|> each): count them with the tokenizer
     from transformers import AutoTokenizer
@@ -73,7 +73,7 @@ def test_completion_only_accumulation_is_exact(tmp_path, chat_llama, sft_files):
     tok = AutoTokenizer.from_pretrained(chat_llama)
     rows = [json.loads(line) for line in open(sft_files[0])]
     completion_tokens = sum(len(tok(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in rows)
-    assert sum(r["label_tokens"] for r in steps_big) == completion_tokens
+    assert sum(r["trained_tokens"] for r in steps_big) == completion_tokens
 
     # per-micro-batch means would weigh short completions more: the first window's mean of means differs
     from finetune.builders import build_datasets, get_task
@@ -123,7 +123,7 @@ def test_two_gloo_processes_equal_one(tmp_path, chat_llama, sft_files):
     a, b = load_params(one), load_params(tmp_path / "two")
     diff = torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a)) / torch.sqrt(sum((a[k] ** 2).sum() for k in a))
     assert diff < 1e-5, diff
-    assert [r["label_tokens"] for r in train_steps(tmp_path / "two")] == [r["label_tokens"] for r in train_steps(one)]
+    assert [r["trained_tokens"] for r in train_steps(tmp_path / "two")] == [r["trained_tokens"] for r in train_steps(one)]
     # each process generated its share of the 6 validation rows; gathered in row order, as one process has them
     generated = [(tmp_path / "two" / "generations.jsonl").read_text(), (one / "generations.jsonl").read_text()]
     assert generated[0] == generated[1] and len(generated[0].splitlines()) == 6

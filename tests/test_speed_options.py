@@ -69,12 +69,12 @@ def test_group_by_length_pads_less_and_trains_on_the_same_samples(tmp_path, tiny
     random_order, a = run_in_process(tmp_path, "random", **kw)
     grouped, b = run_in_process(tmp_path, "grouped", train_sampling_strategy="group_by_length", **kw)
     assert grouped["train_samples"] == random_order["train_samples"] == 320
-    assert grouped["train_tokens"] == random_order["train_tokens"] > 0
+    assert grouped["train_trained_tokens"] == random_order["train_trained_tokens"] > 0
     assert grouped["train_input_tokens"] == random_order["train_input_tokens"]
     assert random_order["train_padding_fraction"] > 0.3
     assert grouped["train_padding_fraction"] < random_order["train_padding_fraction"] / 3
     # within a window, micro-batches differ little in length: its steps' label tokens vary, the order does
-    assert [r["label_tokens"] for r in train_steps(b)] != [r["label_tokens"] for r in train_steps(a)]
+    assert [r["trained_tokens"] for r in train_steps(b)] != [r["trained_tokens"] for r in train_steps(a)]
     assert (b / "run_config.json").read_text().count('"group_by_length"') == 1
 
 
