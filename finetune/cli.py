@@ -5,6 +5,7 @@
     finetune predict --model DIR TEXT ...
     finetune compare --recipe NAME [training flags]
     finetune verify [accelerate launcher flags] --recipe NAME [training flags] [--verify_steps K]
+    finetune plan [accelerate launcher flags] --recipe NAME --total_batch_size B [training flags] [--time]
 
 Each subcommand hands its arguments to the module that owns it; imports are lazy so that ``finetune
 --help`` and ``finetune recipes`` start in well under a second, without importing torch's launcher.
@@ -27,6 +28,8 @@ commands:
   compare   run the accelerate and Trainer engines side by side: finetune compare --recipe NAME [flags]
   verify    prove that accumulation trains what the large batch trains, on this model, precision, engine and
             launch: finetune verify [launcher flags] --recipe NAME [flags] [--verify_steps K] (exit 0: exact)
+  plan      the batch planner's table without training: every exact plan of --total_batch_size under every
+            lever, its memory (weights, gradients, optimizer state, activations) and whether it fits; --time
 """
 
 
@@ -61,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.run import main as run_main  # lazy: `finetune --help` and `recipes` start without torch
 
         return run_main([*rest, "--compare", "True"])
+    if command == "plan":
+        if any(a in ("-h", "--help") for a in rest):
+            from finetune.plan import main as plan_main  # lazy: see the module docstring
+
+            return plan_main(["--help"])
+        from finetune.launch import PLAN_MODULE, train_command  # lazy: see the module docstring
+
+        return train_command(rest, module=PLAN_MODULE)
     if command == "verify":
         if any(a in ("-h", "--help") for a in rest):
             from finetune.verify import main as verify_main  # lazy: see the module docstring
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.launch import VERIFY_MODULE, train_command  # lazy: see the module docstring
 
         return train_command(rest, module=VERIFY_MODULE)
-    print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare, verify (finetune --help).",
+    print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare, verify, plan (finetune --help).",
           file=sys.stderr)
     return 2
 

@@ -23,6 +23,7 @@ from finetune.errors import FinetuneError
 
 TRAINING_MODULE = "finetune.run"
 VERIFY_MODULE = "finetune.verify"
+PLAN_MODULE = "finetune.plan"
 GRACE_FLAG = "--preemption_grace_seconds"
 # torch 2.13's elastic agent waits this long after passing SIGTERM on before it SIGKILLs its workers:
 # torch/distributed/launcher/api.py LaunchConfig.__post_init__ (lines 145-149) reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT

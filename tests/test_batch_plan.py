@@ -481,7 +481,7 @@ def test_a_resume_takes_the_recorded_plan_and_never_probes_again(tmp_path, tiny_
     def must_not_probe(*args, **kwargs):
         raise AssertionError("the planner probed again on resume")
 
-    monkeypatch.setattr(planner, "_probe_and_choose", must_not_probe)
+    monkeypatch.setattr(planner, "probe_and_choose", must_not_probe)
     resumed, _ = run_in_process(tmp_path, "run", resume_from_checkpoint="latest", **common)
     assert resumed["optimizer_steps"] == 4 and resumed["resumed_from"].endswith("step_00000002")
     assert json.loads((out / "run_config.json").read_text())["batch_plan"] == recorded

@@ -32,7 +32,7 @@ from finetune.distributed import agreed_max, all_reduce_max, process_state
 from finetune.planner.plans import BatchPlan, Lever, choose_plan, given_plan, plan_table
 from finetune.planner.probes import Probe, levers
 
-__all__ = ["BatchPlan", "plan_for"]
+__all__ = ["BatchPlan", "plan_for", "probe_and_choose"]
 
 
 def plan_for(config, recipe) -> BatchPlan | None:
@@ -55,7 +55,7 @@ def plan_for(config, recipe) -> BatchPlan | None:
                   "from its run_config.json: not planned again)")
         return recorded
     if config.auto_find_batch_size:
-        plan = _probe_and_choose(config, recipe, state)
+        plan = probe_and_choose(config, recipe, state)
     else:
         plan = given_plan(config.per_device_train_batch_size, config.total_batch_size, state.num_processes)
     if state.is_main_process:
@@ -78,7 +78,7 @@ def recorded_plan(config, num_processes: int) -> BatchPlan | None:
     return BatchPlan(**{**recorded, "lever": Lever(**lever) if lever else None})
 
 
-def _probe_and_choose(config, recipe, state) -> BatchPlan:
+def probe_and_choose(config, recipe, state) -> BatchPlan:
     """``--auto_find_batch_size``: ``choose_plan`` over one ``Probe`` per lever setting, each built on every
     rank (a build that fails on one rank fails on all) only once the previous one is freed; print the table."""
     started = time.perf_counter()
