@@ -32,12 +32,19 @@ def get_task(name: str):
 
 
 def build_datasets(recipe, config, tokenizer, task):
-    """Raw data (the recipe's, or ``--train_file``/``--validation_file``), subsampled to
-    ``max_train_samples``/``max_eval_samples`` (first N after the split), then tokenized.
+    """Raw data (``raw_datasets``) tokenized. ``task``: the recipe's task. Returns ``(tokenized DatasetDict,
+    label_names, raw validation split)``; the raw split is what generation evaluates (instruction tuning), the
+    tokenized one what the loss sees."""
+    raw = raw_datasets(recipe, config, task)
+    label_feature = raw["train"].features.get(LABEL_COLUMN)
+    label_names = label_feature.names if hasattr(label_feature, "names") else None
+    return task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS), label_names, raw["validation"]
 
-    ``task``: the recipe's task. Returns ``(tokenized DatasetDict, label_names, raw validation split)``; the
-    raw split is what generation evaluates (instruction tuning), the tokenized one what the loss sees.
-    """
+
+def raw_datasets(recipe, config, task):
+    """The run's raw ``train`` and ``validation`` splits (the recipe's, or ``--train_file``/
+    ``--validation_file``), subsampled to ``max_train_samples``/``max_eval_samples`` (first N after the split).
+    Raises the loaders' ``FinetuneError``s."""
     if config.train_file and task.name == "sft":
         raw = load_conversation_files(config.train_file, config.validation_file, config.cache_dir)
     elif config.train_file:
@@ -50,9 +57,7 @@ def build_datasets(recipe, config, tokenizer, task):
         raw["train"] = raw["train"].select(range(min(config.max_train_samples, len(raw["train"]))))
     if config.max_eval_samples is not None:
         raw["validation"] = raw["validation"].select(range(min(config.max_eval_samples, len(raw["validation"]))))
-    label_feature = raw["train"].features.get(LABEL_COLUMN)
-    label_names = label_feature.names if hasattr(label_feature, "names") else None
-    return task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS), label_names, raw["validation"]
+    return raw
 
 
 def batchnorm_warning(model, gradient_accumulation_steps: int) -> str | None:

@@ -6,6 +6,7 @@
     finetune compare --recipe NAME [training flags]
     finetune verify [accelerate launcher flags] --recipe NAME [training flags] [--verify_steps K]
     finetune plan [accelerate launcher flags] --recipe NAME --total_batch_size B [training flags] [--time]
+    finetune check-data --recipe NAME [data flags] [--samples K] [--accept_problems]
 
 Each subcommand hands its arguments to the module that owns it; imports are lazy so that ``finetune
 --help`` and ``finetune recipes`` start in well under a second, without importing torch's launcher.
@@ -30,6 +31,9 @@ commands:
             launch: finetune verify [launcher flags] --recipe NAME [flags] [--verify_steps K] (exit 0: exact)
   plan      the batch planner's table without training: every exact plan of --total_batch_size under every
             lever, its memory (weights, gradients, optimizer state, activations) and whether it fits; --time
+  check-data  the data as training sees it, without the model's weights: samples with the trained tokens
+            marked, lengths, truncation, padding, labels, and problems (leakage between the splits, empty
+            completions, an untrained end-of-turn token); exit 1 on a problem that makes the run wrong
 """
 
 
@@ -64,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.run import main as run_main  # lazy: `finetune --help` and `recipes` start without torch
 
         return run_main([*rest, "--compare", "True"])
+    if command == "check-data":
+        from finetune.check_data import main as check_data_main  # lazy: see the module docstring
+
+        return check_data_main(rest)
     if command == "plan":
         if any(a in ("-h", "--help") for a in rest):
             from finetune.plan import main as plan_main  # lazy: see the module docstring
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.launch import VERIFY_MODULE, train_command  # lazy: see the module docstring
 
         return train_command(rest, module=VERIFY_MODULE)
-    print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare, verify, plan (finetune --help).",
+    print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare, verify, plan, check-data (finetune --help).",
           file=sys.stderr)
     return 2
 
