@@ -14,7 +14,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import transformers
 from transformers import set_seed
 
-from finetune.data import LABEL_COLUMN, check_max_length, load_conversation_files, load_data_files, load_tokenizer
+from finetune.data import (LABEL_COLUMN, check_max_length, load_conversation_files, load_data_files, load_named_dataset,
+                           load_tokenizer)
 from finetune.errors import FinetuneError
 from finetune.lora import apply_lora
 from finetune.sft import SFT_TASK
@@ -42,10 +43,13 @@ def build_datasets(recipe, config, tokenizer, task):
 
 
 def raw_datasets(recipe, config, task):
-    """The run's raw ``train`` and ``validation`` splits (the recipe's, or ``--train_file``/
+    """The run's raw ``train`` and ``validation`` splits (the recipe's, ``--dataset_name``, or ``--train_file``/
     ``--validation_file``), subsampled to ``max_train_samples``/``max_eval_samples`` (first N after the split).
     Raises the loaders' ``FinetuneError``s."""
-    if config.train_file and task.name == "sft":
+    if config.dataset_name:
+        raw = load_named_dataset(config.dataset_name, config.dataset_config, config.dataset_train_split,
+                                 config.dataset_test_split, recipe.TEXT_COLUMNS, task.name, config.cache_dir)
+    elif config.train_file and task.name == "sft":
         raw = load_conversation_files(config.train_file, config.validation_file, config.cache_dir)
     elif config.train_file:
         needs_label = task.name == "sequence-classification"

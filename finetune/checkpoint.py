@@ -45,7 +45,7 @@ _LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")
 
 # Settings that change what one optimizer step means, or which samples it sees: resuming under a change
 # of any of them would not continue the same run.
-STEP_MEANING = ("recipe", "train_file", "max_train_samples", "max_length", "block_size", "model_name_or_path",
+STEP_MEANING = ("recipe", "train_file", "dataset_name", "dataset_config", "dataset_train_split", "max_train_samples", "max_length", "block_size", "model_name_or_path",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "train_sampling_strategy",
                 "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 

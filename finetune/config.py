@@ -72,6 +72,16 @@ class TrainConfig:
     validation_file: str | None = field(
         default=None, metadata={"help": "Your own validation data (same format). Default: 20%% split of train_file."}
     )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A dataset by name (TRL's flag): a folder written by save_to_disk, a folder of "
+                                        "data files, or a Hub name (needs the Hub)."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "The --dataset_name configuration (subset)."})
+    dataset_train_split: str = field(default="train", metadata={"help": "The --dataset_name split to train on."})
+    dataset_test_split: str = field(
+        default="test", metadata={"help": "The --dataset_name split to validate on; without it 20%% of the train "
+                                          "split is held out."}
+    )
     per_device_train_batch_size: int = field(
         default=8, metadata={"help": "Micro-batch size in samples, per process, per forward/backward."}
     )
@@ -411,6 +421,8 @@ class TrainConfig:
             raise FinetuneError("--merge_adapter needs --use_peft (there is no adapter to merge otherwise).")
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
+        if self.dataset_name and self.train_file:
+            raise FinetuneError("--dataset_name and --train_file both name the training data: pass one of them.")
         object.__setattr__(self, "_read_only", True)  # not a field: copies (dataclasses.replace) start writable
 
     def to_dict(self) -> dict:

@@ -168,7 +168,8 @@ def _read_data_file(path_str: str, flag: str, text_columns, cache_dir, with_labe
 HOLDOUT_FRACTION = 0.2  # of --train_file held out for validation when no --validation_file is given
 
 
-def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | None = None) -> None:
+def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | None = None,
+                   what: str = "--train_file") -> None:
     """Raise ``FinetuneError`` (naming the file, the short labels and the fix) unless ``HOLDOUT_FRACTION`` of
     ``n_rows`` can be held out with rows left; stratified (``label_counts``): every label 2+ rows and n >= 5k - 4
     for k labels, what ``Dataset.train_test_split`` needs (see docs/design-notes.md#data)."""
@@ -177,7 +178,7 @@ def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | 
     if label_counts is None:
         if n_rows - n_test < 1:
             raise FinetuneError(
-                f"--train_file {train_file!r} is too small to hold out 20% for validation (no --validation_file): "
+                f"{what} {train_file!r} is too small to hold out 20% for validation (no --validation_file): "
                 f"it has {n_rows} row(s) and needs at least 2. {fix}"
             )
         return
@@ -196,7 +197,7 @@ def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | 
                         f"{n_train} to train on, too few to hold one of each of its {k} labels on both sides "
                         f"(that needs at least {min_rows} rows)")
     raise FinetuneError(
-        f"--train_file {train_file!r} is too small to hold out a stratified 20% for validation "
+        f"{what} {train_file!r} is too small to hold out a stratified 20% for validation "
         f"(no --validation_file): {'; '.join(problems)}. {fix}"
     )
 
@@ -243,6 +244,84 @@ def load_data_files(train_file: str, validation_file: str | None, text_columns, 
     _check_holdout(train_file, len(train), label_counts={name: counts[i] for i, name in enumerate(names)})
     split = train.train_test_split(test_size=HOLDOUT_FRACTION, stratify_by_column=LABEL_COLUMN, seed=42)
     return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+def _class_labels(ds, where: str):
+    """``ds`` with its ``label`` column as a ``ClassLabel``: kept where it is one; else the sorted distinct
+    values (integers in numeric order) become the names. Raises ``FinetuneError`` for fewer than 2 labels."""
+    if isinstance(ds.features.get(LABEL_COLUMN), datasets.ClassLabel):
+        return ds
+    distinct = {str(x) for x in ds[LABEL_COLUMN]}
+    names = sorted(distinct, key=int) if all(x.lstrip("-").isdigit() for x in distinct) else sorted(distinct)
+    if len(names) < 2:
+        raise FinetuneError(f"{where} has only one label ({names[0]!r}); classification needs 2+.")
+    return ds.cast_column(LABEL_COLUMN, datasets.Value("string")).cast_column(
+        LABEL_COLUMN, datasets.ClassLabel(names=names))
+
+
+def load_named_dataset(name: str, config_name: str | None, train_split: str, test_split: str, text_columns,
+                       task_name: str, cache_dir=None):
+    """``--dataset_name`` (TRL's flags): a ``save_to_disk`` folder (``dataset_dict.json``/``state.json``) through
+    ``datasets.load_from_disk``, else ``datasets.load_dataset`` (a local data folder, or a Hub name, which needs
+    the Hub). Returns a DatasetDict (``train``, ``validation``) as ``load_data_files`` does: classification gets a
+    ``ClassLabel`` ``label`` (a ClassLabel's names kept), SFT keeps its prompt/completion or messages; without
+    ``test_split``, 20% of the train split is held out (stratified for classification, seed 42). Raises
+    ``FinetuneError`` for a missing split or column (listing what the dataset has) or an unreadable dataset, and
+    ``HubUnreachableError`` offline for a Hub name."""
+    path = Path(name)
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            if not path.exists():
+                require_hub(f"--dataset_name {name}", "pass a local folder as --dataset_name (one written by "
+                            "Dataset.save_to_disk, or a folder of data files), or --train_file")
+            loaded = datasets.load_dataset(name, config_name, cache_dir=cache_dir)
+    except FinetuneError:
+        raise
+    except Exception as err:  # the datasets library raises many types for unreadable data
+        raise FinetuneError(f"--dataset_name {name} could not be loaded: {err}") from None
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({train_split: loaded})
+    if train_split not in loaded:
+        raise FinetuneError(f"--dataset_name {name} has no split {train_split!r} (it has {', '.join(loaded)}). "
+                            "Pass --dataset_train_split.")
+    where = f"--dataset_name {name} (split {train_split!r})"
+    train = loaded[train_split]
+    if task_name == "sft":
+        if not ({"prompt", "completion"} <= set(train.column_names) or "messages" in train.column_names):
+            raise FinetuneError(f"{where} has columns {', '.join(train.column_names)}; instruction data needs "
+                                "prompt + completion, or messages (TRL's dataset formats).")
+        needed = None
+    else:
+        needed = [*text_columns, *([LABEL_COLUMN] if task_name == "sequence-classification" else [])]
+        missing = [c for c in needed if c not in train.column_names]
+        if missing:
+            raise FinetuneError(f"{where} lacks column(s) {', '.join(missing)} (it has {', '.join(train.column_names)})."
+                                f" This recipe needs {', '.join(needed)}.")
+    splits = {"train": train, "validation": loaded.get(test_split)}
+    for key, ds in splits.items():
+        if ds is not None and needed:
+            splits[key] = ds.select_columns(needed)
+    if task_name == "sequence-classification":
+        splits["train"] = _class_labels(splits["train"], where)
+        if splits["validation"] is not None:
+            names = splits["train"].features[LABEL_COLUMN].names
+            validation = splits["validation"]
+            if not isinstance(validation.features[LABEL_COLUMN], datasets.ClassLabel):
+                validation = validation.cast_column(LABEL_COLUMN, datasets.Value("string")).cast_column(
+                    LABEL_COLUMN, datasets.ClassLabel(names=names))
+            splits["validation"] = validation
+    if splits["validation"] is None:
+        stratify = task_name == "sequence-classification"
+        counts = Counter(splits["train"][LABEL_COLUMN]) if stratify else None
+        label_counts = ({n: counts[i] for i, n in enumerate(splits["train"].features[LABEL_COLUMN].names)}
+                        if stratify else None)
+        _check_holdout(name, len(splits["train"]), label_counts, what="--dataset_name")
+        held = splits["train"].train_test_split(test_size=HOLDOUT_FRACTION, seed=42,
+                                                **({"stratify_by_column": LABEL_COLUMN} if stratify else {}))
+        splits = {"train": held["train"], "validation": held["test"]}
+    return datasets.DatasetDict(splits)
 
 
 # --------------------------------------------------------------------------------------- tokenization
