@@ -18,7 +18,7 @@ from finetune.data import (LABEL_COLUMN, check_max_length, load_conversation_fil
                            load_tokenizer)
 from finetune.errors import FinetuneError
 from finetune.lora import apply_lora
-from finetune.sft import SFT_TASK
+from finetune.sft import SFT_TASK, check_conversation_rows
 from finetune.tasks import CausalLM, SequenceClassification
 
 # A recipe's TASK -> the task object (finetune.tasks, finetune.sft)
@@ -42,9 +42,10 @@ def build_datasets(recipe, config, tokenizer, task):
     return task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS), label_names, raw["validation"]
 
 
-def raw_datasets(recipe, config, task):
+def raw_datasets(recipe, config, task, check: bool = True):
     """The run's raw ``train`` and ``validation`` splits (the recipe's, ``--dataset_name``, or ``--train_file``/
     ``--validation_file``), subsampled to ``max_train_samples``/``max_eval_samples`` (first N after the split).
+    Instruction rows are checked where they came from (``check``; ``finetune check-data`` reports them instead).
     Raises the loaders' ``FinetuneError``s."""
     if config.dataset_name:
         raw = load_named_dataset(config.dataset_name, config.dataset_config, config.dataset_train_split,
@@ -57,6 +58,9 @@ def raw_datasets(recipe, config, task):
                               with_labels=needs_label)
     else:
         raw = recipe.load_raw_datasets(config)
+    if task.name == "sft" and check:
+        for split in raw.values():
+            check_conversation_rows(split)
     if config.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(config.max_train_samples, len(raw["train"]))))
     if config.max_eval_samples is not None:

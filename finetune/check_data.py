@@ -29,7 +29,7 @@ from finetune.data import load_tokenizer
 from finetune.errors import FinetuneError
 from finetune.recipes import load_recipe
 from finetune.sampling import EpochSeededLengthGroupedSampler
-from finetune.sft import require_chat_template
+from finetune.sft import check_conversation_rows, require_chat_template
 
 IGNORE_INDEX = -100
 FATAL = ("between the splits", "empty completion", "nothing trained", "end-of-turn token not trained")
@@ -139,12 +139,13 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]
     tokenizer = load_tokenizer(config.model_name_or_path)
     if task.name == "sft":
         require_chat_template(tokenizer)
-    raw = raw_datasets(recipe, config, task)
+    raw = raw_datasets(recipe, config, task, check=False)
     empty = {}
     if task.name == "sft":  # found and set aside: the encoder refuses them, and the rest is still worth a look
         for split in ("train", "validation"):
             empty[split] = [i for i, r in enumerate(raw[split]) if empty_completion(r)]
             raw[split] = raw[split].filter(lambda r: not empty_completion(r))
+            check_conversation_rows(raw[split])  # anything else wrong with a row: its file and line
     try:
         tokenized = task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS)
     except FinetuneError as err:

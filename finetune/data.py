@@ -16,6 +16,7 @@ from finetune.errors import FinetuneError, HubUnreachableError
 from finetune.gguf_model import load_gguf_causal_lm, load_gguf_tokenizer
 
 LABEL_COLUMN = "label"
+ROW_COLUMN = "__row__"  # where a raw row came from ("train.csv line 7"): errors about a row name it
 
 
 # --------------------------------------------------------------------------------------- the hub
@@ -128,6 +129,31 @@ def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: 
 
 
 # --------------------------------------------------------------------------------------- data files
+def row_names(path: Path, flag: str, n: int) -> list[str]:
+    """Where each of a data file's ``n`` rows is, for error messages: a CSV's line (its header is line 1), a JSON
+    lines file's line (blank lines skipped, as the reader does), else the record's number (a JSON array)."""
+    if path.suffix.lower() == ".csv":
+        return [f"{flag} {str(path)!r} line {i + 2}" for i in range(n)]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [k for k, line in enumerate(f, 1) if line.strip()]
+    if len(lines) == n and not (lines and path.read_text(errors="replace").lstrip().startswith("[")):
+        return [f"{flag} {str(path)!r} line {k}" for k in lines]
+    return [f"{flag} {str(path)!r} record {i + 1}" for i in range(n)]
+
+
+def check_rows(ds, names: list[str], text_columns, with_labels: bool) -> None:
+    """Raise ``FinetuneError`` naming the first row (``names``) whose text column is empty or whose label is
+    missing, and what is wrong with it."""
+    for column in text_columns:
+        for i, text in enumerate(ds[column]):
+            if text is None or not str(text).strip():
+                raise FinetuneError(f"{names[i]}: the {column!r} column is empty. Fill it in or drop the row.")
+    if with_labels:
+        for i, label in enumerate(ds[LABEL_COLUMN]):
+            if label is None or not str(label).strip():
+                raise FinetuneError(f"{names[i]}: the label is empty. Fill it in or drop the row.")
+
+
 def _read_data_file(path_str: str, flag: str, text_columns, cache_dir, with_labels: bool = True):
     needed = (*text_columns, LABEL_COLUMN) if with_labels else tuple(text_columns)
 
@@ -155,14 +181,9 @@ def _read_data_file(path_str: str, flag: str, text_columns, cache_dir, with_labe
         )
     if len(ds) == 0:
         raise FinetuneError(f"{flag} {path_str!r} has no rows.")
-    for column in text_columns:
-        empty = [i for i, t in enumerate(ds[column]) if t is None or not str(t).strip()]
-        if empty:
-            raise FinetuneError(
-                f"{flag} {path_str!r}: column {column!r} is empty in {len(empty)} row(s) (first: data row {empty[0] + 1}). "
-                "Remove or fill those rows."
-            )
-    return ds.select_columns(list(needed))
+    names = row_names(path, flag, len(ds))
+    check_rows(ds, names, text_columns, with_labels)
+    return ds.select_columns(list(needed)).add_column(ROW_COLUMN, names)
 
 
 HOLDOUT_FRACTION = 0.2  # of --train_file held out for validation when no --validation_file is given
@@ -222,14 +243,16 @@ def load_data_files(train_file: str, validation_file: str | None, text_columns, 
     names = sorted(distinct, key=int) if numeric else sorted(distinct)
     if len(names) < 2:
         raise FinetuneError(f"--train_file {train_file!r} has only one label ({names[0]!r}); classification needs 2+.")
-    features = datasets.Features({**{c: datasets.Value("string") for c in text_columns}, LABEL_COLUMN: datasets.ClassLabel(names=names)})
+    features = datasets.Features({**{c: datasets.Value("string") for c in text_columns},
+                                  LABEL_COLUMN: datasets.ClassLabel(names=names), ROW_COLUMN: datasets.Value("string")})
 
     def to_class(ds, flag, path):
-        unknown = sorted({str(x) for x in ds[LABEL_COLUMN]} - set(names))
+        unknown = [i for i, x in enumerate(ds[LABEL_COLUMN]) if str(x) not in names]
         if unknown:
             raise FinetuneError(
-                f"{flag} {path!r} has label(s) {', '.join(map(repr, unknown[:5]))} that --train_file never shows "
-                f"(known: {', '.join(names)}). Fix the labels or add examples of them to the training data."
+                f"{ds[ROW_COLUMN][unknown[0]]}: the label {str(ds[LABEL_COLUMN][unknown[0]])!r} never appears in "
+                f"--train_file (known: {', '.join(names)}); {len(unknown)} such row(s). Fix the labels or add examples "
+                "of them to the training data."
             )
         return ds.map(lambda b: {LABEL_COLUMN: [names.index(str(x)) for x in b[LABEL_COLUMN]],
                                  **{c: [str(t) for t in b[c]] for c in text_columns}},
@@ -300,9 +323,15 @@ def load_named_dataset(name: str, config_name: str | None, train_split: str, tes
             raise FinetuneError(f"{where} lacks column(s) {', '.join(missing)} (it has {', '.join(train.column_names)})."
                                 f" This recipe needs {', '.join(needed)}.")
     splits = {"train": train, "validation": loaded.get(test_split)}
-    for key, ds in splits.items():
-        if ds is not None and needed:
-            splits[key] = ds.select_columns(needed)
+    for key, split in (("train", train_split), ("validation", test_split)):
+        ds = splits[key]
+        if ds is None:
+            continue
+        names = [f"--dataset_name {name} split {split!r} row {i}" for i in range(len(ds))]
+        if needed:
+            ds = ds.select_columns(needed)
+            check_rows(ds, names, text_columns, task_name == "sequence-classification")
+        splits[key] = ds.add_column(ROW_COLUMN, names)
     if task_name == "sequence-classification":
         splits["train"] = _class_labels(splits["train"], where)
         if splits["validation"] is not None:
@@ -389,7 +418,7 @@ def load_conversation_files(train_file: str, validation_file: str | None, cache_
         if not ({"prompt", "completion"} <= set(ds.column_names) or "messages" in ds.column_names):
             raise FinetuneError(f"{flag} {path_str!r} has columns {', '.join(ds.column_names)}; instruction data "
                                 "needs prompt + completion, or messages (TRL's dataset formats).")
-        return ds
+        return ds.add_column(ROW_COLUMN, row_names(path, flag, len(ds)))
 
     train = read(train_file, "--train_file")
     if validation_file:

@@ -13,6 +13,7 @@ import datasets
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from finetune.data import ROW_COLUMN
 from finetune.errors import FinetuneError
 from finetune.metrics import load_metric
 from finetune.tasks import IGNORE_INDEX, CausalLM
@@ -78,6 +79,15 @@ def row_format(row: dict, row_name: str = "row") -> str:
         return "prompt-completion"
     raise FinetuneError(f"{row_name}: has neither 'prompt' + 'completion' nor 'messages' (keys: {sorted(row)}); "
                         "see https://huggingface.co/docs/trl/dataset_formats.")
+
+
+def check_conversation_rows(ds) -> None:
+    """Check every raw row of an instruction dataset (``row_to_conversation``) where it came from, before any
+    split or shuffle: a ``FinetuneError`` names the row's file and line (``data.ROW_COLUMN``) or its index."""
+    keys = [c for c in ("prompt", "completion", "messages") if c in ds.column_names]
+    names = ds[ROW_COLUMN] if ROW_COLUMN in ds.column_names else [f"row {i}" for i in range(len(ds))]
+    for i, row in enumerate(ds.select_columns(keys)):
+        row_to_conversation({k: v for k, v in row.items() if v is not None}, names[i])
 
 
 def row_to_conversation(row: dict, row_name: str = "row") -> tuple[list[dict], list[int]]:
@@ -290,7 +300,8 @@ def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering co
         out = {"input_ids": [], "labels": []}
         for offset, index in enumerate(indices):
             row = {c: batch[c][offset] for c in columns if c in ("prompt", "completion", "messages")}
-            encoded = encode_row(tokenizer, row, max_length, f"row {index}")
+            name = batch[ROW_COLUMN][offset] if ROW_COLUMN in columns else f"row {index}"
+            encoded = encode_row(tokenizer, row, max_length, name)
             out["input_ids"].append(encoded["input_ids"])
             out["labels"].append(encoded["labels"])
         return out
