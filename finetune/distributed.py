@@ -56,6 +56,16 @@ def reset_state() -> None:
     PartialState._reset_state()
 
 
+def leave() -> None:
+    """End this process's part in a process group it started without training (a finished run): a barrier, then
+    ``destroy_process_group``, so no process exits while a peer still talks to it (gloo aborted one with
+    "terminate called without an active exception", and torchrun's agents then waited at their exit barrier).
+    Nothing without a process group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def distributed_state():
     """``process_state()`` when the launcher started several processes, or None for a single process,
     where there is nothing to agree on."""

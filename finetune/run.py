@@ -88,11 +88,15 @@ def run(config) -> dict | None:
         distributed.process_state(timeout_seconds=config.ddp_timeout)
     # the same outcome on every process: on machines of their own, one output dir can fail alone
     distributed.agree(lambda: check_output_dir(config))
-    if config.resume_from_checkpoint == "auto" and (finished := finished_metrics(config.output_dir)) is not None:
-        if distributed.world_size() <= 1 or distributed.process_state().is_main_process:
-            print(f"--resume_from_checkpoint auto: {config.output_dir} holds a finished run (metrics.json); "
-                  "nothing to do.")
-        return finished
+    if config.resume_from_checkpoint == "auto":
+        finished = finished_metrics(config.output_dir)
+        # every process agrees (on machines of their own, each has its own copy), then all leave together
+        if not distributed.all_reduce_max(distributed.distributed_state())(float(finished is None)):
+            if distributed.world_size() <= 1 or distributed.process_state().is_main_process:
+                print(f"--resume_from_checkpoint auto: {config.output_dir} holds a finished run (metrics.json); "
+                      "nothing to do.")
+            distributed.leave()
+            return finished
     use_available_cpu_cores()
     plan = plan_for(config, recipe)
     if plan is not None:
