@@ -99,6 +99,7 @@ def render(tokenizer, ids: list[int], trained: list[bool] | None, colour: bool) 
 
 
 def percentiles(values: list[int]) -> str:
+    """"min, p50, p90, p99, max" of ``values`` (nearest rank), or "-" for none."""
     if not values:
         return "-"
     ordered = sorted(values)

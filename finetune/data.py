@@ -296,6 +296,9 @@ def load_named_dataset(name: str, config_name: str | None, train_split: str, tes
         if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
             loaded = datasets.load_from_disk(str(path))
         else:
+            if not path.exists() and name.startswith((".", "/", "~")):
+                raise FinetuneError(f"--dataset_name {name}: no such folder. Pass a folder written by "
+                                    "Dataset.save_to_disk, a folder of data files, or a Hub dataset name.")
             if not path.exists():
                 require_hub(f"--dataset_name {name}", "pass a local folder as --dataset_name (one written by "
                             "Dataset.save_to_disk, or a folder of data files), or --train_file")
