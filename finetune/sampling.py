@@ -33,3 +33,32 @@ def iter_windows(dataloader, gradient_accumulation_steps: int):
             window = []
     if window:
         yield window
+
+
+def repeated_rows(local_micro_batch: int, micro_batch: int, num_processes: int, process_index: int,
+                  dataset_length: int) -> int:
+    """How many trailing rows of this process's ``local_micro_batch``-th micro-batch of an epoch (0-based) are
+    repeats: on several processes Accelerate's sharded sampler (``even_batches``) completes the epoch's last
+    micro-batches with samples from its start (accelerate 1.15 ``data_loader.py`` ``BatchSamplerShard.
+    _iter_with_no_split``: global micro-batch i goes to process i mod P, and the order is continued from its
+    beginning until every process has a full micro-batch). Those rows are the global positions past
+    ``dataset_length`` (samples); they must not be trained or counted, or the last window would hold other samples
+    than B x 1 gives. 0 on one process (the last micro-batch is short instead)."""
+    if num_processes <= 1:
+        return 0
+    start = (local_micro_batch * num_processes + process_index) * micro_batch
+    return micro_batch - max(0, min(micro_batch, dataset_length - start))
+
+
+def mask_repeats(batches, first_micro_batch: int, micro_batch: int, num_processes: int, process_index: int,
+                 dataset_length: int, ignore_index: int):
+    """``batches`` (an epoch's micro-batches from number ``first_micro_batch`` on) with each repeated row
+    (``repeated_rows``) given ``ignore_index`` labels, so it adds no loss, gradient or item; the rows are kept
+    (every process runs the same number of forward and backward passes)."""
+    for index, batch in enumerate(batches, start=first_micro_batch):
+        repeats = repeated_rows(index, micro_batch, num_processes, process_index, dataset_length)
+        if repeats:
+            labels = batch["labels"].clone()
+            labels[labels.shape[0] - repeats:] = ignore_index
+            batch = {**batch, "labels": labels}
+        yield batch

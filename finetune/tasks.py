@@ -33,12 +33,14 @@ class SequenceClassification:
         return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
-        """Items in a micro-batch: its samples. ``labels``: (batch,). Returns a 0-d int tensor."""
-        return torch.tensor(labels.shape[0], device=labels.device)
+        """Items in a micro-batch: its samples, less those labelled ``IGNORE_INDEX`` (rows that repeat a sample
+        at an epoch's end: ``sampling.mask_repeats``). ``labels``: (batch,). Returns a 0-d int tensor."""
+        return (labels != IGNORE_INDEX).sum()
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy (fp32). ``logits``: (batch, num_labels); ``labels``: (batch,)."""
-        return F.cross_entropy(logits.float(), labels, reduction="sum")
+        """Summed cross-entropy (fp32), ``IGNORE_INDEX`` rows skipped. ``logits``: (batch, num_labels);
+        ``labels``: (batch,)."""
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def eval_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per-sample tensors to gather: (loss (batch,), prediction (batch,), label (batch,))."""

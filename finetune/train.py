@@ -29,9 +29,9 @@ from finetune.signals import GracefulStop
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
 from finetune.reporting import run_banner, run_metrics, write_outputs
-from finetune.sampling import EpochSeededLengthGroupedSampler, iter_windows
+from finetune.sampling import EpochSeededLengthGroupedSampler, iter_windows, mask_repeats, repeated_rows
 from finetune.steps import StepPlan
-from finetune.tasks import CausalLM
+from finetune.tasks import IGNORE_INDEX, CausalLM
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -108,12 +108,14 @@ class WindowCounts:
     padded_tokens: int
 
 
-def count_window(window: list[dict], task, accelerator) -> WindowCounts:
+def count_window(window: list[dict], task, accelerator, repeats: int = 0) -> WindowCounts:
     """The window's ``WindowCounts`` over all processes, known before any backward: one all-reduce (a
-    sync point) per window. Raises ``FinetuneError`` (on every process alike) for a window with no item."""
+    sync point) per window. ``repeats``: this process's rows that repeat samples at the epoch's end
+    (``sampling.repeated_rows``), not counted. Raises ``FinetuneError`` (on every process alike) for a window
+    with no item."""
     device = accelerator.device
     local = torch.stack([sum(task.count(b["labels"]) for b in window),
-                         torch.tensor(sum(b["labels"].shape[0] for b in window), device=device),
+                         torch.tensor(sum(b["labels"].shape[0] for b in window) - repeats, device=device),
                          sum(b["attention_mask"].sum() for b in window),
                          torch.tensor(sum(b["attention_mask"].numel() for b in window), device=device)])
     items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
@@ -141,7 +143,7 @@ def train(config, recipe, process_start: float | None = None, build=None) -> dic
         model.train()
         while not run.done:
             for window in iter_windows(run.epoch_batches(), N):
-                counts = count_window(window, task, accelerator)
+                counts = count_window(window, task, accelerator, run.repeats(len(window)))
                 # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
                 # also for a short last window (it syncs when its counter reaches a multiple of N).
                 accelerator.step = N - len(window)
@@ -274,9 +276,19 @@ class RunState:
         already trained on."""
         dataloader = self.built.train_dataloader
         dataloader.set_epoch(self.progress.epoch)  # the order depends on the seed and the epoch only
-        if self.progress.micro_batches_done:
-            return self.accelerator.skip_first_batches(dataloader, self.progress.micro_batches_done)
-        return dataloader
+        done = self.progress.micro_batches_done
+        batches = self.accelerator.skip_first_batches(dataloader, done) if done else dataloader
+        # on several processes the epoch's last micro-batches are completed with repeated samples: masked
+        return mask_repeats(batches, done, self.config.per_device_train_batch_size, self.accelerator.num_processes,
+                            self.accelerator.process_index, len(dataloader.dataset), IGNORE_INDEX)
+
+    def repeats(self, micro_batches: int) -> int:
+        """This process's repeated rows (``sampling.repeated_rows``) in the window of ``micro_batches``
+        micro-batches that starts at the epoch's ``micro_batches_done``."""
+        first, accelerator = self.progress.micro_batches_done, self.accelerator
+        return sum(repeated_rows(first + k, self.config.per_device_train_batch_size, accelerator.num_processes,
+                                 accelerator.process_index, len(self.built.train_dataloader.dataset))
+                   for k in range(micro_batches))
 
     def check_finite(self, grad_norm, micro_batches: int) -> None:
         """Raise ``NumericalError`` for a non-finite gradient norm (fp32/bf16: it must not reach the weights;
