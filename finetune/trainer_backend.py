@@ -25,8 +25,9 @@ from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
 from finetune.preemption import SaveBudget
 from finetune.reporting import run_banner, run_metrics, write_outputs
+from finetune.sampling import mask_repeats, repeated_rows
 from finetune.steps import micro_batches_per_process, plan_steps
-from finetune.tasks import CausalLM
+from finetune.tasks import IGNORE_INDEX, CausalLM
 
 STEP_MEANING_FILE = "finetune_step_meaning.json"  # in each Trainer checkpoint
 
@@ -85,10 +86,37 @@ class FinetuneTrainer(Trainer):
     ``BookkeepingCallback.account`` (Trainer also gets its ``compute_loss_func``, so it neither divides by N nor
     skips averaging ``num_items_in_batch`` over devices)."""
 
-    def __init__(self, account, count_tokens, **kwargs):
+    def __init__(self, account, count_tokens, task, steps_per_epoch: int, begin_window, **kwargs):
         super().__init__(**kwargs)
-        self.account, self.count_tokens = account, count_tokens
+        self.account, self.count_tokens, self.task = account, count_tokens, task
+        self.steps_per_epoch, self.begin_window = steps_per_epoch, begin_window
         self.micro_batch_loss = None  # set once the Trainer's accelerator exists
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The window's micro-batches and their items, as the accelerate backend counts them: rows that repeat
+        samples at the epoch's end (``sampling.mask_repeats``) get ``IGNORE_INDEX`` labels, and the items are
+        the task's own count (``task.count``: a classifier's samples, a causal LM's shifted label tokens) summed
+        over the window and every process. Trainer's own count (transformers 5.24 ``trainer.py``
+        ``_get_num_items_in_batch``) counts every row, and shifts labels only for classes whose name its
+        ``loss_type`` regex knows (``GPT2LMHeadModel`` is not one of them)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        first = (self.state.global_step % self.steps_per_epoch) * self.args.gradient_accumulation_steps
+        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        masked = list(mask_repeats(batches, first, self.args.per_device_train_batch_size, processes, rank,
+                                   len(self.train_dataset), IGNORE_INDEX))
+        self.begin_window(sum(repeated_rows(first + k, self.args.per_device_train_batch_size, processes, rank,
+                                            len(self.train_dataset)) for k in range(len(masked))))
+        if not masked:
+            return masked, None
+        items = sum(self.task.count(b["labels"]) for b in masked).to(device)
+        if processes > 1:  # average_tokens_across_devices: every process's items
+            items = self.accelerator.reduce(items, "sum")
+        return masked, items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-batch's loss: ``micro_batch_loss(model, inputs, labels)`` / the window's items."""
@@ -145,9 +173,13 @@ class BookkeepingCallback(TrainerCallback):
             raise empty_window_error(labels.shape[0])
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
         self.window_items = int(num_items_in_batch)
-        self.window_samples += labels.shape[0]
+        self.window_samples += labels.shape[0]  # begin_window took off this window's repeated rows
         self.micro_batches += 1
         return loss_sum / num_items_in_batch
+
+    def begin_window(self, repeats: int) -> None:
+        """A window begins: its ``repeats`` rows (``sampling.repeated_rows``) are not counted as samples."""
+        self.window_samples = -repeats
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.scale_before = loss_scale(self.trainer.accelerator)
@@ -286,10 +318,11 @@ def _progress_from_log(path: Path, step: int, progress: ckpt.RunProgress, config
     progress.step = step
 
 
-def train(config, recipe, process_start: float | None = None) -> dict:
+def train(config, recipe, process_start: float | None = None, observe=None) -> dict:
     """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate engine
     (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``, model card); return the metrics.
-    Units as in ``finetune.train.train``."""
+    Units as in ``finetune.train.train``. ``observe(trainer)``: called once the Trainer is built, before it
+    trains (``finetune.verify`` reads its gradients and final weights)."""
     args = training_arguments(config)
     layout = distributed.plan_storage(args.distributed_state, config.output_dir)
     args.save_on_each_node = layout.per_machine  # each machine's local main process keeps its own copy
@@ -315,12 +348,15 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         _progress_from_log(Path(config.output_dir) / "log.jsonl", resume_step, progress, config,  # on every rank
                            book.save_steps)
     callback = BookkeepingCallback(config, recipe, task, book, raw_validation)
-    trainer = FinetuneTrainer(callback.account, callback.count_tokens, model=model, args=args,
+    trainer = FinetuneTrainer(callback.account, callback.count_tokens, task, plan.steps_per_epoch, callback.begin_window,
+                              model=model, args=args,
                               train_dataset=datasets["train"], eval_dataset=datasets["validation"],
                               data_collator=collator, processing_class=tokenizer,
                               compute_loss_func=callback.compute_loss, callbacks=[callback])
     callback.trainer = trainer
     trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
+    if observe is not None:
+        observe(trainer)
     # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets
     # state.best_model_checkpoint, from which Trainer loads the best model at the end.
     trainer.args.load_best_model_at_end = config.load_best_model_at_end
