@@ -27,25 +27,28 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from finetune import distributed
 from finetune import train as accelerate_engine
 from finetune import trainer_backend
-from finetune.builders import get_task
+from finetune.builders import build_datasets, get_task, raw_datasets
 from finetune.config import parse_config
-from finetune.errors import FinetuneError
+from finetune.data import load_tokenizer
+from finetune.engine import engine_for
+from finetune.errors import FinetuneError, NumericalError
 from finetune.planner import plan_for
 from finetune.recipes import load_recipe
 from finetune.run import apply_plan, use_available_cpu_cores
 
 DEFAULT_STEPS = 3
-# The smallest tolerance per precision: 16 units in the last place of fp32, 2 of fp16 and bf16 (relative).
-MIN_TOLERANCE = {"no": 16 * 2.0**-24, "fp16": 2 * 2.0**-11, "bf16": 2 * 2.0**-8}
+# The smallest tolerance: 16 units in the last place of fp32 (relative), for ways whose floors are bit-identical.
+# Lower precisions get theirs from the floor ways, which change shapes as splits do (docs/verify.md).
+MIN_TOLERANCE = 16 * 2.0**-24
 FLOOR_FACTOR = 10  # tolerance = FLOOR_FACTOR x the noise floor (at least MIN_TOLERANCE)
 CONTROL_FACTOR = 10  # the positive control must exceed the tolerance this many times, or "inconclusive"
 PADDING_PROBE_TOKENS = 8  # pad tokens the padding probe appends to one batch
+DETERMINISM_TOLERANCE = 1e-4  # a micro-batch's gradients computed twice may differ this much (GPU atomics)
 USAGE = __doc__.split("\n\n")[1].strip()
 # what the check turns off or fixes: dropout (it verifies accumulation, not randomness), evaluation, checkpoints,
 # trackers, the planner (B is fixed by the flags or planned once here)
@@ -54,18 +57,22 @@ CHECK_SETTINGS = dict(disable_dropout=True, lora_dropout=0.0, eval_strategy="no"
                       load_best_model_at_end=False, early_stopping_patience=None, logging_steps=1, report_to="none",
                       resume_from_checkpoint=None, overwrite_output_dir=True, total_batch_size=None,
                       auto_find_batch_size=False, compare=False, backend="accelerate")
+FLOOR_ROLES = ("floor", "chunked")  # ways that are the reference computed another way: they set the tolerance
 
 
 @dataclass(frozen=True)
 class Way:
     """One way of training the effective batch: ``micro`` samples per micro-batch x ``accumulation`` micro-batches
-    per process. ``role``: "reference", "floor" (the reference, each window's samples reordered), "split",
-    "control" (a wrong normalisation, step 1 only) or "engine" (through ``--backend trainer``)."""
+    per process. ``role``: "reference", "floor" (the reference, each window's samples reordered), "chunked" (the
+    reference, each micro-batch's loss computed over ``micro // accumulation``-row chunks with one backward: other
+    shapes, the same sum), "split", "control" (a wrong normalisation) or "engine" (through ``--backend
+    trainer``)."""
 
     role: str
     micro: int
     accumulation: int
     variant: str = ""  # "without the auxiliary loss": the model's router_aux_loss_coef set to 0
+    chunk: int = 0  # the chunked floor's rows per chunk
 
     @property
     def backend(self) -> str:
@@ -73,7 +80,8 @@ class Way:
 
     @property
     def label(self) -> str:
-        extra = {"floor": ", samples reordered", "control": ", wrong normalisation", "engine": ", Trainer"}
+        extra = {"floor": ", samples reordered", "chunked": f", in chunks of {self.chunk}",
+                 "control": ", wrong normalisation", "engine": ", Trainer"}
         variant = f", {self.variant}" if self.variant else ""
         return f"{self.micro} x {self.accumulation}{extra.get(self.role, '')}{variant}"
 
@@ -84,21 +92,27 @@ class Way:
 
 @dataclass
 class Outcome:
-    """What one way produced (on global rank 0; other ranks keep nothing): per-step ``losses`` and ``skipped``
-    steps (fp16 loss scaling), step 1's ``gradients`` before clipping (name -> fp32 tensor; None where the
-    optimizer step is inside a sharding engine's backward), the initial and final weights, the float buffers, and
+    """What one way produced (on global rank 0; other ranks keep nothing): per-step ``losses``, ``items`` (loss
+    items over all processes) and ``samples``, ``skipped`` steps (fp16 loss scaling), ``gradients`` before
+    clipping per optimizer step (step -> name -> fp32 tensor; None where the optimizer steps inside a sharding
+    engine's backward; dropped once measured, but for the reference), the trainable parameters' names, the
+    initial and final weights, the float buffers, ``measured`` (its differences from the reference) and
     ``error`` for a way that did not run (out of memory)."""
 
     way: Way
     losses: list = field(default_factory=list)
+    items: list = field(default_factory=list)
+    samples: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
     gradients: dict | None = None
-    gradient_step: int | None = None
+    trainable: list | None = None
     initial: dict | None = None
     final: dict | None = None
     buffers: dict | None = None
     padding_effect: float | None = None
+    determinism: dict | None = None  # the reference: a micro-batch's gradients computed twice
     notes: dict | None = None  # the reference's model: BatchNorm modules, an auxiliary loss; precision, engine
+    measured: dict | None = None
     output_dir: str = ""
     control: str | None = None  # the control's wrong normalisation
     seconds: float = 0.0
@@ -132,9 +146,10 @@ def parse(argv: list[str]) -> tuple:
 
 def ways_for(per_process_batch: int, accumulation: int) -> list[Way]:
     """The ways for a per-process window of ``per_process_batch`` samples (B / processes): the reference
-    ``b x 1``, its floor, up to three splits (the run's own accumulation, micro-batch 1, the smallest split), the
-    control (on the split with the most micro-batches), and the Trainer engine on the reference and that split.
-    Raises ``FinetuneError`` where ``b`` is 1 (nothing to split)."""
+    ``b x 1``, its two floors (samples reordered; in chunks of the smallest split's micro-batch), up to three
+    splits (the run's own accumulation, micro-batch 1, the smallest split), the control (on the split with the most
+    micro-batches), and the Trainer backend on the reference and that split. Raises ``FinetuneError`` where ``b``
+    is 1 (nothing to split)."""
     b = per_process_batch
     if b < 2:
         raise FinetuneError(f"the effective batch is {b} sample(s) per process: there is nothing to accumulate. "
@@ -142,8 +157,40 @@ def ways_for(per_process_batch: int, accumulation: int) -> list[Way]:
     divisors = [n for n in range(2, b + 1) if b % n == 0]
     chosen = sorted({n for n in (accumulation, b, divisors[0]) if n in divisors})
     most = chosen[-1]
-    return [Way("reference", b, 1), Way("floor", b, 1), *(Way("split", b // n, n) for n in chosen),
-            Way("control", b // most, most), Way("engine", b, 1), Way("engine", b // most, most)]
+    return [Way("reference", b, 1), Way("floor", b, 1), Way("chunked", b, 1, chunk=b // most),
+            *(Way("split", b // n, n) for n in chosen), Way("control", b // most, most), Way("engine", b, 1),
+            Way("engine", b // most, most)]
+
+
+def partial_window_samples(steps: int, effective_batch: int) -> int:
+    """The training samples verify keeps so that its last optimizer step's window is partial: K·B − B/2 (the
+    last window holds B/2 samples, rounded down, at least 1). A wrong weighting of a short window (Accelerate's
+    default divides every window's loss by N) is then visible. Units: samples."""
+    return steps * effective_batch - max(effective_batch // 2, 1)
+
+
+def _rows_for_partial_window(config, recipe, steps: int, effective_batch: int) -> int:
+    """``--max_train_samples`` (raw rows) for a partial K-th window. One training sample per row: K·B − B/2
+    (``partial_window_samples``). Rows joined into ``--block_size`` blocks: the fewest rows whose blocks end
+    inside the K-th window (bisected over the tokenized block count; the most rows with more than (K−1)·B
+    blocks where no count ends inside it). Raises the loaders' ``FinetuneError``s."""
+    wanted = partial_window_samples(steps, effective_batch)
+    limit = config.max_train_samples
+    if not config.block_size:
+        return wanted if limit is None else min(wanted, limit)
+    task = get_task(recipe.TASK)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    rows = len(raw_datasets(recipe, config, task)["train"])
+
+    def blocks(n: int) -> int:
+        tokenized, _, _ = build_datasets(recipe, dataclasses.replace(config, max_train_samples=n), tokenizer, task)
+        return len(tokenized["train"])
+
+    low, high = 1, rows  # the fewest rows with more than (K-1)·B blocks
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if blocks(middle) <= (steps - 1) * effective_batch else (low, middle)
+    return low
 
 
 class _RowsReversed:
@@ -164,66 +211,181 @@ class _RowsReversed:
         return getattr(self._dataloader, name)
 
 
-class _WrongNormalisation:
-    """The positive control's micro-batch loss. ``mean_of_means``: each micro-batch's sum divided by its own items
-    (the loop's window scale undone), the mean of the micro-batch means, which differs from the window's mean
-    where item counts differ; else the loss not divided by N (N times the gradient). ``counts``: the items of
-    each micro-batch seen, to tell afterwards whether they differed."""
+def _in_chunks(rows: int):
+    """The chunked floor's micro-batch loss: the same rows' summed loss, computed ``rows`` rows per forward and
+    added up before the one backward. Every kernel sees other shapes (as in a split) while the window's loss and
+    its normalisation stay the reference's, so the difference is float noise of the precision and kernels."""
 
-    def __init__(self, task, mean_of_means: bool, window_items: float, micro_batches: int, processes: int):
-        self.task, self.mean_of_means, self.counts = task, mean_of_means, []
-        self.scale = window_items / (micro_batches * processes)  # the loop multiplies by N * P / window items
-        self.micro_batches = micro_batches
+    def vary(built):
+        loss = built.micro_batch_loss
+
+        def chunked(model, batch, labels):
+            total = None
+            for first in range(0, labels.shape[0], rows):
+                part = {k: v[first:first + rows] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
+                value = loss(model, part, labels[first:first + rows])
+                total = value if total is None else total + value
+            return total
+
+        return dataclasses.replace(built, micro_batch_loss=chunked)
+
+    return vary
+
+
+class _FirstMicroBatchTwice:
+    """The positive control's micro-batch loss: the first micro-batch of each window counted twice (an off-by-one
+    in an accumulation loop), for every task alike; its gradients and weights depart from the reference's by a
+    known kind of error, which the comparison must see."""
+
+    def __init__(self, micro_batches: int):
+        self.micro_batches, self.calls = micro_batches, 0
 
     def vary(self, built):
         loss = built.micro_batch_loss
 
         def wrong(model, batch, labels):
-            items = self.task.count(labels)
-            self.counts.append(float(items))
-            if self.mean_of_means:
-                return loss(model, batch, labels) / items.clamp(min=1) * self.scale
-            return loss(model, batch, labels) * self.micro_batches
+            value = loss(model, batch, labels)
+            first = self.calls % self.micro_batches == 0
+            self.calls += 1
+            return value * 2 if first else value
 
         return dataclasses.replace(built, micro_batch_loss=wrong)
 
 
 class _Observer:
-    """Builds one accelerate-engine run (``train.setup``) and observes it: the initial weights, step 1's
-    gradients in an optimizer pre-step hook (torch 2.13 ``register_optimizer_step_pre_hook``: after unscaling and
-    clipping, before the update), and the run itself for reading the final weights. ``vary(built)`` changes the
-    run (the floor's order, the control's loss)."""
+    """Observes one run of either backend: the initial weights, the gradients of every optimizer step in an
+    optimizer pre-step hook (torch 2.13 ``register_optimizer_step_pre_hook``: after unscaling and clipping,
+    before the update), the trainable parameters' names and the final weights. The accelerate backend's run is
+    built here (``build``: ``train.setup``, then ``vary(built)`` changes it: the floor's order, a chunked loss,
+    the control's loss); the Trainer backend's is handed over by ``observe(trainer)``."""
 
-    def __init__(self, keep: bool, vary=None):
+    def __init__(self, keep: bool, vary=None, check_determinism: bool = False, micro_batch: int = 1):
         self.keep, self.vary = keep, vary
-        self.built, self.initial, self.gradients, self.handle = None, None, None, None
+        self.check_determinism, self.micro_batch = check_determinism, micro_batch
+        self.built, self.trainer, self.initial, self.handle = None, None, None, None
+        self.gradients, self.names, self.inner, self.trainable, self.determinism = [], {}, None, None, None
+
+    def _watch(self, model, engine, inner=None) -> None:
+        self.initial = engine.full_parameters(model) if self.keep else None
+        unwrapped = engine.accelerator.unwrap_model(model, keep_torch_compile=False)
+        self.names = {id(p): n for n, p in unwrapped.named_parameters()}
+        self.trainable = sorted(n for n, p in unwrapped.named_parameters() if p.requires_grad)
+        self.inner = inner
+
+        def capture(optimizer, args, kwargs):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if self.inner is None and params and all(id(p) in self.names for p in params):
+                self.inner = optimizer  # the Trainer's optimizer, created inside its train()
+            if optimizer is not self.inner:
+                return
+            if not self.keep:
+                self.gradients.append({})
+                return
+            grads = {self.names[id(p)]: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                     for p in params if p.grad is not None}
+            self.gradients.append({n: g.detach().float().cpu().clone() for n, g in grads.items()})
+
+        self.handle = register_optimizer_step_pre_hook(capture)
 
     def build(self, config, recipe):
+        """``train.setup`` for the accelerate backend, varied, determinism checked, watched."""
         built = accelerate_engine.setup(config, recipe)
         if self.vary is not None:
             built = self.vary(built)
         self.built = built
-        initial = built.engine.full_parameters(built.model)
-        self.initial = initial if self.keep else None
-        unwrapped = built.accelerator.unwrap_model(built.model, keep_torch_compile=False)
-        names = {id(p): n for n, p in unwrapped.named_parameters()}
-        inner = getattr(built.optimizer, "optimizer", built.optimizer)
-
-        def capture(optimizer, args, kwargs):
-            if optimizer is not inner or self.gradients is not None:
-                return
-            grads = {names[id(p)]: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                     for group in optimizer.param_groups for p in group["params"]
-                     if p.grad is not None and id(p) in names}
-            self.gradients = {n: g.detach().float().cpu().clone() for n, g in grads.items()} if self.keep else {}
-
-        self.handle = register_optimizer_step_pre_hook(capture)
+        if self.check_determinism:
+            self.determinism = determinism(built, self.micro_batch)
+        self._watch(built.model, built.engine, getattr(built.optimizer, "optimizer", built.optimizer))
         return built
+
+    def observe(self, trainer) -> None:
+        """The Trainer backend's run, once built."""
+        self.trainer = trainer
+        self._watch(trainer.model, engine_for(trainer.accelerator))
+
+    def final(self) -> tuple[dict, dict]:
+        """(parameters, float buffers) after training, whole, as fp32 CPU copies (collective)."""
+        if self.trainer is not None:
+            engine = engine_for(self.trainer.accelerator)
+            model = self.trainer.model_wrapped
+        else:
+            engine, model = self.built.engine, self.built.model
+        return engine.full_parameters(model), engine.full_buffers(model)
 
     def close(self) -> None:
         if self.handle is not None:
             self.handle.remove()
-        self.built = None
+        self.built, self.trainer = None, None
+
+
+def determinism(built, micro_batch: int) -> dict:
+    """The premise that one state gives one gradient: a micro-batch of the training set (its first rows),
+    forward and backward twice from the same weights, in training mode, without synchronising processes.
+    Returns {"difference": ‖g₁ − g₂‖ / ‖g₁‖ over the whole model, "modules": the modules whose output differs
+    between two forward passes of the same input (dropout left on, ...)}; difference None where it cannot run
+    here (a sharding engine steps inside its backward). Every process calls it."""
+    if built.engine.name != "plain":
+        return {"difference": None, "modules": []}
+    model, accelerator = built.model, built.accelerator
+    loader = built.train_dataloader
+    rows = [loader.dataset[i] for i in range(min(micro_batch, len(loader.dataset)))]
+    batch = {k: v.to(accelerator.device) for k, v in loader.collate_fn(rows).items()}
+    labels = batch.pop("labels")
+    model.train()
+    grads = []
+    context = model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with context():
+            built.micro_batch_loss(model, batch, labels).float().backward()
+        grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    names = [n for n in grads[0] if n in grads[1]]
+    difference = _norm(grads[0][n] - grads[1][n] for n in names) / max(_norm(grads[0][n] for n in names), 1e-30)
+    if not math.isfinite(difference):
+        difference = float("inf")
+    return {"difference": difference, "modules": _random_modules(model, batch) if difference > 0 else []}
+
+
+def _random_modules(model, batch) -> list[str]:
+    """The modules whose output differs between two forward passes of the same ``batch`` while their input is
+    the same: where randomness enters (in training mode). Without gradients."""
+    seen: list[dict] = [{}, {}]
+    state = {"pass": 0}
+    unwrapped = model.module if hasattr(model, "module") else model
+
+    def first_tensor(value):
+        if torch.is_tensor(value):
+            return value
+        if isinstance(value, (tuple, list)):
+            return next((t for t in map(first_tensor, value) if t is not None), None)
+        return None if isinstance(value, dict) else getattr(value, "last_hidden_state", None)
+
+    def record(name):
+        def hook(module, inputs, output):
+            x, y = first_tensor(inputs), first_tensor(output)
+            seen[state["pass"]][name] = (None if x is None else x.detach().clone(),
+                                         None if y is None else y.detach().clone())
+        return hook
+
+    handles = [module.register_forward_hook(record(name)) for name, module in unwrapped.named_modules()]
+    try:
+        with torch.no_grad():
+            for state["pass"] in (0, 1):
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    random = []
+    for name, (x0, y0) in seen[0].items():
+        x1, y1 = seen[1].get(name, (None, None))
+        if y0 is None or y1 is None or y0.shape != y1.shape:
+            continue
+        same_input = x0 is None or x1 is None or (x0.shape == x1.shape and torch.equal(x0, x1))
+        if same_input and not torch.equal(y0, y1):
+            random.append(name)
+    # the innermost: a module whose child is random is random through it
+    return [n for n in random if not any(o != n and (n == "" or o.startswith(n + ".")) for o in random)]
 
 
 def _read_log(out: Path) -> list[dict]:
@@ -284,22 +446,23 @@ def _without_auxiliary(built):
     return built
 
 
-def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, control=None) -> Outcome:
-    """Train ``way`` for ``steps`` optimizer steps (the control: one) into ``root / way.slug`` and collect its
-    ``Outcome`` (tensors on global rank 0 only: ``keep``). Collective: every process runs every way."""
+def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, vary=None) -> Outcome:
+    """Train ``way`` for ``steps`` optimizer steps into ``root / way.slug`` and collect its ``Outcome`` (tensors
+    on global rank 0 only: ``keep``). ``vary(built)``: the control's change. Collective: every process runs
+    every way."""
     config = dataclasses.replace(base, per_device_train_batch_size=way.micro, gradient_accumulation_steps=way.accumulation,
-                                 max_steps=1 if way.role == "control" else steps, output_dir=str(root / way.slug),
-                                 backend=way.backend)
+                                 max_steps=steps, output_dir=str(root / way.slug), backend=way.backend)
     config.validate()
     out = Path(config.output_dir)
     outcome = Outcome(way, output_dir=str(out))
     distributed.reset_state()
     start = time.perf_counter()
     vary = {"floor": lambda built: dataclasses.replace(built, train_dataloader=_RowsReversed(built.train_dataloader)),
-            "control": control}.get(way.role)
+            "chunked": _in_chunks(way.chunk) if way.chunk else None, "control": vary}.get(way.role)
     if way.variant:
         vary = _without_auxiliary
-    observer = _Observer(keep, vary)
+    observer = _Observer(keep, vary, check_determinism=way.role == "reference" and not way.variant,
+                         micro_batch=way.micro)
     rank = f".rank{os.environ.get('RANK', '0')}" if distributed.world_size() > 1 else ""
     log = root / "logs" / f"{way.slug}{rank}.log"  # each run's banner, progress and warnings: the console gets one line
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -313,6 +476,8 @@ def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, control=
             raise FinetuneError(f"verify: {way.label} ran out of memory ({err}). Every way must fit on every "
                                 "process: lower the effective batch.") from None
         outcome.error = "does not fit (out of memory)"
+    except NumericalError as err:  # a non-finite gradient where the reference's was finite: this way's failure
+        outcome.error = f"failed: {str(err).split('. ')[0]}"
     except FinetuneError:
         raise
     except Exception as err:  # a model that cannot train this way (BatchNorm on micro-batches of 1, ...)
@@ -323,7 +488,7 @@ def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, control=
     outcome.seconds = time.perf_counter() - start
     if keep and outcome.error is None:
         _read_outcome(outcome, out, observer, base)
-    observer.built = None
+    observer.gradients = []
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -331,35 +496,35 @@ def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, control=
 
 
 def _train_way(way: Way, config, recipe, observer: _Observer, keep: bool, outcome: Outcome) -> None:
-    """Train one way with its engine; for the accelerate engine, read the final weights, buffers and (the
-    reference) the padding probe from the run it built."""
+    """Train one way with its backend; read the final weights and buffers from the run, and for the reference
+    the padding probe and the model's notes."""
     if way.backend == "trainer":
-        trainer_backend.train(config, recipe)
-        return
-    accelerate_engine.train(config, recipe, build=observer.build)
+        trainer_backend.train(config, recipe, observe=observer.observe)
+    else:
+        accelerate_engine.train(config, recipe, build=observer.build)
+    final, buffers = observer.final()
     built = observer.built
-    final = built.engine.full_parameters(built.model)
-    buffers = built.engine.full_buffers(built.model)
     padding = _padding_effect(built) if way.role == "reference" else None
     if keep:
         outcome.initial, outcome.final, outcome.buffers = observer.initial, final, buffers
-        outcome.padding_effect = padding
-        outcome.notes = _model_notes(built)
+        outcome.trainable, outcome.determinism = observer.trainable, observer.determinism
+        if built is not None:
+            outcome.padding_effect = padding
+            outcome.notes = _model_notes(built)
 
 
 def _read_outcome(outcome: Outcome, out: Path, observer: _Observer, base) -> None:
-    """Fill ``outcome`` from the way's ``log.jsonl`` (losses, skips), its saved model (the Trainer engine) and the
-    observed gradients (unclipped)."""
-    way = outcome.way
+    """Fill ``outcome`` from the way's ``log.jsonl`` (losses, items, samples, skips) and the observed gradients
+    of each optimizer step that was not skipped, unclipped with that step's logged norm."""
     records = _read_log(out)
     outcome.losses = [r["loss"] for r in records]
+    outcome.items = [r.get("trained_tokens", r.get("items", r["samples"])) for r in records]
+    outcome.samples = [r["samples"] for r in records]
     outcome.skipped = [r["step"] for r in records if r.get("skipped")]
-    if way.backend == "trainer" and not base.use_peft and (out / "model.safetensors").is_file():
-        outcome.final = {n: t.float() for n, t in load_file(str(out / "model.safetensors")).items()}
-    if observer.gradients:
-        first = next((r for r in records if not r.get("skipped")), None)
-        outcome.gradient_step = first["step"] if first else None
-        outcome.gradients = _unclip(observer.gradients, first.get("grad_norm") if first else None, base.max_grad_norm)
+    taken = [r for r in records if not r.get("skipped")]
+    if observer.gradients and len(observer.gradients) == len(taken):
+        outcome.gradients = {r["step"]: _unclip(g, r.get("grad_norm"), base.max_grad_norm)
+                             for r, g in zip(taken, observer.gradients)}
 
 
 # ------------------------------------------------------------------------------------------ comparisons
@@ -412,63 +577,114 @@ def _first_departure(losses: list, reference: list, tolerance: float) -> int | N
 
 
 def _measure(o: Outcome, reference: Outcome) -> dict:
-    """The differences of ``o`` from ``reference``: step 1's gradients (where both were seen), and except for
-    the control (one step only) the per-step losses and the final weights."""
+    """The differences of ``o`` from ``reference``: each optimizer step's gradients (where both were seen), the
+    per-step losses, the final weights, the per-step items, and the trainable parameters that could not be
+    compared (names on one side only)."""
     row = {}
     if o.gradients and reference.gradients:
-        g = gradient_difference(o.gradients, reference.gradients)
-        row.update(gradient_difference=g[0], gradient_worst_tensor=g[1], gradient_worst=g[2],
-                   gradient_step=o.gradient_step)
-    if o.way.role != "control":
-        loss = loss_difference(o.losses, reference.losses)
-        row.update(loss_difference=loss[0], loss_worst_step=loss[1])
-        if o.final is not None and reference.final is not None:
-            w = weight_difference(o.final, reference.final, reference.initial)
-            row.update(weight_difference=w[0], weight_worst_tensor=w[1], weight_worst=w[2])
+        per_step = {step: gradient_difference(o.gradients[step], reference.gradients[step])
+                    for step in sorted(reference.gradients) if step in o.gradients}
+        if per_step:
+            first = min(per_step)
+            row.update(gradient_difference=per_step[first][0], gradient_worst_tensor=per_step[first][1],
+                       gradient_worst=per_step[first][2], gradient_step=first,
+                       gradient_steps={step: value[0] for step, value in per_step.items()},
+                       gradient_step_worst={step: value[1] for step, value in per_step.items()})
+        names = set(next(iter(reference.gradients.values())))
+        seen = set(next(iter(o.gradients.values())))
+        if names != seen:
+            row["gradient_names_differ"] = [sorted(names - seen)[:3], sorted(seen - names)[:3]]
+    loss = loss_difference(o.losses, reference.losses)
+    row.update(loss_difference=loss[0], loss_worst_step=loss[1])
+    if o.final is not None and reference.final is not None:
+        w = weight_difference(o.final, reference.final, reference.initial)
+        row.update(weight_difference=w[0], weight_worst_tensor=w[1], weight_worst=w[2])
+        missing = [n for n in reference.trainable or [] if n not in o.final]
+        if missing or (o.trainable is not None and reference.trainable is not None
+                       and set(o.trainable) != set(reference.trainable)):
+            row["weight_names_differ"] = missing[:3] or sorted(set(o.trainable) ^ set(reference.trainable))[:3]
+    departs = next((i for i, (a, b) in enumerate(zip(o.items, reference.items)) if a != b), None)
+    if departs is not None:
+        row["items_differ"] = [departs + 1, o.items[departs], reference.items[departs]]
     return row
 
 
 def _departures(row: dict, o: Outcome, reference: Outcome, tolerance: dict) -> list[str]:
-    """What in ``row`` (``_measure``) exceeds ``tolerance``, in words; empty when ``o`` is exact."""
+    """What in ``row`` (``_measure``) exceeds ``tolerance``, or could not be compared, in words; empty when
+    ``o`` is exact."""
     bad = []
-    if row.get("gradient_difference", 0.0) > tolerance["gradients"] and o.gradient_step == reference.gradient_step:
-        bad.append(f"step {o.gradient_step}'s gradients differ by {row['gradient_difference']:.2e} "
-                   f"(worst: {row['gradient_worst_tensor']})")
+    if "items_differ" in row:
+        step, items, expected = row["items_differ"]
+        bad.append(f"step {step} trains {items:g} items where the reference trains {expected:g}")
+    for step, value in (row.get("gradient_steps") or {}).items():
+        limit = tolerance["gradient_steps"].get(step, tolerance["gradients"])
+        if value > limit:
+            bad.append(f"step {step}'s gradients differ by {value:.2e} (worst: {row['gradient_step_worst'][step]})")
+            break
+    if reference.gradients and not row.get("gradient_steps"):
+        bad.append("its gradients could not be read, so they were not compared")
+    if "gradient_names_differ" in row or "weight_names_differ" in row:
+        names = row.get("gradient_names_differ") or [row.get("weight_names_differ"), []]
+        bad.append(f"parameters not compared (names on one side only: {names[0] or names[1]})")
     if row["loss_difference"] > tolerance["losses"]:
         bad.append(f"the loss departs at step {_first_departure(o.losses, reference.losses, tolerance['losses'])}"
                    f" ({row['loss_difference']:.2e})")
     if row.get("weight_difference", 0.0) > tolerance["weights"]:
         bad.append(f"the final weights differ by {row['weight_difference']:.2e} of the distance trained "
                    f"(worst: {row['weight_worst_tensor']})")
+    if reference.final is not None and o.final is None:
+        bad.append("its final weights could not be read, so they were not compared")
     if len(o.losses) != len(reference.losses):
         bad.append(f"{len(o.losses)} optimizer steps ran, the reference ran {len(reference.losses)}")
     return bad
 
 
-def _tolerances(floor: dict, precision: str) -> dict:
-    """``FLOOR_FACTOR`` x the noise floor of each comparison, at least ``MIN_TOLERANCE[precision]``."""
-    minimum = MIN_TOLERANCE.get(precision, MIN_TOLERANCE["no"])
-    return {key: max(FLOOR_FACTOR * value, minimum) for key, value in floor.items()}
+def _tolerances(floors: list[dict]) -> tuple[dict, dict]:
+    """(noise floor, tolerance) from the floor ways' rows (``_measure`` against the reference): the largest
+    difference any of them shows for each comparison (per optimizer step for gradients), and
+    ``FLOOR_FACTOR`` x that, at least ``MIN_TOLERANCE``."""
+    steps = sorted({s for row in floors for s in (row.get("gradient_steps") or {})})
+    per_step = {s: max((row.get("gradient_steps") or {}).get(s, 0.0) for row in floors) for s in steps}
+    floor = {"gradients": per_step[steps[0]] if steps else 0.0,
+             "losses": max((row.get("loss_difference", 0.0) for row in floors), default=0.0),
+             "weights": max((row.get("weight_difference", 0.0) for row in floors), default=0.0),
+             "gradient_steps": per_step}
+    limit = lambda value: max(FLOOR_FACTOR * value, MIN_TOLERANCE)  # noqa: E731
+    tolerance = {"gradients": limit(floor["gradients"]), "losses": limit(floor["losses"]),
+                 "weights": limit(floor["weights"]), "gradient_steps": {s: limit(v) for s, v in per_step.items()}}
+    return floor, tolerance
 
 
-def compare(outcomes: list[Outcome], precision: str, steps: int, model_notes: dict) -> dict:
-    """The table and the verdict from every way's ``Outcome``: tolerances from the floor (``_tolerances``), each
-    way against the reference, the control's margin, the causes. Raises ``FinetuneError`` if no reference ran."""
+def _control_margin(row: dict, tolerance: dict, gradients: bool) -> float | None:
+    """How many times the tolerance the control departs by: over its per-step gradients where gradients are
+    compared, else over its final weights (an engine that steps inside its backward)."""
+    if gradients:
+        values = [v / tolerance["gradient_steps"].get(s, tolerance["gradients"])
+                  for s, v in (row.get("gradient_steps") or {}).items()]
+        return max(values) if values else None
+    value = row.get("weight_difference")
+    return None if value is None else value / tolerance["weights"]
+
+
+def compare(outcomes: list[Outcome], steps: int, model_notes: dict) -> dict:
+    """The table and the verdict from every way's ``Outcome`` (each already ``measured`` against the reference,
+    or measured here): tolerances from the floor ways, each way's departures, the control's margin, the premises
+    (determinism, item counts) and the causes. Raises ``FinetuneError`` if no reference ran."""
     ran = [o for o in outcomes if o.error is None]
     reference = next((o for o in ran if o.way.role in ("reference", "split")), None)
     if reference is None:
         raise FinetuneError("verify: no way of the effective batch ran: "
-                            + "; ".join(f"{o.way.label}: {o.error}" for o in outcomes if o.way.role != "floor")[:2000])
-    floor_outcome = next((o for o in ran if o.way.role == "floor"), None)
-    measured = _measure(floor_outcome, reference) if floor_outcome else {}
-    floor = {"gradients": measured.get("gradient_difference", 0.0), "losses": measured.get("loss_difference", 0.0),
-             "weights": measured.get("weight_difference", 0.0)}
-    tolerance = _tolerances(floor, precision)
+                            + "; ".join(f"{o.way.label}: {o.error}" for o in outcomes if o.way.role not in FLOOR_ROLES)[:2000])
+    for o in ran:
+        if o is not reference and o.measured is None:
+            o.measured = _measure(o, reference)
+    floor, tolerance = _tolerances([o.measured for o in ran if o.way.role in FLOOR_ROLES and o is not reference])
+    grads_seen = bool(reference.gradients)
     rows, failures, control_margin = [], [], None
     for o in outcomes:
         row = {"way": o.way.label, "role": o.way.role, "engine": o.way.backend, "micro_batch": o.way.micro,
                "accumulation": o.way.accumulation, "seconds": round(o.seconds, 2), "error": o.error,
-               "skipped_steps": o.skipped}
+               "skipped_steps": o.skipped, "items": o.items}
         if o.error is not None:
             if o.way.role in ("split", "engine") and not o.error.startswith("does not fit"):
                 failures.append(o.way.label)
@@ -476,35 +692,65 @@ def compare(outcomes: list[Outcome], precision: str, steps: int, model_notes: di
         elif o is reference:
             row["verdict"] = "reference"
         else:
-            row.update(_measure(o, reference))
+            row.update(o.measured)
             if o.way.role == "control":
-                margin = row.get("gradient_difference")
-                control_margin = margin / tolerance["gradients"] if margin is not None else None
+                control_margin = _control_margin(row, tolerance, grads_seen)
                 row["verdict"] = f"control: {o.control}"
-            elif o.way.role == "floor":
+            elif o.way.role in FLOOR_ROLES:
                 row["verdict"] = "noise floor"
             else:
                 bad = _departures(row, o, reference, tolerance)
                 row["verdict"] = "exact" if not bad else "NOT EXACT: " + "; ".join(bad)
                 failures += [o.way.label] if bad else []
         rows.append(row)
-    grads_seen = reference.gradients is not None
-    if failures:
+    determinism = reference.determinism or {}
+    random = determinism.get("difference") is not None and determinism["difference"] > DETERMINISM_TOLERANCE
+    if random:
+        verdict = "inconclusive"
+    elif failures:
         verdict = "not exact"
-    elif grads_seen and (control_margin is None or control_margin < CONTROL_FACTOR):
+    elif control_margin is None or control_margin < CONTROL_FACTOR:
         verdict = "inconclusive"
     else:
         verdict = "exact"
-    return {"verdict": verdict, "precision": precision, "verify_steps": steps, "tolerance": tolerance,
-            "noise_floor": floor, "control_margin": control_margin, "reference": reference.way.label, "rows": rows,
-            "not_exact": failures, "causes": _causes(outcomes, reference, tolerance, model_notes) if failures else [],
-            "gradients_compared": grads_seen, **model_notes}
+    causes = []
+    if random:
+        causes.append(_nondeterminism_cause(determinism))
+    if failures:
+        causes += _causes(outcomes, reference, tolerance, model_notes)
+    elif not random and verdict == "inconclusive":
+        causes.append("the positive control (a wrong normalisation) did not depart by "
+                      f"{CONTROL_FACTOR} x the tolerance, so these comparisons could not be shown to see one")
+    last = reference.samples[-1] if reference.samples else None
+    return {"verdict": verdict, "precision": model_notes.get("precision", "no"), "verify_steps": steps,
+            "tolerance": tolerance, "noise_floor": floor, "control_margin": control_margin,
+            "reference": reference.way.label, "rows": rows, "not_exact": failures, "causes": causes,
+            "gradients_compared": grads_seen, "determinism": determinism, "last_window_samples": last,
+            **model_notes}
+
+
+def _nondeterminism_cause(determinism: dict) -> str:
+    modules = determinism.get("modules") or []
+    where = (f"randomness enters at {', '.join(modules[:5])}" + (f" and {len(modules) - 5} more" if len(modules) > 5
+                                                                   else "")
+             if modules else "no module's forward output changed, so it enters in the backward pass")
+    return (f"not deterministic: one micro-batch's gradients, computed twice from the same weights, differ by "
+            f"{determinism['difference']:.2e} ({where}); with dropout or other randomness left on, no split can be "
+            "compared. Turn it off (--disable_dropout covers torch.nn.Dropout modules and dropout settings of the "
+            "model's config).")
 
 
 def _causes(outcomes: list[Outcome], reference: Outcome, tolerance: dict, notes: dict) -> list[str]:
-    """What makes the splits differ, where it can be measured: BatchNorm (its running statistics differ), a
-    model-added auxiliary loss, outputs that depend on padding; else that no cause was identified."""
+    """What makes the ways differ, where it can be measured: item counts that differ (a way counts its loss's
+    items another way), BatchNorm (its running statistics differ), a model-added auxiliary loss, outputs that
+    depend on padding; else that no cause was identified."""
     found = []
+    for o in outcomes:
+        if o.measured and "items_differ" in o.measured:
+            step, items, expected = o.measured["items_differ"]
+            found.append(f"item counts: {o.way.label} divides step {step}'s loss by {items:g} items where the "
+                         f"reference counts {expected:g}; the two count the loss's items (samples, or label tokens) "
+                         "differently")
     if notes.get("batchnorm_modules"):
         moved = [_norm([o.buffers[n] - reference.buffers[n]]) / max(_norm([reference.buffers[n]]), 1e-30)
                  for o in outcomes if o.way.role == "split" and o.buffers and reference.buffers
@@ -540,31 +786,44 @@ def _fmt(value) -> str:
 
 
 def render(report: dict) -> str:
-    """``verify.md``: the table, the tolerances and the verdict."""
+    """``verify.md``: the table, the premises, the tolerances and the verdict."""
+    last = report.get("last_window_samples")
+    partial = (f"the last window holds {last} of {report['effective_batch']} samples" if last is not None
+               and last < report["effective_batch"] else "no partial window (the data ended on a full one)")
     lines = [f"# finetune verify: {report['recipe']}", "",
              f"Effective batch {report['effective_batch']} samples = micro-batch x accumulation x "
-             f"{report['processes']} process(es); {report['verify_steps']} optimizer steps; precision "
+             f"{report['processes']} process(es); {report['verify_steps']} optimizer steps, {partial}; precision "
              f"{report['precision']}; engine {report['engine']}; dropout off. Reference: {report['reference']}.", "",
-             "| way | engine | step-1 gradients Δ | worst tensor | loss Δ (max) | final weights Δ / distance trained "
-             "| worst tensor | fp16 skips | s | verdict |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| way | engine | gradients Δ (step 1 / worst step) | worst tensor | loss Δ (max) | final weights Δ / "
+             "distance trained | worst tensor | items per step | fp16 skips | s | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
-        lines.append(f"| {r['way']} | {r['engine']} | {_fmt(r.get('gradient_difference'))} | "
+        steps = r.get("gradient_steps") or {}
+        gradients = (f"{_fmt(r.get('gradient_difference'))} / {_fmt(max(steps.values()))}" if steps else "")
+        lines.append(f"| {r['way']} | {r['engine']} | {gradients} | "
                      f"{r.get('gradient_worst_tensor') or ''} | {_fmt(r.get('loss_difference'))} | "
                      f"{_fmt(r.get('weight_difference'))} | {r.get('weight_worst_tensor') or ''} | "
+                     f"{','.join(f'{v:g}' for v in r.get('items') or [])} | "
                      f"{','.join(map(str, r['skipped_steps'])) or '-'} | {r['seconds']} | "
                      f"{r.get('verdict') or r.get('error') or ''} |")
     t, f = report["tolerance"], report["noise_floor"]
-    lines += ["", f"Noise floor (the reference, samples reordered): gradients {f['gradients']:.2e}, losses "
-              f"{f['losses']:.2e}, weights {f['weights']:.2e}. Tolerance ({FLOOR_FACTOR} x the floor, at least "
-              f"{MIN_TOLERANCE.get(report['precision'], MIN_TOLERANCE['no']):.1e} for {report['precision']}): "
-              f"gradients {t['gradients']:.2e}, losses {t['losses']:.2e}, weights {t['weights']:.2e}."]
+    determinism = report.get("determinism") or {}
+    if determinism.get("difference") is not None:
+        lines += ["", f"Determinism: one micro-batch's gradients computed twice differ by "
+                      f"{determinism['difference']:.2e} (allowed {DETERMINISM_TOLERANCE:.0e})."]
+    lines += ["", f"Noise floor (the reference with its samples reordered, and computed in chunks): gradients "
+              f"{f['gradients']:.2e} at step 1, up to {max(f['gradient_steps'].values(), default=0.0):.2e}; losses "
+              f"{f['losses']:.2e}; weights {f['weights']:.2e}. Tolerance ({FLOOR_FACTOR} x the floor, at least "
+              f"{MIN_TOLERANCE:.1e}): gradients {t['gradients']:.2e} at step 1, losses {t['losses']:.2e}, weights "
+              f"{t['weights']:.2e}."]
     if report["control_margin"] is not None:
-        lines.append(f"Positive control (wrong normalisation): {report['control_margin']:.3g} x the gradient "
-                     f"tolerance (needs >= {CONTROL_FACTOR}).")
+        lines.append(f"Positive control (wrong normalisation): {report['control_margin']:.3g} x the "
+                     f"{'gradient' if report['gradients_compared'] else 'weight'} tolerance (needs >= "
+                     f"{CONTROL_FACTOR}).")
     if not report["gradients_compared"]:
-        lines.append("Step-1 gradients not compared: the engine steps its optimizer inside its own backward "
-                     f"({report['engine']}); losses and the fp32 master weights are.")
+        lines.append("Gradients not compared: the engine steps its optimizer inside its own backward "
+                     f"({report['engine']}); losses and the fp32 master weights are, and the control is measured on "
+                     "the weights.")
     lines += ["", f"**Verdict: {report['verdict']}**"]
     lines += [f"- cause: {c}" for c in report["causes"]]
     return "\n".join(lines) + "\n"
@@ -582,34 +841,42 @@ def verify(config, steps: int) -> int:
     if plan is not None:
         config = apply_plan(config, plan)
     processes = distributed.world_size()
-    base = dataclasses.replace(config, **CHECK_SETTINGS, batch_plan=None)
+    per_process = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    # end the data inside the K-th window, so a wrong weighting of a short window shows
+    samples = _rows_for_partial_window(config, recipe, steps, per_process * processes)
+    base = dataclasses.replace(config, **CHECK_SETTINGS, batch_plan=None, max_train_samples=samples)
     root = Path(config.output_dir)
     if (root / "checkpoints").exists() or (root / "model.safetensors").exists():
         raise FinetuneError(f"--output_dir {root} holds a training run; verify writes its own ways there. Pass "
                             "another --output_dir.")
-    ways = ways_for(config.per_device_train_batch_size * config.gradient_accumulation_steps, config.gradient_accumulation_steps)
-    state = distributed.process_state()
-    keep = state.is_main_process
+    ways = ways_for(per_process, config.gradient_accumulation_steps)
+    keep = distributed.process_state().is_main_process
     say = print if keep else (lambda *a, **k: None)
-    say(f"finetune verify: {len(ways)} ways of the effective batch "
-        f"{config.per_device_train_batch_size * config.gradient_accumulation_steps * processes}, {steps} optimizer "
-        f"steps each, into {root}", flush=True)
-    task = get_task(recipe.TASK)
+    agree = distributed.all_reduce_max(distributed.distributed_state())
+    say(f"finetune verify: {len(ways)} ways of the effective batch {per_process * processes}, {steps} optimizer "
+        f"steps each over {samples} samples, into {root}", flush=True)
     outcomes: list[Outcome] = []
+    reference = None
     for way in ways:
-        if way.role == "control":
-            outcome = _run_control(way, outcomes, task, base, recipe, root, steps, keep)
-        else:
-            outcome = run_way(way, base, recipe, root, steps, keep)
-        say(f"  {way.label:32s} {'(does not fit)' if outcome.error else ''}{outcome.seconds:6.1f} s", flush=True)
+        notes = (reference.notes or {}) if reference is not None else {}
+        if way.role == "chunked" and agree(float(bool(notes.get("batchnorm_modules") or notes.get("auxiliary_loss")))):
+            continue  # chunks would change what BatchNorm or the auxiliary loss compute: not float noise only
+        control = _FirstMicroBatchTwice(way.accumulation) if way.role == "control" else None
+        outcome = run_way(way, base, recipe, root, steps, keep, control.vary if control else None)
+        if control is not None:
+            outcome.control = "the first micro-batch of each window counted twice"
+        say(f"  {way.label:36s} {'(does not fit)' if outcome.error else ''}{outcome.seconds:6.1f} s", flush=True)
+        if keep and outcome.error is None:
+            if reference is None and way.role in ("reference", "split"):
+                reference = outcome
+            elif reference is not None:  # measured now: its gradients need not be kept
+                outcome.measured, outcome.gradients = _measure(outcome, reference), None
         outcomes.append(outcome)
     report = None
     if keep:
         notes = next((o.notes for o in outcomes if o.notes), {})
-        report = compare(outcomes, notes.get("precision", "no"), steps, notes)
-        report.update(recipe=recipe.NAME, processes=processes,
-                      effective_batch=config.per_device_train_batch_size * config.gradient_accumulation_steps * processes)
-    agree = distributed.all_reduce_max(distributed.distributed_state())
+        report = compare(outcomes, steps, notes)
+        report.update(recipe=recipe.NAME, processes=processes, effective_batch=per_process * processes)
     if agree(float(bool(report and report["not_exact"] and report.get("auxiliary_loss")))):
         # run with and without it: the reference and the splits again, the auxiliary loss off
         plain = [dataclasses.replace(w, variant="without the auxiliary loss") for w in ways
@@ -617,7 +884,7 @@ def verify(config, steps: int) -> int:
         again = []
         for way in plain:
             again.append(run_way(way, base, recipe, root, steps, keep))
-            say(f"  {way.label:32s} {again[-1].seconds:6.1f} s", flush=True)
+            say(f"  {way.label:36s} {again[-1].seconds:6.1f} s", flush=True)
         if keep:
             _explain_auxiliary(report, again)
     code = 0
@@ -628,23 +895,6 @@ def verify(config, steps: int) -> int:
         print(text)
         code = 0 if report["verdict"] == "exact" else 1
     return int(agree(float(code)))
-
-
-def _run_control(way: Way, outcomes: list[Outcome], task, base, recipe, root: Path, steps: int,
-                 keep: bool) -> Outcome:
-    """The positive control's one step: the mean of the micro-batch means; run again with the loss not divided
-    by N where every micro-batch had the same items (the mean of means is then the window's mean). Collective."""
-    agree = distributed.all_reduce_max(distributed.distributed_state())
-    reference = next((o for o in outcomes if o.error is None and o.way.role in ("reference", "split")), None)
-    window_items = agree(float(_window_items(reference) if reference is not None else 0.0))
-    processes = distributed.world_size()
-    control = _WrongNormalisation(task, True, window_items, way.accumulation, processes)
-    outcome = run_way(way, base, recipe, root, steps, keep, control.vary)
-    if not agree(float(len(set(control.counts[: way.accumulation])) > 1)):  # each process saw its own counts
-        control = _WrongNormalisation(task, False, window_items, way.accumulation, processes)
-        outcome = run_way(way, base, recipe, root, steps, keep, control.vary)
-    outcome.control = "the mean of the micro-batch means" if control.mean_of_means else "the loss not divided by N"
-    return outcome
 
 
 def _explain_auxiliary(report: dict, outcomes: list[Outcome]) -> None:
@@ -659,7 +909,7 @@ def _explain_auxiliary(report: dict, outcomes: list[Outcome]) -> None:
         bad = _departures(row, o, reference, report["tolerance"])
         exact.append(not bad)
         report["rows"].append({"way": o.way.label, "role": "split", "engine": "accelerate", "seconds": round(o.seconds, 2),
-                               "skipped_steps": o.skipped, "error": None, **row,
+                               "skipped_steps": o.skipped, "items": o.items, "error": None, **row,
                                "verdict": "exact" if not bad else "NOT EXACT: " + "; ".join(bad)})
     report["auxiliary_loss_exact_without"] = bool(exact) and all(exact)
     if report["auxiliary_loss_exact_without"]:
@@ -668,12 +918,6 @@ def _explain_auxiliary(report: dict, outcomes: list[Outcome]) -> None:
                                    "0) every split is exact, so the cross-entropy part accumulates exactly; the "
                                    "auxiliary part is computed per forward pass over its own tokens and depends on "
                                    "the micro-batch")
-
-
-def _window_items(outcome: Outcome) -> float:
-    """Step 1's loss items over all processes (samples, or label tokens for causal LM), from the run's log."""
-    records = _read_log(Path(outcome.output_dir))
-    return float(records[0].get("trained_tokens", records[0]["samples"])) if records else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -319,6 +319,11 @@ def install_on_import(environ=None, after=after_import) -> None:
     if learning_rate.strip():
         after("finetune.engine.plain",
               lambda module: install_learning_rate(*parse_learning_rate(learning_rate), plain_module=module))
+    mutant = environ.get("FAULT_MUTANT", "")
+    if mutant.strip():  # a wrong accelerate backend for verify (tests/faults/mutants.py)
+        from mutants import mutate
+
+        after("finetune.train", lambda module: mutate(module, mutant.strip()))
     save_error = environ.get(SAVE_ERROR_ENV, "")
     if save_error.strip():
         after("accelerate.checkpointing", lambda module: install_save_error(*parse_save_error(save_error)))

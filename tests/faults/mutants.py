@@ -1,0 +1,65 @@
+"""Wrong engines for ``finetune verify`` to catch: copies of the accelerate backend's loop (``finetune/train.py``)
+with one normalisation line changed, as a user's bad luck or a future regression would change it. Each mutant
+is a list of (line as it stands, line as the mutant has it); ``mutate`` applies them to the module's source (each
+must match exactly once, so a mutant that no longer applies fails loudly instead of testing the clean engine)
+and runs the result in place of the module's functions.
+
+The correct line, ``scaled = loss_sum * (N * P / counts.items)``, divides each micro-batch's summed loss by the
+items (samples, or label tokens) of its whole window over every process, undoing ``accelerator.backward``'s
+division by N and DDP's average over P.
+
+- ``partial-under``: a short last window weighted by its share of N (``* len(window) / N``): Accelerate's own
+  default, which divides every window's loss by N.
+- ``partial-over``: a short last window scaled up as if it were full (``* N / len(window)``).
+- ``drop-processes``: DDP's average over P not undone (``N / counts.items``): every gradient 1/P.
+- ``own-items``: each process normalises by its own window's items, not every process's.
+- ``mean-of-means``: each micro-batch's mean loss, divided by N: the mean of the micro-batch means.
+
+Two ways in: ``install_mutant(name, set_attr)`` in this process (``monkeypatch.setattr``, undone after the
+test), or ``FAULT_MUTANT=name`` with ``tests/faults`` first on a launched process's ``PYTHONPATH``
+(``sitecustomize`` → ``finetune_faults.install_on_import``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+MUTANT_ENV = "FAULT_MUTANT"
+CORRECT = "scaled = loss_sum * (N * P / counts.items)"
+COUNT = "counts = count_window(window, task, accelerator, run.repeats(len(window)))"
+
+MUTANTS: dict[str, list[tuple[str, str]]] = {
+    "partial-under": [(CORRECT, "scaled = loss_sum * (N * P / counts.items) * (len(window) / N)")],
+    "partial-over": [(CORRECT, "scaled = loss_sum * (N * P / counts.items) * (N / len(window))")],
+    "drop-processes": [(CORRECT, "scaled = loss_sum * (N / counts.items)")],
+    "own-items": [(COUNT, COUNT + "; own_items = float(sum(task.count(b['labels']) for b in window))"),
+                  (CORRECT, "scaled = loss_sum * (N / own_items)")],
+    "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(labels).clamp(min=1)")],
+}
+
+
+def mutated_source(name: str, source: str) -> str:
+    """``source`` (``finetune/train.py``) with mutant ``name``'s lines changed. Raises ``KeyError`` for an
+    unknown mutant, ``ValueError`` when a line to change is not in the source exactly once."""
+    for old, new in MUTANTS[name]:
+        if source.count(old) != 1:
+            raise ValueError(f"mutant {name}: {old!r} occurs {source.count(old)} times in finetune/train.py")
+        source = source.replace(old, new)
+    return source
+
+
+def mutate(module, name: str, set_attr=setattr) -> None:
+    """Run mutant ``name`` of ``module`` (``finetune.train``): its source changed, executed in a namespace of
+    its own, and every function and class of the module replaced by the mutant's (``set_attr``)."""
+    namespace = {"__name__": module.__name__, "__file__": module.__file__}
+    exec(compile(mutated_source(name, inspect.getsource(module)), module.__file__, "exec"), namespace)
+    for key, value in namespace.items():
+        if (inspect.isfunction(value) or inspect.isclass(value)) and getattr(value, "__module__", None) == module.__name__:
+            set_attr(module, key, value)
+
+
+def install_mutant(name: str, set_attr=setattr) -> None:
+    """Mutant ``name`` in this process (``set_attr``: pytest's ``monkeypatch.setattr``)."""
+    import finetune.train
+
+    mutate(finetune.train, name, set_attr)
