@@ -1,0 +1,117 @@
+"""``finetune verify`` attacked: wrong engines (``tests/faults/mutants.py``, one normalisation line of the
+accelerate backend changed) must make it exit 1 naming the ways that depart, in a setting that shows each one
+(the CI variant of ``bench/verify_mutants.py``, whose full table is docs/verify-mutants.md); its premises
+(determinism, item counts) and its positive control where gradients cannot be read."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+import finetune.train
+from faults.mutants import MUTANTS, install_mutant, mutated_source
+from helpers import REPO, fault_env, launch
+from test_verify import SMALL, rows, run_verify
+from finetune import verify
+
+
+def assert_caught(code: int, report: dict, mutant: str) -> None:
+    assert code == 1 and report["verdict"] == "not exact", (mutant, json.dumps(report, indent=1)[-3000:])
+    assert report["not_exact"], report
+
+
+def test_every_mutant_changes_the_loop_where_it_says():
+    source = inspect.getsource(finetune.train)
+    for name, lines in MUTANTS.items():
+        changed = mutated_source(name, source)
+        assert changed != source and all(changed.count(new) == 1 for _, new in lines), name
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        mutated_source("drop-processes", source.replace("N * P / counts.items", "N * P / window_items"))
+
+
+@pytest.mark.parametrize("mutant, recipe, precision", [("partial-under", "bbc-news", "no"),
+                                                        ("partial-over", "bbc-news-clm", "bf16"),
+                                                        ("mean-of-means", "bbc-news-clm", "no")])
+def test_a_wrong_engine_on_one_process_is_caught(tmp_path, monkeypatch, tiny_bert, tiny_llama, mutant, recipe,
+                                                 precision):
+    """A short last window under- or over-weighted, or the mean of the micro-batch means: before verify ended
+    its data inside the K-th window, the first two exited 0 with numbers identical to the clean engine's."""
+    install_mutant(mutant, monkeypatch.setattr)
+    model = tiny_bert if recipe == "bbc-news" else tiny_llama
+    code, report = run_verify(tmp_path, "--recipe", recipe, "--model_name_or_path", model, "--mixed_precision",
+                              precision)
+    assert_caught(code, report, mutant)
+    assert set(report["not_exact"]) >= {"2 x 2", "1 x 4"}  # every split; the Trainer backend is not mutated
+    assert all(r["verdict"] == "exact" for r in rows(report, "engine") if r["micro_batch"] == 4)
+    if mutant.startswith("partial"):  # full windows are right: only the short last one departs
+        split = next(r for r in rows(report, "split") if r["way"] == "1 x 4")
+        assert split["gradient_steps"][1] <= report["tolerance"]["gradients"]
+        assert "step 2's gradients differ" in split["verdict"]
+
+
+@pytest.mark.parametrize("mutant, recipe", [("drop-processes", "bbc-news"), ("own-items", "bbc-news-clm")])
+def test_a_wrong_engine_on_two_processes_is_caught(tmp_path, tiny_bert, tiny_llama, mutant, recipe):
+    """DDP's average not undone: every accelerate way shares it, and only the Trainer rows' gradients show it
+    (before, they compared weights only, and AdamW hid a factor of 1/P). Each process normalising by its own
+    items: only where the processes' items differ (token counts)."""
+    out = tmp_path / "verify"
+    model = tiny_bert if recipe == "bbc-news" else tiny_llama
+    env = {**fault_env(), "FAULT_MUTANT": mutant}
+    result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, "--output_dir", str(out)],
+                    num_processes=2, module="finetune.verify", env=env)
+    report = json.loads((out / "verify.json").read_text())
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_caught(1, report, mutant)
+    if mutant == "drop-processes":
+        assert report["not_exact"] == ["4 x 1, Trainer", "1 x 4, Trainer"]
+        trainer = rows(report, "engine")[0]
+        assert trainer["gradient_difference"] == pytest.approx(1.0, rel=1e-3)  # the reference has half its gradient
+
+
+def test_a_model_that_stays_random_is_inconclusive_and_named(tmp_path, tiny_bert):
+    code, report = run_verify(tmp_path, "--recipe", str(REPO / "tests" / "recipes" / "noisy_news.py"),
+                              "--model_name_or_path", tiny_bert)
+    assert code == 1 and report["verdict"] == "inconclusive"
+    assert report["determinism"]["difference"] > verify.DETERMINISM_TOLERANCE
+    assert report["determinism"]["modules"] == ["classifier.0"]
+    assert report["causes"][0].startswith("not deterministic") and "classifier.0" in report["causes"][0]
+
+
+def _outcome(role, micro, accumulation, *, gradients=None, final=None, items=(8, 4), losses=(1.0, 0.9)):
+    way = verify.Way(role, micro, accumulation)
+    return verify.Outcome(way, losses=list(losses), items=list(items), samples=[8, 4], gradients=gradients,
+                          trainable=["w"], initial={"w": __import__("torch").zeros(2)}, final=final)
+
+
+def test_without_gradients_the_control_is_measured_on_the_weights():
+    """Under DeepSpeed no gradient is read: "exact" then needs the control to move the final weights by 10 x
+    their tolerance (it used to need nothing where no gradients were seen)."""
+    import torch
+
+    reference = _outcome("reference", 4, 1, final={"w": torch.tensor([1.0, 1.0])})
+    floor = _outcome("floor", 4, 1, final={"w": torch.tensor([1.0, 1.0 + 1e-6])})
+    split = _outcome("split", 1, 4, final={"w": torch.tensor([1.0, 1.0 + 1e-6])})
+    weak = _outcome("control", 1, 4, final={"w": torch.tensor([1.0, 1.0 + 2e-6])})
+    report = verify.compare([reference, floor, split, weak], 2, {})
+    assert not report["gradients_compared"] and report["verdict"] == "inconclusive"
+    assert report["control_margin"] < verify.CONTROL_FACTOR
+    strong = _outcome("control", 1, 4, final={"w": torch.tensor([1.0, 1.5])})
+    for o in (floor, split):
+        o.measured = None
+    report = verify.compare([reference, floor, split, strong], 2, {})
+    assert report["verdict"] == "exact" and report["control_margin"] > verify.CONTROL_FACTOR
+
+
+def test_item_counts_that_differ_are_named():
+    import torch
+
+    reference = _outcome("reference", 4, 1, final={"w": torch.tensor([1.0, 1.0])})
+    floor = _outcome("floor", 4, 1, final={"w": torch.tensor([1.0, 1.0])})
+    trainer = _outcome("engine", 4, 1, final={"w": torch.tensor([1.0, 1.0])}, items=(8, 8))
+    control = _outcome("control", 1, 4, final={"w": torch.tensor([1.0, 2.0])})
+    report = verify.compare([reference, floor, trainer, control], 2, {})
+    assert report["verdict"] == "not exact" and report["not_exact"] == ["4 x 1, Trainer"]
+    assert report["causes"][0].startswith("item counts: 4 x 1, Trainer divides step 2's loss by 8 items where the "
+                                          "reference counts 4")
