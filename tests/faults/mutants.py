@@ -12,7 +12,9 @@ division by N and DDP's average over P.
   default, which divides every window's loss by N.
 - ``partial-over``: a short last window scaled up as if it were full (``* N / len(window)``).
 - ``drop-processes``: DDP's average over P not undone (``N / counts.items``): every gradient 1/P.
-- ``own-items``: each process normalises by its own window's items, not every process's.
+- ``own-items``: each process normalises by its own window's items, not every process's (a tensor, as such code
+  would count them: a process whose window holds only repeated rows divides by 0 and gets inf, not an exception
+  on one rank).
 - ``mean-of-means``: each micro-batch's mean loss, divided by N: the mean of the micro-batch means.
 
 Two ways in: ``install_mutant(name, set_attr)`` in this process (``monkeypatch.setattr``, undone after the
@@ -32,7 +34,7 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     "partial-under": [(CORRECT, "scaled = loss_sum * (N * P / counts.items) * (len(window) / N)")],
     "partial-over": [(CORRECT, "scaled = loss_sum * (N * P / counts.items) * (N / len(window))")],
     "drop-processes": [(CORRECT, "scaled = loss_sum * (N / counts.items)")],
-    "own-items": [(COUNT, COUNT + "; own_items = float(sum(task.count(b['labels']) for b in window))"),
+    "own-items": [(COUNT, COUNT + "; own_items = sum(task.count(b['labels']) for b in window)"),
                   (CORRECT, "scaled = loss_sum * (N / own_items)")],
     "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(labels).clamp(min=1)")],
 }
