@@ -83,12 +83,40 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
 class FinetuneTrainer(Trainer):
     """``Trainer`` whose loss is the accelerate engine's (``loss.loss_function``), accounted by
     ``BookkeepingCallback.account`` (Trainer also gets its ``compute_loss_func``, so it neither divides by N nor
-    skips averaging ``num_items_in_batch`` over devices)."""
+    skips averaging ``num_items_in_batch`` over devices), and whose window item count is the task's own
+    (``get_batch_samples``). ``count_items(labels)``: the task's ``count`` (samples, or label tokens)."""
 
-    def __init__(self, account, count_tokens, **kwargs):
+    def __init__(self, account, count_tokens, count_items, **kwargs):
         super().__init__(**kwargs)
-        self.account, self.count_tokens = account, count_tokens
+        self.account, self.count_tokens, self.count_items = account, count_tokens, count_items
         self.micro_batch_loss = None  # set once the Trainer's accelerator exists
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """The window's micro-batches (up to ``num_batches``, fewer at the end of an epoch) and its items over all
+        processes, counted by the task (``count_items``: the accelerate engine's ``train.count_window`` rule), as
+        a 0-d tensor on ``device``; None for an empty window.
+
+        Replaces Trainer's count (transformers 5.24 trainer.py, ``get_batch_samples`` lines 2289-2304 calling
+        ``_get_num_items_in_batch`` lines 2306-2367): it counts ``labels[..., 1:]`` only where
+        ``self._loss_shifts_labels``, i.e. ``LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss`` (lines
+        543-545), and ``loss_type`` comes from a regex over the class name (modeling_utils.py lines 1277-1285), which gives None
+        for ``GPT2LMHeadModel``, ``OpenAIGPTLMHeadModel`` and ``CTRLLMHeadModel``: Trainer then counted every label
+        token (8 rows of 64 tokens: 512 items where the loss sums 504; project issue 25). Summed over the
+        processes as Trainer does under ``average_tokens_across_devices`` (lines 2347-2350, a gather then a sum),
+        which is what ``compute_loss``'s ``loss * num_processes`` (Trainer's lines 2207-2215) presumes: DDP then
+        averages P gradients that are each a sum over 1/P of the window divided by the whole window's items."""
+        batch_samples = []
+        for _ in range(num_batches):  # as Trainer's lines 2295-2301
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batch_samples:
+            return batch_samples, None
+        local = sum(self.count_items(batch["labels"]).to(device) for batch in batch_samples)
+        if self.accelerator.num_processes > 1:
+            local = self.accelerator.reduce(local, "sum")
+        return batch_samples, local
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-batch's loss: ``micro_batch_loss(model, inputs, labels)`` / the window's items."""
@@ -124,8 +152,8 @@ class BookkeepingCallback(TrainerCallback):
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
         """Trainer's ``compute_loss_func``: the micro-batch's summed loss (the task's: samples or label tokens)
-        divided by the window's item count ``num_items_in_batch`` (all processes; Trainer counts it the same
-        way), or by the batch's own items when there is no window."""
+        divided by the window's item count ``num_items_in_batch`` (all processes, counted by the task:
+        ``FinetuneTrainer.get_batch_samples``), or by the batch's own items when there is no window."""
         return self.account(self.task.loss_sum(outputs.logits, labels), labels, num_items_in_batch)
 
     def count_tokens(self, inputs) -> None:
@@ -315,7 +343,7 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         _progress_from_log(Path(config.output_dir) / "log.jsonl", resume_step, progress, config,  # on every rank
                            book.save_steps)
     callback = BookkeepingCallback(config, recipe, task, book, raw_validation)
-    trainer = FinetuneTrainer(callback.account, callback.count_tokens, model=model, args=args,
+    trainer = FinetuneTrainer(callback.account, callback.count_tokens, task.count, model=model, args=args,
                               train_dataset=datasets["train"], eval_dataset=datasets["validation"],
                               data_collator=collator, processing_class=tokenizer,
                               compute_loss_func=callback.compute_loss, callbacks=[callback])
