@@ -41,6 +41,7 @@ class Family:
 
     @property
     def recipe(self) -> str:
+        """The shipped recipe that trains this family's task: ``bbc-news-clm`` or ``bbc-news`` (offline data)."""
         return RECIPE[self.task]
 
 
