@@ -16,6 +16,7 @@ from transformers import set_seed
 
 from finetune.data import (LABEL_COLUMN, check_max_length, load_conversation_files, load_data_files, load_named_dataset,
                            load_tokenizer)
+from finetune.dropout import disable_dropout
 from finetune.errors import FinetuneError
 from finetune.lora import apply_lora
 from finetune.sft import SFT_TASK, check_conversation_rows
@@ -115,13 +116,16 @@ def build_model(config, task, label_names=None, pad_token_id=None, recipe=None):
     its ``pad_token_id`` set from ``pad_token_id`` (the tokenizer's) where the model has none; ``--max_length``
     (``--block_size`` where set, tokens) checked against its position limit; activation checkpointing under
     ``config.activation_checkpointing`` (``enable_activation_checkpointing``); LoRA adapters under
-    ``config.use_peft`` (``lora.apply_lora``). In eval mode, as loaded: the caller sets train mode.
+    ``config.use_peft`` (``lora.apply_lora``); then, under ``config.disable_dropout``, every dropout of the built
+    model off, LoRA's included (``dropout.disable_dropout``: modules, float attributes and config fields, whatever
+    the family names them, checked). In eval mode, as loaded: the caller sets train mode.
 
     ``task``: a task object (``get_task``); ``label_names``: the classifier's labels (None for causal LM).
     The one builder of the model: ``build_components`` (both engines), the planner's probes and
     ``bench/bench_memory.py``; a probe of another lever setting passes a config copy (``dataclasses.replace``).
     Raises ``FinetuneError`` (too long ``--max_length``, LoRA target modules the model lacks,
-    ``--activation_checkpointing_kwargs`` this transformers cannot take) and the loaders' errors.
+    ``--activation_checkpointing_kwargs`` this transformers cannot take, a dropout ``--disable_dropout`` cannot
+    turn off) and the loaders' errors.
     """
     model = getattr(recipe, "build_model", task.load_model)(config, label_names)
     if model.config.pad_token_id is None and pad_token_id is not None:
@@ -135,6 +139,8 @@ def build_model(config, task, label_names=None, pad_token_id=None, recipe=None):
         except ValueError as err:  # e.g. target modules the model does not have
             raise FinetuneError(f"--use_peft: {err} Check --lora_target_modules against the model's module "
                                 "names (or leave it unset for peft's default).") from None
+    if config.disable_dropout:  # last, so LoRA's dropout modules and anything a recipe built are off too
+        disable_dropout(model)
     return model
 
 

@@ -12,6 +12,8 @@ import datasets
 from huggingface_hub import constants, get_session
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from finetune.dropout import disable_dropout as disable_dropout_in_model
+from finetune.dropout import zero_config_dropout
 from finetune.errors import FinetuneError, HubUnreachableError
 from finetune.gguf_model import load_gguf_causal_lm, load_gguf_tokenizer
 
@@ -92,30 +94,27 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def _disable_dropout(config) -> None:
-    for key, value in list(config.to_dict().items()):
-        if "dropout" in key and isinstance(value, float):
-            setattr(config, key, 0.0)
-
-
 def load_causal_lm(name_or_path: str, disable_dropout: bool = False):
     """``AutoModelForCausalLM`` from a hub id, a model directory, or a ``.gguf`` file (de-quantized to
-    fp32 by transformers through the ``gguf`` package). Errors as ``_from_pretrained``; a ``.gguf`` path
+    fp32 by transformers through the ``gguf`` package); ``disable_dropout`` sets every dropout probability of its
+    config to 0 before it is built (``finetune.dropout.zero_config_dropout``; ``build_model`` then turns off the
+    built model's dropout, ``finetune.dropout.disable_dropout``). Errors as ``_from_pretrained``; a ``.gguf`` path
     that does not exist names the command that fetches the default one."""
     if name_or_path.endswith(".gguf"):
         model, _ = load_gguf_causal_lm(name_or_path)
         if disable_dropout:
-            _disable_dropout(model.config)  # Llama-style models read attention_dropout at call time
+            disable_dropout_in_model(model)  # built already: its modules, attributes and config
         return model
     config = _from_pretrained(AutoConfig, name_or_path)
     if disable_dropout:
-        _disable_dropout(config)
+        zero_config_dropout(config)
     return _from_pretrained(AutoModelForCausalLM, name_or_path, config=config)
 
 
 def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: bool = False):
     """``AutoModelForSequenceClassification`` with ``len(label_names)`` named outputs (``config.id2label``);
-    ``disable_dropout`` sets every ``*dropout*`` probability to 0. Errors as ``_from_pretrained``."""
+    ``disable_dropout`` sets every dropout probability of the config to 0 (``*dropout*``, ``*_pdrop``, ...:
+    ``finetune.dropout.zero_config_dropout``). Errors as ``_from_pretrained``."""
     config = _from_pretrained(
         AutoConfig,
         name_or_path,
@@ -124,7 +123,7 @@ def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: 
         label2id={name: i for i, name in enumerate(label_names)},
     )
     if disable_dropout:
-        _disable_dropout(config)
+        zero_config_dropout(config)
     return _from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config)
 
 

@@ -106,7 +106,9 @@ def _hyperparameters(config, metrics: dict) -> list[tuple[str, object]]:
         ("optimizer", f"AdamW (betas {config.adam_beta1}, {config.adam_beta2}; eps {config.adam_epsilon})"),
         ("max_length (tokens, truncation)", config.max_length), ("seed", config.seed),
         ("training engine", metrics.get("backend")),
-        ("dropout", config.disable_dropout and "disabled (--disable_dropout)"),
+        # a run with --disable_dropout trains only once every dropout is checked off (dropout.disable_dropout raises)
+        ("dropout", config.disable_dropout and "off (--disable_dropout: every dropout module and probability set "
+                                               "to 0, checked)"),
         ("skipped optimizer steps (fp16 overflow)", metrics.get("skipped_optimizer_steps") or None)]
 
 

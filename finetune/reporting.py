@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from finetune.config import config_argv, reproduce_command
+from finetune.dropout import dropout_left
 from finetune.engine import parameter_counts
 from finetune.flops import peak_flops, training_flops_per_token
 from finetune.model_card import write_model_card
@@ -23,7 +24,8 @@ from finetune.precision import PRECISION_NAMES
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
     """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
     processes, in samples), the optimizer steps (``plan``: a ``steps.StepPlan``), and the precision
-    that really runs, with a plain note when it is not the one requested (fp16 on a CPU)."""
+    that really runs, with a plain note when it is not the one requested (fp16 on a CPU); under
+    ``--disable_dropout``, whether ``model`` really has no dropout left (``dropout.dropout_left``)."""
     n = config.gradient_accumulation_steps
     effective = config.per_device_train_batch_size * n * num_processes
     options = [name for name, on in (("torch.compile (inductor)", config.torch_compile),
@@ -42,6 +44,11 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
     if precision != config.mixed_precision:
         text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")
+    if config.disable_dropout:  # said only when it is so: checked on the model as it will train
+        left = dropout_left(model) if model is not None else None
+        text += ("\nDropout: off (--disable_dropout; checked: no dropout module, attribute or config probability "
+                 "above 0)" if left == [] else "\nDropout: --disable_dropout asked, but " +
+                 ("the model was not checked" if left is None else f"still on: {', '.join(left[:5])}"))
     return text
 
 

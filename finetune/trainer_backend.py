@@ -84,7 +84,8 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
 class FinetuneTrainer(Trainer):
     """``Trainer`` whose loss is the accelerate engine's (``loss.loss_function``), accounted by
     ``BookkeepingCallback.account`` (Trainer also gets its ``compute_loss_func``, so it neither divides by N nor
-    skips averaging ``num_items_in_batch`` over devices)."""
+    skips averaging ``num_items_in_batch`` over devices), and whose window item count is the task's own
+    (``get_batch_samples``)."""
 
     def __init__(self, account, count_tokens, task, steps_per_epoch: int, begin_window, **kwargs):
         super().__init__(**kwargs)
@@ -93,12 +94,20 @@ class FinetuneTrainer(Trainer):
         self.micro_batch_loss = None  # set once the Trainer's accelerator exists
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The window's micro-batches and their items, as the accelerate backend counts them: rows that repeat
-        samples at the epoch's end (``sampling.mask_repeats``) get ``IGNORE_INDEX`` labels, and the items are
-        the task's own count (``task.count``: a classifier's samples, a causal LM's shifted label tokens) summed
-        over the window and every process. Trainer's own count (transformers 5.24 ``trainer.py``
-        ``_get_num_items_in_batch``) counts every row, and shifts labels only for classes whose name its
-        ``loss_type`` regex knows (``GPT2LMHeadModel`` is not one of them)."""
+        """The window's micro-batches (up to ``num_batches``, fewer at the end of an epoch) and its items over
+        all processes as the accelerate backend counts them (``train.count_window``), a 0-d tensor on ``device``
+        (None for an empty window): rows that repeat samples at the epoch's end (``sampling.mask_repeats``) get
+        ``IGNORE_INDEX`` labels, and the items are the task's own count (``task.count``: a classifier's samples,
+        a causal LM's shifted label tokens).
+
+        Replaces Trainer's count (transformers 5.24 trainer.py, ``get_batch_samples`` lines 2289-2304 calling
+        ``_get_num_items_in_batch`` lines 2306-2367): it counts every row, and ``labels[..., 1:]`` only where
+        ``self._loss_shifts_labels``, i.e. ``LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss`` (lines
+        543-545), and ``loss_type`` comes from a regex over the class name (modeling_utils.py lines 1277-1285),
+        which gives None for ``GPT2LMHeadModel``, ``OpenAIGPTLMHeadModel`` and ``CTRLLMHeadModel`` (8 rows of 64
+        tokens: 512 items where the loss sums 504). Summed over the processes as Trainer does under
+        ``average_tokens_across_devices`` (lines 2347-2350), which ``compute_loss``'s ``loss * num_processes``
+        presumes."""
         batches = []
         for _ in range(num_batches):
             try:
@@ -152,8 +161,8 @@ class BookkeepingCallback(TrainerCallback):
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
         """Trainer's ``compute_loss_func``: the micro-batch's summed loss (the task's: samples or label tokens)
-        divided by the window's item count ``num_items_in_batch`` (all processes; Trainer counts it the same
-        way), or by the batch's own items when there is no window."""
+        divided by the window's item count ``num_items_in_batch`` (all processes, counted by the task:
+        ``FinetuneTrainer.get_batch_samples``), or by the batch's own items when there is no window."""
         return self.account(self.task.loss_sum(outputs.logits, labels), labels, num_items_in_batch)
 
     def count_tokens(self, inputs) -> None:

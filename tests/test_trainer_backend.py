@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from finetune.config import TrainConfig, parse_config
 from finetune.trainer_backend import training_arguments
@@ -130,3 +131,32 @@ def test_both_engines_keep_the_same_records_on_the_same_cadence(tmp_path, tiny_b
         assert x.get("loss", x.get("eval_loss")) == pytest.approx(y.get("loss", y.get("eval_loss")), abs=1e-4)
     assert acc_metrics["optimizer_steps"] == tr_metrics["optimizer_steps"]
     assert acc_metrics["best_step"] == tr_metrics["best_step"]
+
+
+def test_trainer_counts_gpt2_items_by_the_task_not_by_the_class_name(tmp_path):
+    """GPT2LMHeadModel's ``loss_type`` is None (transformers 5.24 guesses it from the class name), so Trainer's
+    own ``num_items_in_batch`` counted every label token, position 0 included: 8 rows of 64 tokens gave 512 items
+    where the loss sums 504, and the Trainer backend trained and logged 504/512 of the loss. Counted by the task
+    (``FinetuneTrainer.get_batch_samples``), both backends log the same loss and items and train the same weights.
+    Fails before the fix (items 512 vs 504, loss 10.6219 vs 10.7905 in project issue 25)."""
+    from families import build
+    from helpers import load_params
+
+    model = build("gpt2", tmp_path / "gpt2")
+    # --block_size 64: every row has 64 tokens, no padding, so each window of 4 x 2 = 8 rows has 8 x 63 = 504 items
+    kw = dict(recipe="bbc-news-clm", model_name_or_path=model, max_train_samples=48, max_eval_samples=4,
+              per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3, block_size=64,
+              max_length=64, disable_dropout=True, learning_rate=1e-3, warmup_steps=0, eval_strategy="no",
+              mixed_precision="no")
+    _, acc = run_in_process(tmp_path, "accelerate", **kw)
+    _, tr = run_in_process(tmp_path, "trainer", backend="trainer", **kw)
+    a, t = train_steps(acc), train_steps(tr)
+    assert len(a) == len(t) == 3
+    assert [r["trained_tokens"] for r in a] == [r["trained_tokens"] for r in t] == [504, 504, 504]
+    for x, y in zip(a, t):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["trainer_logged_loss"] == pytest.approx(x["loss"], rel=1e-5)  # what Trainer itself logged
+    ours, theirs = load_params(acc), load_params(tr)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-7, msg=name)

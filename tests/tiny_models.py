@@ -102,9 +102,15 @@ SMOLLM2_CHAT_TEMPLATE = (
 
 
 def build_tiny_chat_llama(path: Path) -> Path:
-    """Save a 2-layer, 32-wide Llama (random weights, seed 0) with a tiny chat tokenizer to ``path``.
+    """Save a 2-layer, 32-wide Llama (random weights, seed 0) with a tiny chat tokenizer
+    (``smollm2_like_tokenizer``) to ``path``."""
+    tokenizer = smollm2_like_tokenizer()
+    return _save_tiny_llama(path, tokenizer, len(tokenizer), bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id,
+                            max_positions=512)
 
-    The tokenizer is shaped like SmolLM2-135M-Instruct's: byte-level BPE (here ~400 tokens, trained in
+
+def smollm2_like_tokenizer() -> PreTrainedTokenizerFast:
+    """A tiny chat tokenizer shaped like SmolLM2-135M-Instruct's: byte-level BPE (here ~400 tokens, trained in
     memory on a few sentences, so it encodes any text), special tokens ``<|endoftext|>`` (0, unk),
     ``<|im_start|>`` (1, bos), ``<|im_end|>`` (2, eos and pad), no token added around texts, and
     SmolLM2's own chat template (``SMOLLM2_CHAT_TEMPLATE``: default system prompt, ``"\\n"`` after
@@ -123,5 +129,4 @@ def build_tiny_chat_llama(path: Path) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>", bos_token="<|im_start|>",
                                         eos_token="<|im_end|>", pad_token="<|im_end|>")
     tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
-    return _save_tiny_llama(path, tokenizer, len(tokenizer), bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id,
-                            max_positions=512)
+    return tokenizer
