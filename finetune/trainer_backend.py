@@ -21,6 +21,7 @@ from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
+from finetune.hub import HubCallback
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
 from finetune.preemption import SaveBudget
@@ -286,10 +287,10 @@ def _progress_from_log(path: Path, step: int, progress: ckpt.RunProgress, config
     progress.step = step
 
 
-def train(config, recipe, process_start: float | None = None) -> dict:
+def train(config, recipe, process_start: float | None = None, hub=None) -> dict:
     """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate engine
     (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``, model card); return the metrics.
-    Units as in ``finetune.train.train``."""
+    Units as in ``finetune.train.train``; ``hub`` (a ``finetune.hub.HubPush`` or None) as there."""
     args = training_arguments(config)
     layout = distributed.plan_storage(args.distributed_state, config.output_dir)
     args.save_on_each_node = layout.per_machine  # each machine's local main process keeps its own copy
@@ -318,7 +319,8 @@ def train(config, recipe, process_start: float | None = None) -> dict:
     trainer = FinetuneTrainer(callback.account, callback.count_tokens, model=model, args=args,
                               train_dataset=datasets["train"], eval_dataset=datasets["validation"],
                               data_collator=collator, processing_class=tokenizer,
-                              compute_loss_func=callback.compute_loss, callbacks=[callback])
+                              compute_loss_func=callback.compute_loss,
+                              callbacks=[callback] + ([HubCallback(hub)] if hub is not None else []))
     callback.trainer = trainer
     trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
     # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets
@@ -340,6 +342,8 @@ def train(config, recipe, process_start: float | None = None) -> dict:
         if resume_from is not None:
             metrics["resumed_from"] = resume_from
         write_outputs(engine, trainer.model_wrapped, tokenizer, config, recipe, metrics, writes=layout.writes)
+        if hub is not None:
+            hub.at_end(config.output_dir)
     finally:
         book.close()
         for callback in trainer.callback_handler.callbacks:  # an error line must start on a line of its own
