@@ -14,6 +14,7 @@ token, a token that cannot write there) is refused by ``prepare`` before trainin
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -187,16 +188,33 @@ class HubPush:
         except Exception as err:  # noqa: BLE001 - an upload never stops the training
             self._warn(f"pushing step {step}'s checkpoint", err)
 
+    def _point_card_at_the_hub(self, output_dir: Path) -> None:
+        """Write the model card again with its usage snippets loading from ``repo_id`` (as Trainer's card names
+        ``hub_model_id``), from the run's own ``run_config.json`` and ``metrics.json`` (the config as it ran, after
+        the batch planner). A failure keeps the card as it was (a warning)."""
+        from finetune.config import TrainConfig
+        from finetune.recipes import load_recipe
+        from finetune.reporting import write_card
+
+        try:
+            config = TrainConfig(**json.loads((output_dir / "run_config.json").read_text()))
+            metrics = json.loads((output_dir / "metrics.json").read_text())
+            write_card(output_dir, config, load_recipe(config.recipe), metrics, hub_repo_id=self.repo_id)
+        except Exception as err:  # noqa: BLE001 - the card written by the run stays
+            tqdm.write(f"warning: the model card could not name {self.repo_id} ({type(err).__name__}: {err}); it "
+                       "is pushed as the run wrote it.", file=sys.stderr)
+
     def at_end(self, output_dir) -> str | None:
-        """After the final outputs: wait for the background uploads, then upload ``output_dir`` without its
-        checkpoints (``END_IGNORE``), "End of training", and print where it went. Returns the commit URL, or None
-        after a failure (warned). Never raises."""
+        """After the final outputs: wait for the background uploads, write the model card with the repository in
+        its usage snippets, then upload ``output_dir`` without its checkpoints (``END_IGNORE``), "End of training",
+        and print where it went. Returns the commit URL, or None after a failure (warned). Never raises."""
         for job in self.pending:
             try:
                 job.result()
             except Exception as err:  # noqa: BLE001
                 self._warn("a background upload", err, after="the run is finished")
         self.pending = []
+        self._point_card_at_the_hub(Path(output_dir))
         try:
             if not self.repo_queued:
                 self.api.create_repo(self.repo_id, private=self.config.hub_private_repo, exist_ok=True)

@@ -154,16 +154,19 @@ def _results_and_speed(metrics: dict, task: str) -> tuple[str, str]:
     return results, (_table(speed, ("metric", "value")) + where) if speed else "Not recorded."
 
 
-def _usage(path: str, task: str, example: str) -> str:
-    """Python and command-line snippets that load the saved model from ``path`` and run it on ``example``."""
+def _usage(path: str, task: str, example: str, hub_repo_id: str | None = None) -> str:
+    """Python and command-line snippets that load the saved model from ``path`` (or from the Hub repository
+    ``hub_repo_id``, downloaded for ``finetune predict``, which takes a local directory) and run it on ``example``."""
     auto = "AutoModelForCausalLM" if task == "text-generation" else "AutoModelForSequenceClassification"
     call = f"{json.dumps(example)}, max_new_tokens=40, do_sample=False" if task == "text-generation" \
         else json.dumps(example)
-    p = json.dumps(path)
+    p = json.dumps(hub_repo_id or path)
+    local = hub_repo_id.split("/")[-1] if hub_repo_id else path
+    fetch = f"hf download {hub_repo_id} --local-dir {shlex.quote(local)}\n" if hub_repo_id else ""
     return (f"```python\nfrom transformers import {auto}, AutoTokenizer, pipeline\n\n"
             f'pipe = pipeline("{task}", model={p})\nprint(pipe({call}))\n\n'
             f"tokenizer = AutoTokenizer.from_pretrained({p})\nmodel = {auto}.from_pretrained({p})\n```\n\n"
-            f"Or from the command line:\n\n```bash\nfinetune predict --model {shlex.quote(path)} "
+            f"Or from the command line:\n\n```bash\n{fetch}finetune predict --model {shlex.quote(local)} "
             f'"some text"\n```')
 
 
@@ -240,10 +243,13 @@ def _run_config(config, output_dir: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the card
-def render_model_card(config, metrics: dict, recipe, command: str, output_dir=None) -> str:
+def render_model_card(config, metrics: dict, recipe, command: str, output_dir=None,
+                      hub_repo_id: str | None = None) -> str:
     """The model card's text (``str`` of a ``huggingface_hub.ModelCard``): YAML metadata, then Markdown; writes
     nothing. ``output_dir`` (default ``config.output_dir``): the model's name, snippets' path, label names, and
     what the run left there: the evaluations of ``log.jsonl``, TensorBoard's event files, ``run_config.json``.
+    ``hub_repo_id``: the Hub repository the model is pushed to (``--push_to_hub``): named under the title, and the
+    usage snippets load from it.
     Raises ``ValueError`` (``huggingface_hub``) for invalid metadata, ``AttributeError`` if ``config`` lacks a
     ``TrainConfig`` field."""
     output_dir = Path(output_dir if output_dir is not None else config.output_dir)
@@ -271,7 +277,7 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
         "Data": _data(config, metrics, recipe, labels),
         "Training hyperparameters": _table(_hyperparameters(config, metrics)),
         "Precision": _precision(config, metrics), "Evaluation results": results, "Training speed": speed,
-        "Reproduce": f"```bash\n{command}\n```", "Usage": _usage(str(output_dir), task, example)}
+        "Reproduce": f"```bash\n{command}\n```", "Usage": _usage(str(output_dir), task, example, hub_repo_id)}
     samples = _generations(output_dir)
     if samples:
         sections["Sample generations"] = samples
@@ -286,19 +292,22 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
     sections["Run configuration"] = _run_config(config, output_dir)
     body = (f"\n# {model_name}\n\n`{base}`{where} fine-tuned for {task} with finetune (Hugging Face Accelerate, exact "
             f"gradient accumulation) on the `{recipe_name}` recipe.\n\n"
+            + (f"On the Hugging Face Hub: [{hub_repo_id}](https://huggingface.co/{hub_repo_id}).\n\n"
+               if hub_repo_id else "")
             + "\n\n".join(f"## {title}\n\n{text}" for title, text in sections.items()) + "\n")
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
-def write_model_card(output_dir, config, metrics: dict, recipe, command: str) -> Path:
+def write_model_card(output_dir, config, metrics: dict, recipe, command: str, hub_repo_id: str | None = None) -> Path:
     """Write the model card to ``output_dir/README.md`` (overwriting it) and return that path.
     ``metrics``: what ``train()`` returns (batch sizes in samples, runtimes in s, ``peak_memory_bytes``; a missing
     key falls back to ``config`` or is left out). ``recipe``: the recipe module; ``command``: the reproduce line,
     verbatim. Metadata: ``base_model`` only for a hub id, ``datasets`` only for a hub dataset, one ``EvalResult``
-    per finite quality metric (see docs/design-notes.md#model_card). Raises ``OSError`` if the directory cannot
-    be written, and what ``render_model_card`` raises."""
+    per finite quality metric (see docs/design-notes.md#model_card); ``hub_repo_id`` as ``render_model_card``.
+    Raises ``OSError`` if the directory cannot be written, and what ``render_model_card`` raises."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / "README.md"
-    path.write_text(render_model_card(config, metrics, recipe, command, output_dir=output_dir), encoding="utf-8")
+    path.write_text(render_model_card(config, metrics, recipe, command, output_dir=output_dir,
+                                      hub_repo_id=hub_repo_id), encoding="utf-8")
     return path

@@ -6,6 +6,7 @@ leaves the run finished and its folder intact."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from pathlib import Path
@@ -107,6 +108,9 @@ def test_bad_flags_are_refused_by_validate(tmp_path):
                            "a/b/c"])
     with pytest.raises(FinetuneError, match="'a/b/c' is not a Hub repository id"):
         config.validate()
+    config = parse_config(["--recipe", "bbc-news", "--output_dir", str(tmp_path), "--push_to_hub", "--compare"])
+    with pytest.raises(FinetuneError, match="--push_to_hub with --compare: a comparison writes two runs"):
+        config.validate()
 
 
 # ------------------------------------------------------------------------------------------ HubPush on its own
@@ -190,6 +194,13 @@ def test_checkpoint_strategy_uploads_after_each_save_and_at_the_end(tmp_path, ti
     assert end == {name for name in _files(out) if not name.startswith("checkpoints/step_")}
     assert {"README.md", "metrics.json", "log.jsonl", "run_config.json", "model.safetensors"} <= end
     assert json.loads((out / "run_config.json").read_text())["hub_strategy"] == "checkpoint"
+    # the card pushed is the one that loads from the repository (as Trainer's names hub_model_id)
+    card = (out / "README.md").read_text()
+    assert uploads[4]["sha256"]["README.md"] == hashlib.sha256(card.encode()).hexdigest()
+    assert "On the Hugging Face Hub: [tester/pushed](https://huggingface.co/tester/pushed)." in card
+    assert 'pipeline("text-classification", model="tester/pushed")' in card
+    assert "hf download tester/pushed --local-dir pushed\nfinetune predict --model pushed" in card
+    assert "| `eval_accuracy` |" in card and "--push_to_hub" in card  # the rest as the run wrote it
 
 
 def test_an_upload_error_leaves_the_run_finished_and_its_folder_intact(tmp_path, tiny_bert, fake_api, capsys):
