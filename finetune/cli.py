@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.launch import VERIFY_MODULE, train_command  # lazy: see the module docstring
 
         return train_command(rest, module=VERIFY_MODULE)
-    print(f"error: unknown command {command!r}. Commands: train, recipes, env, predict, compare, verify, plan, check-data "
-          "(finetune --help).",
+    print(f"error: unknown command {command!r}. Commands: train, recipes, env, predict, compare, verify, plan, "
+          "check-data (finetune --help).",
           file=sys.stderr)
     return 2
 

@@ -69,7 +69,8 @@ class FakeHfApi(HfApi):
 
     def create_repo(self, repo_id: str, *, token=None, private=None, visibility=None, repo_type=None,
                     exist_ok: bool = False, **space_options) -> RepoUrl:
-        self._record("create_repo", repo_id=repo_id, private=private, exist_ok=exist_ok, thread=threading.current_thread().name)
+        self._record("create_repo", repo_id=repo_id, private=private, exist_ok=exist_ok,
+                     thread=threading.current_thread().name)
         if repo_id in self.repos and not exist_ok:
             raise http_error(409, "You already created this model repo", "/api/repos/create")
         self.repos.add(repo_id)

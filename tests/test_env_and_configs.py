@@ -173,8 +173,19 @@ def test_copy_never_overwrites(tmp_path, capsys):
                    "first."]
     assert dest.read_text() == "# my own recipe\n"
     assert copy_recipe("glue-mrpc", str(tmp_path)) == tmp_path / "glue_mrpc.py"  # a folder: the file inside it
-    for args, message in ((["nope"], "unknown recipe 'nope'"), (["bbc-news", str(tmp_path / "x.txt")], "does not end in .py"),
+    for args, message in ((["nope"], "unknown recipe 'nope'"),
+                          (["bbc-news", str(tmp_path / "x.txt")], "does not end in .py"),
                           (["bbc-news", str(tmp_path / "no" / "x.py")], "does not exist")):
         assert cli_main(["recipes", "--copy", *args]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "x.txt").exists() and not (tmp_path / "no").exists()
+
+
+def test_both_spellings_of_the_flag_are_resolved_and_other_flags_kept(tmp_path, monkeypatch):
+    from finetune.launch_configs import resolve_config_flag
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_flag(["--num_processes", "2", "--config_file", "multi_gpu", "--multi_gpu"]) == [
+        "--num_processes", "2", "--config_file", str(CONFIGS / "multi_gpu.yaml"), "--multi_gpu"]
+    assert resolve_config_flag(["--config_file=deepspeed_zero3.yaml"]) == [
+        f"--config_file={CONFIGS / 'deepspeed_zero3.yaml'}"]
