@@ -88,8 +88,9 @@ def prepare(config, api: HfApi | None = None, timeout_s: float = WHOAMI_TIMEOUT_
     is set (``huggingface_hub.get_token``: ``HF_TOKEN``, then ``hf auth login``'s file), the Hub does not answer
     ``whoami`` within ``timeout_s`` seconds or refuses the token, the token is read-only, or the repository's
     namespace is neither the token's user nor one of its organisations."""
-    if not config.push_to_hub or not _is_main_process():
+    if not config.push_to_hub:
         return None
+    # offline mode and the token: the same answer on every process (each says it, as one error); the Hub: rank 0
     later = f"or drop --push_to_hub (upload {config.output_dir} later with `hf upload REPO {config.output_dir}`)"
     if constants.is_offline_mode():
         raise FinetuneError("--push_to_hub needs the Hugging Face Hub, and offline mode is on (HF_HUB_OFFLINE or "
@@ -99,6 +100,8 @@ def prepare(config, api: HfApi | None = None, timeout_s: float = WHOAMI_TIMEOUT_
     if token is None:
         raise FinetuneError(f"--push_to_hub needs a Hugging Face token with write access, and none is set. Run `hf "
                             f"auth login` or set HF_TOKEN, {later}.")
+    if not _is_main_process():
+        return None
     try:
         who = _whoami(api, token, timeout_s)
     except HfHubHTTPError as err:

@@ -233,3 +233,16 @@ def test_trainer_backend_every_save_uploads_after_each_checkpoint(tmp_path, tiny
     assert {u["repo_id"] for u in uploads} == {"tester/bbc-trainer"}
     assert "model.safetensors" in uploads[0]["files"] and "optimizer.pt" not in uploads[0]["files"]
     assert not any(name.startswith("checkpoints/checkpoint-") for name in uploads[2]["files"])
+
+
+def test_other_ranks_check_offline_and_token_alike_and_ask_the_hub_nothing(tmp_path, online, monkeypatch):
+    """Rank 1 of a launch: the local checks give every process the same error (so ``distributed.agree`` reports it
+    once, as it is); only rank 0 asks the Hub and pushes."""
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(FinetuneError, match="needs a Hugging Face token"):
+        hub.prepare(config_for(tmp_path), api=FakeHfApi(token=None))
+    api = FakeHfApi()
+    assert hub.prepare(config_for(tmp_path), api=api) is None and api.calls == []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FinetuneError, match="offline mode is on"):
+        hub.prepare(config_for(tmp_path), api=api)
