@@ -1,7 +1,8 @@
 """The ``finetune`` console command (``pip install .`` puts it on the PATH; works from any directory).
 
     finetune train [accelerate launcher flags] --recipe NAME [training flags]
-    finetune recipes
+    finetune recipes [--copy NAME [DEST]]
+    finetune env
     finetune predict --model DIR TEXT ...
     finetune compare --recipe NAME [training flags]
     finetune verify [accelerate launcher flags] --recipe NAME [training flags] [--verify_steps K]
@@ -24,7 +25,10 @@ commands:
   train     train a recipe: finetune train --recipe bbc-news [flags]. Takes Accelerate's launcher flags
             (--config_file FILE, --num_processes N, --multi_gpu, --num_machines, --machine_rank, ...) and the
             training flags (finetune train --help); passes SIGTERM/SIGINT on to the training processes
-  recipes   list the recipes
+  recipes   list the recipes and the shipped Accelerate configs (--config_file NAME takes one by name);
+            finetune recipes --copy NAME [DEST] writes recipe NAME to DEST (default ./<name>.py) to edit and run
+            with --recipe DEST
+  env       this machine's versions, CPU, GPUs and Accelerate config, to paste into an issue
   predict   predict with a trained model: finetune predict --model DIR "some text" (finetune predict --help)
   compare   run the accelerate and Trainer engines side by side: finetune compare --recipe NAME [flags]
   verify    prove that accumulation trains what the large batch trains, on this model, precision, engine and
@@ -35,6 +39,31 @@ commands:
             marked, lengths, truncation, padding, labels, and problems (leakage between the splits, empty
             completions, an untrained end-of-turn token); exit 1 on a problem that makes the run wrong
 """
+
+
+def recipes_command(argv: list[str]) -> int:
+    """``finetune recipes``: the recipes and the shipped Accelerate configs; ``--copy NAME [DEST]``: the recipe's file
+    written to DEST (``recipes.copy_recipe``). Returns the exit code (2, with one ``error:`` line, for bad input)."""
+    from finetune.errors import FinetuneError
+    from finetune.launch_configs import list_configs  # lazy, and light: no torch
+    from finetune.recipes import copy_recipe, list_recipes
+
+    if not argv:
+        print(list_recipes())
+        print("\nAccelerate configs (finetune train --config_file NAME [flags]; or a path to your own):\n")
+        print(list_configs())
+        return 0
+    if argv[0] != "--copy" or len(argv) not in (2, 3):
+        print(f"error: finetune recipes takes no arguments, or --copy NAME [DEST]; got {' '.join(argv)!r}.",
+              file=sys.stderr)
+        return 2
+    try:
+        path = copy_recipe(argv[1], argv[2] if len(argv) == 3 else None)
+    except FinetuneError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    print(f"wrote {path}: edit it, then run it with: finetune train --recipe {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_command(rest)
     if command == "recipes":
-        from finetune.recipes import list_recipes  # lazy: `finetune --help` and `recipes` start without torch
+        return recipes_command(rest)
+    if command == "env":
+        from finetune.env import main as env_main  # lazy: see the module docstring
 
-        print(list_recipes())
-        return 0
+        return env_main(rest)
     if command == "predict":
         from finetune.predict import main as predict_main  # lazy: `finetune --help` and `recipes` start without torch
 
@@ -88,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.launch import VERIFY_MODULE, train_command  # lazy: see the module docstring
 
         return train_command(rest, module=VERIFY_MODULE)
-    print(f"error: unknown command {command!r}. Commands: train, recipes, predict, compare, verify, plan, check-data (finetune --help).",
+    print(f"error: unknown command {command!r}. Commands: train, recipes, env, predict, compare, verify, plan, "
+          "check-data (finetune --help).",
           file=sys.stderr)
     return 2
 

@@ -206,6 +206,26 @@ class TrainConfig:
     report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = field(
         default="none", metadata={"help": "Experiment tracking through Accelerate's trackers (TensorBoard works offline)."}
     )
+    push_to_hub: bool = field(
+        default=False, metadata={"help": "Upload the model directory to the Hugging Face Hub (huggingface_hub's HfApi, "
+                                         "main process only): at the end, and per --hub_strategy after checkpoints. "
+                                         "Needs a token (`hf auth login` or HF_TOKEN); checked before training."}
+    )
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "The Hub repository (TrainingArguments' name): 'name' (your namespace) or "
+                                        "'org/name'. Default: <your user>/<the --output_dir folder's name>."}
+    )
+    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = field(
+        default="every_save", metadata={"help": "What to push and when, as TrainingArguments: 'end' (the final model "
+                                                "only), 'every_save' (also the model of every checkpoint, in the "
+                                                "background), 'checkpoint' (and the newest checkpoint in "
+                                                "last-checkpoint/, to resume from), 'all_checkpoints' (each one in "
+                                                "its own folder)."}
+    )
+    hub_private_repo: bool | None = field(
+        default=None, metadata={"help": "Create the repository private (default: public unless the organisation's "
+                                        "default is private; ignored if the repository exists)."}
+    )
     train_sampling_strategy: Literal["random", "group_by_length"] = field(
         default="random",
         metadata={"help": "Training order (TrainingArguments name): 'random', or 'group_by_length' (shuffled, then "
@@ -421,6 +441,20 @@ class TrainConfig:
             raise FinetuneError("--merge_adapter needs --use_peft (there is no adapter to merge otherwise).")
         if self.validation_file and not self.train_file:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
+        if self.hub_model_id is not None and not self.push_to_hub:
+            raise FinetuneError("--hub_model_id is used only with --push_to_hub: add --push_to_hub, or drop "
+                                "--hub_model_id.")
+        if self.push_to_hub and self.compare:
+            raise FinetuneError("--push_to_hub with --compare: a comparison writes two runs, not one model. Drop "
+                                "--push_to_hub, and push the run you keep with --push_to_hub on its own.")
+        if self.hub_model_id is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(self.hub_model_id)
+            except HFValidationError as err:
+                raise FinetuneError(f"--hub_model_id {self.hub_model_id!r} is not a Hub repository id ({err}). "
+                                    "Use 'name' or 'org/name'.") from None
         if self.dataset_name and self.train_file:
             raise FinetuneError("--dataset_name and --train_file both name the training data: pass one of them.")
         object.__setattr__(self, "_read_only", True)  # not a field: copies (dataclasses.replace) start writable

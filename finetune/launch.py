@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from finetune.config import TrainConfig, check_grace_seconds
 from finetune.engine import launcher_spawns_processes
 from finetune.errors import FinetuneError
+from finetune.launch_configs import resolve_config_flag
 
 TRAINING_MODULE = "finetune.run"
 VERIFY_MODULE = "finetune.verify"
@@ -108,6 +109,7 @@ def train_command(argv: list[str], module: str = TRAINING_MODULE) -> int:
     launcher, training = split_argv(argv)
     try:
         grace = grace_seconds(training)
+        launcher = resolve_config_flag(launcher)  # --config_file multi_gpu: a shipped config, by name
     except FinetuneError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

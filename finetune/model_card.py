@@ -4,18 +4,26 @@ trained, on what, how (as it ran), how well, and the command that reproduces it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
+import os
+import platform
 import re
 import shlex
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from finetune import __version__
 from finetune.precision import PRECISION_NAMES
 
 # eval_* keys that describe the evaluation run, not the model's quality: in the body's table, not in eval_results
 _EVAL_BOOKKEEPING = {"eval_samples", "eval_tokens", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
+# (name in the card, distribution): the versions a run's card records, as TRL's lm_model_card.md does
+FRAMEWORKS = (("PyTorch", "torch"), ("Transformers", "transformers"), ("Accelerate", "accelerate"),
+              ("Datasets", "datasets"), ("Tokenizers", "tokenizers"), ("huggingface_hub", "huggingface_hub"),
+              ("PEFT", "peft"), ("DeepSpeed", "deepspeed"))
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
@@ -148,16 +156,19 @@ def _results_and_speed(metrics: dict, task: str) -> tuple[str, str]:
     return results, (_table(speed, ("metric", "value")) + where) if speed else "Not recorded."
 
 
-def _usage(path: str, task: str, example: str) -> str:
-    """Python and command-line snippets that load the saved model from ``path`` and run it on ``example``."""
+def _usage(path: str, task: str, example: str, hub_repo_id: str | None = None) -> str:
+    """Python and command-line snippets that load the saved model from ``path`` (or from the Hub repository
+    ``hub_repo_id``, downloaded for ``finetune predict``, which takes a local directory) and run it on ``example``."""
     auto = "AutoModelForCausalLM" if task == "text-generation" else "AutoModelForSequenceClassification"
     call = f"{json.dumps(example)}, max_new_tokens=40, do_sample=False" if task == "text-generation" \
         else json.dumps(example)
-    p = json.dumps(path)
+    p = json.dumps(hub_repo_id or path)
+    local = hub_repo_id.split("/")[-1] if hub_repo_id else path
+    fetch = f"hf download {hub_repo_id} --local-dir {shlex.quote(local)}\n" if hub_repo_id else ""
     return (f"```python\nfrom transformers import {auto}, AutoTokenizer, pipeline\n\n"
             f'pipe = pipeline("{task}", model={p})\nprint(pipe({call}))\n\n'
             f"tokenizer = AutoTokenizer.from_pretrained({p})\nmodel = {auto}.from_pretrained({p})\n```\n\n"
-            f"Or from the command line:\n\n```bash\nfinetune predict --model {shlex.quote(path)} "
+            f"Or from the command line:\n\n```bash\n{fetch}finetune predict --model {shlex.quote(local)} "
             f'"some text"\n```')
 
 
@@ -173,10 +184,74 @@ def _generations(output_dir: Path, count: int = 5) -> str:
                       *(f"| {cell(r['generated'])} | {cell(r['reference'])} |" for r in rows)])
 
 
+def framework_versions() -> list[tuple[str, str]]:
+    """(name, version) of Python, finetune and each of ``FRAMEWORKS`` that is installed (``importlib.metadata``;
+    one that is not, DeepSpeed on a CPU machine say, is left out)."""
+    versions = [("Python", platform.python_version()), ("finetune", __version__)]
+    for name, distribution in FRAMEWORKS:
+        try:
+            versions.append((name, importlib.metadata.version(distribution)))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _evaluations(output_dir: Path) -> str:
+    """The run's evaluations, one row each (step, epoch, every quality metric in the order first logged), from the
+    evaluation records of ``log.jsonl`` (records without a training ``loss``); "" when there is none."""
+    try:
+        lines = (output_dir / "log.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return ""
+    records = [r for r in map(json.loads, filter(None, lines))
+               if "loss" not in r and any(k.startswith("eval_") for k in r)]
+    if not records:
+        return ""
+    keys = list(dict.fromkeys(k for r in records for k in r if k.startswith("eval_") and k not in _EVAL_BOOKKEEPING))
+    rows = [f"| {r['step']} | {_fmt(r.get('epoch', ''))} | " + " | ".join(_fmt(r.get(k, "")) for k in keys) + " |"
+            for r in records]
+    return "\n".join(["| step | epoch | " + " | ".join(f"`{k}`" for k in keys) + " |",
+                      "| ---: | ---: | " + " | ".join("---:" for _ in keys) + " |", *rows])
+
+
+def _tracking(config, output_dir: Path) -> str:
+    """Where the run's tracker wrote: TensorBoard's log directory (the folders of its event files under
+    ``output_dir``, relative to it: ``runs/`` for the accelerate backend, ``checkpoints/runs/<time_host>`` for
+    Trainer's), or the tracker's name; "" without a tracker."""
+    if config.report_to == "none":
+        return ""
+    lines = []
+    events = sorted({p.parent.relative_to(output_dir).as_posix()
+                     for p in output_dir.rglob("events.out.tfevents.*")}) if output_dir.is_dir() else []
+    if events:
+        root = os.path.commonpath(events)  # TensorBoard reads the folders under it (hparams write a subfolder)
+        lines.append(f"TensorBoard: logs in `{root}/` of the model directory (on the Hub: the *Training metrics* "
+                     f"tab); locally `tensorboard --logdir {shlex.quote(str(output_dir / root))}`.")
+    others = [t for t in (("tensorboard", "trackio", "wandb") if config.report_to == "all" else (config.report_to,))
+              if t != "tensorboard"]
+    lines += [f"`--report_to {t}`: the run's metrics went to {t} (its run is not linked here)." for t in others]
+    return "\n\n".join(lines)
+
+
+def _run_config(config, output_dir: Path) -> str:
+    """``run_config.json`` (the resolved flags the run trained with) in a collapsed ``<details>`` block: the
+    run's own file when there is one, else ``config``'s JSON."""
+    try:
+        text = (output_dir / "run_config.json").read_text(encoding="utf-8").strip()
+    except OSError:
+        text = config.to_json()
+    return (f"<details>\n<summary><code>run_config.json</code>: every setting, as resolved (replay it with "
+            f"<code>finetune train --config run_config.json</code>)</summary>\n\n```json\n{text}\n```\n\n</details>")
+
+
 # ------------------------------------------------------------------------------------------ the card
-def render_model_card(config, metrics: dict, recipe, command: str, output_dir=None) -> str:
+def render_model_card(config, metrics: dict, recipe, command: str, output_dir=None,
+                      hub_repo_id: str | None = None) -> str:
     """The model card's text (``str`` of a ``huggingface_hub.ModelCard``): YAML metadata, then Markdown; writes
-    nothing. ``output_dir`` (default ``config.output_dir``): the model's name, snippets' path, label names.
+    nothing. ``output_dir`` (default ``config.output_dir``): the model's name, snippets' path, label names, and
+    what the run left there: the evaluations of ``log.jsonl``, TensorBoard's event files, ``run_config.json``.
+    ``hub_repo_id``: the Hub repository the model is pushed to (``--push_to_hub``): named under the title, and the
+    usage snippets load from it.
     Raises ``ValueError`` (``huggingface_hub``) for invalid metadata, ``AttributeError`` if ``config`` lacks a
     ``TrainConfig`` field."""
     output_dir = Path(output_dir if output_dir is not None else config.output_dir)
@@ -204,25 +279,37 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
         "Data": _data(config, metrics, recipe, labels),
         "Training hyperparameters": _table(_hyperparameters(config, metrics)),
         "Precision": _precision(config, metrics), "Evaluation results": results, "Training speed": speed,
-        "Reproduce": f"```bash\n{command}\n```", "Usage": _usage(str(output_dir), task, example)}
+        "Reproduce": f"```bash\n{command}\n```", "Usage": _usage(str(output_dir), task, example, hub_repo_id)}
     samples = _generations(output_dir)
     if samples:
         sections["Sample generations"] = samples
+    evaluations, tracking = _evaluations(output_dir), _tracking(config, output_dir)
+    if evaluations:  # right after the final results, as Trainer's "Training results" table
+        keys = list(sections)
+        keys.insert(keys.index("Evaluation results") + 1, "Evaluations during training")
+        sections = {k: evaluations if k == "Evaluations during training" else sections[k] for k in keys}
+    if tracking:
+        sections["Experiment tracking"] = tracking
+    sections["Framework versions"] = "\n".join(f"- {name}: {version}" for name, version in framework_versions())
+    sections["Run configuration"] = _run_config(config, output_dir)
     body = (f"\n# {model_name}\n\n`{base}`{where} fine-tuned for {task} with finetune (Hugging Face Accelerate, exact "
             f"gradient accumulation) on the `{recipe_name}` recipe.\n\n"
+            + (f"On the Hugging Face Hub: [{hub_repo_id}](https://huggingface.co/{hub_repo_id}).\n\n"
+               if hub_repo_id else "")
             + "\n\n".join(f"## {title}\n\n{text}" for title, text in sections.items()) + "\n")
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
-def write_model_card(output_dir, config, metrics: dict, recipe, command: str) -> Path:
+def write_model_card(output_dir, config, metrics: dict, recipe, command: str, hub_repo_id: str | None = None) -> Path:
     """Write the model card to ``output_dir/README.md`` (overwriting it) and return that path.
     ``metrics``: what ``train()`` returns (batch sizes in samples, runtimes in s, ``peak_memory_bytes``; a missing
     key falls back to ``config`` or is left out). ``recipe``: the recipe module; ``command``: the reproduce line,
     verbatim. Metadata: ``base_model`` only for a hub id, ``datasets`` only for a hub dataset, one ``EvalResult``
-    per finite quality metric (see docs/design-notes.md#model_card). Raises ``OSError`` if the directory cannot
-    be written, and what ``render_model_card`` raises."""
+    per finite quality metric (see docs/design-notes.md#model_card); ``hub_repo_id`` as ``render_model_card``.
+    Raises ``OSError`` if the directory cannot be written, and what ``render_model_card`` raises."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / "README.md"
-    path.write_text(render_model_card(config, metrics, recipe, command, output_dir=output_dir), encoding="utf-8")
+    path.write_text(render_model_card(config, metrics, recipe, command, output_dir=output_dir,
+                                      hub_repo_id=hub_repo_id), encoding="utf-8")
     return path

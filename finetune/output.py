@@ -15,7 +15,8 @@ from finetune.errors import FinetuneError
 # values a run derives (the new config is compared before they are derived).
 _IGNORED = {"output_dir", "overwrite_output_dir", "list_recipes", "resume_from_checkpoint",
             "ignore_checkpoint_mismatch", "checkpointing_steps", "save_strategy", "save_steps", "save_total_limit",
-            "logging_steps", "preemption_grace_seconds", *DERIVED_FIELDS}
+            "logging_steps", "preemption_grace_seconds", "push_to_hub", "hub_model_id", "hub_strategy",
+            "hub_private_repo", *DERIVED_FIELDS}
 _PROBE = ".write_test"  # + "-<pid>": each process probes with its own file
 
 

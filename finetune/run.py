@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize in
 
 import torch  # noqa: E402 - after the path set-up above
 
-from finetune import compare, distributed, trainer_backend  # noqa: E402
+from finetune import compare, distributed, hub, trainer_backend  # noqa: E402
 from finetune import train as accelerate_engine  # noqa: E402
 from finetune.config import parse_config  # noqa: E402
 from finetune.errors import FinetuneError  # noqa: E402
@@ -88,6 +88,8 @@ def run(config) -> dict | None:
         distributed.process_state(timeout_seconds=config.ddp_timeout)
     # the same outcome on every process: on machines of their own, one output dir can fail alone
     distributed.agree(lambda: check_output_dir(config))
+    # --push_to_hub: offline, no token, a namespace it cannot write: one error line now, before any work
+    hub_push = distributed.agree(lambda: hub.prepare(config))
     if config.resume_from_checkpoint == "auto":
         finished = finished_metrics(config.output_dir)
         # every process agrees (on machines of their own, each has its own copy), then all leave together
@@ -105,7 +107,7 @@ def run(config) -> dict | None:
         compare.compare(config)
         return None
     engine = trainer_backend if config.backend == "trainer" else accelerate_engine
-    return engine.train(config, recipe, process_start=PROCESS_START)
+    return engine.train(config, recipe, process_start=PROCESS_START, hub=hub_push)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,7 +125,7 @@ def count_window(window: list[dict], task, accelerator, repeats: int = 0) -> Win
 
 
 # ------------------------------------------------------------------------------------------ the loop
-def train(config, recipe, process_start: float | None = None, build=None) -> dict:
+def train(config, recipe, process_start: float | None = None, build=None, hub=None) -> dict:
     """Fine-tune ``recipe`` with ``config``; write the model, ``metrics.json``, ``log.jsonl``, the model card
     and ``run_config.json`` into ``config.output_dir``; return the metrics (``reporting.run_metrics``).
 
@@ -134,12 +134,13 @@ def train(config, recipe, process_start: float | None = None, build=None) -> dic
     loss or gradient (fp32/bf16) or too many fp16 skips in a row, and ``FinetuneError`` for a checkpoint
     that cannot be resumed or written. ``build(config, recipe) -> Setup``: ``setup`` unless given
     (``finetune.verify`` wraps it to observe a run, or to vary its data order or loss for its controls).
+    ``hub``: a ``finetune.hub.HubPush`` (``--push_to_hub``, main process) told of each checkpoint and of the end.
     """
     built = (build or setup)(config, recipe)
     accelerator, model, optimizer, scheduler, task = built.accelerator, built.model, built.optimizer, built.scheduler, built.task
     N, P = config.gradient_accumulation_steps, accelerator.num_processes
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-    with RunState(built, config, recipe, process_start) as run, GracefulStop() as stop:
+    with RunState(built, config, recipe, process_start, hub) as run, GracefulStop() as stop:
         model.train()
         while not run.done:
             for window in iter_windows(run.epoch_batches(), N):
@@ -184,8 +185,9 @@ class RunState:
     manager: whatever ends the loop (success, an error, a signal), the progress bar, the log and the
     trackers are closed."""
 
-    def __init__(self, built: Setup, config, recipe, process_start: float | None):
+    def __init__(self, built: Setup, config, recipe, process_start: float | None, hub=None):
         self.built, self.config, self.recipe, self.process_start = built, config, recipe, process_start
+        self.hub = hub  # finetune.hub.HubPush or None
         self.accelerator = built.accelerator
         self.output_dir = Path(config.output_dir)
         self.plan = built.plan
@@ -332,7 +334,7 @@ class RunState:
             accelerator.log({k: v for k, v in values.items() if v is not None}, step=step)
             self.progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
         if stop_votes > 0:
-            path = self.save("stopped by signal")
+            path = self.save("stopped by signal", push=False)  # the process ends now: no upload to wait for
             signum = stop.signum or signal.SIGTERM
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} after optimizer step {step}; "
                                   f"checkpoint: {path}. Resume with:\n    {self.resume_command()}", signum)
@@ -371,14 +373,17 @@ class RunState:
         step = self.progress.step
         self.book.record_evaluation(results, time.perf_counter() - start, self.book.checkpointed_after(step, at_epoch_end))
 
-    def save(self, reason: str) -> Path:
-        """Write a checkpoint of the state after the current optimizer step (collective)."""
+    def save(self, reason: str, push: bool = True) -> Path:
+        """Write a checkpoint of the state after the current optimizer step (collective); ``push``: then hand it
+        to ``--push_to_hub`` (``HubPush.after_save``: in the background, per ``--hub_strategy``)."""
         self.progress.train_runtime = self._train_runtime()
         start = time.perf_counter()
         path = ckpt.save_checkpoint(self.accelerator, self.output_dir, self.progress, self.config.save_total_limit,
                                     model=self.built.model, tokenizer=self.built.tokenizer, layout=self.built.layout)
         self.accelerator.print(f"checkpoint ({reason}): {path}")
         self.budget.saved(time.perf_counter() - start)
+        if push and self.hub is not None:
+            self.hub.after_save(path, self.progress.step)
         return path
 
     def _train_runtime(self) -> float:
@@ -412,4 +417,6 @@ class RunState:
             metrics["resumed_from"] = str(self.resume_from)
         write_outputs(self.built.engine, self.built.model, self.built.tokenizer, self.config, self.recipe, metrics,
                       writes=self.book.writes)
+        if self.hub is not None:
+            self.hub.at_end(self.output_dir)
         return metrics

@@ -21,6 +21,7 @@ from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
+from finetune.hub import HubCallback
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
 from finetune.preemption import SaveBudget
@@ -327,11 +328,12 @@ def _progress_from_log(path: Path, step: int, progress: ckpt.RunProgress, config
     progress.step = step
 
 
-def train(config, recipe, process_start: float | None = None, observe=None) -> dict:
+def train(config, recipe, process_start: float | None = None, hub=None, observe=None) -> dict:
     """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate engine
     (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``, model card); return the metrics.
-    Units as in ``finetune.train.train``. ``observe(trainer)``: called once the Trainer is built, before it
-    trains (``finetune.verify`` reads its gradients and final weights)."""
+    Units as in ``finetune.train.train``; ``hub`` (a ``finetune.hub.HubPush`` or None) as there.
+    ``observe(trainer)``: called once the Trainer is built, before it trains (``finetune.verify`` reads its
+    gradients and final weights)."""
     args = training_arguments(config)
     layout = distributed.plan_storage(args.distributed_state, config.output_dir)
     args.save_on_each_node = layout.per_machine  # each machine's local main process keeps its own copy
@@ -361,7 +363,8 @@ def train(config, recipe, process_start: float | None = None, observe=None) -> d
                               model=model, args=args,
                               train_dataset=datasets["train"], eval_dataset=datasets["validation"],
                               data_collator=collator, processing_class=tokenizer,
-                              compute_loss_func=callback.compute_loss, callbacks=[callback])
+                              compute_loss_func=callback.compute_loss,
+                              callbacks=[callback] + ([HubCallback(hub)] if hub is not None else []))
     callback.trainer = trainer
     trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
     if observe is not None:
@@ -385,6 +388,8 @@ def train(config, recipe, process_start: float | None = None, observe=None) -> d
         if resume_from is not None:
             metrics["resumed_from"] = resume_from
         write_outputs(engine, trainer.model_wrapped, tokenizer, config, recipe, metrics, writes=layout.writes)
+        if hub is not None:
+            hub.at_end(config.output_dir)
     finally:
         book.close()
         for callback in trainer.callback_handler.callbacks:  # an error line must start on a line of its own

@@ -78,3 +78,35 @@ def list_recipes() -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def copy_recipe(name: str, dest: str | None = None) -> Path:
+    """Write the registered recipe ``name``'s source to ``dest`` (default ``./<its module name>.py``; a directory:
+    that file inside it) as an editable file that ``--recipe DEST`` runs (as ``tune cp`` copies a torchtune recipe),
+    with a first comment line saying where it came from; returns the path written. Raises ``FinetuneError`` for an
+    unknown name, a ``dest`` that does not end in ``.py``, whose folder does not exist, or that exists (it is never
+    overwritten)."""
+    import importlib.util
+
+    from finetune import __version__
+
+    if name not in RECIPES:
+        raise FinetuneError(f"unknown recipe {name!r}. Known recipes: {', '.join(sorted(RECIPES))} (finetune recipes).")
+    source = Path(importlib.util.find_spec(RECIPES[name]).origin)
+    target = Path(dest) if dest is not None else Path(source.name)
+    if target.is_dir() or (dest or "").endswith(("/", os.sep)):
+        target = target / source.name
+    if target.suffix != ".py":
+        raise FinetuneError(f"{str(target)!r} does not end in .py: --recipe runs a path/to/recipe.py. Name the copy "
+                            f"{target.name}.py or similar.")
+    if not target.parent.is_dir():
+        raise FinetuneError(f"the folder {str(target.parent)!r} does not exist. Create it, or copy to another path.")
+    header = (f"# Copied from finetune {__version__}'s recipe {name!r} ({RECIPES[name]}). Edit it, then run it with:\n"
+              f"#     finetune train --recipe {target}\n")
+    try:
+        with open(target, "x", encoding="utf-8") as file:  # "x": never overwrite, not even in a race
+            file.write(header + source.read_text(encoding="utf-8"))
+    except FileExistsError:
+        raise FinetuneError(f"{str(target)!r} already exists: it is not overwritten. Copy to another path, or remove "
+                            "it first.") from None
+    return target

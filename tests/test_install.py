@@ -93,6 +93,9 @@ def test_non_editable_install_runs_from_another_directory(tmp_path, tiny_bert, i
     assert recipes.returncode == 0 and "offline" in recipes.stdout, recipes.stderr[-3000:]
     for name in ("bbc-news", "bbc-news-clm", "bbc-headlines", "glue-mrpc", "wikitext-clm"):
         assert name in recipes.stdout
+    # the Accelerate configs ship inside the package, for --config_file NAME from any directory
+    assert (site / "finetune" / "accelerate_configs" / "multi_gpu.yaml").is_file()
+    assert "\nfsdp2 " in recipes.stdout and "\nmulti_cpu_2proc " in recipes.stdout
 
     out = elsewhere / "run"
     train = subprocess.run([str(finetune), "train", "--recipe", "bbc-news", "--model_name_or_path", tiny_bert,
