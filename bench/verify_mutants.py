@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib as bl  # noqa: E402  (puts the repository and tests/ on sys.path)
 from faults.finetune_faults import FAULTS_DIR  # noqa: E402
 from faults.mutants import MUTANT_ENV, MUTANTS  # noqa: E402
-from tiny_models import build_tiny_bert, build_tiny_llama, build_tiny_moe  # noqa: E402
+from tiny_models import build_tiny_bert, build_tiny_llama, build_tiny_moe, write_variable_length_texts  # noqa: E402
 
 SMALL = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--verify_steps", "2",
-         "--max_eval_samples", "4", "--max_length", "32", "--learning_rate", "1e-3", "--warmup_steps", "0"]
+         "--max_eval_samples", "4", "--max_length", "96", "--learning_rate", "1e-3", "--warmup_steps", "0"]
 # name -> (model kind, recipe, processes, extra flags, environment)
 SETTINGS = {
     "cls fp32 P1": ("bert", "bbc-news", 1, ["--mixed_precision", "no"], {}),
@@ -56,8 +56,10 @@ def build_models(root: Path) -> dict:
     config = json.loads((moe / "config.json").read_text())
     config.update(router_aux_loss_coef=0.0, output_router_logits=False)
     (moe / "config.json").write_text(json.dumps(config))
+    texts = [str(write_variable_length_texts(root / f"texts-{split}.jsonl", n, seed=n)) for split, n in
+             (("train", 48), ("valid", 12))]
     return {"bert": str(build_tiny_bert(root / "bert")), "llama": str(build_tiny_llama(root / "llama")),
-            "moe": str(moe)}
+            "moe": str(moe), "texts": texts}
 
 
 def run_one(setting: str, mutant: str | None, models: dict, root: Path) -> dict:
@@ -67,8 +69,10 @@ def run_one(setting: str, mutant: str | None, models: dict, root: Path) -> dict:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no"]
     cmd += ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
-    cmd += ["--module", "finetune.verify", "--recipe", recipe, "--model_name_or_path", models[kind], *SMALL, *flags,
-            "--output_dir", str(out)]
+    # causal LM on texts of uneven length (2 to ~60 words, under --max_length): micro-batches' items differ
+    data = ["--train_file", models["texts"][0], "--validation_file", models["texts"][1]] if kind != "bert" else []
+    cmd += ["--module", "finetune.verify", "--recipe", recipe, "--model_name_or_path", models[kind], *SMALL, *data,
+            *flags, "--output_dir", str(out)]
     environment = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", **env,
                    "PYTHONPATH": os.pathsep.join(p for p in (FAULTS_DIR, str(bl.REPO), os.environ.get("PYTHONPATH", ""))
                                                  if p)}

@@ -52,14 +52,15 @@ def test_a_wrong_engine_on_one_process_is_caught(tmp_path, monkeypatch, tiny_ber
 
 
 @pytest.mark.parametrize("mutant, recipe", [("drop-processes", "bbc-news"), ("own-items", "bbc-news-clm")])
-def test_a_wrong_engine_on_two_processes_is_caught(tmp_path, tiny_bert, tiny_llama, mutant, recipe):
+def test_a_wrong_engine_on_two_processes_is_caught(tmp_path, tiny_bert, tiny_llama, clm_texts, mutant, recipe):
     """DDP's average not undone: every accelerate way shares it, and only the Trainer rows' gradients show it
     (before, they compared weights only, and AdamW hid a factor of 1/P). Each process normalising by its own
-    items: only where the processes' items differ (token counts)."""
+    items: only where the processes' items differ (texts of uneven length, not cut to --max_length)."""
     out = tmp_path / "verify"
     model = tiny_bert if recipe == "bbc-news" else tiny_llama
+    data = [] if recipe == "bbc-news" else ["--train_file", clm_texts[0], "--validation_file", clm_texts[1]]
     env = {**fault_env(), "FAULT_MUTANT": mutant}
-    result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, "--output_dir", str(out)],
+    result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, *data, "--output_dir", str(out)],
                     num_processes=2, module="finetune.verify", env=env)
     report = json.loads((out / "verify.json").read_text())
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
@@ -68,6 +69,8 @@ def test_a_wrong_engine_on_two_processes_is_caught(tmp_path, tiny_bert, tiny_lla
         assert report["not_exact"] == ["4 x 1, Trainer", "1 x 4, Trainer"]
         trainer = rows(report, "engine")[0]
         assert trainer["gradient_difference"] == pytest.approx(1.0, rel=1e-3)  # the reference has half its gradient
+    else:  # the processes' token counts differ from the first window on
+        assert any(r["verdict"].startswith("NOT EXACT: step 1's gradients") for r in rows(report, "split"))
 
 
 def test_a_model_that_stays_random_is_inconclusive_and_named(tmp_path, tiny_bert):
