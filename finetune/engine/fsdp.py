@@ -12,6 +12,29 @@ from finetune.errors import FinetuneError
 _SHARDED_MODULES = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, name))
 
 
+def fsdp1_full_sizes(model) -> tuple[dict, dict]:
+    """Where FSDP1 (``FullyShardedDataParallel``) flattened ``model``'s parameters, their whole sizes:
+    (``flat``: id(FlatParameter) -> [(owning module, numel)], for ``use_orig_params=False``, where
+    ``model.parameters()`` yields the flat shards; ``views``: id(original parameter) -> numel, for
+    ``use_orig_params=True``, where each original parameter is a 1-D view of its part of this rank's shard, or
+    size 0). Sources: torch 2.13 ``distributed/fsdp/_flat_param.py`` (``FlatParameter._param_infos``,
+    ``_shapes``, ``_params``; ``_use_sharded_views`` sets the views), ``fully_sharded_data_parallel.py``
+    (``_flat_param``). ``model``: wrapped, or unwrapped (its flat parameters are still found). Both empty for a
+    model without FSDP1."""
+    flat, views = {}, {}
+    wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
+    found = [getattr(m, "_flat_param", None) for m in model.modules() if wrapper is not None and isinstance(m, wrapper)]
+    found += [p for p in model.parameters() if hasattr(p, "_param_infos")]  # a flat parameter, the root unwrapped
+    for param in found:
+        if param is None or id(param) in flat:
+            continue
+        numels = [shape.numel() for shape in param._shapes]
+        flat[id(param)] = [(info.module, n) for info, n in zip(param._param_infos, numels)]
+        for original, n in zip(getattr(param, "_params", None) or (), numels):
+            views[id(original)] = n
+    return flat, views
+
+
 class FsdpEngine(PlainEngine):
     """FSDP through Accelerate's plugin (from the launcher's config), synchronised on every micro-batch so that
     each rank keeps only its gradient shard while accumulating (see docs/design-notes.md#engine)."""
