@@ -249,7 +249,8 @@ def test_an_fsdp_accelerator_gets_sync_each_batch(tmp_path):
 
     config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none", gradient_accumulation_steps=3)
     accelerator = make_accelerator(config)
-    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state)
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state,
+                           state=accelerator.state)  # a CPU state: no FSDP plugin
     engine_for(fsdp).configure(config)
     assert accelerator.gradient_state.plugin_kwargs["sync_each_batch"] is True
     assert accelerator.gradient_accumulation_steps == 3
@@ -535,3 +536,55 @@ def test_machines_without_a_shared_filesystem_under_sharded_engines(tmp_path):
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
     with pytest.raises(FinetuneError, match="shared --output_dir"):
         engine_for(fsdp).configure(config, per_machine=True)
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fsdp_reduces_gradients_in_fp32_under_16_bit(tmp_path, fsdp_version, precision):
+    """Accelerate 1.15 gives the FSDP plugin a policy whose ``reduce_dtype`` is the 16-bit parameter dtype
+    (``utils/dataclasses.py`` ``FullyShardedDataParallelPlugin.set_mixed_precision`` lines 2136-2143, called by
+    ``AcceleratorState`` in ``state.py`` line 1015 with the run's mixed precision); ``fully_shard`` then takes
+    ``fsdp2_plugin.mixed_precision_policy`` as its ``mp_policy`` (``utils/fsdp_utils.py`` line 779). FSDP does not
+    run on a CPU through Accelerate, so the plugin is built and given its precision as Accelerate does, the engine
+    configures it, and the policy ``prepare`` would read is checked: reductions in fp32, compute still 16-bit."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from finetune.config import TrainConfig
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none", gradient_accumulation_steps=2)
+    accelerator = make_accelerator(config)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=fsdp_version)
+    plugin.set_mixed_precision(precision)  # what AcceleratorState does (state.py line 1015)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert plugin.mixed_precision_policy.reduce_dtype == dtype  # accelerate's own choice: the issue
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state,
+                           state=SimpleNamespace(fsdp_plugin=plugin))
+    engine = engine_for(fsdp)
+    engine.configure(config)
+    policy = plugin.mixed_precision_policy
+    assert policy.reduce_dtype == torch.float32 and policy.param_dtype == dtype
+    if fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        assert isinstance(policy, MixedPrecisionPolicy) and policy.output_dtype == dtype
+    else:
+        from torch.distributed.fsdp import MixedPrecision
+
+        assert isinstance(policy, MixedPrecision) and policy.buffer_dtype == dtype
+    assert "fp32" in engine.note
+
+
+def test_fsdp_full_precision_policy_is_left_alone(tmp_path):
+    """Without mixed precision Accelerate sets no policy (``state.py`` line 1014: only when it is not "no"); the
+    engine adds none."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from finetune.config import TrainConfig
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none")
+    accelerator = make_accelerator(config)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state,
+                           state=SimpleNamespace(fsdp_plugin=plugin))
+    engine_for(fsdp).configure(config)
+    assert plugin.mixed_precision_policy is None

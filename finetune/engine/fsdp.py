@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from accelerate.state import GradientState
 from accelerate.utils import GradientAccumulationPlugin
 from torch.distributed import fsdp
@@ -35,6 +38,27 @@ def fsdp1_full_sizes(model) -> tuple[dict, dict]:
     return flat, views
 
 
+def reduce_in_fp32(plugin) -> bool:
+    """Make ``plugin`` (Accelerate's ``FullyShardedDataParallelPlugin``) reduce gradients in fp32 where its mixed
+    precision policy computes in bf16/fp16; returns whether it changed the policy. Accelerate 1.15 builds the policy
+    with ``reduce_dtype`` equal to the parameter dtype (``utils/dataclasses.py`` ``set_mixed_precision``, lines
+    2136-2143: ``dtype_args = {"param_dtype": dtype, "reduce_dtype": dtype}``, called from ``state.py`` line 1015),
+    and our engine reduce-scatters every micro-batch (``sync_each_batch``): N 16-bit roundings of partial sums per
+    window, 8 mantissa bits under bf16. The policy object is replaced by a copy with ``reduce_dtype=torch.float32``
+    (torch's ``MixedPrecisionPolicy`` (FSDP2) / ``MixedPrecision`` (FSDP1) dataclasses), the kind Accelerate accepts
+    for ``mixed_precision_policy`` and checks with ``validate_mixed_precision_policy``; ``fully_shard`` reads it at
+    ``prepare`` (``utils/fsdp_utils.py`` line 779, ``"mp_policy": fsdp2_plugin.mixed_precision_policy``). Must run
+    before ``accelerator.prepare``. No change without a plugin, policy or 16-bit ``param_dtype``."""
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is None or getattr(policy, "param_dtype", None) not in (torch.bfloat16, torch.float16):
+        return False
+    if policy.reduce_dtype == torch.float32:
+        return False
+    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+    plugin.validate_mixed_precision_policy()
+    return True
+
+
 class FsdpEngine(PlainEngine):
     """FSDP through Accelerate's plugin (from the launcher's config), synchronised on every micro-batch so that
     each rank keeps only its gradient shard while accumulating (see docs/design-notes.md#engine)."""
@@ -45,7 +69,8 @@ class FsdpEngine(PlainEngine):
     eval_may_split_batch = False  # all-gathers run inside every forward: a rank retrying alone would hang
 
     def configure(self, config, per_machine: bool = False) -> None:
-        """Replace the accumulation plugin with one that syncs each batch; ``RuntimeError`` if it did not take.
+        """Replace the accumulation plugin with one that syncs each batch (``RuntimeError`` if it did not take), and
+        under bf16/fp16 make the gradient reductions fp32 (``reduce_in_fp32``).
         Raises ``FinetuneError`` for machines without a shared filesystem: FSDP's full state dict is gathered on
         rank 0 and its sharded checkpoints' metadata written there, so no other machine's copy would be whole."""
         if per_machine:
@@ -60,6 +85,9 @@ class FsdpEngine(PlainEngine):
                                f"{self.accelerator.gradient_state.plugin_kwargs}")
         self.note = ("FSDP: gradients are reduce-scattered on every micro-batch (sync_each_batch), so each rank "
                      "keeps only its gradient shard while accumulating")
+        if reduce_in_fp32(getattr(self.accelerator.state, "fsdp_plugin", None)):
+            self.note += "; the reduce-scatters run in fp32 (reduce_dtype), the forward and backward in 16-bit"
+
 
     def eval_model(self, model):
         """The wrapped model: its all-gathers are part of every forward."""
