@@ -588,3 +588,77 @@ def test_fsdp_full_precision_policy_is_left_alone(tmp_path):
                            state=SimpleNamespace(fsdp_plugin=plugin))
     engine_for(fsdp).configure(config)
     assert plugin.mixed_precision_policy is None
+
+
+def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, out: str) -> None:
+    """One of two gloo ranks: a tiny chat Llama wrapped in FSDP1 (FULL_SHARD; ``nested``: each decoder layer its
+    own unit, as Accelerate's transformer auto-wrap policy does, and ``use_orig_params``: original parameters as 1-D
+    views of the shard), then ``evaluation.generation_eval`` as a run
+    calls it. The stand-in accelerator's ``unwrap_model`` is Accelerate's own: ``Accelerator.unwrap_model`` returns
+    ``extract_model_from_parallel(model, ...)`` (accelerate 1.15 ``accelerator.py`` line 3286), which strips the
+    root FSDP wrapper (``utils/other.py`` lines 317-320: FSDP among the options, ``while isinstance(model,
+    options): model = model.module``) and leaves its flat parameter sharded."""
+    import functools
+    import json
+
+    from accelerate.utils import extract_model_from_parallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from finetune import evaluation
+    from finetune.distributed import process_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ACCELERATE_USE_CPU="1")
+    state = process_state(cpu=True)  # gloo; accelerate's gather_object needs its state
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(1)  # larger weights, the same on both ranks: the random model then writes words, not spaces
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.5)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"prompt": f"Write the headline of this BBC News article. The striker scored goal {i}.",
+             "completion": "Late goal"} for i in range(3)]
+    recipe = SimpleNamespace(GENERATION={"max_new_tokens": 6, "batch_size": 2}, METRICS={})
+    config = SimpleNamespace(max_length=64)
+    plain = SimpleNamespace(process_index=0, num_processes=1, distributed_type=DistributedType.NO,
+                            unwrap_model=extract_model_from_parallel)
+    _, expected = evaluation.generation_eval(plain, model, tokenizer, rows, recipe, config)  # whole, one rank
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}) if nested else None
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), auto_wrap_policy=policy,
+                                       sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=nested)
+    accelerator = SimpleNamespace(process_index=state.process_index, num_processes=2,
+                                  distributed_type=DistributedType.FSDP, unwrap_model=extract_model_from_parallel)
+    try:
+        _, predictions = evaluation.generation_eval(accelerator, wrapped, tokenizer, rows, recipe, config)
+        result = {"expected": expected, "predictions": predictions}
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(err).__name__}: {err}"}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_generation_under_fsdp1_uses_whole_weights(tmp_path, nested):
+    """Evaluation with generation (bbc-headlines, eval_on_start) under FSDP1 on two real gloo ranks: each rank
+    generates its share and every rank gets the same completions a single whole model gives. Before the fix it
+    generated on ``accelerator.unwrap_model(model)``, the root's flat parameter still a 1-D shard: "'weight' must
+    be 2-D" on every rank."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tiny_models import build_tiny_chat_llama
+
+    model_dir = build_tiny_chat_llama(tmp_path / "model")
+    port = 29100 + (os.getpid() % 400) * 2 + int(nested)
+    mp.spawn(_fsdp1_generation, args=(port, str(model_dir), nested, str(tmp_path / "result")), nprocs=2, join=True)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result.{rank}").read_text())
+        assert "error" not in result, result["error"]
+        assert len(result["predictions"]) == 3 and any(result["predictions"])
+        assert result["predictions"] == result["expected"]

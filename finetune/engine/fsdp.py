@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -92,6 +93,26 @@ class FsdpEngine(PlainEngine):
     def eval_model(self, model):
         """The wrapped model: its all-gathers are part of every forward."""
         return model
+
+    @contextlib.contextmanager
+    def generation_model(self, model):
+        """The unwrapped model to ``generate`` with, its root's weights whole while the context lasts. Under FSDP1
+        ``accelerator.unwrap_model`` strips the root ``FullyShardedDataParallel`` (accelerate 1.15
+        ``utils/other.py`` ``extract_model_from_parallel``: ``while isinstance(model, options): model =
+        model.module``, FSDP among the options), so the root's forward, which all-gathers its flat parameter,
+        never runs and the embedding is a 1-D shard ("'weight' must be 2-D"). Here the root's parameters are
+        gathered first (``FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=False)``,
+        torch 2.13 ``distributed/fsdp/fully_sharded_data_parallel.py``); nested FSDP units (decoder layers under
+        an auto-wrap policy) still gather their own in their forwards (``recurse=False``: a forward may not run
+        inside a unit whose parameters are summoned), in lockstep with ``synced_gpus``. Collective: every process
+        enters it. FSDP2 (``fully_shard``) keeps its hooks on the unwrapped model: nothing to gather."""
+        wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
+        if wrapper is None or not isinstance(model, wrapper):
+            with super().generation_model(model) as unwrapped:
+                yield unwrapped
+            return
+        with wrapper.summon_full_params(model, writeback=False, recurse=False):
+            yield self.accelerator.unwrap_model(model)
 
     def chunked_loss_refusal(self, model) -> str | None:
         if any(isinstance(module, _SHARDED_MODULES) for module in (model, *model.modules())):
