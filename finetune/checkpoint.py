@@ -139,10 +139,14 @@ def is_complete(path: Path) -> bool:
 def find_resume_checkpoint(output_dir, spec: str) -> Path | None:
     """``spec`` "latest": the newest complete checkpoint under ``output_dir`` that verifies (``verify_checkpoint``;
     incomplete and damaged ones are skipped with a warning naming why); "auto": the same, or None where there is
-    none (a fresh start); otherwise the path ``spec``, which must be complete and verify. Raises
-    ``FinetuneError`` if there is none ("latest"), or the path is incomplete or damaged (naming the file)."""
+    no checkpoint at all (a fresh start); otherwise the path ``spec``, which must be complete and verify. Raises
+    ``FinetuneError`` if there is none ("latest"), if "auto" finds checkpoints but none verifies
+    (``refuse_unverified``: a fresh start would delete or write over them), or the path is incomplete or damaged
+    (naming the file)."""
     if spec in ("latest", "auto"):
         path = newest_complete_checkpoint(output_dir, warn=True)
+        if path is None and spec == "auto":
+            refuse_unverified(output_dir)
         if path is None and spec == "latest":
             raise FinetuneError(f"--resume_from_checkpoint latest: no complete checkpoint under "
                                 f"{checkpoints_dir(output_dir)}. Start without --resume_from_checkpoint.")
@@ -177,6 +181,35 @@ def newest_complete_checkpoint(output_dir, warn: bool = False) -> Path | None:
             print(_unverified_note(path))
         return path
     return None
+
+
+def unverified_checkpoints(output_dir) -> list[tuple[Path, str]]:
+    """(path, why) for each checkpoint directory under ``output_dir`` that cannot be resumed: incomplete (no
+    ``COMPLETE`` marker) or damaged (``_inspect``: a file missing, truncated or changed), oldest first."""
+    found = []
+    for path in list_checkpoints(output_dir):
+        if not is_complete(path):
+            found.append((path, f"no {MARKER} marker (its write was interrupted, or the marker was removed)"))
+        else:
+            problem, _ = _inspect(path)
+            if problem is not None:
+                found.append((path, problem))
+    return found
+
+
+def refuse_unverified(output_dir, spec: str = "auto") -> None:
+    """For ``--resume_from_checkpoint auto`` where no checkpoint verifies: raise ``FinetuneError`` naming every
+    checkpoint under ``output_dir`` and why it cannot be resumed, and the two ways on, if there is any (``auto``
+    never starts a run over checkpoints it could not verify: with ``--overwrite_output_dir`` the fresh start would
+    delete them, without it the next saves would write over them). Returns where there are none."""
+    unverified = unverified_checkpoints(output_dir)
+    if not unverified:
+        return
+    root = checkpoints_dir(output_dir)
+    listed = "; ".join(f"{path.name}: {why}" for path, why in reversed(unverified))
+    raise FinetuneError(f"--resume_from_checkpoint {spec}: no checkpoint under {root} can be resumed ({listed}), and "
+                        f"{spec} does not start over checkpoints it cannot verify. To start afresh, remove them "
+                        f"(rm -r {root}); to resume anyway, pass a checkpoint you trust: --resume_from_checkpoint PATH.")
 
 
 def is_resumable(path: Path) -> bool:
