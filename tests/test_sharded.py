@@ -590,14 +590,19 @@ def test_fsdp_full_precision_policy_is_left_alone(tmp_path):
     assert plugin.mixed_precision_policy is None
 
 
-def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, out: str) -> None:
+def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, bf16: bool, out: str) -> None:
     """One of two gloo ranks: a tiny chat Llama wrapped in FSDP1 (FULL_SHARD; ``nested``: each decoder layer its
     own unit, as Accelerate's transformer auto-wrap policy does, and ``use_orig_params``: original parameters as 1-D
     views of the shard), then ``evaluation.generation_eval`` as a run
     calls it. The stand-in accelerator's ``unwrap_model`` is Accelerate's own: ``Accelerator.unwrap_model`` returns
     ``extract_model_from_parallel(model, ...)`` (accelerate 1.15 ``accelerator.py`` line 3286), which strips the
     root FSDP wrapper (``utils/other.py`` lines 317-320: FSDP among the options, ``while isinstance(model,
-    options): model = model.module``) and leaves its flat parameter sharded."""
+    options): model = model.module``) and leaves its flat parameter sharded. Its ``autocast`` is what
+    ``Accelerator.autocast`` enters (``accelerator.py`` line 4239, ``get_mixed_precision_context_manager``,
+    ``utils/modeling.py`` lines 2078-2117): ``torch.autocast`` in bf16 under bf16 mixed precision, else
+    ``contextlib.nullcontext()``; ``bf16``: FSDP1's ``MixedPrecision`` with 16-bit parameters as Accelerate
+    configures it (``param_dtype`` and ``buffer_dtype`` bf16; fp32 reductions, as this engine sets them)."""
+    import contextlib
     import functools
     import json
 
@@ -628,9 +633,15 @@ def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, out: s
                             unwrap_model=extract_model_from_parallel)
     _, expected = evaluation.generation_eval(plain, model, tokenizer, rows, recipe, config)  # whole, one rank
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}) if nested else None
+    from torch.distributed.fsdp import MixedPrecision
+
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                               buffer_dtype=torch.bfloat16) if bf16 else None
     wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), auto_wrap_policy=policy,
-                                       sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=nested)
-    accelerator = SimpleNamespace(process_index=state.process_index, num_processes=2,
+                                       sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=nested,
+                                       mixed_precision=precision)
+    autocast = (lambda: torch.autocast(device_type="cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    accelerator = SimpleNamespace(process_index=state.process_index, num_processes=2, autocast=autocast,
                                   distributed_type=DistributedType.FSDP, unwrap_model=extract_model_from_parallel)
     try:
         _, predictions = evaluation.generation_eval(accelerator, wrapped, tokenizer, rows, recipe, config)
@@ -642,12 +653,14 @@ def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, out: s
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("nested", [False, True])
-def test_generation_under_fsdp1_uses_whole_weights(tmp_path, nested):
+@pytest.mark.parametrize("nested, bf16", [(False, False), (True, False), (True, True)],
+                         ids=["one-unit", "nested", "nested-bf16"])
+def test_generation_under_fsdp1_uses_whole_weights(tmp_path, nested, bf16):
     """Evaluation with generation (bbc-headlines, eval_on_start) under FSDP1 on two real gloo ranks: each rank
     generates its share and every rank gets the same completions a single whole model gives. Before the fix it
     generated on ``accelerator.unwrap_model(model)``, the root's flat parameter still a 1-D shard: "'weight' must
-    be 2-D" on every rank."""
+    be 2-D" on every rank. Under bf16 (16-bit parameters in the nested units, the summoned root's fp32) the
+    ranks agree with each other (the whole fp32 model may round otherwise)."""
     import json
 
     import torch.multiprocessing as mp
@@ -655,10 +668,13 @@ def test_generation_under_fsdp1_uses_whole_weights(tmp_path, nested):
     from tiny_models import build_tiny_chat_llama
 
     model_dir = build_tiny_chat_llama(tmp_path / "model")
-    port = 29100 + (os.getpid() % 400) * 2 + int(nested)
-    mp.spawn(_fsdp1_generation, args=(port, str(model_dir), nested, str(tmp_path / "result")), nprocs=2, join=True)
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"result.{rank}").read_text())
+    port = 29100 + (os.getpid() % 300) * 3 + int(nested) + int(bf16)
+    mp.spawn(_fsdp1_generation, args=(port, str(model_dir), nested, bf16, str(tmp_path / "result")), nprocs=2,
+             join=True)
+    results = [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in (0, 1)]
+    for result in results:
         assert "error" not in result, result["error"]
         assert len(result["predictions"]) == 3 and any(result["predictions"])
-        assert result["predictions"] == result["expected"]
+        if not bf16:
+            assert result["predictions"] == result["expected"]
+    assert results[0]["predictions"] == results[1]["predictions"]

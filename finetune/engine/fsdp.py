@@ -104,14 +104,17 @@ class FsdpEngine(PlainEngine):
         gathered first (``FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=False)``,
         torch 2.13 ``distributed/fsdp/fully_sharded_data_parallel.py``); nested FSDP units (decoder layers under
         an auto-wrap policy) still gather their own in their forwards (``recurse=False``: a forward may not run
-        inside a unit whose parameters are summoned), in lockstep with ``synced_gpus``. Collective: every process
-        enters it. FSDP2 (``fully_shard``) keeps its hooks on the unwrapped model: nothing to gather."""
+        inside a unit whose parameters are summoned), in lockstep with ``synced_gpus``. Under ``accelerator.autocast()``,
+        as ``prepare`` wraps the root's forward under mixed precision: the summoned root weights are fp32 while a
+        nested unit computes in its 16-bit ``param_dtype`` ("expected m1 and m2 to have the same dtype" without it).
+        Collective: every process enters it. FSDP2 (``fully_shard``) keeps its hooks on the unwrapped model:
+        nothing to gather."""
         wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
         if wrapper is None or not isinstance(model, wrapper):
             with super().generation_model(model) as unwrapped:
                 yield unwrapped
             return
-        with wrapper.summon_full_params(model, writeback=False, recurse=False):
+        with wrapper.summon_full_params(model, writeback=False, recurse=False), self.accelerator.autocast():
             yield self.accelerator.unwrap_model(model)
 
     def chunked_loss_refusal(self, model) -> str | None:
