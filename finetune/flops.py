@@ -1,6 +1,7 @@
 """Training FLOPs per token and their utilisation of a GPU's peak: 6 N + 12 L d T per token (Chowdhery et al.
-2022, "PaLM", appendix B: N the parameters that multiply activations, L layers, d the model width, T the sequence
-length), over dense bf16/fp16 peaks from NVIDIA datasheets."""
+2022, "PaLM", appendix B: N the parameters that multiply activations, L layers, d the attention width (heads x
+head_dim), T the sequence length), over dense bf16/fp16 peaks from NVIDIA datasheets; a run's utilisation is over
+the peaks of all its GPUs (processes x one GPU's)."""
 
 from __future__ import annotations
 
