@@ -277,3 +277,31 @@ def test_auto_takes_the_newest_checkpoint_every_machine_holds(tmp_path, capfd):
     printed = capfd.readouterr().out
     assert ("--resume_from_checkpoint auto: the processes' newest resumable checkpoints differ (machine 0 (rank 0): "
             "step_00000006; machine 1 (rank 1): step_00000003); resuming every process from step_00000003") in printed
+
+
+def test_auto_on_two_machines_resumes_from_the_newest_checkpoint_both_hold(tmp_path, tiny_bert):
+    """Through the real launcher: two machines, each its own --output_dir, run with ``auto`` to the end
+    (checkpoints at steps 3 and 6 of 8); then machine 1's step 6 is damaged (its optimizer state truncated) and
+    the final outputs removed (a preemption before the end). ``auto`` resumes both machines from step 3, the newest
+    both hold verified, and they finish with the first run's weights (before: both refused, "every process must
+    resume from the same checkpoint")."""
+    args = [*common(tiny_bert), "--per_device_train_batch_size", "2", "--max_train_samples", "32", "--save_steps",
+            "3", "--resume_from_checkpoint", "auto"]
+    first = start_machines(tmp_path, "first", args)
+    assert wait_all(first, timeout=300) == [0, 0], (tmp_path / "first.m1.err").read_text()[-3000:]
+    for rank in (0, 1):
+        shutil.copytree(tmp_path / f"m{rank}", tmp_path / f"reference{rank}")
+        for leftover in ("model.safetensors", "metrics.json"):
+            (tmp_path / f"m{rank}" / leftover).unlink()
+    optimizer = tmp_path / "m1" / "checkpoints" / "step_00000006" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    again = start_machines(tmp_path, "again", args)
+    assert wait_all(again, timeout=300) == [0, 0], (tmp_path / "again.m1.err").read_text()[-3000:]
+    said = (tmp_path / "again.m0.out").read_text()
+    assert ("resuming every process from step_00000003, the newest that all of them hold complete and verified"
+            in said), said[-3000:]
+    for rank in (0, 1):
+        out = tmp_path / f"m{rank}"
+        assert f"Resuming from {out / 'checkpoints' / 'step_00000003'}" in (tmp_path / f"again.m{rank}.out").read_text()
+        assert [r["step"] for r in train_steps(out)] == list(range(1, 9))
+        assert_same_weights(out, tmp_path / f"reference{rank}")
