@@ -6,6 +6,7 @@ before a resume, refused when resuming would change what a step means. Layout:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -40,6 +41,8 @@ _LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")
 #   does not even say the disk is full (so the error adds the free space);
 # - a plain Exception from the tokenizers library (Tokenizer.save, reached from tokenizer.save_pretrained through
 #   transformers/tokenization_utils_tokenizers.py line 1205): "No space left on device (os error 28)".
+# Only the OSError carries errno ENOSPC (in itself or its chain); the others are told by their message or, for
+# torch.save's, not at all: a full disk is also recognised by the free space left after the failure (_Failure).
 # So each stage of a save catches Exception: an error type one process let through would skip the collectives
 # the others wait in (a hang), and every process must raise the same FinetuneError.
 
@@ -139,10 +142,14 @@ def is_complete(path: Path) -> bool:
 def find_resume_checkpoint(output_dir, spec: str) -> Path | None:
     """``spec`` "latest": the newest complete checkpoint under ``output_dir`` that verifies (``verify_checkpoint``;
     incomplete and damaged ones are skipped with a warning naming why); "auto": the same, or None where there is
-    none (a fresh start); otherwise the path ``spec``, which must be complete and verify. Raises
-    ``FinetuneError`` if there is none ("latest"), or the path is incomplete or damaged (naming the file)."""
+    no checkpoint at all (a fresh start); otherwise the path ``spec``, which must be complete and verify. Raises
+    ``FinetuneError`` if there is none ("latest"), if "auto" finds checkpoints but none verifies
+    (``refuse_unverified``: a fresh start would delete or write over them), or the path is incomplete or damaged
+    (naming the file)."""
     if spec in ("latest", "auto"):
         path = newest_complete_checkpoint(output_dir, warn=True)
+        if path is None and spec == "auto":
+            refuse_unverified(output_dir)
         if path is None and spec == "latest":
             raise FinetuneError(f"--resume_from_checkpoint latest: no complete checkpoint under "
                                 f"{checkpoints_dir(output_dir)}. Start without --resume_from_checkpoint.")
@@ -177,6 +184,35 @@ def newest_complete_checkpoint(output_dir, warn: bool = False) -> Path | None:
             print(_unverified_note(path))
         return path
     return None
+
+
+def unverified_checkpoints(output_dir) -> list[tuple[Path, str]]:
+    """(path, why) for each checkpoint directory under ``output_dir`` that cannot be resumed: incomplete (no
+    ``COMPLETE`` marker) or damaged (``_inspect``: a file missing, truncated or changed), oldest first."""
+    found = []
+    for path in list_checkpoints(output_dir):
+        if not is_complete(path):
+            found.append((path, f"no {MARKER} marker (its write was interrupted, or the marker was removed)"))
+        else:
+            problem, _ = _inspect(path)
+            if problem is not None:
+                found.append((path, problem))
+    return found
+
+
+def refuse_unverified(output_dir, spec: str = "auto") -> None:
+    """For ``--resume_from_checkpoint auto`` where no checkpoint verifies: raise ``FinetuneError`` naming every
+    checkpoint under ``output_dir`` and why it cannot be resumed, and the two ways on, if there is any (``auto``
+    never starts a run over checkpoints it could not verify: with ``--overwrite_output_dir`` the fresh start would
+    delete them, without it the next saves would write over them). Returns where there are none."""
+    unverified = unverified_checkpoints(output_dir)
+    if not unverified:
+        return
+    root = checkpoints_dir(output_dir)
+    listed = "; ".join(f"{path.name}: {why}" for path, why in reversed(unverified))
+    raise FinetuneError(f"--resume_from_checkpoint {spec}: no checkpoint under {root} can be resumed ({listed}), and "
+                        f"{spec} does not start over checkpoints it cannot verify. To start afresh, remove them "
+                        f"(rm -r {root}); to resume anyway, pass a checkpoint you trust: --resume_from_checkpoint PATH.")
 
 
 def is_resumable(path: Path) -> bool:
@@ -300,7 +336,7 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
     root = checkpoints_dir(output_dir)
     final = checkpoint_path(output_dir, state.step)
     tmp = root / f".tmp-{final.name}"
-    failure = _Failure(accelerator.process_index, root)
+    failure = _Failure(accelerator.process_index, root, tmp, lambda: _expected_size(output_dir, model))
     if writes:
         failure.run("preparing", lambda: _clear_leftovers(root))
     accelerator.wait_for_everyone()
@@ -326,10 +362,15 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
 
 
 class _Failure:
-    """The first error of this process in a save: its stage and a one-line description."""
+    """The first error of this process in a save: its stage and a one-line description. A full disk is named as
+    such ("no space left on <folder>: N MiB free, the checkpoint needs about M MiB"), since torch.save's
+    RuntimeError does not say so: recognised by ENOSPC in the exception chain, the writers' "No space left on
+    device" message, or less free space on ``root``'s disk after the failure than the checkpoint needs
+    (``needed()``: bytes, ``_expected_size``). N counts the space the partial write ``tmp`` takes, which is
+    removed before the error is raised."""
 
-    def __init__(self, rank: int, root: Path):
-        self.rank, self.root, self.report = rank, root, None
+    def __init__(self, rank: int, root: Path, tmp: Path | None = None, needed=lambda: None):
+        self.rank, self.root, self.tmp, self.needed, self.report = rank, root, tmp, needed, None
 
     def run(self, stage: str, action):
         """``action()``'s value, unless an earlier stage failed or it raises (then None, the error recorded)."""
@@ -339,8 +380,25 @@ class _Failure:
             return action()
         except Exception as err:  # noqa: BLE001 - every type the writers raise, see the comment at the top
             text = (str(err).strip().splitlines() or [""])[0][:300]
-            self.report = {"rank": self.rank, "text": f"{stage}: {type(err).__name__}: {text}{self._free()}"}
+            cause = f"{stage}: {type(err).__name__}: {text}"
+            full = self._no_space(err)
+            self.report = {"rank": self.rank, "text": f"{full} ({cause})" if full else cause + self._free()}
             return None
+
+    def _no_space(self, err: BaseException) -> str | None:
+        """"no space left on <root>: N free, the checkpoint needs about M" where the disk is full, else None."""
+        try:
+            free = shutil.disk_usage(self.root).free + _tree_bytes(self.tmp)
+        except (OSError, ValueError):
+            return None
+        try:
+            needed = self.needed()
+        except Exception:  # noqa: BLE001 - an estimate only: without it the message says less
+            needed = None
+        if not (_says_no_space(err) or (needed is not None and free < needed)):
+            return None
+        return (f"no space left on {self.root}: {_format_bytes(free, 'MiB')} free"
+                + (f", the checkpoint needs about {_format_bytes(needed, 'MiB')}" if needed is not None else ""))
 
     def _free(self) -> str:
         try:
@@ -349,10 +407,52 @@ class _Failure:
             return ""
 
 
-def _format_bytes(count: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+def _says_no_space(err: BaseException) -> bool:
+    """Whether ``err`` or an exception in its chain is ENOSPC, or says "No space left on device" (safetensors'
+    and the tokenizers library's errors carry only the message: "... (os error 28)")."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if getattr(err, "errno", None) == errno.ENOSPC or "no space left on device" in str(err).lower():
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _tree_bytes(path: Path | None) -> int:
+    """Bytes in the files under ``path`` (0 where there is nothing)."""
+    if path is None or not path.is_dir():
+        return 0
+    total = 0
+    for file in path.rglob("*"):
+        try:
+            total += file.stat().st_size if file.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def _expected_size(output_dir, model) -> int | None:
+    """About how many bytes a checkpoint takes: the newest complete one's (every file), or before the first, the
+    model's weights and AdamW's two moments per trainable parameter (``preemption.checkpoint_bytes``); None
+    without either."""
+    for path in reversed(list_checkpoints(output_dir)):
+        if is_complete(path):
+            return _tree_bytes(path)
+    if model is None:
+        return None
+    from finetune.preemption import checkpoint_bytes  # it imports the engines, which import this module's users
+
+    return checkpoint_bytes(model)
+
+
+def _format_bytes(count: int, unit: str | None = None) -> str:
+    """``count`` bytes in the largest unit that keeps it >= 1 (bytes, KiB, MiB, GiB), or in ``unit``."""
+    if unit is not None:
+        return f"{count / 1024 ** ('KiB', 'MiB', 'GiB').index(unit) / 1024:.1f} {unit}"
+    for name in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or name == "GiB":
+            return f"{count} {name}" if name == "bytes" else f"{count:.1f} {name}"
         count /= 1024
     return f"{count} bytes"
 

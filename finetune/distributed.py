@@ -274,16 +274,46 @@ class _NoCheckpoint(Exception):
     """``--resume_from_checkpoint auto`` found no checkpoint on this process."""
 
 
+def held_checkpoints(state, output_dir) -> list[int]:
+    """The steps this process could resume from in its ``output_dir``: complete checkpoints that verify
+    (``checkpoint.is_resumable``) and hold this process's random-number state where they were written by as many
+    processes (``random_states_<rank>.pkl``), oldest first."""
+    held = []
+    for path in ckpt.list_checkpoints(output_dir):
+        if not ckpt.is_resumable(path):
+            continue
+        try:
+            saved = ckpt.read_state(path)
+        except FinetuneError:
+            continue
+        if saved.num_processes == state.num_processes and not (path / f"random_states_{state.process_index}.pkl").is_file():
+            continue
+        held.append(int(path.name.removeprefix("step_")))
+    return held
+
+
+def common_checkpoint(outcomes: list[dict]) -> int | None:
+    """The newest step every process holds (each outcome's ``held``: ``held_checkpoints`` on its machine), or None
+    where no step is held by all. ``--resume_from_checkpoint auto`` resumes there when the machines' newest
+    checkpoints differ (each machine with its own files: a machine stopped before its newest save completed,
+    or lost it)."""
+    held = [set(o["held"]) for o in outcomes]
+    common = set.intersection(*held) if held else set()
+    return max(common) if common else None
+
+
 def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:
     """The checkpoint to resume from (``checkpoint.find_resume_checkpoint`` in this process's
     ``output_dir``), checked to be the same step on every process (collective; every process calls it).
 
     Each process resolves ``spec`` on its own machine (verifying the checkpoint's files against its manifest:
-    ``checkpoint.verify_checkpoint``; "latest" skips damaged ones) and also checks that the checkpoint holds its own
-    random-number state (``random_states_<rank>.pkl``; without it Accelerate resumes with other dropout
-    masks, silently). The results are exchanged; if any process has none, or they differ, every process
-    raises the same ``FinetuneError`` naming which machine and rank lacks what, and how to fix it: copy
-    the checkpoint to the machine that lacks it, or resume every machine from a step all of them hold.
+    ``checkpoint.verify_checkpoint``; "latest" and "auto" skip damaged ones, "auto" refuses where there are
+    checkpoints but none verifies) and also checks that the checkpoint holds its own random-number state
+    (``random_states_<rank>.pkl``; without it Accelerate resumes with other dropout masks, silently). The results
+    are exchanged. If they differ, "auto" takes the newest checkpoint every process holds complete and verified
+    (``common_checkpoint``) and says so; otherwise (or where no step is held by all) every process raises the
+    same ``FinetuneError`` naming which machine and rank lacks what, and how to fix it: copy the checkpoint to
+    the machine that lacks it, or resume every machine from a step all of them hold.
     """
     mine: dict = {"name": None, "error": None, "step": None}
     caught = None
@@ -304,12 +334,24 @@ def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:
         if caught is not None:
             raise caught
         return path
-    held = [int(p.name.removeprefix("step_")) for p in ckpt.list_checkpoints(output_dir) if ckpt.is_resumable(p)]
-    mine.update(machine=machine_index(state), rank=state.process_index, held=held, dir=str(Path(output_dir).resolve()))
+    mine.update(machine=machine_index(state), rank=state.process_index, held=held_checkpoints(state, output_dir),
+                dir=str(Path(output_dir).resolve()))
     outcomes = gather_object([mine])
     names = {o["name"] for o in outcomes}
     if len(names) == 1 and (None not in names or not any(o["error"] for o in outcomes)):
         return path  # the same checkpoint everywhere, or ("auto") none anywhere
+    machines = num_machines(state)
+    common = common_checkpoint(outcomes) if spec == "auto" else None
+    if common is not None:
+        chosen = ckpt.checkpoint_path(output_dir, common)
+        if state.is_main_process:
+            newest = "; ".join(f"{describe(where, machines)}: {name or 'none'}"
+                               for name, where in _group([{**o, "name": o["name"] or "none"} for o in outcomes],
+                                                         "name").items())
+            print(f"--resume_from_checkpoint auto: the processes' newest resumable checkpoints differ ({newest}); "
+                  f"resuming every process from {chosen.name}, the newest that all of them hold complete and "
+                  "verified.")
+        return chosen
     for o in outcomes:  # "auto": some processes found a checkpoint, these none
         if o["name"] is None and o["error"] is None:
             o["error"] = f"no complete checkpoint under {ckpt.checkpoints_dir(o['dir'])}"
@@ -318,7 +360,6 @@ def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:
     failed = _group(outcomes, "error")
     if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
         raise caught  # the same on every process: as on one process
-    machines = num_machines(state)
     parts = [f"{describe(where, machines)} would resume from {name}" for name, where in _group(outcomes, "name").items()]
     parts += [f"{describe(where, machines)} cannot: {message}" for message, where in failed.items()]
     newest = max((o["step"] for o in outcomes if o["step"] is not None), default=None)

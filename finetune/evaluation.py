@@ -68,8 +68,9 @@ def _eval_outputs(model, batch: dict, labels, task, splittable: bool) -> tuple:
 def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tuple[dict, list[str]]:
     """``(metrics, predictions)`` of greedy completions for the first ``GENERATION["num_samples"]`` raw ``rows``,
     scored with the recipe's ``METRICS``; ``({}, [])`` without it. Every process generates its share (rows r,
-    r + P, ...; as many prompts on each, synced where the engine shards) and the completions are gathered in
-    row order, so every rank scores the same figures."""
+    r + P, ...; as many prompts on each, synced where the engine shards) on the model the engine gives for
+    generation (``generation_model``: unwrapped, with whole weights where the engine shards them), and
+    the completions are gathered in row order, so every rank scores the same figures."""
     spec = dict(getattr(recipe, "GENERATION", None) or {})
     if not spec or rows is None:
         return {}, []
@@ -82,10 +83,12 @@ def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tupl
     share = math.ceil(len(pairs) / processes)
     padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
     completions = []
-    if padded:
-        completions = generate_completions(accelerator.unwrap_model(model), tokenizer, [pairs[i][0] for i in padded],
-                                           max_length=config.max_length,
-                                           synced_gpus=engine_for(accelerator).generation_synced, **spec)
+    engine = engine_for(accelerator)
+    if padded:  # as many on every process (share), so a sharded engine's collectives match
+        with engine.generation_model(model) as generator:  # unwrapped, its weights whole
+            completions = generate_completions(generator, tokenizer, [pairs[i][0] for i in padded],
+                                               max_length=config.max_length, synced_gpus=engine.generation_synced,
+                                               **spec)
     own = list(zip(mine, completions))
     gathered = gather_object(own) if processes > 1 else own
     predictions = [text for _, text in sorted(gathered)]

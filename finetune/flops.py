@@ -1,12 +1,15 @@
 """Training FLOPs per token and their utilisation of a GPU's peak: 6 N + 12 L d T per token (Chowdhery et al.
-2022, "PaLM", appendix B: N the parameters that multiply activations, L layers, d the model width, T the sequence
-length), over dense bf16/fp16 peaks from NVIDIA datasheets."""
+2022, "PaLM", appendix B: N the parameters that multiply activations, L layers, d the attention width (heads x
+head_dim), T the sequence length), over dense bf16/fp16 peaks from NVIDIA datasheets; a run's utilisation is over
+the peaks of all its GPUs (processes x one GPU's)."""
 
 from __future__ import annotations
 
 import re
 
 import torch
+
+from finetune.engine import parameter_numel, parameter_sizes
 
 # Dense (no structured sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's product datasheets
 # (they print the 2:4-sparsity figure, twice these; "dense" = that figure / 2). Matched against
@@ -60,25 +63,39 @@ def _unwrapped(model):
 def matmul_parameters(model) -> tuple[int, int]:
     """(all, trainable) parameters that multiply activations once per token, in elements: every parameter but
     the embedding tables (a lookup, no multiply); an output embedding tied to the input one counts (its matmul
-    runs)."""
+    runs: ``in_features x out_features`` of the head). Sizes are the whole parameters whatever the engine
+    sharded (``engine.parameter_sizes``: partitioned placeholders, flat shards), not this rank's part."""
+    sizes = parameter_sizes(model)  # the wrapped model: the sharding wrappers know their flat parameters
     model = _unwrapped(model)
-    embedding_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    total = sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids)
-    trainable = sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids and p.requires_grad)
+    total = sum(n for module, n, _ in sizes if not isinstance(module, torch.nn.Embedding))
+    trainable = sum(n for module, n, grad in sizes if grad and not isinstance(module, torch.nn.Embedding))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and id(head.weight) in embedding_ids:  # tied: the shared table is also the head's matmul
-        total += head.weight.numel()
-        trainable += head.weight.numel() if head.weight.requires_grad else 0
+    if head is not None and not any(module is head for module, _, _ in sizes):
+        # tied: the shared table is listed under the input embedding, and is also the head's matmul
+        weight = head.weight
+        size = (head.in_features * head.out_features if isinstance(head, torch.nn.Linear) else parameter_numel(weight))
+        total += size
+        trainable += size if weight.requires_grad else 0
     return total, trainable
+
+
+def attention_width(config) -> int | None:
+    """PaLM's d in 12 L d T: the width of the attention's queries, keys and values, ``num_attention_heads x
+    head_dim`` where the config sets ``head_dim`` (it differs from ``hidden_size`` in Qwen3, Gemma-7B:
+    16 x 256 = 4096 against 3072), else ``hidden_size``. None without either."""
+    heads, head_dim = getattr(config, "num_attention_heads", None), getattr(config, "head_dim", None)
+    if heads and head_dim:
+        return heads * head_dim
+    return getattr(config, "hidden_size", None)
 
 
 def training_flops_per_token(model, context: float, recompute: bool = False) -> tuple[float, str] | None:
     """(training FLOPs per token, the formula with its numbers) for a token in a sequence of ``context`` tokens:
-    6 N + 12 L d T (PaLM, appendix B); where only some weights train (LoRA), 4 N + 2 N_trainable (a frozen
+    6 N + 12 L d T (PaLM, appendix B; d: ``attention_width``, heads x head_dim); where only some weights train (LoRA), 4 N + 2 N_trainable (a frozen
     weight needs no weight gradient); ``recompute`` (activation checkpointing) adds the forward again, 2 N + 4 L d T.
-    None for a model whose config has no ``num_hidden_layers``/``hidden_size``."""
+    None for a model whose config has no ``num_hidden_layers`` or width."""
     config = getattr(_unwrapped(model), "config", None)
-    layers, width = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+    layers, width = getattr(config, "num_hidden_layers", None), attention_width(config)
     if not layers or not width:
         return None
     total, trainable = matmul_parameters(model)

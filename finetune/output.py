@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from finetune.checkpoint import is_complete, list_checkpoints, newest_complete_checkpoint
+from finetune.checkpoint import is_complete, list_checkpoints, newest_complete_checkpoint, refuse_unverified
 from finetune.config import DERIVED_FIELDS
 from finetune.errors import FinetuneError
 
@@ -24,12 +24,16 @@ def check_output_dir(config) -> None:
     """Refuse an ``--output_dir`` that holds a different run (unless ``--overwrite_output_dir``) or
     cannot be written. A directory holding the same run's config may be reused (a rerun).
 
-    Raises ``FinetuneError`` naming the differing settings and the flags that fix it.
+    Raises ``FinetuneError`` naming the differing settings and the flags that fix it, or, for
+    ``--resume_from_checkpoint auto``, the checkpoints there that cannot be resumed when none can
+    (``checkpoint.refuse_unverified``).
     """
     out = Path(config.output_dir)
     resuming = bool(config.resume_from_checkpoint)
     if config.resume_from_checkpoint == "auto":  # a fresh start passes the new-run checks
         resuming = newest_complete_checkpoint(out) is not None
+        if not resuming:  # never a fresh start over checkpoints that do not verify (it would delete them)
+            refuse_unverified(out)
     if config.overwrite_output_dir and not resuming:
         resolved, cwd = out.expanduser().resolve(), Path.cwd().resolve()
         if resolved in (cwd, *cwd.parents, Path.home().resolve()):

@@ -64,13 +64,22 @@ def _rate(count: float, seconds: float) -> float:
     return round(count / seconds, 3) if seconds > 0 else 0.0
 
 
-def throughput(state, runtime: float, model, config, device) -> dict:
+def device_peak(device) -> tuple[float, str] | None:
+    """(peak dense bf16/fp16 FLOP/s of ONE ``device``, its source) from ``flops.peak_flops``; None off CUDA or for
+    an unknown GPU."""
+    return peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def throughput(state, runtime: float, model, config, device, num_processes: int = 1) -> dict:
     """The run's token counts and rates, named by what they count: ``padded`` tokens (input positions with
     padding: what the model computed on), ``input`` tokens (without padding), ``trained`` tokens (the loss's
     items: label tokens; causal LM only). Rates are over the timed steps (every optimizer step but the first of
     each start, a warm-up: ``throughput_steps``), else over ``runtime``. FLOP/s from ``flops.training_flops_per_token``:
     model FLOP/s over input tokens at their mean length; hardware FLOP/s over padded tokens at the padded length,
-    with activation checkpointing's recompute; on a CUDA device with a known peak also ``mfu`` and ``hfu``."""
+    with activation checkpointing's recompute; on a CUDA device with a known peak also ``mfu`` and ``hfu``: the
+    FLOP/s of all ``num_processes`` processes (the counts are over all of them) over ``num_processes`` x one
+    device's peak (PaLM appendix B: achieved over the whole system's peak), so the same per-GPU speed gives the
+    same MFU at any process count."""
     timed = state.timed_steps > 0 and state.timed_seconds > 0
     seconds = state.timed_seconds if timed else runtime
     counts = {"padded": state.timed_padded_tokens if timed else state.padded_tokens_seen,
@@ -95,10 +104,12 @@ def throughput(state, runtime: float, model, config, device) -> dict:
                    hardware_flops_per_second=round(hardware_flops[0] * counts["padded"] / seconds, 1),
                    model_flops_formula=model_flops[1] + " (per input token)",
                    hardware_flops_formula=hardware_flops[1] + " (per padded token)")
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    peak = device_peak(device)
     if peak is not None:
-        metrics.update(mfu=round(metrics["model_flops_per_second"] / peak[0], 4),
-                       hfu=round(metrics["hardware_flops_per_second"] / peak[0], 4), mfu_peak_source=peak[1])
+        system = num_processes * peak[0]  # one device per process
+        metrics.update(mfu=round(metrics["model_flops_per_second"] / system, 4),
+                       hfu=round(metrics["hardware_flops_per_second"] / system, 4),
+                       mfu_peak_source=f"{num_processes} x {peak[1]}")
     return metrics
 
 
@@ -137,7 +148,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
         "device": device.type,
         "train_runtime": round(runtime, 3),
         "train_samples_per_second": _rate(state.samples_seen, runtime),
-        **throughput(state, runtime, model, config, device),
+        **throughput(state, runtime, model, config, device, num_processes),
         **({"train_padding_fraction": round(1 - state.input_tokens_seen / state.padded_tokens_seen, 4)}
            if state.padded_tokens_seen else {}),
         "train_seconds_per_step": round(runtime / state.step, 4) if state.step else 0.0,

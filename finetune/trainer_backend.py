@@ -7,12 +7,12 @@ shared ``bookkeeping`` through ``BookkeepingCallback``. See docs/design-notes.md
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import torch
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 from finetune import checkpoint as ckpt
 from finetune import distributed
@@ -279,19 +279,50 @@ class BookkeepingCallback(TrainerCallback):
             path.write_text(json.dumps(self.book.progress.step_meaning) + "\n")
 
 
+def _trainer_checkpoints(root: Path) -> list[Path]:
+    """Trainer's ``checkpoint-<step>`` folders under ``root``, oldest first (the names ``get_last_checkpoint``
+    matches: transformers 5.24 ``trainer_utils.py`` ``_re_checkpoint``)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in root.iterdir() if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+    return [p for _, p in sorted(found)]
+
+
 def _resume_checkpoint(config, meaning: dict) -> str | None:
-    """The Trainer checkpoint to resume from (``latest``: the newest under ``<output_dir>/checkpoints``),
-    after checking that it means the same step. Raises ``FinetuneError`` when there is none or it differs."""
+    """The Trainer checkpoint to resume from, after checking that it means the same step. ``latest``/``auto``:
+    the newest ``checkpoint-N`` under ``<output_dir>/checkpoints`` holding ``trainer_state.json``, which Trainer
+    writes last (transformers 5.24 ``trainer.py`` ``_save_checkpoint``), so one without it was interrupted and is
+    skipped with a warning; ``auto`` with no checkpoint folder at all is a fresh start (None). Raises
+    ``FinetuneError`` when there is none to resume (``auto``: when there are checkpoint folders but none complete,
+    naming them: a fresh start would delete or write over them), or it means another step."""
     spec = config.resume_from_checkpoint
     if not spec:
         return None
     root = ckpt.checkpoints_dir(config.output_dir)
-    newest = spec in ("latest", "auto")
-    path = (get_last_checkpoint(str(root)) if root.is_dir() else None) if newest else spec
-    if path is None and spec == "auto":
-        print(f"--resume_from_checkpoint auto: no Trainer checkpoint under {root}; starting a fresh run.")
-        return None
+    path = None
+    if spec in ("latest", "auto"):
+        folders = _trainer_checkpoints(root)
+        for folder in reversed(folders):
+            if Path(folder, "trainer_state.json").is_file():
+                path = folder
+                break
+            print(f"warning: skipping incomplete Trainer checkpoint {folder} (no trainer_state.json: its save was "
+                  "interrupted)")
+        others = [p.name for p in ckpt.list_checkpoints(config.output_dir)]  # the accelerate backend's
+        if path is None and spec == "auto" and (folders or others):
+            listed = ", ".join([f"{f.name} (no trainer_state.json: its save was interrupted)" for f in folders]
+                               + [f"{name} (written by --backend accelerate)" for name in others])
+            raise FinetuneError(f"--resume_from_checkpoint auto: no Trainer checkpoint under {root} can be resumed "
+                                f"({listed}), and auto does not start over checkpoints it cannot resume. To start "
+                                f"afresh, remove them (rm -r {root}); to resume anyway, pass a checkpoint you trust: "
+                                "--resume_from_checkpoint PATH.")
+        if path is None and spec == "auto":
+            print(f"--resume_from_checkpoint auto: no Trainer checkpoint under {root}; starting a fresh run.")
+            return None
+    else:
+        path = Path(spec)
     if path is None or not Path(path, "trainer_state.json").is_file():
+        newest = spec in ("latest", "auto")
         raise FinetuneError(f"--resume_from_checkpoint {spec}: no Trainer checkpoint {'under ' + str(root) if newest else 'there'}"
                             ". Pass a checkpoint-N directory, or start without --resume_from_checkpoint.")
     saved = Path(path, STEP_MEANING_FILE)

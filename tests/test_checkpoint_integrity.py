@@ -105,12 +105,43 @@ def test_latest_resumes_from_the_newest_checkpoint_that_verifies_to_the_same_wei
 
 
 def test_latest_with_every_checkpoint_damaged_is_one_clear_error(finished):
+    """Every checkpoint damaged: "latest" and "auto" both refuse; "auto" names each checkpoint and why, and the
+    ways on (before: "auto" returned None, a fresh start that deleted them under --overwrite_output_dir)."""
     out, _ = finished
     for step in (2, 4):
         (out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").unlink()
     with pytest.raises(FinetuneError, match="latest: no complete checkpoint"):
         find_resume_checkpoint(out, "latest")
-    assert find_resume_checkpoint(out, "auto") is None
+    with pytest.raises(FinetuneError) as refused:
+        find_resume_checkpoint(out, "auto")
+    message = str(refused.value)
+    assert (f"--resume_from_checkpoint auto: no checkpoint under {out / 'checkpoints'} can be resumed "
+            "(step_00000004: trainer_state.json is missing (it had ") in message
+    assert "; step_00000002: trainer_state.json is missing" in message
+    assert f"remove them (rm -r {out / 'checkpoints'})" in message and "--resume_from_checkpoint PATH" in message
+
+
+def test_auto_with_overwrite_never_starts_over_damaged_checkpoints(finished, tiny_bert, capsys):
+    """``--resume_from_checkpoint auto --overwrite_output_dir`` (a requeued job's command) over a directory whose
+    every checkpoint is damaged (step 4's optimizer truncated, step 2's marker gone): exit 2 with one ``error:``
+    line naming both and why, and nothing deleted (before: exit 0, a fresh run from step 0 that deleted them)."""
+    from finetune.run import main
+
+    out, _ = finished
+    _truncate(out / "checkpoints" / "step_00000004" / "optimizer.bin")
+    (out / "checkpoints" / "step_00000002" / MARKER).unlink()
+    (out / "metrics.json").unlink()  # preempted: no finished run
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    capsys.readouterr()
+    code = main(["--recipe", "bbc-news", "--output_dir", str(out), "--model_name_or_path", tiny_bert,
+                 "--resume_from_checkpoint", "auto", "--overwrite_output_dir", "True",
+                 *[f"--{k}={v}" for k, v in RUN.items()]])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and len(err.strip().splitlines()) == 1, err
+    assert "step_00000004: optimizer.bin has" in errors[0]
+    assert f"step_00000002: no {MARKER} marker" in errors[0]
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
 
 
 def test_a_checkpoint_written_before_manifests_resumes_unverified_with_a_note(tmp_path, tiny_bert, finished, capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -164,11 +165,68 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(tmp_path, tiny_bert, cap
         code, errors = _main_in_process(disk, "run", capsys, model_name_or_path=tiny_bert, **RUN)
         assert code == 2 and len(errors) == 1, errors
         assert "writing checkpoint step_00000004 failed" in errors[0] and writer in errors[0], errors[0]
-        assert "free" in errors[0]  # the free space is reported: torch.save's own message does not mention the disk
         out = disk / "run"
         _assert_only_the_previous_checkpoint(out)
+        # named as a full disk, with the numbers: torch.save's own message does not mention the disk (before:
+        # only "...; 0.2 MiB free on its disk" after the writer's text)
+        named = re.search(r"\(no space left on (\S+): (\d+\.\d) MiB free, the checkpoint needs about (\d+\.\d) MiB "
+                          r"\((accelerator\.save_state|writing model files and trainer state): ", errors[0])
+        assert named, errors[0]
+        assert named[1] == str(out / "checkpoints")
+        mib = 1024 * 1024
+        free_now = shutil.disk_usage(disk).free / mib  # the partial write is gone: what the error promised
+        assert abs(float(named[2]) - free_now) <= 0.15, (named[2], free_now)
+        previous = sum(f.stat().st_size for f in (out / "checkpoints" / "step_00000002").rglob("*") if f.is_file())
+        assert float(named[3]) == round(previous / mib, 1) and float(named[2]) < float(named[3])
         shutil.copytree(out, tmp_path / "copy")  # resume where there is room
     metrics, _ = run_in_process(tmp_path, "copy", model_name_or_path=tiny_bert, resume_from_checkpoint="latest",
                                 **RUN)
     assert metrics["resumed_from"].endswith("step_00000002")
     assert [r["step"] for r in train_steps(tmp_path / "copy")] == list(range(1, 7))
+
+
+# ------------------------------------------------------------------------------------------ naming a full disk
+def test_a_full_disk_is_named_with_the_free_space_and_the_size_needed(tmp_path, monkeypatch):
+    """torch.save's RuntimeError on a full disk carries no errno ("[enforce fail at inline_container.cc:672] .
+    unexpected pos 39166 vs 39054": torch/serialization.py's zip writer, c10::Error). A failure is named as a full
+    disk when the exception chain holds ENOSPC, the writer says "No space left on device", or the disk has less
+    room after the failure than the checkpoint needs (here: 1 MiB free plus the 2 MiB partial write, 12 MiB
+    needed). ``shutil.disk_usage`` is replaced by one returning what it returns, a ``usage(total, used, free)``
+    named tuple in bytes (CPython 3.11 ``Lib/shutil.py``: ``_ntuple_diskusage``, ``disk_usage`` on POSIX)."""
+    from finetune import checkpoint
+
+    mib = 1024 * 1024
+    root, partial = tmp_path / "checkpoints", tmp_path / "checkpoints" / ".tmp-step_00000004"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"\0" * (2 * mib))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                        lambda path: type(usage)(usage.total, usage.total - mib, mib))
+
+    def torch_save_on_a_full_disk():
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 39166 vs 39054")
+
+    failure = checkpoint._Failure(0, root, partial, needed=lambda: 12 * mib)
+    failure.run("accelerator.save_state", torch_save_on_a_full_disk)
+    assert failure.report == {"rank": 0, "text": (
+        f"no space left on {root}: 3.0 MiB free, the checkpoint needs about 12.0 MiB (accelerator.save_state: "
+        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 39166 vs 39054)")}
+
+    # room enough after the failure: not a full disk, whatever the writer raised (an I/O error)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                        lambda path: type(usage)(usage.total, usage.total - 100 * mib, 100 * mib))
+    failure = checkpoint._Failure(0, root, partial, needed=lambda: 12 * mib)
+    failure.run("committing", lambda: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    assert failure.report["text"] == "committing: OSError: [Errno 5] Input/output error; 100.0 MiB free on its disk"
+
+    # ENOSPC in the chain names it even where the estimate is missing or the space was freed since
+    def wrapped():
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as err:
+            raise RuntimeError("write failed") from err
+
+    failure = checkpoint._Failure(0, root, partial)
+    failure.run("writing model files and trainer state", wrapped)
+    assert failure.report["text"] == (f"no space left on {root}: 102.0 MiB free (writing model files and trainer "
+                                      "state: RuntimeError: write failed)")

@@ -202,3 +202,106 @@ def test_each_machine_keeps_the_merged_lora_model(tmp_path, tiny_llama, clm_text
     for rank in (0, 1):
         assert (tmp_path / f"m{rank}" / "adapter_model.safetensors").is_file()
         assert (tmp_path / f"m{rank}" / "merged" / "tokenizer.json").is_file()
+
+
+# ------------------------------------------------- auto over machines whose newest checkpoints differ
+def _write_checkpoint(output_dir, step: int, processes: int = 2):
+    """A complete, verified checkpoint as ``save_checkpoint`` leaves it (its files, then ``manifest.json`` and the
+    ``COMPLETE`` marker by the same ``_commit``), small stand-in contents: the agreement reads no weights."""
+    import json
+    from dataclasses import asdict
+
+    from finetune import checkpoint as ckpt
+
+    final = ckpt.checkpoint_path(output_dir, step)
+    tmp = final.parent / f".tmp-{final.name}"
+    tmp.mkdir(parents=True)
+    for rank in range(processes):
+        (tmp / f"random_states_{rank}.pkl").write_bytes(b"rng %d" % rank)
+    (tmp / "model.safetensors").write_bytes(b"w" * 64)
+    (tmp / ckpt.STATE_FILE).write_text(json.dumps(asdict(ckpt.RunProgress(step=step, num_processes=processes))))
+    ckpt._commit(tmp, final, step)
+    assert ckpt.verify_checkpoint(final)
+    return final
+
+
+def test_the_newest_checkpoint_all_hold():
+    """``common_checkpoint``: the newest step in every process's set of resumable checkpoints, or None."""
+    from finetune.distributed import common_checkpoint
+
+    assert common_checkpoint([{"held": [3, 6]}, {"held": [3]}]) == 3
+    assert common_checkpoint([{"held": [3, 6, 9]}, {"held": [6, 9]}, {"held": [3, 6]}]) == 6
+    assert common_checkpoint([{"held": [6]}, {"held": [3]}]) is None
+    assert common_checkpoint([{"held": []}, {"held": [3]}]) is None
+
+
+def _agree_auto(rank: int, port: int, root: str, out: str) -> None:
+    import json
+    import os
+
+    from finetune.distributed import agree_on_checkpoint, process_state
+    from finetune.errors import FinetuneError
+
+    # each rank a machine of its own (LOCAL_WORLD_SIZE 1), each with its own output dir
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK="0",
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), ACCELERATE_USE_CPU="1")
+    state = process_state(cpu=True)
+    try:
+        path = agree_on_checkpoint(state, f"{root}/m{rank}", "auto")
+        result = {"path": str(path)}
+    except FinetuneError as err:
+        result = {"error": str(err)}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_auto_takes_the_newest_checkpoint_every_machine_holds(tmp_path, capfd):
+    """Two machines without a shared filesystem (two gloo ranks, each its own ``--output_dir``): machine 0 holds
+    steps 3 and 6, machine 1 step 3 and a step 6 that does not verify (its weights truncated). ``auto`` resumes
+    both from step 3, the newest both hold complete and verified, and says why (before: every process raised
+    "every process must resume from the same checkpoint")."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    for machine in (0, 1):
+        for step in (3, 6):
+            _write_checkpoint(tmp_path / f"m{machine}", step)
+    weights = tmp_path / "m1" / "checkpoints" / "step_00000006" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:10])
+    mp.spawn(_agree_auto, args=(free_port(), str(tmp_path), str(tmp_path / "result")), nprocs=2, join=True)
+    for machine in (0, 1):
+        result = json.loads((tmp_path / f"result.{machine}").read_text())
+        assert result == {"path": str(tmp_path / f"m{machine}" / "checkpoints" / "step_00000003")}, result
+    printed = capfd.readouterr().out
+    assert ("--resume_from_checkpoint auto: the processes' newest resumable checkpoints differ (machine 0 (rank 0): "
+            "step_00000006; machine 1 (rank 1): step_00000003); resuming every process from step_00000003") in printed
+
+
+def test_auto_on_two_machines_resumes_from_the_newest_checkpoint_both_hold(tmp_path, tiny_bert):
+    """Through the real launcher: two machines, each its own --output_dir, run with ``auto`` to the end
+    (checkpoints at steps 3 and 6 of 8); then machine 1's step 6 is damaged (its optimizer state truncated) and
+    the final outputs removed (a preemption before the end). ``auto`` resumes both machines from step 3, the newest
+    both hold verified, and they finish with the first run's weights (before: both refused, "every process must
+    resume from the same checkpoint")."""
+    args = [*common(tiny_bert), "--per_device_train_batch_size", "2", "--max_train_samples", "32", "--save_steps",
+            "3", "--resume_from_checkpoint", "auto"]
+    first = start_machines(tmp_path, "first", args)
+    assert wait_all(first, timeout=300) == [0, 0], (tmp_path / "first.m1.err").read_text()[-3000:]
+    for rank in (0, 1):
+        shutil.copytree(tmp_path / f"m{rank}", tmp_path / f"reference{rank}")
+        for leftover in ("model.safetensors", "metrics.json"):
+            (tmp_path / f"m{rank}" / leftover).unlink()
+    optimizer = tmp_path / "m1" / "checkpoints" / "step_00000006" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    again = start_machines(tmp_path, "again", args)
+    assert wait_all(again, timeout=300) == [0, 0], (tmp_path / "again.m1.err").read_text()[-3000:]
+    said = (tmp_path / "again.m0.out").read_text()
+    assert ("resuming every process from step_00000003, the newest that all of them hold complete and verified"
+            in said), said[-3000:]
+    for rank in (0, 1):
+        out = tmp_path / f"m{rank}"
+        assert f"Resuming from {out / 'checkpoints' / 'step_00000003'}" in (tmp_path / f"again.m{rank}.out").read_text()
+        assert [r["step"] for r in train_steps(out)] == list(range(1, 9))
+        assert_same_weights(out, tmp_path / f"reference{rank}")

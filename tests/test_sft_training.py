@@ -148,15 +148,21 @@ def test_every_rank_generates_its_share(monkeypatch, distributed_type):
 
     def generate(model, tokenizer, prompts, max_length=None, synced_gpus=False, **spec):
         texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]  # a user turn, rendered later
-        calls.append((texts, synced_gpus))
+        calls.append((texts, synced_gpus, model))
         return [text.replace("p", "g") for text in texts]
 
     rank0 = [(0, "g0"), (2, "g2"), (4, "g4")]
     monkeypatch.setattr(evaluation, "generate_completions", generate)
     monkeypatch.setattr(evaluation, "gather_object", lambda own: rank0 + own)
+    # unwrap_model as Accelerate's: Accelerator.unwrap_model returns extract_model_from_parallel(model, ...)
+    # (accelerate 1.15 accelerator.py line 3286), which strips DDP/FSDP1 wrappers (utils/other.py lines 294-320);
+    # a real FSDP1 model on two gloo ranks: tests/test_sharded.py::test_generation_under_fsdp1_uses_whole_weights
+    from accelerate.utils import extract_model_from_parallel
+
     accelerator = SimpleNamespace(process_index=1, num_processes=2, distributed_type=getattr(DistributedType, distributed_type),
-                                  unwrap_model=lambda model: model)
+                                  unwrap_model=extract_model_from_parallel)
     recipe = SimpleNamespace(GENERATION={"max_new_tokens": 4}, METRICS={"rouge": {}})
-    metrics, predictions = evaluation.generation_eval(accelerator, None, None, rows, recipe, SimpleNamespace(max_length=64))
-    assert calls == [(["p1", "p3", "p3"], distributed_type == "FSDP")]
+    module = torch.nn.Linear(2, 2)  # not wrapped: what extract_model_from_parallel gives back as it is
+    metrics, predictions = evaluation.generation_eval(accelerator, module, None, rows, recipe, SimpleNamespace(max_length=64))
+    assert calls == [(["p1", "p3", "p3"], distributed_type == "FSDP", module)]
     assert predictions == ["g0", "g1", "g2", "g3", "g4"] and metrics["eval_generated"] == 5

@@ -249,7 +249,8 @@ def test_an_fsdp_accelerator_gets_sync_each_batch(tmp_path):
 
     config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none", gradient_accumulation_steps=3)
     accelerator = make_accelerator(config)
-    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state)
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state,
+                           state=accelerator.state)  # a CPU state: no FSDP plugin
     engine_for(fsdp).configure(config)
     assert accelerator.gradient_state.plugin_kwargs["sync_each_batch"] is True
     assert accelerator.gradient_accumulation_steps == 3
@@ -535,3 +536,145 @@ def test_machines_without_a_shared_filesystem_under_sharded_engines(tmp_path):
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
     with pytest.raises(FinetuneError, match="shared --output_dir"):
         engine_for(fsdp).configure(config, per_machine=True)
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fsdp_reduces_gradients_in_fp32_under_16_bit(tmp_path, fsdp_version, precision):
+    """Accelerate 1.15 gives the FSDP plugin a policy whose ``reduce_dtype`` is the 16-bit parameter dtype
+    (``utils/dataclasses.py`` ``FullyShardedDataParallelPlugin.set_mixed_precision`` lines 2136-2143, called by
+    ``AcceleratorState`` in ``state.py`` line 1015 with the run's mixed precision); ``fully_shard`` then takes
+    ``fsdp2_plugin.mixed_precision_policy`` as its ``mp_policy`` (``utils/fsdp_utils.py`` line 779). FSDP does not
+    run on a CPU through Accelerate, so the plugin is built and given its precision as Accelerate does, the engine
+    configures it, and the policy ``prepare`` would read is checked: reductions in fp32, compute still 16-bit."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from finetune.config import TrainConfig
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none", gradient_accumulation_steps=2)
+    accelerator = make_accelerator(config)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=fsdp_version)
+    plugin.set_mixed_precision(precision)  # what AcceleratorState does (state.py line 1015)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert plugin.mixed_precision_policy.reduce_dtype == dtype  # accelerate's own choice: the issue
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state,
+                           state=SimpleNamespace(fsdp_plugin=plugin))
+    engine = engine_for(fsdp)
+    engine.configure(config)
+    policy = plugin.mixed_precision_policy
+    assert policy.reduce_dtype == torch.float32 and policy.param_dtype == dtype
+    if fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        assert isinstance(policy, MixedPrecisionPolicy) and policy.output_dtype == dtype
+    else:
+        from torch.distributed.fsdp import MixedPrecision
+
+        assert isinstance(policy, MixedPrecision) and policy.buffer_dtype == dtype
+    assert "fp32" in engine.note
+
+
+def test_fsdp_full_precision_policy_is_left_alone(tmp_path):
+    """Without mixed precision Accelerate sets no policy (``state.py`` line 1014: only when it is not "no"); the
+    engine adds none."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from finetune.config import TrainConfig
+
+    config = TrainConfig(recipe="bbc-news", output_dir=str(tmp_path), report_to="none")
+    accelerator = make_accelerator(config)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, gradient_state=accelerator.gradient_state,
+                           state=SimpleNamespace(fsdp_plugin=plugin))
+    engine_for(fsdp).configure(config)
+    assert plugin.mixed_precision_policy is None
+
+
+def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, bf16: bool, out: str) -> None:
+    """One of two gloo ranks: a tiny chat Llama wrapped in FSDP1 (FULL_SHARD; ``nested``: each decoder layer its
+    own unit, as Accelerate's transformer auto-wrap policy does, and ``use_orig_params``: original parameters as 1-D
+    views of the shard), then ``evaluation.generation_eval`` as a run
+    calls it. The stand-in accelerator's ``unwrap_model`` is Accelerate's own: ``Accelerator.unwrap_model`` returns
+    ``extract_model_from_parallel(model, ...)`` (accelerate 1.15 ``accelerator.py`` line 3286), which strips the
+    root FSDP wrapper (``utils/other.py`` lines 317-320: FSDP among the options, ``while isinstance(model,
+    options): model = model.module``) and leaves its flat parameter sharded. Its ``autocast`` is what
+    ``Accelerator.autocast`` enters (``accelerator.py`` line 4239, ``get_mixed_precision_context_manager``,
+    ``utils/modeling.py`` lines 2078-2117): ``torch.autocast`` in bf16 under bf16 mixed precision, else
+    ``contextlib.nullcontext()``; ``bf16``: FSDP1's ``MixedPrecision`` with 16-bit parameters as Accelerate
+    configures it (``param_dtype`` and ``buffer_dtype`` bf16; fp32 reductions, as this engine sets them)."""
+    import contextlib
+    import functools
+    import json
+
+    from accelerate.utils import extract_model_from_parallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from finetune import evaluation
+    from finetune.distributed import process_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ACCELERATE_USE_CPU="1")
+    state = process_state(cpu=True)  # gloo; accelerate's gather_object needs its state
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(1)  # larger weights, the same on both ranks: the random model then writes words, not spaces
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.5)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"prompt": f"Write the headline of this BBC News article. The striker scored goal {i}.",
+             "completion": "Late goal"} for i in range(3)]
+    recipe = SimpleNamespace(GENERATION={"max_new_tokens": 6, "batch_size": 2}, METRICS={})
+    config = SimpleNamespace(max_length=64)
+    plain = SimpleNamespace(process_index=0, num_processes=1, distributed_type=DistributedType.NO,
+                            unwrap_model=extract_model_from_parallel)
+    _, expected = evaluation.generation_eval(plain, model, tokenizer, rows, recipe, config)  # whole, one rank
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}) if nested else None
+    from torch.distributed.fsdp import MixedPrecision
+
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                               buffer_dtype=torch.bfloat16) if bf16 else None
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), auto_wrap_policy=policy,
+                                       sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=nested,
+                                       mixed_precision=precision)
+    autocast = (lambda: torch.autocast(device_type="cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    accelerator = SimpleNamespace(process_index=state.process_index, num_processes=2, autocast=autocast,
+                                  distributed_type=DistributedType.FSDP, unwrap_model=extract_model_from_parallel)
+    try:
+        _, predictions = evaluation.generation_eval(accelerator, wrapped, tokenizer, rows, recipe, config)
+        result = {"expected": expected, "predictions": predictions}
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(err).__name__}: {err}"}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("nested, bf16", [(False, False), (True, False), (True, True)],
+                         ids=["one-unit", "nested", "nested-bf16"])
+def test_generation_under_fsdp1_uses_whole_weights(tmp_path, nested, bf16):
+    """Evaluation with generation (bbc-headlines, eval_on_start) under FSDP1 on two real gloo ranks: each rank
+    generates its share and every rank gets the same completions a single whole model gives. Before the fix it
+    generated on ``accelerator.unwrap_model(model)``, the root's flat parameter still a 1-D shard: "'weight' must
+    be 2-D" on every rank. Under bf16 (16-bit parameters in the nested units, the summoned root's fp32) the
+    ranks agree with each other (the whole fp32 model may round otherwise)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tiny_models import build_tiny_chat_llama
+
+    model_dir = build_tiny_chat_llama(tmp_path / "model")
+    port = 29100 + (os.getpid() % 300) * 3 + int(nested) + int(bf16)
+    mp.spawn(_fsdp1_generation, args=(port, str(model_dir), nested, bf16, str(tmp_path / "result")), nprocs=2,
+             join=True)
+    results = [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert "error" not in result, result["error"]
+        assert len(result["predictions"]) == 3 and any(result["predictions"])
+        if not bf16:
+            assert result["predictions"] == result["expected"]
+    assert results[0]["predictions"] == results[1]["predictions"]

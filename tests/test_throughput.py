@@ -4,6 +4,9 @@ the counts and the step time in ``log.jsonl``; the run's rates leave the warm-up
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -54,3 +57,116 @@ def test_flops_per_token(tiny_llama):
     frozen, _ = training_flops_per_token(model, context=10.0)
     assert frozen == pytest.approx(4 * total + 2 * matmul_parameters(model)[1] + 12 * layers * width * 10.0)
     assert embedding > 0
+
+
+# ------------------------------------------------------------------ MFU over every process; whole parameters; d
+def _tiny_causal_lm(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides}))
+
+
+def test_mfu_is_per_gpu_the_same_at_any_process_count(monkeypatch):
+    """The same speed on each GPU is the same MFU on 1 or 2 processes: the counts are over all processes, so
+    they are divided by num_processes x one GPU's peak (before the fix: P = 2 reported twice P = 1's)."""
+    from finetune import reporting
+    from finetune.checkpoint import RunProgress
+    from finetune.config import TrainConfig
+
+    # a CUDA device whose peak is 1e8 FLOP/s (a CPU has none): scaled to the tiny model, so MFU is far from 0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(reporting, "peak_flops", lambda name, override=None: (1e8, "a 1e8 FLOP/s GPU"))
+    monkeypatch.setattr(reporting, "peak_memory", lambda device: (0, "not measured"))
+    model = _tiny_causal_lm()
+    config = TrainConfig(recipe="bbc-news-clm", output_dir="unused", report_to="none")
+    per_process = dict(timed_steps=3, timed_seconds=2.0, timed_samples=8, timed_padded_tokens=640,
+                       timed_input_tokens=512, timed_trained_tokens=500)
+    results = {}
+    for processes in (1, 2):
+        state = RunProgress(step=4, num_processes=processes, train_runtime=2.5, samples_seen=10 * processes,
+                            **{k: v * processes if k != "timed_seconds" and k != "timed_steps" else v
+                               for k, v in per_process.items()})
+        results[processes] = reporting.run_metrics(
+            config, state, {}, plan=SimpleNamespace(epoch_fraction=lambda step: 1.0), num_processes=processes,
+            precision="no", device=torch.device("cuda"), model=model, eval_runtime=0.0, process_start=None)
+    per_token, _ = training_flops_per_token(model, 512 / 8)
+    expected = per_token * 512 / 2.0 / 1e8  # one process's FLOP/s over one device's peak
+    assert 0.1 < expected < 1 and results[1]["mfu"] == pytest.approx(expected, abs=1e-4)
+    assert results[2]["mfu"] == results[1]["mfu"] and results[2]["hfu"] == results[1]["hfu"]
+    assert results[2]["model_flops_per_second"] == pytest.approx(2 * results[1]["model_flops_per_second"])
+    assert results[2]["mfu_peak_source"].startswith("2 x ")
+
+
+def test_zero3_placeholders_count_whole():
+    """A ZeRO-3 partitioned parameter is an empty tensor with its true size in ``ds_numel``: DeepSpeed
+    (deepspeed/runtime/zero/partition_parameters.py) sets ``param.ds_numel = param.numel()`` in
+    ``_convert_to_deepspeed_param`` and then ``free_param`` sets ``param.data = torch.empty(0, ...)``. The matmul
+    count must be the whole model's, not 0 (before the fix ``p.numel()`` counted 0 for each)."""
+    model = _tiny_causal_lm()
+    whole = matmul_parameters(model)
+    embedding = model.get_input_embeddings().weight.numel()
+    assert whole[0] == sum(p.numel() for p in model.parameters()) - embedding + 64 * 32  # the tied head's matmul
+    for p in model.parameters():  # as DeepSpeed's partitioning leaves them (ds_numel first, then freed)
+        p.ds_numel, p.ds_shape = p.numel(), p.shape
+        p.data = torch.empty(0, dtype=p.dtype)
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert matmul_parameters(model) == whole
+    flops, formula = training_flops_per_token(model, context=8.0)
+    assert f"N = {whole[0]:,}" in formula and flops == pytest.approx(6 * whole[0] + 12 * 2 * 32 * 8.0)
+
+
+def test_attention_width_is_heads_times_head_dim():
+    """PaLM's d in 12 L d T is the attention width, heads x head_dim: a config whose head_dim is not
+    hidden_size / heads (as Qwen3's and Gemma-7B's) uses 4 x 16 = 64, not hidden_size 32."""
+    model = _tiny_causal_lm(head_dim=16)
+    assert model.config.hidden_size // model.config.num_attention_heads == 8  # the config really differs
+    total, _ = matmul_parameters(model)
+    flops, formula = training_flops_per_token(model, context=10.0)
+    assert flops == pytest.approx(6 * total + 12 * 2 * (4 * 16) * 10.0)
+    assert "d = 64" in formula
+    plain = _tiny_causal_lm()  # head_dim = hidden_size / heads: the same either way
+    assert training_flops_per_token(plain, context=10.0)[0] == pytest.approx(
+        6 * matmul_parameters(plain)[0] + 12 * 2 * 32 * 10.0)
+
+
+def _fsdp1_counts(rank: int, port: int, use_orig_params: bool, out: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    from finetune.engine import parameter_counts
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = FullyShardedDataParallel(_tiny_causal_lm(), device_id=torch.device("cpu"), use_orig_params=use_orig_params,
+                                     sharding_strategy=ShardingStrategy.FULL_SHARD)
+    local = sum(p.numel() for p in model.parameters())
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"matmul": matmul_parameters(model), "counts": parameter_counts(model), "local": local}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_shards_count_whole(tmp_path, use_orig_params):
+    """Under FSDP1 (2 gloo ranks, FULL_SHARD) each rank holds half of each flat parameter: ``p.numel()`` is the
+    shard (use_orig_params=False: the FlatParameter; True: a 1-D view of its part, torch 2.13
+    ``distributed/fsdp/_flat_param.py`` ``_use_sharded_views``). The counts must be the whole model's on each rank."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from finetune.engine import parameter_counts
+
+    whole = _tiny_causal_lm()
+    expected = {"matmul": list(matmul_parameters(whole)), "counts": list(parameter_counts(whole))}
+    port = 29500 + (os.getpid() % 400) + (1 if use_orig_params else 0)
+    mp.spawn(_fsdp1_counts, args=(port, use_orig_params, str(tmp_path / "counts")), nprocs=2, join=True)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"counts.{rank}").read_text())
+        assert seen["local"] < sum(p.numel() for p in whole.parameters())  # really sharded
+        assert {"matmul": seen["matmul"], "counts": seen["counts"]} == expected

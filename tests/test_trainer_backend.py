@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from finetune.config import TrainConfig, parse_config
+from finetune.errors import FinetuneError
 from finetune.trainer_backend import training_arguments
 from helpers import run_in_process, train_steps
 
@@ -160,3 +161,39 @@ def test_trainer_counts_gpt2_items_by_the_task_not_by_the_class_name(tmp_path):
     assert ours.keys() == theirs.keys()
     for name in ours:
         torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_trainer_auto_resume_never_starts_over_checkpoints_it_cannot_resume(tmp_path, capsys):
+    """``--resume_from_checkpoint auto`` on the Trainer backend. Trainer writes ``trainer_state.json`` last in a
+    checkpoint (transformers 5.24 ``trainer.py`` ``_save_checkpoint``: model, optimizer, scheduler, RNG, then
+    ``self.state.save_to_json(...)``), so a folder without it was interrupted: skipped with a warning for the
+    previous one (before: "no Trainer checkpoint", no resume at all). Where none can be resumed, or only the
+    accelerate backend's ``step_*`` checkpoints are there, it refuses naming them (before: the latter was a fresh
+    start, and with --overwrite_output_dir its first act deleted them)."""
+    from types import SimpleNamespace
+
+    from finetune import trainer_backend
+
+    root = tmp_path / "checkpoints"
+    config = SimpleNamespace(resume_from_checkpoint="auto", output_dir=str(tmp_path), ignore_checkpoint_mismatch=False)
+    for step in (2, 4, 10):
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+    (root / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    assert trainer_backend._resume_checkpoint(config, {}) == str(root / "checkpoint-2")
+    out = capsys.readouterr().out
+    assert f"warning: skipping incomplete Trainer checkpoint {root / 'checkpoint-10'}" in out
+    assert f"warning: skipping incomplete Trainer checkpoint {root / 'checkpoint-4'}" in out
+    (root / "checkpoint-2" / "trainer_state.json").unlink()
+    with pytest.raises(FinetuneError) as refused:
+        trainer_backend._resume_checkpoint(config, {})
+    assert (f"--resume_from_checkpoint auto: no Trainer checkpoint under {root} can be resumed (checkpoint-2 (no "
+            "trainer_state.json: its save was interrupted), checkpoint-4 ") in str(refused.value)
+    assert f"rm -r {root}" in str(refused.value)
+    for step in (2, 4, 10):
+        (root / f"checkpoint-{step}").rmdir()
+    (root / "step_00000002").mkdir()  # the accelerate backend's: not Trainer's to resume, nor to delete
+    with pytest.raises(FinetuneError, match=r"\(step_00000002 \(written by --backend accelerate\)\)"):
+        trainer_backend._resume_checkpoint(config, {})
+    (root / "step_00000002").rmdir()
+    assert trainer_backend._resume_checkpoint(config, {}) is None  # nothing there: a fresh start
+    assert "starting a fresh run" in capsys.readouterr().out

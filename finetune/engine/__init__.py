@@ -11,13 +11,13 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedType, Gradient
                                TorchDynamoPlugin)
 
 from finetune.engine.deepspeed import DeepSpeedEngine, parameter_numel, parameter_shape
-from finetune.engine.fsdp import FsdpEngine
+from finetune.engine.fsdp import FsdpEngine, fsdp1_full_sizes
 from finetune.engine.plain import PlainEngine, build_optimizer, parameter_groups
 from finetune.errors import FinetuneError
 from finetune.precision import check_precision_supported
 
 __all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_for", "make_accelerator", "build_optimizer",
-           "parameter_groups", "parameter_counts", "parameter_shape", "launcher_spawns_processes"]
+           "parameter_groups", "parameter_counts", "parameter_sizes", "parameter_shape", "launcher_spawns_processes"]
 
 _TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
 
@@ -32,10 +32,30 @@ def engine_for(accelerator) -> PlainEngine:
     return PlainEngine(accelerator)
 
 
+def parameter_sizes(model) -> list[tuple[object, int, bool]]:
+    """Each parameter of ``model`` once, whole, as (the module that holds it, its true element count, trainable),
+    whatever the engine did to it: a ZeRO-3 placeholder counts its ``ds_numel`` (``parameter_numel``), an FSDP1
+    flat parameter or a view of one its original parameters' full sizes (``fsdp.fsdp1_full_sizes``), an FSDP2
+    ``DTensor`` its global size (``DTensor.numel`` is the logical one). A parameter shared by two modules (tied
+    embeddings) is listed once, under the first module that holds it (``model.modules()`` order)."""
+    flat, views = fsdp1_full_sizes(model)
+    sizes, seen = [], set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if id(param) in flat:
+                sizes += [(owner, n, param.requires_grad) for owner, n in flat[id(param)]]
+            else:
+                sizes.append((module, views.get(id(param), parameter_numel(param)), param.requires_grad))
+    return sizes
+
+
 def parameter_counts(model) -> tuple[int, int]:
-    """(trainable, all) parameters in elements, true counts even for placeholders (``parameter_numel``)."""
-    sizes = [(parameter_numel(p), p.requires_grad) for p in model.parameters()]
-    return sum(n for n, trainable in sizes if trainable), sum(n for n, _ in sizes)
+    """(trainable, all) parameters in elements, true counts under every engine (``parameter_sizes``)."""
+    sizes = parameter_sizes(model)
+    return sum(n for _, n, trainable in sizes if trainable), sum(n for _, n, _ in sizes)
 
 
 def make_accelerator(config) -> Accelerator:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
+import torch
 from accelerate.state import GradientState
 from accelerate.utils import GradientAccumulationPlugin
 from torch.distributed import fsdp
@@ -10,6 +14,50 @@ from finetune.engine.plain import PlainEngine
 from finetune.errors import FinetuneError
 
 _SHARDED_MODULES = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, name))
+
+
+def fsdp1_full_sizes(model) -> tuple[dict, dict]:
+    """Where FSDP1 (``FullyShardedDataParallel``) flattened ``model``'s parameters, their whole sizes:
+    (``flat``: id(FlatParameter) -> [(owning module, numel)], for ``use_orig_params=False``, where
+    ``model.parameters()`` yields the flat shards; ``views``: id(original parameter) -> numel, for
+    ``use_orig_params=True``, where each original parameter is a 1-D view of its part of this rank's shard, or
+    size 0). Sources: torch 2.13 ``distributed/fsdp/_flat_param.py`` (``FlatParameter._param_infos``,
+    ``_shapes``, ``_params``; ``_use_sharded_views`` sets the views), ``fully_sharded_data_parallel.py``
+    (``_flat_param``). ``model``: wrapped, or unwrapped (its flat parameters are still found). Both empty for a
+    model without FSDP1."""
+    flat, views = {}, {}
+    wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
+    found = [getattr(m, "_flat_param", None) for m in model.modules() if wrapper is not None and isinstance(m, wrapper)]
+    found += [p for p in model.parameters() if hasattr(p, "_param_infos")]  # a flat parameter, the root unwrapped
+    for param in found:
+        if param is None or id(param) in flat:
+            continue
+        numels = [shape.numel() for shape in param._shapes]
+        flat[id(param)] = [(info.module, n) for info, n in zip(param._param_infos, numels)]
+        for original, n in zip(getattr(param, "_params", None) or (), numels):
+            views[id(original)] = n
+    return flat, views
+
+
+def reduce_in_fp32(plugin) -> bool:
+    """Make ``plugin`` (Accelerate's ``FullyShardedDataParallelPlugin``) reduce gradients in fp32 where its mixed
+    precision policy computes in bf16/fp16; returns whether it changed the policy. Accelerate 1.15 builds the policy
+    with ``reduce_dtype`` equal to the parameter dtype (``utils/dataclasses.py`` ``set_mixed_precision``, lines
+    2136-2143: ``dtype_args = {"param_dtype": dtype, "reduce_dtype": dtype}``, called from ``state.py`` line 1015),
+    and our engine reduce-scatters every micro-batch (``sync_each_batch``): N 16-bit roundings of partial sums per
+    window, 8 mantissa bits under bf16. The policy object is replaced by a copy with ``reduce_dtype=torch.float32``
+    (torch's ``MixedPrecisionPolicy`` (FSDP2) / ``MixedPrecision`` (FSDP1) dataclasses), the kind Accelerate accepts
+    for ``mixed_precision_policy`` and checks with ``validate_mixed_precision_policy``; ``fully_shard`` reads it at
+    ``prepare`` (``utils/fsdp_utils.py`` line 779, ``"mp_policy": fsdp2_plugin.mixed_precision_policy``). Must run
+    before ``accelerator.prepare``. No change without a plugin, policy or 16-bit ``param_dtype``."""
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is None or getattr(policy, "param_dtype", None) not in (torch.bfloat16, torch.float16):
+        return False
+    if policy.reduce_dtype == torch.float32:
+        return False
+    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+    plugin.validate_mixed_precision_policy()
+    return True
 
 
 class FsdpEngine(PlainEngine):
@@ -22,7 +70,8 @@ class FsdpEngine(PlainEngine):
     eval_may_split_batch = False  # all-gathers run inside every forward: a rank retrying alone would hang
 
     def configure(self, config, per_machine: bool = False) -> None:
-        """Replace the accumulation plugin with one that syncs each batch; ``RuntimeError`` if it did not take.
+        """Replace the accumulation plugin with one that syncs each batch (``RuntimeError`` if it did not take), and
+        under bf16/fp16 make the gradient reductions fp32 (``reduce_in_fp32``).
         Raises ``FinetuneError`` for machines without a shared filesystem: FSDP's full state dict is gathered on
         rank 0 and its sharded checkpoints' metadata written there, so no other machine's copy would be whole."""
         if per_machine:
@@ -37,10 +86,36 @@ class FsdpEngine(PlainEngine):
                                f"{self.accelerator.gradient_state.plugin_kwargs}")
         self.note = ("FSDP: gradients are reduce-scattered on every micro-batch (sync_each_batch), so each rank "
                      "keeps only its gradient shard while accumulating")
+        if reduce_in_fp32(getattr(self.accelerator.state, "fsdp_plugin", None)):
+            self.note += "; the reduce-scatters run in fp32 (reduce_dtype), the forward and backward in 16-bit"
+
 
     def eval_model(self, model):
         """The wrapped model: its all-gathers are part of every forward."""
         return model
+
+    @contextlib.contextmanager
+    def generation_model(self, model):
+        """The unwrapped model to ``generate`` with, its root's weights whole while the context lasts. Under FSDP1
+        ``accelerator.unwrap_model`` strips the root ``FullyShardedDataParallel`` (accelerate 1.15
+        ``utils/other.py`` ``extract_model_from_parallel``: ``while isinstance(model, options): model =
+        model.module``, FSDP among the options), so the root's forward, which all-gathers its flat parameter,
+        never runs and the embedding is a 1-D shard ("'weight' must be 2-D"). Here the root's parameters are
+        gathered first (``FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=False)``,
+        torch 2.13 ``distributed/fsdp/fully_sharded_data_parallel.py``); nested FSDP units (decoder layers under
+        an auto-wrap policy) still gather their own in their forwards (``recurse=False``: a forward may not run
+        inside a unit whose parameters are summoned), in lockstep with ``synced_gpus``. Under ``accelerator.autocast()``,
+        as ``prepare`` wraps the root's forward under mixed precision: the summoned root weights are fp32 while a
+        nested unit computes in its 16-bit ``param_dtype`` ("expected m1 and m2 to have the same dtype" without it).
+        Collective: every process enters it. FSDP2 (``fully_shard``) keeps its hooks on the unwrapped model:
+        nothing to gather."""
+        wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
+        if wrapper is None or not isinstance(model, wrapper):
+            with super().generation_model(model) as unwrapped:
+                yield unwrapped
+            return
+        with wrapper.summon_full_params(model, writeback=False, recurse=False), self.accelerator.autocast():
+            yield self.accelerator.unwrap_model(model)
 
     def chunked_loss_refusal(self, model) -> str | None:
         if any(isinstance(module, _SHARDED_MODULES) for module in (model, *model.modules())):

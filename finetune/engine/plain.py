@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,13 @@ class PlainEngine:
         on one rank after out-of-memory would broadcast them again there alone: torch 2.13
         ``nn/parallel/distributed.py`` ``_pre_forward``/``_post_forward``, ``require_forward_param_sync``)."""
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    @contextlib.contextmanager
+    def generation_model(self, model):
+        """A context manager giving the module to call ``generate`` on: the model unwrapped
+        (``accelerator.unwrap_model``; ``generate`` is the underlying model's method). Collective where the engine
+        shards the weights (every process enters it)."""
+        yield self.accelerator.unwrap_model(model)
 
     def learning_rate(self, optimizer, scheduler) -> float:
         """The learning rate the next optimizer step uses."""
