@@ -397,6 +397,8 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
                               compute_loss_func=callback.compute_loss,
                               callbacks=[callback] + ([HubCallback(hub)] if hub is not None else []))
     callback.trainer = trainer
+    engine = engine_for(trainer.accelerator)
+    engine.configure_trainer()  # before Trainer.train prepares the model (FSDP: fp32 reductions)
     trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
     if observe is not None:
         observe(trainer)
@@ -405,7 +407,6 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     trainer.args.load_best_model_at_end = config.load_best_model_at_end
     if config.metric_for_best_model is not None and progress.best_step is not None:
         trainer.state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{progress.best_step}")
-    engine = engine_for(trainer.accelerator)
     precision = engine.precision()
     if args.process_index == 0:
         print(run_banner(config, processes, plan, precision, trainer.accelerator.device.type, model))

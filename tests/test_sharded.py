@@ -574,6 +574,21 @@ def test_fsdp_reduces_gradients_in_fp32_under_16_bit(tmp_path, fsdp_version, pre
     assert "fp32" in engine.note
 
 
+def test_the_trainer_backend_reduces_in_fp32_under_fsdp_too():
+    """Trainer builds its own Accelerator and FSDP plugin (from its arguments, with Accelerate's 16-bit
+    ``reduce_dtype``, as above); ``trainer_backend.train`` calls ``engine.configure_trainer()`` once the Trainer
+    exists and before ``Trainer.train`` prepares the model, which reads the same plugin object
+    (``accelerator.state.fsdp_plugin``)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")
+    engine = engine_for(SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin)))
+    engine.configure_trainer()
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.float32
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+
+
 def test_fsdp_full_precision_policy_is_left_alone(tmp_path):
     """Without mixed precision Accelerate sets no policy (``state.py`` line 1014: only when it is not "no"); the
     engine adds none."""

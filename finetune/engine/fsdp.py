@@ -90,6 +90,11 @@ class FsdpEngine(PlainEngine):
             self.note += "; the reduce-scatters run in fp32 (reduce_dtype), the forward and backward in 16-bit"
 
 
+    def configure_trainer(self) -> None:
+        """Trainer builds its FSDP plugin from its own arguments and reduce-scatters in the 16-bit dtype too:
+        fp32 reductions (``reduce_in_fp32``) before ``Trainer.train`` prepares the model."""
+        reduce_in_fp32(getattr(self.accelerator.state, "fsdp_plugin", None))
+
     def eval_model(self, model):
         """The wrapped model: its all-gathers are part of every forward."""
         return model

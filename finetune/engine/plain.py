@@ -68,6 +68,10 @@ class PlainEngine:
         """Before the model is built: adapt Accelerate's plugin to the run's flags. ``per_machine``: each machine
         keeps its own copy of the run's files (no shared filesystem, ``distributed.plan_storage``)."""
 
+    def configure_trainer(self) -> None:
+        """For the Trainer backend, once ``Trainer`` has built its ``Accelerator`` and before it prepares the
+        model: adapt its plugin as ``configure`` does ours (nothing to do without sharding)."""
+
     def precision(self) -> str:
         """The precision the run trains in ("fp16", "bf16" or "no"), measured under autocast."""
         return effective_mixed_precision(self.accelerator)
