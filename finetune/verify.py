@@ -64,15 +64,15 @@ FLOOR_ROLES = ("floor", "chunked")  # ways that are the reference computed anoth
 class Way:
     """One way of training the effective batch: ``micro`` samples per micro-batch x ``accumulation`` micro-batches
     per process. ``role``: "reference", "floor" (the reference, each window's samples reordered), "chunked" (the
-    reference, each micro-batch's loss computed over ``micro // accumulation``-row chunks with one backward: other
-    shapes, the same sum), "split", "control" (a wrong normalisation) or "engine" (through ``--backend
+    reference, each micro-batch's loss computed over row chunks of the splits' micro-batch sizes, ``chunks`` in
+    turn, with one backward: the splits' shapes, the same sum), "split", "control" (a wrong normalisation) or "engine" (through ``--backend
     trainer``)."""
 
     role: str
     micro: int
     accumulation: int
     variant: str = ""  # "without the auxiliary loss": the model's router_aux_loss_coef set to 0
-    chunk: int = 0  # the chunked floor's rows per chunk
+    chunks: tuple = ()  # the chunked floor's rows per chunk, in turn
 
     @property
     def backend(self) -> str:
@@ -80,7 +80,7 @@ class Way:
 
     @property
     def label(self) -> str:
-        extra = {"floor": ", samples reordered", "chunked": f", in chunks of {self.chunk}",
+        extra = {"floor": ", samples reordered", "chunked": f", in chunks of {'/'.join(map(str, self.chunks))}",
                  "control": ", wrong normalisation", "engine": ", Trainer"}
         variant = f", {self.variant}" if self.variant else ""
         return f"{self.micro} x {self.accumulation}{extra.get(self.role, '')}{variant}"
@@ -146,7 +146,7 @@ def parse(argv: list[str]) -> tuple:
 
 def ways_for(per_process_batch: int, accumulation: int) -> list[Way]:
     """The ways for a per-process window of ``per_process_batch`` samples (B / processes): the reference
-    ``b x 1``, its two floors (samples reordered; in chunks of the smallest split's micro-batch), up to three
+    ``b x 1``, its two floors (samples reordered; in chunks of the splits' micro-batch sizes), up to three
     splits (the run's own accumulation, micro-batch 1, the smallest split), the control (on the split with the most
     micro-batches), and the Trainer backend on the reference and that split. Raises ``FinetuneError`` where ``b``
     is 1 (nothing to split)."""
@@ -157,7 +157,8 @@ def ways_for(per_process_batch: int, accumulation: int) -> list[Way]:
     divisors = [n for n in range(2, b + 1) if b % n == 0]
     chosen = sorted({n for n in (accumulation, b, divisors[0]) if n in divisors})
     most = chosen[-1]
-    return [Way("reference", b, 1), Way("floor", b, 1), Way("chunked", b, 1, chunk=b // most),
+    sizes = tuple(sorted({b // n for n in chosen}, reverse=True))
+    return [Way("reference", b, 1), Way("floor", b, 1), Way("chunked", b, 1, chunks=sizes),
             *(Way("split", b // n, n) for n in chosen), Way("control", b // most, most), Way("engine", b, 1),
             Way("engine", b // most, most)]
 
@@ -211,20 +212,24 @@ class _RowsReversed:
         return getattr(self._dataloader, name)
 
 
-def _in_chunks(rows: int):
-    """The chunked floor's micro-batch loss: the same rows' summed loss, computed ``rows`` rows per forward and
-    added up before the one backward. Every kernel sees other shapes (as in a split) while the window's loss and
-    its normalisation stay the reference's, so the difference is float noise of the precision and kernels."""
+def _in_chunks(sizes: tuple):
+    """The chunked floor's micro-batch loss: the same rows' summed loss, computed in chunks of ``sizes[0]``,
+    ``sizes[1]``, ... rows in turn (the splits' micro-batch sizes, so the floor sees each of their shapes) and added
+    up before the one backward. Kernels see the splits' shapes while the window's loss and its normalisation stay
+    the reference's, so the difference is float noise of the precision and kernels. (Losses and gradients
+    computed from 1-row and 4-row micro-batches alone agreed to 2e-7 in bf16 where a 2-row split's loss differed
+    by 9e-6: each shape has its own rounding.)"""
 
     def vary(built):
         loss = built.micro_batch_loss
 
         def chunked(model, batch, labels):
-            total = None
-            for first in range(0, labels.shape[0], rows):
+            total, first, turn = None, 0, 0
+            while first < labels.shape[0]:
+                rows, turn = sizes[turn % len(sizes)], turn + 1
                 part = {k: v[first:first + rows] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
                 value = loss(model, part, labels[first:first + rows])
-                total = value if total is None else total + value
+                total, first = (value if total is None else total + value), first + rows
             return total
 
         return dataclasses.replace(built, micro_batch_loss=chunked)
@@ -458,7 +463,7 @@ def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, vary=Non
     distributed.reset_state()
     start = time.perf_counter()
     vary = {"floor": lambda built: dataclasses.replace(built, train_dataloader=_RowsReversed(built.train_dataloader)),
-            "chunked": _in_chunks(way.chunk) if way.chunk else None, "control": vary}.get(way.role)
+            "chunked": _in_chunks(way.chunks) if way.chunks else None, "control": vary}.get(way.role)
     if way.variant:
         vary = _without_auxiliary
     observer = _Observer(keep, vary, check_determinism=way.role == "reference" and not way.variant,

@@ -159,7 +159,7 @@ def test_bad_verify_steps_is_one_error_line(tmp_path, capsys):
 
 def test_the_ways_of_an_effective_batch():
     labels = [w.label for w in verify.ways_for(32, 4)]
-    assert labels == ["32 x 1", "32 x 1, samples reordered", "32 x 1, in chunks of 1", "16 x 2", "8 x 4", "1 x 32", "1 x 32, wrong normalisation",
+    assert labels == ["32 x 1", "32 x 1, samples reordered", "32 x 1, in chunks of 16/8/1", "16 x 2", "8 x 4", "1 x 32", "1 x 32, wrong normalisation",
                       "32 x 1, Trainer", "1 x 32, Trainer"]
     with pytest.raises(FinetuneError, match="nothing to accumulate"):
         verify.ways_for(1, 1)
