@@ -121,7 +121,7 @@ def render(rows: list[dict], machine: str, load: str = "") -> str:
              "`tests/families.py`), each through `finetune verify` (both backends: the Trainer ways are among "
              f"verify's) on its task's recipe with `{' '.join(VERIFY_ARGS)}`. Machine: {machine}{load}; torch "
              f"{torch.__version__}, transformers {transformers.__version__}. Noise floor: verify's step-1 gradient "
-             "difference of the reference with each window's samples reordered (relative).", "",
+             "difference of its floor ways from the reference (the samples reordered; computed in chunks), relative.", "",
              "| family | task | verdict | expected | s | noise floor (gradients) | noise floor (losses) | what it exercises "
              "| cause |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
