@@ -665,6 +665,9 @@ def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, bf16: 
         result = {"error": f"{type(err).__name__}: {err}"}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
+    # leave together: a rank that tears gloo down while its peer still sends aborts the peer (SIGABRT, seen once
+    # in 4 runs with other jobs on the cores)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
