@@ -50,6 +50,14 @@ def repeated_rows(local_micro_batch: int, micro_batch: int, num_processes: int, 
     return micro_batch - max(0, min(micro_batch, dataset_length - start))
 
 
+def window_repeats(first_micro_batch: int, micro_batches: int, micro_batch: int, num_processes: int,
+                   process_index: int, dataset_length: int) -> int:
+    """This process's repeated rows (``repeated_rows``) in a window of ``micro_batches`` micro-batches that starts
+    at the epoch's ``first_micro_batch``-th: the rows not counted as samples."""
+    return sum(repeated_rows(first_micro_batch + k, micro_batch, num_processes, process_index, dataset_length)
+               for k in range(micro_batches))
+
+
 def mask_repeats(batches, first_micro_batch: int, micro_batch: int, num_processes: int, process_index: int,
                  dataset_length: int, ignore_index: int):
     """``batches`` (an epoch's micro-batches from number ``first_micro_batch`` on) with each repeated row

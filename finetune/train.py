@@ -29,7 +29,7 @@ from finetune.signals import GracefulStop
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
 from finetune.reporting import run_banner, run_metrics, write_outputs
-from finetune.sampling import EpochSeededLengthGroupedSampler, iter_windows, mask_repeats, repeated_rows
+from finetune.sampling import EpochSeededLengthGroupedSampler, iter_windows, mask_repeats, window_repeats
 from finetune.steps import StepPlan
 from finetune.tasks import IGNORE_INDEX, CausalLM
 
@@ -287,10 +287,9 @@ class RunState:
     def repeats(self, micro_batches: int) -> int:
         """This process's repeated rows (``sampling.repeated_rows``) in the window of ``micro_batches``
         micro-batches that starts at the epoch's ``micro_batches_done``."""
-        first, accelerator = self.progress.micro_batches_done, self.accelerator
-        return sum(repeated_rows(first + k, self.config.per_device_train_batch_size, accelerator.num_processes,
-                                 accelerator.process_index, len(self.built.train_dataloader.dataset))
-                   for k in range(micro_batches))
+        return window_repeats(self.progress.micro_batches_done, micro_batches, self.config.per_device_train_batch_size,
+                              self.accelerator.num_processes, self.accelerator.process_index,
+                              len(self.built.train_dataloader.dataset))
 
     def check_finite(self, grad_norm, micro_batches: int) -> None:
         """Raise ``NumericalError`` for a non-finite gradient norm (fp32/bf16: it must not reach the weights;

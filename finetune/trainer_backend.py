@@ -26,7 +26,7 @@ from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
 from finetune.preemption import SaveBudget
 from finetune.reporting import run_banner, run_metrics, write_outputs
-from finetune.sampling import mask_repeats, repeated_rows
+from finetune.sampling import mask_repeats, window_repeats
 from finetune.steps import micro_batches_per_process, plan_steps
 from finetune.tasks import IGNORE_INDEX, CausalLM
 
@@ -119,8 +119,8 @@ class FinetuneTrainer(Trainer):
         processes, rank = self.accelerator.num_processes, self.accelerator.process_index
         masked = list(mask_repeats(batches, first, self.args.per_device_train_batch_size, processes, rank,
                                    len(self.train_dataset), IGNORE_INDEX))
-        self.begin_window(sum(repeated_rows(first + k, self.args.per_device_train_batch_size, processes, rank,
-                                            len(self.train_dataset)) for k in range(len(masked))))
+        self.begin_window(window_repeats(first, len(masked), self.args.per_device_train_batch_size, processes, rank,
+                                         len(self.train_dataset)))
         if not masked:
             return masked, None
         items = sum(self.task.count(b["labels"]) for b in masked).to(device)

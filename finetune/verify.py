@@ -493,7 +493,7 @@ def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, vary=Non
     outcome.seconds = time.perf_counter() - start
     if keep and outcome.error is None:
         _read_outcome(outcome, out, observer, base)
-    observer.gradients = []
+    observer.gradients = []  # a model's gradients per step: freed before the cache is emptied
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
