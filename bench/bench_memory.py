@@ -140,8 +140,8 @@ def run_worker(spec: dict) -> dict:
     import psutil
     import torch
 
-    from finetune.planner.probes import saved_tensor_bytes
     from finetune.engine import parameter_counts
+    from finetune.planner.probes import saved_tensor_bytes
     from finetune.tasks import CausalLM, SequenceClassification
 
     torch.manual_seed(spec["seed"])
@@ -197,7 +197,7 @@ def run_worker(spec: dict) -> dict:
         for k in range(n):
             batch, labels = micro_batch()
             if record_saved and k == 0:
-                storages, loss = saved_storages(lambda: loss_of(batch, labels))
+                storages, loss = saved_storages(lambda: loss_of(batch, labels))  # noqa: B023 - the lambda runs inside this iteration
             else:
                 loss = loss_of(batch, labels)
             loss.backward()

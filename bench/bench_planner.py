@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import benchlib as bl  # noqa: E402
 import psutil  # noqa: E402
 
-import benchlib as bl  # noqa: E402
 from finetune.planner.plans import valid_plans  # noqa: E402  (benchlib puts the repository on sys.path)
 from finetune.recipes import load_recipe  # noqa: E402
 

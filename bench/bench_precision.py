@@ -174,7 +174,7 @@ def summarize(args, info: dict, configs: list[bl.Config]) -> dict:
             "mfu": med["mfu"],
             "device": c.runs[0].get("device"),
         }
-    for label, row in out.items():
+    for _label, row in out.items():
         base = out.get(f"{row['recipe']} fp32")
         row["samples_per_second_vs_fp32"] = bl.ratio(row["train_samples_per_second"],
                                                      base["train_samples_per_second"]) if base else None
@@ -185,7 +185,7 @@ def render(args, info: dict, results: dict, skipped: dict[str, str]) -> str:
     """The Markdown report: machine, settings, one table over recipes and precisions, notes."""
     rows = []
     on_gpu = any(row["device"] == "cuda" for row in results["configs"].values())
-    for label, row in results["configs"].items():
+    for _label, row in results["configs"].items():
         rows.append([row["recipe"], PRECISION_LABEL.get(row["mixed_precision_requested"], "?"), row["mixed_precision"],
                      bl.fmt(row["train_samples_per_second"], ".2f"), bl.fmt(row["samples_per_second_vs_fp32"], ".3f"),
                      bl.fmt(row["tokens_per_second"], ".0f"), bl.fmt(row["peak_memory_bytes"] / bl.MIB, ".0f"),

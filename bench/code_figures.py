@@ -1,6 +1,10 @@
 """Structure figures of a package (issue 18): modules, lines, docstring share, function-local imports, the 10 longest
 functions, modules naming DeepSpeed/FSDP. Usage: python bench/code_figures.py REPO [PACKAGE ...]"""
-import ast, pathlib, re, subprocess, sys
+import ast
+import pathlib
+import subprocess
+import sys
+
 root = pathlib.Path(sys.argv[1]); pkgs = sys.argv[2:] or ["finetune"]
 files = [p for pkg in pkgs for p in sorted((root / pkg).rglob("*.py"))]
 total = doc = 0; funcs = []; local = []

@@ -42,6 +42,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchlib as bl  # noqa: E402
+
 from finetune import checkpoint as ckpt  # noqa: E402  (benchlib puts the repository on sys.path)
 from finetune.errors import FinetuneError  # noqa: E402
 
@@ -183,7 +184,7 @@ def compare(out: Path, reference: Path) -> dict:
     return {"weights_bit_exact": exact, "max_abs_weight_diff": diff, "losses_equal": losses(out) == losses(reference)}
 
 
-def run_campaign(args) -> dict:
+def run_campaign(args) -> dict:  # noqa: C901 - over the budget; to split
     rng = random.Random(args.seed)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kill-anywhere-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -10,12 +10,18 @@ import json
 import os
 import sys
 
-from torch.nn.modules.batchnorm import _BatchNorm
 import transformers
+from torch.nn.modules.batchnorm import _BatchNorm
 from transformers import set_seed
 
-from finetune.data import (LABEL_COLUMN, check_max_length, load_conversation_files, load_data_files, load_named_dataset,
-                           load_tokenizer)
+from finetune.data import (
+    LABEL_COLUMN,
+    check_max_length,
+    load_conversation_files,
+    load_data_files,
+    load_named_dataset,
+    load_tokenizer,
+)
 from finetune.dropout import disable_dropout
 from finetune.errors import FinetuneError
 from finetune.lora import apply_lora

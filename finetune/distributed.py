@@ -302,7 +302,7 @@ def common_checkpoint(outcomes: list[dict]) -> int | None:
     return max(common) if common else None
 
 
-def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:
+def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:  # noqa: C901 - over the budget; to split
     """The checkpoint to resume from (``checkpoint.find_resume_checkpoint`` in this process's
     ``output_dir``), checked to be the same step on every process (collective; every process calls it).
 

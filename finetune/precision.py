@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from finetune.errors import FinetuneError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 # mixed_precision value -> how a person names it (banner, model card, summaries)
 PRECISION_NAMES = {"no": "fp32", "fp16": "fp16 (autocast + GradScaler loss scaling)", "bf16": "bf16 (autocast)"}

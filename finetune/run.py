@@ -32,11 +32,11 @@ from finetune import compare, distributed, hub, trainer_backend  # noqa: E402
 from finetune import train as accelerate_engine  # noqa: E402
 from finetune.config import parse_config  # noqa: E402
 from finetune.errors import FinetuneError  # noqa: E402
-from finetune.signals import launched_by_accelerate, watch_launcher  # noqa: E402
 from finetune.output import check_output_dir  # noqa: E402
 from finetune.planner import BatchPlan, plan_for  # noqa: E402
 from finetune.recipes import list_recipes, load_recipe  # noqa: E402
 from finetune.reporting import format_summary  # noqa: E402
+from finetune.signals import launched_by_accelerate, watch_launcher  # noqa: E402
 
 
 def use_available_cpu_cores() -> str | None:

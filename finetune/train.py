@@ -24,12 +24,12 @@ from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
-from finetune.preemption import SaveBudget
-from finetune.signals import GracefulStop
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
+from finetune.preemption import SaveBudget
 from finetune.reporting import run_banner, run_metrics, write_outputs
 from finetune.sampling import EpochSeededLengthGroupedSampler, iter_windows, mask_repeats, window_repeats
+from finetune.signals import GracefulStop
 from finetune.steps import StepPlan
 from finetune.tasks import IGNORE_INDEX, CausalLM
 

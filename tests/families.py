@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
 from tiny_models import build_tiny_moe, smollm2_like_tokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 CAUSAL_LM, CLASSIFIER = "causal-lm", "sequence-classification"
 RECIPE = {CAUSAL_LM: "bbc-news-clm", CLASSIFIER: "bbc-news"}

@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-
 from helpers import load_params, run_in_process, train_steps
 
 COMMON = dict(disable_dropout=True, max_length=32, learning_rate=1e-3, warmup_steps=0, weight_decay=0.01,
@@ -21,7 +20,7 @@ COMMON = dict(disable_dropout=True, max_length=32, learning_rate=1e-3, warmup_st
 def assert_same_params(a: dict, b: dict, rtol=1e-5, atol=1e-6):
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")  # noqa: B023 - the lambda runs inside this iteration
 
 
 def max_param_diff(a: dict, b: dict) -> float:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import launch, load_params, run_in_process, train_steps
 
 BERT = dict(max_train_samples=24, max_eval_samples=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
@@ -48,8 +47,8 @@ def test_every_n_layers_checkpoints_some_layers_and_trains_the_same(tmp_path, ti
 
     from transformers import AutoModelForSequenceClassification
 
-    from finetune.planner.probes import saved_tensor_bytes
     from finetune.builders import enable_activation_checkpointing
+    from finetune.planner.probes import saved_tensor_bytes
 
     ids = torch.randint(5, 100, (4, 32))
 

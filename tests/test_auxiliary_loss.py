@@ -11,12 +11,12 @@ import types
 import pytest
 import torch
 from accelerate import Accelerator
+from tiny_models import build_tiny_moe
 from transformers import AutoModelForCausalLM
 
 from finetune.config import parse_config
 from finetune.loss import auxiliary_loss_sum, loss_function
 from finetune.tasks import CausalLM
-from tiny_models import build_tiny_moe
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import json
 import shutil
 
 import pytest
+from helpers import run_in_process
 
 from finetune.run import main
-from helpers import run_in_process
 
 TINY = ["--max_train_samples", "16", "--max_eval_samples", "8", "--per_device_train_batch_size", "4",
         "--max_steps", "2", "--max_length", "32"]

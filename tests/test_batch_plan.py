@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from finetune.errors import FinetuneError
 from finetune.planner.agreement import agreed_seconds
 from finetune.planner.plans import (
     BatchPlan,
@@ -21,7 +22,6 @@ from finetune.planner.plans import (
     plan_table,
     valid_plans,
 )
-from finetune.errors import FinetuneError
 
 
 class CountingLimit:
@@ -286,8 +286,8 @@ def test_the_probe_under_lora_counts_only_the_adapters_gradients_and_optimizer_s
     far below the full model's."""
     import torch
 
-    from finetune.planner.probes import Probe
     from finetune.config import parse_config
+    from finetune.planner.probes import Probe
     from finetune.recipes import load_recipe
 
     fixed = {}
@@ -319,8 +319,9 @@ def test_total_batch_size_sets_the_accumulation(tmp_path, tiny_bert):
 
 
 def test_total_batch_size_with_an_impossible_micro_batch(tmp_path, tiny_bert):
-    from finetune.errors import FinetuneError
     from helpers import run_in_process
+
+    from finetune.errors import FinetuneError
 
     with pytest.raises(FinetuneError, match="must divide 12. Valid micro-batches: 12, 6, 4, 3, 2, 1"):
         run_in_process(tmp_path, "bad", model_name_or_path=tiny_bert, total_batch_size=12,
@@ -358,9 +359,9 @@ def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_b
     picks keeps the effective batch at 32 and is the fastest of the plans it timed (checkpointing timed only
     above 4); no room is a clear error."""
     import psutil
+    from helpers import run_in_process
 
     from finetune.errors import FinetuneError
-    from helpers import run_in_process
 
     class Pinned:
         rss = 1000 * 2**20
@@ -403,9 +404,8 @@ def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_b
 def test_oom_in_evaluation_splits_eval_batches_not_the_training_micro_batch(tmp_path, tiny_bert, monkeypatch):
     """Evaluation batches of 8 'run out of memory' above 3 samples: they are split and retried, the eval
     metrics equal an unconstrained run's, and training keeps its micro-batch."""
-    from transformers import BertForSequenceClassification
-
     from helpers import run_in_process, train_steps
+    from transformers import BertForSequenceClassification
 
     kw = dict(model_name_or_path=tiny_bert, max_train_samples=16, max_eval_samples=13, per_device_eval_batch_size=8,
               per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2, max_length=32,
@@ -468,8 +468,9 @@ def test_a_resume_takes_the_recorded_plan_and_never_probes_again(tmp_path, tiny_
     """A resume under --auto_find_batch_size reuses the plan in run_config.json: timing noise in a second
     probe could pick another micro-batch, which the resume check would refuse, so a requeued job would fail
     at random. Here the probing is made to fail on resume: the resume must not call it."""
-    import finetune.planner as planner
     from helpers import run_in_process
+
+    import finetune.planner as planner
 
     common = dict(model_name_or_path=tiny_bert, total_batch_size=8, auto_find_batch_size=True,
                   max_memory_mb=64 * 1024, max_train_samples=32, max_eval_samples=4, max_length=32,

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from faults.finetune_faults import FAULTS_DIR, OVERFLOW_STEPS_ENV
 from helpers import REPO
 
@@ -133,7 +132,7 @@ def test_bench_precision_smoke(tmp_path):
         if line.startswith("|") and cells[0] in ("bbc-news", "bbc-news-clm"):
             rows[(cells[0], cells[1])] = cells
     assert set(rows) == {(r, p) for r in ("bbc-news", "bbc-news-clm") for p in ("fp32", "fp16", "bf16")}
-    for (recipe, requested), cells in rows.items():
+    for (_recipe, requested), cells in rows.items():
         # what ran on a CPU: fp16 is not run (recorded as "no"), bf16 autocast is
         assert cells[2] == {"fp32": "no", "fp16": "no", "bf16": "bf16"}[requested], cells
         positive(cells[3]), positive(cells[4]), positive(cells[5]), positive(cells[6])
@@ -297,9 +296,8 @@ def test_peak_flops_table_and_mfu():
 
 def test_safetensors_parameter_count(tmp_path):
     import torch
-    from safetensors.torch import save_file
-
     from benchlib import count_safetensors_params
+    from safetensors.torch import save_file
 
     save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
     assert count_safetensors_params(tmp_path) == 17

@@ -9,7 +9,6 @@ import json
 import math
 
 import pytest
-
 from test_bench import check_header, positive, run_bench, table_row
 
 BBC = ("32x1", "8x4", "8x4 + checkpointing", "32x1 + checkpointing")

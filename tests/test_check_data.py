@@ -8,9 +8,9 @@ import json
 import shutil
 
 import pytest
+from tiny_models import build_tiny_chat_llama
 
 from finetune.check_data import duplicates, main, padding_fraction
-from tiny_models import build_tiny_chat_llama
 
 WORDS = "the market rose as shares in the bank fell after the match ended with a late goal".split()
 

@@ -15,8 +15,6 @@ import subprocess
 import uuid
 
 import pytest
-
-from finetune.errors import FinetuneError
 from helpers import fault_env, launch, run_in_process, train_steps
 
 # 24 samples, micro 2 x accumulation 2: 6 optimizer steps; checkpoints after steps 2 and 4 (not after the last)

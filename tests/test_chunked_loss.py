@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
-
-from finetune.planner.probes import saved_tensor_bytes
-from finetune.chunked_loss import METHODS, causal_lm_hidden_and_head, chunked_causal_lm_loss_sum
-from finetune.tasks import IGNORE_INDEX, CausalLM
-
 from helpers import REPO
+
+from finetune.chunked_loss import METHODS, causal_lm_hidden_and_head, chunked_causal_lm_loss_sum
+from finetune.planner.probes import saved_tensor_bytes
+from finetune.tasks import IGNORE_INDEX, CausalLM
 
 VOCAB = 211  # prime: no chunk size divides it, nor the label-token counts below
 
@@ -148,7 +147,7 @@ def test_frozen_head_gets_no_gradient():
     model.lm_head.weight.requires_grad_(False)
     reference = loss_and_grads(model, lambda: plain(model, batch))
     for method in METHODS:
-        result = loss_and_grads(model, lambda: chunked(model, batch, 5, method))
+        result = loss_and_grads(model, lambda: chunked(model, batch, 5, method))  # noqa: B023 - the lambda runs inside this iteration
         assert "model.embed_tokens.weight" not in result[1]
         assert_same(reference, result)
 
@@ -205,7 +204,7 @@ def test_saves_far_less_for_backward_at_a_large_vocabulary():
     assert plain_bytes >= logprob_bytes
     weight_bytes = vocab * hidden_size * 4
     for method in ("fused", "recompute"):
-        saved = saved_tensor_bytes(lambda: chunked_causal_lm_loss_sum(hidden, head, labels, 1024, method=method))
+        saved = saved_tensor_bytes(lambda: chunked_causal_lm_loss_sum(hidden, head, labels, 1024, method=method))  # noqa: B023 - the lambda runs inside this iteration
         # weight (recompute) or its gradient (fused), the selected hidden states or their gradient, and per
         # token: its target (int64), log-sum-exp (fp32), and the selection's mask and indices
         assert saved <= weight_bytes + hidden.numel() * 4 + 8 * 512 * 24, (method, saved)
@@ -227,7 +226,7 @@ def test_one_chunk_of_logits_at_a_time():
     for method in ("fused", "recompute"):
         hidden.grad = head.weight.grad = None
         peak = peak_allocated_bytes(
-            lambda: chunked_causal_lm_loss_sum(hidden, head, labels, chunk, method=method).backward())
+            lambda: chunked_causal_lm_loss_sum(hidden, head, labels, chunk, method=method).backward())  # noqa: B023 - the lambda runs inside this iteration
         small = 2 * head.weight.numel() * 4 + 4 * hidden.numel() * 4 + 4 * 512 * 32  # gradients, selections
         assert chunk_bytes <= peak <= chunk_bytes + small, (method, peak / 2**20)
 
@@ -286,9 +285,9 @@ def test_ddp_wrapped_model(tmp_path):
         for find_unused in (False, True):
             model = DistributedDataParallel(tiny_llama(), find_unused_parameters=find_unused)
             batch = make_batch()
-            reference = loss_and_grads(model, lambda: plain(model, batch))
+            reference = loss_and_grads(model, lambda: plain(model, batch))  # noqa: B023 - the lambda runs inside this iteration
             for _ in range(2):  # twice: a reducer left unfinished by the first backward would fail the second
-                assert_same(reference, loss_and_grads(model, lambda: chunked(model, batch, 5, "fused")))
+                assert_same(reference, loss_and_grads(model, lambda: chunked(model, batch, 5, "fused")))  # noqa: B023 - the lambda runs inside this iteration
     finally:
         dist.destroy_process_group()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import load_params, run_in_process, train_steps
 
 

@@ -7,7 +7,6 @@ import math
 import os
 
 import pytest
-
 from helpers import assert_user_error, launch, read_log, run_script, train_steps
 
 pytestmark = pytest.mark.integration

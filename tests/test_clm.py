@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import load_params, run_in_process, train_steps
 
 from finetune.tasks import IGNORE_INDEX, CausalLM
-from helpers import load_params, run_in_process, train_steps
 
 CLM = dict(recipe="bbc-news-clm", num_train_epochs=1, disable_dropout=True, max_length=64, learning_rate=1e-3,
            seed=3, warmup_steps=0, eval_on_start=True)
@@ -80,7 +80,7 @@ def test_clm_accumulation_equals_large_batch(tmp_path, tiny_llama, clm_texts):
                                                               gradient_accumulation_steps=4))
     a, b = load_params(acc), load_params(big)
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")  # noqa: B023 - the lambda runs inside this iteration
     steps = train_steps(acc)
     assert len(steps) == 6 and len({r["trained_tokens"] for r in steps}) > 1
     assert [r["trained_tokens"] for r in steps] == [r["trained_tokens"] for r in train_steps(big)]

@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
+from helpers import load_params, run_in_process
 
 from finetune.config import parse_config
 from finetune.distributed import reset_state
 from finetune.errors import FinetuneError
 from finetune.run import main
-from helpers import load_params, run_in_process
 
 
 def test_a_config_file_under_the_command_line(tmp_path):

@@ -8,11 +8,11 @@ import json
 
 import datasets
 import pytest
+from helpers import run_in_process
+from tiny_models import build_tiny_chat_llama
 
 from finetune.config import parse_config
 from finetune.errors import FinetuneError
-from helpers import run_in_process
-from tiny_models import build_tiny_chat_llama
 
 WORDS = "the market rose as shares in the bank fell after the match ended with a late goal".split()
 

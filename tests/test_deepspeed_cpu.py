@@ -19,7 +19,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO, fault_env, run_script, train_steps
 
 pytestmark = [pytest.mark.integration,

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from helpers import launch, load_params, train_steps
 
 pytestmark = pytest.mark.integration
@@ -16,7 +15,7 @@ pytestmark = pytest.mark.integration
 def _assert_same(a_dir, b_dir):
     a, b = load_params(a_dir), load_params(b_dir)
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")  # noqa: B023 - the lambda runs inside this iteration
 
 
 def _run(tmp_path, name, processes, micro, accum, common):

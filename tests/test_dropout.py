@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import BY_NAME, CAUSAL_LM, FAMILIES, build
+
 from finetune.builders import build_model, get_task
 from finetune.config import parse_config
 from finetune.data import load_tokenizer

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from helpers import REPO, assert_user_error, run_in_process
 
 from finetune import env as finetune_env
 from finetune.cli import main as cli_main
@@ -22,7 +23,6 @@ from finetune.errors import FinetuneError
 from finetune.launch import train_command
 from finetune.launch_configs import list_configs, resolve_config_file, shipped_configs, shipped_dir
 from finetune.recipes import RECIPES, copy_recipe, load_recipe
-from helpers import REPO, assert_user_error, run_in_process
 
 CONFIGS = REPO / "accelerate_configs"
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import load_params, run_in_process, train_steps
 
 from finetune.errors import NumericalError
-from helpers import load_params, run_in_process, train_steps
 
 OPTIMS = pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 

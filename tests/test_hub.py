@@ -12,13 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from fake_hub import FakeHfApi, http_error
+from helpers import assert_user_error, run_in_process, run_script
 from huggingface_hub import constants
 
-from fake_hub import FakeHfApi, http_error
 from finetune import hub
 from finetune.config import parse_config
 from finetune.errors import FinetuneError
-from helpers import assert_user_error, run_in_process, run_script
 
 
 @pytest.fixture

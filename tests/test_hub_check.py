@@ -16,7 +16,6 @@ import sys
 import threading
 
 import pytest
-
 from helpers import REPO
 
 TIMEOUT_S = 2.0

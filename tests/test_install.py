@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO
 
 pytestmark = pytest.mark.integration

@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import sys
 import signal
+import sys
 import time
 
 import psutil
 import pytest
 import torch
-
 from helpers import launch, load_params, start_launch, train_steps
 
 pytestmark = pytest.mark.integration
@@ -33,7 +32,7 @@ def assert_same_weights(a_dir, b_dir):
     a, b = load_params(a_dir), load_params(b_dir)
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")  # noqa: B023 - the lambda runs inside this iteration
 
 
 def wait_for_steps(out, steps: int, process, timeout: float) -> None:

@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 import torch
+from helpers import run_in_process, train_steps
 from safetensors.torch import load_file
 
 from finetune.errors import FinetuneError
-from helpers import run_in_process, train_steps
 
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, max_train_samples=32, max_eval_samples=8,
             per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=32, disable_dropout=True,

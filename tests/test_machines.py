@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-
 from helpers import launch, start_launch, train_steps
 from test_launcher_signals import assert_same_weights
 

@@ -7,12 +7,11 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers import run_in_process
 from huggingface_hub import ModelCard
 
-from finetune.config import TrainConfig, parse_config
-from finetune.config import config_argv, reproduce_command
+from finetune.config import TrainConfig, config_argv, parse_config, reproduce_command
 from finetune.model_card import render_model_card, write_model_card
-from helpers import run_in_process
 from finetune.recipes import load_recipe
 
 

@@ -11,11 +11,11 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import read_log, run_in_process
 from huggingface_hub import ModelCard
 
 import finetune
 from finetune.model_card import framework_versions
-from helpers import read_log, run_in_process
 
 RUN = dict(max_train_samples=24, max_eval_samples=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
            max_steps=3, max_length=32, eval_strategy="steps", eval_steps=1, report_to="tensorboard")

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from faults.finetune_faults import CPU_FP16_ENV, OVERFLOW_STEPS_ENV, install_on_import, install_overflow, parse_steps
 from helpers import REPO, fault_env, run_in_process, run_script, train_steps
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO, assert_user_error, run_in_process
 
 from finetune.errors import FinetuneError
 from finetune.predict import Predictor, predict
-from helpers import REPO, assert_user_error, run_in_process
 
 TEXTS = [
     "Chelsea beat Arsenal 2-1 in the cup final on Saturday.",

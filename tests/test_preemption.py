@@ -13,7 +13,6 @@ import torch
 
 from finetune.run import main
 
-
 # 40 samples, micro 2 x accumulation 3: windows 3,3,3,3,3,3,2 = 7 optimizer steps (1 epoch)
 RUN = ["--recipe", "bbc-news", "--max_train_samples", "40", "--max_eval_samples", "8", "--per_device_train_batch_size",
        "2", "--gradient_accumulation_steps", "3", "--num_train_epochs", "1", "--max_length", "32", "--learning_rate",

@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
+from helpers import load_params, read_log, run_in_process, train_steps
 
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
-from helpers import read_log, run_in_process, train_steps, load_params
 
 # 40 samples, micro 2 x accumulation 3: 20 micro-batches -> windows 3,3,3,3,3,3,2 = 7 steps per epoch.
 RUN = dict(max_train_samples=40, max_eval_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=3,

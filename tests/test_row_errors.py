@@ -8,9 +8,9 @@ import json
 
 import datasets
 import pytest
+from tiny_models import build_tiny_chat_llama
 
 from finetune.run import main
-from tiny_models import build_tiny_chat_llama
 
 
 @pytest.fixture(scope="module")

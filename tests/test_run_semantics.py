@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_params, read_log, run_in_process, train_steps
 from transformers import AutoModelForSequenceClassification
 
 from finetune.errors import FinetuneError
 from finetune.run import main
-from helpers import load_params, read_log, run_in_process, train_steps
 
 # 32 samples, micro-batch 4 x 2: 4 optimizer steps per epoch
 TINY = dict(max_train_samples=32, max_eval_samples=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,

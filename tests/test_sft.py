@@ -9,11 +9,18 @@ import math
 
 import pytest
 import torch
+from tiny_models import build_tiny_chat_llama
 
 from finetune.errors import FinetuneError
-from finetune.sft import (IGNORE_INDEX, SFT_TASK, encode_conversation, encode_messages, generate_completions,
-                          generation_metrics, rows_to_features)
-from tiny_models import build_tiny_chat_llama
+from finetune.sft import (
+    IGNORE_INDEX,
+    SFT_TASK,
+    encode_conversation,
+    encode_messages,
+    generate_completions,
+    generation_metrics,
+    rows_to_features,
+)
 
 ARTICLE = ("Shares in the bank rose after the market opened on Monday. " * 3
            + "The film won three awards at the ceremony in London. " * 20 + "THE FINAL SENTENCE IS HERE.")

@@ -8,9 +8,8 @@ import random
 
 import pytest
 import torch
-
-from tiny_models import build_tiny_chat_llama
 from helpers import load_params, read_log, run_in_process, train_steps
+from tiny_models import build_tiny_chat_llama
 
 WORDS = ("the market rose as shares in the bank fell after the match ended with a late goal from the striker while "
          "ministers said the election would be held in spring and the film won awards").split()

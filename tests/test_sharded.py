@@ -15,11 +15,15 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from finetune.errors import FinetuneError
 from finetune.bookkeeping import grad_norm_value
 from finetune.engine import DeepSpeedEngine, engine_for, make_accelerator, parameter_counts
-from finetune.engine.deepspeed import (deepspeed_config_updates, deepspeed_note, deepspeed_optimizer_and_scheduler,
-                                       deepspeed_precision)
+from finetune.engine.deepspeed import (
+    deepspeed_config_updates,
+    deepspeed_note,
+    deepspeed_optimizer_and_scheduler,
+    deepspeed_precision,
+)
+from finetune.errors import FinetuneError
 
 FLAGS = dict(max_grad_norm=0.5, micro_batch=8, accumulation_steps=4)
 
@@ -62,7 +66,6 @@ def _plugin_from_yaml(name: str):
     """The DeepSpeedPlugin ``accelerate launch --config_file accelerate_configs/<name>`` would build."""
     from accelerate.utils import DeepSpeedPlugin
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
-
     from test_accelerate_configs import _launcher_args
 
     args, defaults = _launcher_args(name)
@@ -317,8 +320,8 @@ def test_evaluation_never_splits_a_batch_under_a_sharded_engine(distributed_type
     """An out-of-memory evaluation batch is split and retried on one rank only where no collective runs
     inside the forward: under FSDP (versions 1 and 2 are both DistributedType.FSDP) and DeepSpeed a rank
     retrying alone would desynchronise the all-gathers, so the error propagates instead."""
-    from finetune.evaluation import evaluate
     from finetune.builders import get_task
+    from finetune.evaluation import evaluate
 
     class Model(torch.nn.Module):
         def forward(self, input_ids, attention_mask):
@@ -682,7 +685,6 @@ def test_generation_under_fsdp1_uses_whole_weights(tmp_path, nested, bf16):
     import json
 
     import torch.multiprocessing as mp
-
     from tiny_models import build_tiny_chat_llama
 
     model_dir = build_tiny_chat_llama(tmp_path / "model")

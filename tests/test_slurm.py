@@ -16,7 +16,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import REPO, train_steps
 from test_launcher_signals import assert_same_weights
 

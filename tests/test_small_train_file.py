@@ -4,10 +4,10 @@ file, the label(s) with too few rows and the fix, instead of datasets' "Minimum 
 from __future__ import annotations
 
 import pytest
+from helpers import assert_user_error, launch
 
 from finetune.data import load_data_files
 from finetune.errors import FinetuneError
-from helpers import assert_user_error, launch
 
 TINY = ["--max_steps", "1", "--max_length", "32", "--per_device_train_batch_size", "2"]
 

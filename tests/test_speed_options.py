@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import run_in_process, train_steps
 
 
@@ -82,9 +81,8 @@ def test_torch_compile_trains_the_same_model(tmp_path, tiny_bert):
     """torch.compile (inductor, CPU) through Accelerate's dynamo plugin: the same losses and the same saved
     weights as eager (fp32, dropout off), and the saved model has plain (uncompiled) parameter names."""
     import torch
-    from transformers import AutoModelForSequenceClassification
-
     from helpers import load_params
+    from transformers import AutoModelForSequenceClassification
 
     # all 24 articles truncate to 32 tokens and 24 = 3 windows of 4 x 2: one shape, one compilation
     kw = dict(model_name_or_path=tiny_bert, max_train_samples=24, max_eval_samples=8, per_device_train_batch_size=4,

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import read_log, run_in_process
 from transformers import AutoModelForCausalLM
 
 from finetune.flops import matmul_parameters, training_flops_per_token
-from helpers import read_log, run_in_process
 
 
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])

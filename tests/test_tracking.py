@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import run_in_process, train_steps
 
 

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import run_in_process, train_steps
 
 from finetune.config import TrainConfig, parse_config
 from finetune.errors import FinetuneError
 from finetune.trainer_backend import training_arguments
-from helpers import run_in_process, train_steps
 
 # Fields that configure the run the same way in both engines, with TrainingArguments' names.
 SHARED = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -79,11 +79,10 @@ def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
     logged loss (and the gradient) is N times the mean loss per sample."""
     from transformers import AutoModelForSequenceClassification, Trainer
 
-    from finetune.builders import build_datasets
+    from finetune.builders import build_datasets, get_task
     from finetune.data import load_tokenizer
-    from finetune.builders import get_task
-    from finetune.trainer_backend import training_arguments
     from finetune.recipes import load_recipe
+    from finetune.trainer_backend import training_arguments
 
     _, ours = run_in_process(tmp_path, "ours", backend="trainer", model_name_or_path=tiny_bert, max_train_samples=16,
                              max_eval_samples=4, per_device_train_batch_size=2, gradient_accumulation_steps=4,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import fault_env, run_script, train_steps
 
 ARGS = ["--recipe", "bbc-news", "--backend", "trainer", "--mixed_precision", "fp16", "--max_train_samples", "16",

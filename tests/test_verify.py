@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
-
 from faults.finetune_faults import install_learning_rate
 from helpers import REPO, launch
 from tiny_models import build_tiny_chat_llama, build_tiny_moe, write_variable_length_texts
+
 from finetune import verify
 from finetune.errors import FinetuneError
 

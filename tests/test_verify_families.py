@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import transformers
-
 from families import CAUSAL_LM, CLASSIFIER, FAMILIES
 from helpers import REPO
 

@@ -9,11 +9,11 @@ import inspect
 import json
 
 import pytest
-
-import finetune.train
 from faults.mutants import MUTANTS, install_mutant, mutated_source
 from helpers import REPO, fault_env, launch
 from test_verify import SMALL, rows, run_verify
+
+import finetune.train
 from finetune import verify
 
 

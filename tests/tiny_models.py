@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+
 def build_tiny_bert(path: Path) -> Path:
     """Save a 2-layer, 32-wide BERT (random weights, seed 0) and the all-MiniLM-L6-v2 tokenizer to
     ``path``: a real model directory that loads in well under a second."""

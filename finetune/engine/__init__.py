@@ -7,8 +7,13 @@ import importlib.util
 from datetime import timedelta
 
 from accelerate import Accelerator
-from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs,
-                               TorchDynamoPlugin)
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    TorchDynamoPlugin,
+)
 
 from finetune.engine.deepspeed import DeepSpeedEngine, parameter_numel, parameter_shape
 from finetune.engine.fsdp import FsdpEngine, fsdp1_full_sizes

@@ -6,8 +6,8 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from peft import PeftModel
 import torch
+from peft import PeftModel
 from torch.nn.parallel import DistributedDataParallel
 from transformers import get_scheduler
 

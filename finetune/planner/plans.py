@@ -297,7 +297,7 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
                                     note="" if fits else "does not fit")
                 candidates.append(rows[m])
             for m in to_time:
-                seconds = agreed_seconds(lambda: probe.seconds_per_sample(m), slowest_over_processes)
+                seconds = agreed_seconds(lambda: probe.seconds_per_sample(m), slowest_over_processes)  # noqa: B023 - the lambda runs inside this iteration
                 rows[m].seconds_per_sample = seconds
                 measured.append(rows[m])
                 if previous is not None and seconds > previous:

@@ -24,8 +24,8 @@ from accelerate.utils.memory import should_reduce_batch_size
 from finetune.builders import build_model, get_task
 from finetune.distributed import local_process_count, world_size
 from finetune.engine import build_optimizer
-from finetune.loss import DEFAULT_LOSS_CHUNK_SIZE, loss_function
 from finetune.errors import FinetuneError
+from finetune.loss import DEFAULT_LOSS_CHUNK_SIZE, loss_function
 from finetune.planner.plans import Lever, estimate_fits_from_memory
 from finetune.tasks import CausalLM
 

@@ -2,10 +2,10 @@
 ``--model_name_or_path`` (a BERT). BatchNorm makes training depend on the micro-batch, so ``finetune verify``
 must call it not exact and name BatchNorm. Shows the recipe contract's optional ``build_model``."""
 
-from finetune.data import load_classifier
-from finetune.recipes.bbc_news import (DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS,  # noqa: F401
-                                       load_raw_datasets)
 from torch import nn
+
+from finetune.data import load_classifier
+from finetune.recipes.bbc_news import DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS, load_raw_datasets  # noqa: F401
 
 NAME = "batchnorm-news"
 DESCRIPTION = "bbc-news with a BatchNorm1d before the classifier (a model that depends on the micro-batch)."

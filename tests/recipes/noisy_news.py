@@ -3,10 +3,10 @@ and no dropout setting of the config) before the classifier of ``--model_name_or
 verify`` must find its determinism premise broken, call the check inconclusive and name the noise layer."""
 
 import torch
-from finetune.data import load_classifier
-from finetune.recipes.bbc_news import (DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS,  # noqa: F401
-                                       load_raw_datasets)
 from torch import nn
+
+from finetune.data import load_classifier
+from finetune.recipes.bbc_news import DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS, load_raw_datasets  # noqa: F401
 
 NAME = "noisy-news"
 DESCRIPTION = "bbc-news with Gaussian noise on the pooled output in training mode (a model that is not deterministic)."

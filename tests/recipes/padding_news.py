@@ -2,11 +2,10 @@
 over every position, pad tokens included (the attention mask ignored when pooling). Each micro-batch pads to its
 own longest sample, so ``finetune verify`` must call it not exact and name padding as the cause."""
 
-import torch
-from finetune.data import load_classifier
-from finetune.recipes.bbc_news import (DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS,  # noqa: F401
-                                       load_raw_datasets)
 from transformers.modeling_outputs import SequenceClassifierOutput
+
+from finetune.data import load_classifier
+from finetune.recipes.bbc_news import DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS, load_raw_datasets  # noqa: F401
 
 NAME = "padding-news"
 DESCRIPTION = "bbc-news on a BERT that mean-pools over pad tokens too (outputs depend on padding)."
