@@ -17,6 +17,7 @@ from pathlib import Path
 
 from accelerate.utils import gather_object
 
+from finetune.config import fields_with
 from finetune.errors import FinetuneError
 
 MARKER = "COMPLETE"
@@ -47,10 +48,8 @@ _LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")
 # the others wait in (a hang), and every process must raise the same FinetuneError.
 
 # Settings that change what one optimizer step means, or which samples it sees: resuming under a change
-# of any of them would not continue the same run.
-STEP_MEANING = ("recipe", "train_file", "dataset_name", "dataset_config", "dataset_train_split", "max_train_samples", "max_length", "block_size", "model_name_or_path",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "train_sampling_strategy",
-                "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+# of any of them would not continue the same run. Each field declares it (``step=True``, finetune/config.py).
+STEP_MEANING = fields_with(step=True)
 
 
 @dataclass

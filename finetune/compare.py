@@ -19,14 +19,14 @@ try:  # an optional extra (pip install "finetune[compare]"), needed by --compare
 except ImportError:
     plt = None
 
-from finetune.config import config_argv, reproduce_command
+from finetune.config import config_argv, fields_with, reproduce_command
 from finetune.errors import FinetuneError
 from finetune.recipes import load_recipe
 
 BACKENDS = ("accelerate", "trainer")
-# the batch plan is resolved once here, so both backends get the same explicit micro-batch and accumulation
-_NOT_PASSED = {"compare", "backend", "output_dir", "list_recipes", "overwrite_output_dir", "total_batch_size",
-               "auto_find_batch_size", "max_memory_mb"}
+# the batch plan is resolved once here, so both backends get the same explicit micro-batch and accumulation:
+# the fields declared ``compare_passes=False`` (finetune/config.py) are not passed
+_NOT_PASSED = frozenset(fields_with(compare_passes=False))
 
 
 def child_argv(config, recipe, backend: str, output_dir: Path) -> list[str]:

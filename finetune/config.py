@@ -5,21 +5,46 @@ Precedence: dataclass default < recipe ``DEFAULTS`` < command-line flag.
 
 Read-only once validated: ``validate()`` ends by freezing the config (assigning a field raises
 ``dataclasses.FrozenInstanceError``); a changed run is a new config (``dataclasses.replace``), validated
-again. Values derived while resolving a run (``DERIVED_FIELDS``: where the precision came from, the batch
+again. Values derived while resolving a run (``derived(...)`` fields: where the precision came from, the batch
 plan) are fields too, so ``run_config.json`` holds them, but no flag sets them.
+
+Each flag says what it is for where it is defined: ``flag(default, help, *, step, trainer, ...)`` keeps its roles
+in the field's metadata (a ``Roles``), and every list of flags the code needs is a query over them
+(``fields_with``). The roles:
+
+- ``step`` (required): part of what one optimizer step means (which samples, in which batch, through which
+  model). A checkpoint resumes only under the same values (``checkpoint.step_meaning``, ``check_compatible``).
+- ``trainer`` (required): the ``TrainingArguments`` argument the Trainer backend passes it as (the installed
+  transformers' name), a tuple of names that all get its value, or None (not one of Trainer's arguments: the
+  Trainer backend reads it from the config, or it has no counterpart). ``to_trainer``: the conversion, where
+  Trainer's value differs from ours (``trainer_backend.training_arguments``).
+- ``replay`` (default True): a replayed ``run_config.json`` (``--config``) sets it. False for where this run
+  writes and whether it resumes: the new command line decides those (``read_config_file``).
+- ``same_run`` (default True): compared when a new run finds a previous run's config in its ``--output_dir``
+  (``output.check_output_dir``). False where a change leaves it the same run: where it goes, checkpoints,
+  logging, the Hub.
+- ``compare_passes`` (default True): ``finetune compare`` passes it to both backends' runs
+  (``compare.child_argv``). False where compare decides itself: the backend, the output directories, the batch
+  plan it resolved once.
+- ``verify`` (default ``KEPT``): the value ``finetune verify`` fixes for its check (``verify.CHECK_SETTINGS``);
+  ``KEPT``: the run's own value.
+- ``derived``: set while the run is resolved, never by a flag (``derived(default, replay=...)``): the parser has
+  no flag for it, ``config_argv`` never emits it, a rerun does not compare it.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
 import os
 import shlex
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import yaml
 from transformers import HfArgumentParser
@@ -30,9 +55,6 @@ from finetune.recipes import load_recipe
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16")
 # The precision this project is defined by: Accelerator(mixed_precision="fp16"), loss scaling included.
 DEFAULT_MIXED_PRECISION = "fp16"
-# Fields the run derives, not flags: the parser leaves them out, ``config_argv`` never emits them, and a
-# rerun's ``--output_dir`` check does not compare them.
-DERIVED_FIELDS = ("precision_source", "batch_plan")
 LR_SCHEDULER_CHOICES = (
     "linear",
     "cosine",
@@ -42,6 +64,103 @@ LR_SCHEDULER_CHOICES = (
     "constant_with_warmup",
     "inverse_sqrt",
 )
+
+ROLES = "roles"  # the metadata key of a field's Roles (HfArgumentParser gets the other keys: "help")
+
+
+class _Kept:
+    """``KEPT``: ``verify`` leaves the field at the run's own value (None is a value verify may fix)."""
+
+    def __repr__(self) -> str:
+        return "KEPT"
+
+
+KEPT = _Kept()
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What a ``TrainConfig`` field is for; the module docstring defines each role."""
+
+    step: bool
+    trainer: str | tuple[str, ...] | None
+    to_trainer: Callable | None = None
+    replay: bool = True
+    same_run: bool = True
+    compare_passes: bool = True
+    verify: object = KEPT
+    derived: bool = False
+
+    @property
+    def trainer_arguments(self) -> tuple[str, ...]:
+        """The ``TrainingArguments`` names the field is passed as (none, one or several)."""
+        if self.trainer is None:
+            return ()
+        return (self.trainer,) if isinstance(self.trainer, str) else tuple(self.trainer)
+
+
+def flag(default, help: str, *, step: bool, trainer: str | tuple[str, ...] | None, to_trainer: Callable | None = None,
+         replay: bool = True, same_run: bool = True, compare_passes: bool = True, verify=KEPT):
+    """A ``TrainConfig`` flag: ``dataclasses.field`` with its ``help`` for the parser and its ``Roles``.
+    ``step`` and ``trainer`` have no default: every flag says whether it is part of what a step means and
+    what Trainer calls it. Raises ``TypeError`` (at import) when either is missing."""
+    roles = Roles(step=step, trainer=trainer, to_trainer=to_trainer, replay=replay, same_run=same_run,
+                  compare_passes=compare_passes, verify=verify)
+    return field(default=default, metadata={"help": help, ROLES: roles})
+
+
+def derived(default, *, replay: bool):
+    """A value the run derives while it is resolved, never a flag: not part of a step's meaning, not a Trainer
+    argument, not compared by a rerun, not passed by ``compare``, kept by ``verify``; ``replay``: whether a
+    replayed ``run_config.json`` sets it. Left out of ``==`` (``compare=False``), so the config that
+    ``config_argv``'s flags rebuild equals the one they came from."""
+    roles = Roles(step=False, trainer=None, same_run=False, compare_passes=False, replay=replay, derived=True)
+    return field(default=default, compare=False, metadata={ROLES: roles})
+
+
+def roles(name: str) -> Roles:
+    """The ``Roles`` of the ``TrainConfig`` field ``name``. Raises ``KeyError`` for a name that is no field."""
+    return _FIELDS[name].metadata[ROLES]
+
+
+def fields_with(**wanted) -> tuple[str, ...]:
+    """Names of the ``TrainConfig`` fields whose roles have every given value, in definition order: e.g.
+    ``fields_with(step=True)``, ``fields_with(replay=False)``. Raises ``TypeError`` for an unknown role."""
+    unknown = set(wanted) - {f.name for f in dataclasses.fields(Roles)}
+    if unknown:
+        raise TypeError(f"unknown role(s): {', '.join(sorted(unknown))}")
+    return tuple(name for name, f in _FIELDS.items()
+                 if all(getattr(f.metadata[ROLES], role) == value for role, value in wanted.items()))
+
+
+def check_settings() -> dict:
+    """What ``finetune verify`` fixes for its check: {field: value} for every field whose ``verify`` role is not
+    ``KEPT``."""
+    return {name: roles(name).verify for name in _FIELDS if roles(name).verify is not KEPT}
+
+
+def trainer_arguments(config) -> dict:
+    """{``TrainingArguments`` argument: value} of every field of ``config`` with a ``trainer`` role, converted by
+    its ``to_trainer`` where it has one (``trainer_backend.training_arguments`` adds the arguments no single
+    field gives)."""
+    arguments = {}
+    for name in _FIELDS:
+        role, value = roles(name), getattr(config, name)
+        for argument in role.trainer_arguments:
+            arguments[argument] = role.to_trainer(value) if role.to_trainer else value
+    return arguments
+
+
+def is_bf16(mixed_precision: str) -> bool:
+    """``--mixed_precision`` as ``TrainingArguments(bf16=...)``."""
+    return mixed_precision == "bf16"
+
+
+def or_trainer_save_steps(save_steps: float | None) -> float:
+    """``--save_steps`` as ``TrainingArguments(save_steps=...)``, which takes no None: its default, 500
+    (transformers 5.24 training_args.py lines 1183-1184), where the flag is unset (Trainer ignores it unless
+    ``save_strategy`` is ``steps``, which needs ``--save_steps``)."""
+    return 500 if save_steps is None else save_steps
 
 
 @dataclass
@@ -54,243 +173,385 @@ class TrainConfig:
     with ``dataclasses.replace(config, name=value)`` and validate that.
     """
 
-    recipe: str = field(default="bbc-news", metadata={"help": "Recipe name (see --list_recipes) or path/to/recipe.py."})
-    list_recipes: bool = field(default=False, metadata={"help": "Print the known recipes and exit."})
-    output_dir: str | None = field(
-        default=None, metadata={"help": "Where the model, metrics.json and log.jsonl go. Default: outputs/<recipe>."}
+    recipe: str = flag(
+        "bbc-news", "Recipe name (see --list_recipes) or path/to/recipe.py.",
+        step=True, trainer=None,
     )
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Allow writing into an output_dir that already holds another run."}
+    list_recipes: bool = flag(
+        False, "Print the known recipes and exit.",
+        step=False, trainer=None, replay=False, same_run=False, compare_passes=False,
     )
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Hub id or local model directory. Default: the recipe's model."}
+    output_dir: str | None = flag(
+        None, "Where the model, metrics.json and log.jsonl go. Default: outputs/<recipe>.",
+        step=False, trainer=None, replay=False, same_run=False, compare_passes=False,
     )
-    train_file: str | None = field(
-        default=None,
-        metadata={"help": "Your own training data: CSV or JSON lines with the recipe's text column(s) and `label`."},
+    overwrite_output_dir: bool = flag(
+        False, "Allow writing into an output_dir that already holds another run.",
+        step=False, trainer=None, replay=False, same_run=False, compare_passes=False, verify=True,
     )
-    validation_file: str | None = field(
-        default=None, metadata={"help": "Your own validation data (same format). Default: 20%% split of train_file."}
+    model_name_or_path: str | None = flag(
+        None, "Hub id or local model directory. Default: the recipe's model.",
+        step=True, trainer=None,
     )
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "A dataset by name (TRL's flag): a folder written by save_to_disk, a folder of "
-                                        "data files, or a Hub name (needs the Hub)."}
+    train_file: str | None = flag(
+        None, "Your own training data: CSV or JSON lines with the recipe's text column(s) and `label`.",
+        step=True, trainer=None,
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "The --dataset_name configuration (subset)."})
-    dataset_train_split: str = field(default="train", metadata={"help": "The --dataset_name split to train on."})
-    dataset_test_split: str = field(
-        default="test", metadata={"help": "The --dataset_name split to validate on; without it 20%% of the train "
-                                          "split is held out."}
+    validation_file: str | None = flag(
+        None, "Your own validation data (same format). Default: 20%% split of train_file.",
+        step=False, trainer=None,
     )
-    per_device_train_batch_size: int = field(
-        default=8, metadata={"help": "Micro-batch size in samples, per process, per forward/backward."}
+    dataset_name: str | None = flag(
+        None,
+        "A dataset by name (TRL's flag): a folder written by save_to_disk, a folder of "
+        "data files, or a Hub name (needs the Hub).",
+        step=True, trainer=None,
     )
-    per_device_eval_batch_size: int = field(default=32, metadata={"help": "Evaluation batch size per process."})
-    total_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Global effective batch per optimizer step (samples). Sets the accumulation steps so "
-                          "micro-batch x accumulation x processes equals it exactly."},
+    dataset_config: str | None = flag(
+        None, "The --dataset_name configuration (subset).",
+        step=True, trainer=None,
     )
-    auto_find_batch_size: bool = field(
-        default=False,
-        metadata={"help": "With --total_batch_size: use the largest micro-batch that fits in memory (probe steps)."},
+    dataset_train_split: str = flag(
+        "train", "The --dataset_name split to train on.",
+        step=True, trainer=None,
     )
-    max_memory_mb: int | None = field(
-        default=None, metadata={"help": "CPU memory budget for --auto_find_batch_size (MiB; default: available RAM). "
-                                        "The estimate leaves out transient buffers (0.2-0.4 GiB under the real peak "
-                                        "at bbc-news, 256 tokens): leave a margin."}
+    dataset_test_split: str = flag(
+        "test",
+        "The --dataset_name split to validate on; without it 20%% of the train "
+        "split is held out.",
+        step=False, trainer=None,
     )
-    gradient_accumulation_steps: int = field(
-        default=1, metadata={"help": "Micro-batches per optimizer step (N). Effective batch = micro x N x processes."}
+    per_device_train_batch_size: int = flag(
+        8, "Micro-batch size in samples, per process, per forward/backward.",
+        step=True, trainer="per_device_train_batch_size",
     )
-    mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
-        default=None, metadata={"help": "Autocast precision; fp16 uses loss scaling (on a CPU it does not run: fp32). "
-                                        "Default: the accelerate config's or launcher's fp16/bf16, else fp16."}
+    per_device_eval_batch_size: int = flag(
+        32, "Evaluation batch size per process.",
+        step=False, trainer="per_device_eval_batch_size",
     )
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak AdamW learning rate."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and LayerNorm)."})
-    optim: Literal["adamw_torch", "adamw_torch_fused"] = field(
-        default="adamw_torch", metadata={"help": "AdamW implementation (TrainingArguments names); fused is one kernel per step."}
+    total_batch_size: int | None = flag(
+        None,
+        "Global effective batch per optimizer step (samples). Sets the accumulation steps so "
+        "micro-batch x accumulation x processes equals it exactly.",
+        step=False, trainer=None, compare_passes=False, verify=None,
     )
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    num_train_epochs: float = field(default=3.0, metadata={"help": "Epochs (fractions allowed). Ignored if max_steps > 0."})
-    max_steps: int = field(default=-1, metadata={"help": "Total optimizer steps; overrides num_train_epochs if > 0."})
-    lr_scheduler_type: Literal[LR_SCHEDULER_CHOICES] = field(  # type: ignore[valid-type]
-        default="linear", metadata={"help": "LR schedule, sized in optimizer steps."}
+    auto_find_batch_size: bool = flag(
+        False, "With --total_batch_size: use the largest micro-batch that fits in memory (probe steps).",
+        step=False, trainer=None, compare_passes=False, verify=False,
     )
-    warmup_steps: float = field(
-        default=0, metadata={"help": "Linear warmup: a count of optimizer steps, or a float in [0, 1): that ratio of "
-                                     "the total optimizer steps (as TrainingArguments; there is no warmup_ratio)."}
+    max_memory_mb: int | None = flag(
+        None,
+        "CPU memory budget for --auto_find_batch_size (MiB; default: available RAM). "
+        "The estimate leaves out transient buffers (0.2-0.4 GiB under the real peak "
+        "at bbc-news, 256 tokens): leave a margin.",
+        step=False, trainer=None, compare_passes=False,
     )
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm to this (0 disables)."})
-    max_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
-    block_size: int | None = field(
-        default=None,
-        metadata={"help": "Causal LM: concatenate texts and cut blocks of this many tokens (default: one text per sample)."},
+    gradient_accumulation_steps: int = flag(
+        1, "Micro-batches per optimizer step (N). Effective batch = micro x N x processes.",
+        step=True, trainer="gradient_accumulation_steps",
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
-    eval_strategy: Literal["no", "steps", "epoch"] = field(
-        default="epoch", metadata={"help": "When to evaluate: after every epoch, every --eval_steps optimizer steps "
-                                           "(and after the last one), or never ('no')."}
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = flag(
+        None,
+        "Autocast precision; fp16 uses loss scaling (on a CPU it does not run: fp32). "
+        "Default: the accelerate config's or launcher's fp16/bf16, else fp16.",
+        step=False, trainer="bf16", to_trainer=is_bf16,
     )
-    eval_steps: float | None = field(
-        default=None, metadata={"help": "With --eval_strategy steps: optimizer steps between evaluations, or a float in "
-                                        "[0, 1): that ratio of the total steps."}
+    learning_rate: float = flag(
+        5e-5, "Peak AdamW learning rate.",
+        step=False, trainer="learning_rate",
     )
-    logging_steps: float = field(
-        default=1, metadata={"help": "Optimizer steps between console/tracker updates (or a ratio in [0, 1) of the "
-                                     "total). log.jsonl always has one record per optimizer step."}
+    weight_decay: float = flag(
+        0.0, "AdamW weight decay (not on biases and LayerNorm).",
+        step=False, trainer="weight_decay",
     )
-    backend: Literal["accelerate", "trainer"] = field(
-        default="accelerate",
-        metadata={"help": "Training engine: our accelerator.accumulate() loop, or transformers' Trainer."},
+    optim: Literal["adamw_torch", "adamw_torch_fused"] = flag(
+        "adamw_torch", "AdamW implementation (TrainingArguments names); fused is one kernel per step.",
+        step=False, trainer="optim",
     )
-    compare: bool = field(
-        default=False, metadata={"help": "Run both backends with the same settings and write comparison.md/json/png."}
+    adam_beta1: float = flag(
+        0.9, "AdamW beta1.",
+        step=False, trainer="adam_beta1",
     )
-    eval_on_start: bool = field(default=False, metadata={"help": "Also evaluate before the first optimizer step."})
-    save_strategy: Literal["no", "steps", "epoch"] = field(
-        default="no", metadata={"help": "When to write a resumable checkpoint: every --save_steps optimizer steps, after "
-                                        "every epoch, or never. A signal (SIGTERM/SIGINT) always writes one."}
+    adam_beta2: float = flag(
+        0.999, "AdamW beta2.",
+        step=False, trainer="adam_beta2",
     )
-    save_steps: float | None = field(
-        default=None, metadata={"help": "With --save_strategy steps (implied when only this is given): optimizer steps "
-                                        "between checkpoints, or a float in [0, 1): that ratio of the total steps."}
+    adam_epsilon: float = flag(
+        1e-8, "AdamW epsilon.",
+        step=False, trainer="adam_epsilon",
     )
-    checkpointing_steps: str | None = field(
-        default=None,
-        metadata={"help": "Older spelling: N means --save_strategy steps --save_steps N; 'epoch' means --save_strategy "
-                          "epoch."},
+    num_train_epochs: float = flag(
+        3.0, "Epochs (fractions allowed). Ignored if max_steps > 0.",
+        step=False, trainer="num_train_epochs",
     )
-    load_best_model_at_end: bool = field(
-        default=False, metadata={"help": "Keep the checkpoint with the best --metric_for_best_model and make it the final "
-                                         "model. Needs --save_strategy equal to --eval_strategy (steps: --save_steps a "
-                                         "multiple of --eval_steps)."}
+    max_steps: int = flag(
+        -1, "Total optimizer steps; overrides num_train_epochs if > 0.",
+        step=False, trainer="max_steps",
     )
-    metric_for_best_model: str | None = field(
-        default=None, metadata={"help": "The eval metric that decides the best model (default 'loss', i.e. eval_loss)."}
+    lr_scheduler_type: Literal[LR_SCHEDULER_CHOICES] = flag(
+        "linear", "LR schedule, sized in optimizer steps.",
+        step=False, trainer="lr_scheduler_type",
     )
-    greater_is_better: bool | None = field(
-        default=None, metadata={"help": "Whether a larger --metric_for_best_model is better (default: False for a "
-                                        "loss, True otherwise)."}
+    warmup_steps: float = flag(
+        0,
+        "Linear warmup: a count of optimizer steps, or a float in [0, 1): that ratio of "
+        "the total optimizer steps (as TrainingArguments; there is no warmup_ratio).",
+        step=False, trainer="warmup_steps",
     )
-    early_stopping_patience: int | None = field(
-        default=None, metadata={"help": "Stop after this many evaluations in a row without improving "
-                                        "--metric_for_best_model (needs --load_best_model_at_end)."}
+    max_grad_norm: float = flag(
+        1.0, "Clip the global grad norm to this (0 disables).",
+        step=False, trainer="max_grad_norm",
     )
-    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
-    resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir), 'auto' (latest if there "
-                                        "is one, else a fresh start; a finished run exits 0: one command for a "
-                                        "requeued job) or a checkpoint path."}
+    max_length: int = flag(
+        128, "Truncate inputs to this many tokens.",
+        step=True, trainer=None,
     )
-    ignore_checkpoint_mismatch: bool = field(
-        default=False, metadata={"help": "Resume even if batch sizes, accumulation, processes or data differ."}
+    block_size: int | None = flag(
+        None, "Causal LM: concatenate texts and cut blocks of this many tokens (default: one text per sample).",
+        step=True, trainer=None,
     )
-    max_skipped_steps: int = field(
-        default=10, metadata={"help": "fp16: stop after this many optimizer steps in a row skipped by the GradScaler."}
+    max_train_samples: int | None = flag(
+        None, "Use only the first N training samples.",
+        step=True, trainer=None,
     )
-    ddp_timeout: int = field(
-        default=1800, metadata={"help": "Seconds a collective waits for a peer process before the run fails (torch's "
-                                        "process-group timeout; TrainingArguments' name and default)."}
+    max_eval_samples: int | None = flag(
+        None, "Use only the first N evaluation samples.",
+        step=False, trainer=None,
     )
-    preemption_grace_seconds: float | None = field(
-        default=None, metadata={"help": "Seconds the scheduler allows between its stop signal and SIGKILL (SLURM: the "
-                                        "partition's GraceTime, or N of --signal=B:USR1@N). finetune train sets "
-                                        "torchrun's shutdown timeout to it (default 30 s), and the run warns when an "
-                                        "optimizer step plus a checkpoint will not fit in it."}
+    eval_strategy: Literal["no", "steps", "epoch"] = flag(
+        "epoch",
+        "When to evaluate: after every epoch, every --eval_steps optimizer steps "
+        "(and after the last one), or never ('no').",
+        step=False, trainer=None, verify='no',
     )
-    report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = field(
-        default="none", metadata={"help": "Experiment tracking through Accelerate's trackers (TensorBoard works offline)."}
+    eval_steps: float | None = flag(
+        None,
+        "With --eval_strategy steps: optimizer steps between evaluations, or a float in "
+        "[0, 1): that ratio of the total steps.",
+        step=False, trainer=None,
     )
-    push_to_hub: bool = field(
-        default=False, metadata={"help": "Upload the model directory to the Hugging Face Hub (huggingface_hub's HfApi, "
-                                         "main process only): at the end, and per --hub_strategy after checkpoints. "
-                                         "Needs a token (`hf auth login` or HF_TOKEN); checked before training."}
+    logging_steps: float = flag(
+        1,
+        "Optimizer steps between console/tracker updates (or a ratio in [0, 1) of the "
+        "total). log.jsonl always has one record per optimizer step.",
+        step=False, trainer=None, same_run=False, verify=1,
     )
-    hub_model_id: str | None = field(
-        default=None, metadata={"help": "The Hub repository (TrainingArguments' name): 'name' (your namespace) or "
-                                        "'org/name'. Default: <your user>/<the --output_dir folder's name>."}
+    backend: Literal["accelerate", "trainer"] = flag(
+        "accelerate", "Training engine: our accelerator.accumulate() loop, or transformers' Trainer.",
+        step=False, trainer=None, compare_passes=False, verify='accelerate',
     )
-    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = field(
-        default="every_save", metadata={"help": "What to push and when, as TrainingArguments: 'end' (the final model "
-                                                "only), 'every_save' (also the model of every checkpoint, in the "
-                                                "background), 'checkpoint' (and the newest checkpoint in "
-                                                "last-checkpoint/, to resume from), 'all_checkpoints' (each one in "
-                                                "its own folder)."}
+    compare: bool = flag(
+        False, "Run both backends with the same settings and write comparison.md/json/png.",
+        step=False, trainer=None, compare_passes=False, verify=False,
     )
-    hub_private_repo: bool | None = field(
-        default=None, metadata={"help": "Create the repository private (default: public unless the organisation's "
-                                        "default is private; ignored if the repository exists)."}
+    eval_on_start: bool = flag(
+        False, "Also evaluate before the first optimizer step.",
+        step=False, trainer=None, verify=False,
     )
-    train_sampling_strategy: Literal["random", "group_by_length"] = field(
-        default="random",
-        metadata={"help": "Training order (TrainingArguments name): 'random', or 'group_by_length' (shuffled, then "
-                          "sorted by length within mega-batches of 50 optimizer steps, so micro-batches need less padding)."},
+    save_strategy: Literal["no", "steps", "epoch"] = flag(
+        "no",
+        "When to write a resumable checkpoint: every --save_steps optimizer steps, after "
+        "every epoch, or never. A signal (SIGTERM/SIGINT) always writes one.",
+        step=False, trainer="save_strategy", same_run=False, verify='no',
     )
-    torch_compile: bool = field(
-        default=False, metadata={"help": "Compile the model with torch.compile (inductor) through Accelerate's dynamo plugin."}
+    save_steps: float | None = flag(
+        None,
+        "With --save_strategy steps (implied when only this is given): optimizer steps "
+        "between checkpoints, or a float in [0, 1): that ratio of the total steps.",
+        step=False, trainer="save_steps", to_trainer=or_trainer_save_steps, same_run=False,
     )
-    torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = field(
-        default=None, metadata={"help": "torch.compile mode (implies --torch_compile)."}
+    checkpointing_steps: str | None = flag(
+        None,
+        "Older spelling: N means --save_strategy steps --save_steps N; 'epoch' means --save_strategy "
+        "epoch.",
+        step=False, trainer=None, same_run=False, verify=None,
     )
-    dataloader_num_workers: int = field(
-        default=0, metadata={"help": "DataLoader worker processes (0: collate in the training process)."}
+    load_best_model_at_end: bool = flag(
+        False,
+        "Keep the checkpoint with the best --metric_for_best_model and make it the final "
+        "model. Needs --save_strategy equal to --eval_strategy (steps: --save_steps a "
+        "multiple of --eval_steps).",
+        step=False, trainer=None, verify=False,
     )
-    dataloader_pin_memory: bool = field(
-        default=True, metadata={"help": "Pin host memory for faster copies to a GPU (ignored on a CPU)."}
+    metric_for_best_model: str | None = flag(
+        None, "The eval metric that decides the best model (default 'loss', i.e. eval_loss).",
+        step=False, trainer=None,
     )
-    activation_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute each layer's activations in the backward pass instead of keeping "
-                                         "them (less memory, about one more forward of time); non-reentrant."}
+    greater_is_better: bool | None = flag(
+        None,
+        "Whether a larger --metric_for_best_model is better (default: False for a "
+        "loss, True otherwise).",
+        step=False, trainer=None,
     )
-    gradient_checkpointing: bool | None = field(
-        default=None, metadata={"help": "Deprecated alias of --activation_checkpointing (as in TrainingArguments)."}
+    early_stopping_patience: int | None = flag(
+        None,
+        "Stop after this many evaluations in a row without improving "
+        "--metric_for_best_model (needs --load_best_model_at_end).",
+        step=False, trainer=None, verify=None,
     )
-    activation_checkpointing_kwargs: str | None = field(
-        default=None, metadata={"help": "JSON object, as TrainingArguments takes it: \"every_n_layers\" (checkpoint "
-                                        "only every n-th layer: less recompute, more memory) and \"offload\" (saved "
-                                        "activations in host memory) for activation_checkpointing_enable, the other "
-                                        "keys for torch.utils.checkpoint (default {\"use_reentrant\": false})."}
+    save_total_limit: int | None = flag(
+        None, "Keep only the newest K checkpoints.",
+        step=False, trainer="save_total_limit", same_run=False, verify=None,
     )
-    loss_chunk_size: int | None = field(
-        default=None, metadata={"help": "Causal LM: compute the loss from the final hidden states, this many label "
-                                        "tokens at a time, never materialising the (batch, seq, vocab) logits (0: the "
-                                        "plain full logits). Default: 1024 on a CPU, where it was measured faster and "
-                                        "7x lighter; 0 on a GPU until measured there."}
+    resume_from_checkpoint: str | None = flag(
+        None,
+        "'latest' (newest complete checkpoint in output_dir), 'auto' (latest if there "
+        "is one, else a fresh start; a finished run exits 0: one command for a "
+        "requeued job) or a checkpoint path.",
+        step=False, trainer=None, replay=False, same_run=False, verify=None,
     )
-    use_peft: bool = field(
-        default=False, metadata={"help": "Train LoRA adapters (peft) instead of every weight: the base model stays "
-                                         "frozen (no gradients, no optimizer state); a classifier head stays trainable."}
+    ignore_checkpoint_mismatch: bool = flag(
+        False, "Resume even if batch sizes, accumulation, processes or data differ.",
+        step=False, trainer=None, same_run=False,
     )
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank (TRL's default)."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the update is scaled by alpha / r."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
-    lora_target_modules: str | None = field(
-        default=None, metadata={"help": "Comma-separated module names to adapt, or 'all-linear' (default: peft's "
-                                        "choice for the architecture, e.g. the attention projections)."}
+    max_skipped_steps: int = flag(
+        10, "fp16: stop after this many optimizer steps in a row skipped by the GradScaler.",
+        step=False, trainer=None,
     )
-    merge_adapter: bool = field(
-        default=False, metadata={"help": "With --use_peft: also write the base model with the adapter merged in, to "
-                                         "<output_dir>/merged (a plain model directory)."}
+    ddp_timeout: int = flag(
+        1800,
+        "Seconds a collective waits for a peer process before the run fails (torch's "
+        "process-group timeout; TrainingArguments' name and default).",
+        step=False, trainer="ddp_timeout",
     )
-    seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
-    disable_dropout: bool = field(
-        default=False, metadata={"help": "Set every dropout probability to 0 (deterministic, comparable runs)."}
+    preemption_grace_seconds: float | None = flag(
+        None,
+        "Seconds the scheduler allows between its stop signal and SIGKILL (SLURM: the "
+        "partition's GraceTime, or N of --signal=B:USR1@N). finetune train sets "
+        "torchrun's shutdown timeout to it (default 30 s), and the run warns when an "
+        "optimizer step plus a checkpoint will not fit in it.",
+        step=False, trainer=None, same_run=False,
     )
-    cache_dir: str | None = field(
-        default=None, metadata={"help": "Where tokenized datasets are cached. Default: the datasets library cache."}
+    report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = flag(
+        "none", "Experiment tracking through Accelerate's trackers (TensorBoard works offline).",
+        step=False, trainer="report_to", verify='none',
     )
-    # ---- derived (DERIVED_FIELDS): set while the run is resolved, never by a flag; left out of ==, so the
-    # config that config_argv's flags rebuild equals the one they came from
-    # where mixed_precision came from: "--mixed_precision", "the accelerate config/launcher" or "the default"
-    precision_source: str | None = field(default=None, compare=False)
+    push_to_hub: bool = flag(
+        False,
+        "Upload the model directory to the Hugging Face Hub (huggingface_hub's HfApi, "
+        "main process only): at the end, and per --hub_strategy after checkpoints. "
+        "Needs a token (`hf auth login` or HF_TOKEN); checked before training.",
+        step=False, trainer=None, same_run=False,
+    )
+    hub_model_id: str | None = flag(
+        None,
+        "The Hub repository (TrainingArguments' name): 'name' (your namespace) or "
+        "'org/name'. Default: <your user>/<the --output_dir folder's name>.",
+        step=False, trainer=None, same_run=False,
+    )
+    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = flag(
+        "every_save",
+        "What to push and when, as TrainingArguments: 'end' (the final model "
+        "only), 'every_save' (also the model of every checkpoint, in the "
+        "background), 'checkpoint' (and the newest checkpoint in "
+        "last-checkpoint/, to resume from), 'all_checkpoints' (each one in "
+        "its own folder).",
+        step=False, trainer=None, same_run=False,
+    )
+    hub_private_repo: bool | None = flag(
+        None,
+        "Create the repository private (default: public unless the organisation's "
+        "default is private; ignored if the repository exists).",
+        step=False, trainer=None, same_run=False,
+    )
+    train_sampling_strategy: Literal["random", "group_by_length"] = flag(
+        "random",
+        "Training order (TrainingArguments name): 'random', or 'group_by_length' (shuffled, then "
+        "sorted by length within mega-batches of 50 optimizer steps, so micro-batches need less padding).",
+        step=True, trainer="train_sampling_strategy",
+    )
+    torch_compile: bool = flag(
+        False, "Compile the model with torch.compile (inductor) through Accelerate's dynamo plugin.",
+        step=False, trainer="torch_compile",
+    )
+    torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = flag(
+        None, "torch.compile mode (implies --torch_compile).",
+        step=False, trainer="torch_compile_mode",
+    )
+    dataloader_num_workers: int = flag(
+        0, "DataLoader worker processes (0: collate in the training process).",
+        step=False, trainer="dataloader_num_workers",
+    )
+    dataloader_pin_memory: bool = flag(
+        True, "Pin host memory for faster copies to a GPU (ignored on a CPU).",
+        step=False, trainer="dataloader_pin_memory",
+    )
+    activation_checkpointing: bool = flag(
+        False,
+        "Recompute each layer's activations in the backward pass instead of keeping "
+        "them (less memory, about one more forward of time); non-reentrant.",
+        step=False, trainer=None,
+    )
+    gradient_checkpointing: bool | None = flag(
+        None, "Deprecated alias of --activation_checkpointing (as in TrainingArguments).",
+        step=False, trainer=None,
+    )
+    activation_checkpointing_kwargs: str | None = flag(
+        None,
+        "JSON object, as TrainingArguments takes it: \"every_n_layers\" (checkpoint "
+        "only every n-th layer: less recompute, more memory) and \"offload\" (saved "
+        "activations in host memory) for activation_checkpointing_enable, the other "
+        "keys for torch.utils.checkpoint (default {\"use_reentrant\": false}).",
+        step=False, trainer=None,
+    )
+    loss_chunk_size: int | None = flag(
+        None,
+        "Causal LM: compute the loss from the final hidden states, this many label "
+        "tokens at a time, never materialising the (batch, seq, vocab) logits (0: the "
+        "plain full logits). Default: 1024 on a CPU, where it was measured faster and "
+        "7x lighter; 0 on a GPU until measured there.",
+        step=False, trainer=None,
+    )
+    use_peft: bool = flag(
+        False,
+        "Train LoRA adapters (peft) instead of every weight: the base model stays "
+        "frozen (no gradients, no optimizer state); a classifier head stays trainable.",
+        step=True, trainer=None,
+    )
+    lora_r: int = flag(
+        16, "LoRA rank (TRL's default).",
+        step=True, trainer=None,
+    )
+    lora_alpha: int = flag(
+        32, "LoRA alpha: the update is scaled by alpha / r.",
+        step=True, trainer=None,
+    )
+    lora_dropout: float = flag(
+        0.05, "Dropout on the LoRA branch.",
+        step=True, trainer=None, verify=0.0,
+    )
+    lora_target_modules: str | None = flag(
+        None,
+        "Comma-separated module names to adapt, or 'all-linear' (default: peft's "
+        "choice for the architecture, e.g. the attention projections).",
+        step=True, trainer=None,
+    )
+    merge_adapter: bool = flag(
+        False,
+        "With --use_peft: also write the base model with the adapter merged in, to "
+        "<output_dir>/merged (a plain model directory).",
+        step=False, trainer=None,
+    )
+    seed: int = flag(
+        42, "Seed for initialisation, data order and dropout.",
+        step=True, trainer=("seed", "data_seed"),
+    )
+    disable_dropout: bool = flag(
+        False, "Set every dropout probability to 0 (deterministic, comparable runs).",
+        step=False, trainer=None, verify=True,
+    )
+    cache_dir: str | None = flag(
+        None, "Where tokenized datasets are cached. Default: the datasets library cache.",
+        step=False, trainer=None,
+    )
+    # ---- derived: set while the run is resolved, never by a flag
+    # where mixed_precision came from: "--mixed_precision", "the accelerate config/launcher" or "the default";
+    # a replay resolves it again
+    precision_source: str | None = derived(None, replay=False)
     # the batch planner's plan under --total_batch_size (planner.BatchPlan.to_dict: micro-batch, accumulation,
-    # processes, total, the lever setting chosen under --auto_find_batch_size), set by finetune.run.apply_plan
-    batch_plan: dict | None = field(default=None, compare=False)
+    # processes, total, the lever setting chosen under --auto_find_batch_size), set by finetune.run.apply_plan;
+    # a replay takes it as recorded (read_config_file)
+    batch_plan: dict | None = derived(None, replay=True)
 
     def __post_init__(self) -> None:
         # Precedence: --mixed_precision, then the accelerate config or `accelerate launch --mixed_precision`
@@ -468,6 +729,11 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# Fields the run derives, not flags: the parser leaves them out, ``config_argv`` never emits them
+DERIVED_FIELDS = fields_with(derived=True)
+
+
 def check_grace_seconds(value) -> float | None:
     """``--preemption_grace_seconds``: None, or a positive, finite number of seconds (returned as a float). Raises
     ``FinetuneError`` otherwise."""
@@ -492,7 +758,10 @@ class _FlagParser(HfArgumentParser):
         if field.name in DERIVED_FIELDS:
             parser.set_defaults(**{field.name: field.default})
             return
-        HfArgumentParser._parse_dataclass_field(parser, field)
+        # the parser passes a field's metadata on to add_argument: only "help" (and "aliases") belong there
+        flag_only = copy.copy(field)
+        flag_only.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != ROLES})
+        HfArgumentParser._parse_dataclass_field(parser, flag_only)
 
 
 def _refuse_unknown_flags(parser: HfArgumentParser, argv: list[str] | None) -> None:
@@ -516,8 +785,6 @@ ACCELERATE_CONFIG_KEYS = {"compute_environment", "distributed_type", "num_machin
                           "main_process_port", "main_training_function", "use_cpu", "downcast_bf16", "rdzv_backend",
                           "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "deepspeed_config",
                           "fsdp_config", "gpu_ids", "dynamo_config", "enable_cpu_affinity"}
-# What a replayed run_config.json does not decide: where this run writes and whether it resumes
-REPLAY_IGNORED = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "list_recipes", "precision_source"}
 
 
 def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -561,7 +828,7 @@ def read_config_file(path: str, world_size: int = 1) -> dict:
             raise FinetuneError(f"--config {path}: unknown key {key!r}."
                                 + (f" Did you mean {close[0]}?" if close else " Keys are the training flags' names."))
     if replay:
-        values = {k: v for k, v in values.items() if k not in REPLAY_IGNORED}
+        values = {k: v for k, v in values.items() if roles(k).replay}  # where it writes, whether it resumes: ours
         plan = values.get("batch_plan")
         if plan:
             if plan.get("num_processes") != world_size:

@@ -8,15 +8,12 @@ import shutil
 from pathlib import Path
 
 from finetune.checkpoint import is_complete, list_checkpoints, newest_complete_checkpoint, refuse_unverified
-from finetune.config import DERIVED_FIELDS
+from finetune.config import fields_with
 from finetune.errors import FinetuneError
 
 # Settings whose change does not make a run "different" (where it goes, whether it may overwrite), and the
-# values a run derives (the new config is compared before they are derived).
-_IGNORED = {"output_dir", "overwrite_output_dir", "list_recipes", "resume_from_checkpoint",
-            "ignore_checkpoint_mismatch", "checkpointing_steps", "save_strategy", "save_steps", "save_total_limit",
-            "logging_steps", "preemption_grace_seconds", "push_to_hub", "hub_model_id", "hub_strategy",
-            "hub_private_repo", *DERIVED_FIELDS}
+# values a run derives (the new config is compared before they are derived): each field's ``same_run=False``.
+_IGNORED = frozenset(fields_with(same_run=False))
 _PROBE = ".write_test"  # + "-<pid>": each process probes with its own file
 
 

@@ -37,48 +37,26 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
     """The ``TrainingArguments`` for ``config``, the one place our settings map to Trainer's (same names and
     values; checkpoints under ``<output_dir>/checkpoints``; Trainer's evaluation off: ours runs in the callback;
     fp16 asked for on CUDA only, as a CPU runs fp32 on the accelerate side)."""
-    fp16 = config.mixed_precision == "fp16" and torch.cuda.is_available()
+    from finetune.config import trainer_arguments  # (to the imports above when this file's restructuring lands)
+
     return TrainingArguments(
+        **trainer_arguments(config),  # each field's own argument(s), as its ``trainer`` role declares them
+        # the arguments no single field gives:
         output_dir=str(ckpt.checkpoints_dir(output_dir or config.output_dir)),
-        per_device_train_batch_size=config.per_device_train_batch_size,
-        per_device_eval_batch_size=config.per_device_eval_batch_size,
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        fp16=fp16,
-        bf16=config.mixed_precision == "bf16",
+        # fp16 on CUDA only: a CPU runs fp32 on the accelerate side (bf16 comes from mixed_precision's role)
+        fp16=config.mixed_precision == "fp16" and torch.cuda.is_available(),
         # Without a CUDA device Trainer refuses bf16 unless told it is on the CPU (CPU autocast runs bf16).
         use_cpu=not torch.cuda.is_available(),
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        adam_beta1=config.adam_beta1,
-        adam_beta2=config.adam_beta2,
-        adam_epsilon=config.adam_epsilon,
-        optim=config.optim,
-        num_train_epochs=config.num_train_epochs,
-        max_steps=config.max_steps,
-        lr_scheduler_type=config.lr_scheduler_type,
-        warmup_steps=config.warmup_steps,
-        max_grad_norm=config.max_grad_norm,
-        seed=config.seed,
-        data_seed=config.seed,
         # Evaluation runs in BookkeepingCallback through the same evaluate() as the accelerate engine, so both
         # engines define eval_loss alike (Trainer's own averages per-batch means: not per-token exact).
         eval_strategy="no",
-        save_strategy=config.save_strategy,
-        save_steps=config.save_steps if config.save_steps is not None else 500,
-        save_total_limit=config.save_total_limit,
+        # one log record per optimizer step, NaN and inf kept: the callback's log.jsonl is built from them
         logging_strategy="steps",
         logging_steps=1,
         logging_nan_inf_filter=False,
-        report_to=config.report_to,
-        dataloader_drop_last=False,
-        train_sampling_strategy=config.train_sampling_strategy,
-        torch_compile=config.torch_compile,
-        torch_compile_mode=config.torch_compile_mode,
-        dataloader_num_workers=config.dataloader_num_workers,
-        dataloader_pin_memory=config.dataloader_pin_memory,
+        dataloader_drop_last=False,  # the last partial micro-batch trains, as on the accelerate side
         include_num_input_tokens_seen="non_padding",  # the same count as the accelerate engine's
         average_tokens_across_devices=True,
-        ddp_timeout=config.ddp_timeout,
     )
 
 

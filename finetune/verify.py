@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from finetune import distributed, trainer_backend
 from finetune import train as accelerate_engine
 from finetune.builders import build_datasets, get_task, raw_datasets
-from finetune.config import parse_config
+from finetune.config import check_settings, parse_config
 from finetune.data import load_tokenizer
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError, NumericalError
@@ -50,12 +50,8 @@ PADDING_PROBE_TOKENS = 8  # pad tokens the padding probe appends to one batch
 DETERMINISM_TOLERANCE = 1e-4  # a micro-batch's gradients computed twice may differ this much (GPU atomics)
 USAGE = __doc__.split("\n\n")[1].strip()
 # what the check turns off or fixes: dropout (it verifies accumulation, not randomness), evaluation, checkpoints,
-# trackers, the planner (B is fixed by the flags or planned once here)
-CHECK_SETTINGS = dict(disable_dropout=True, lora_dropout=0.0, eval_strategy="no", eval_on_start=False,
-                      save_strategy="no", checkpointing_steps=None, save_total_limit=None,
-                      load_best_model_at_end=False, early_stopping_patience=None, logging_steps=1, report_to="none",
-                      resume_from_checkpoint=None, overwrite_output_dir=True, total_batch_size=None,
-                      auto_find_batch_size=False, compare=False, backend="accelerate")
+# trackers, the planner (B is fixed by the flags or planned once here); each field declares it (``verify=``)
+CHECK_SETTINGS = check_settings()
 FLOOR_ROLES = ("floor", "chunked")  # ways that are the reference computed another way: they set the tolerance
 
 
