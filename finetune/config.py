@@ -607,14 +607,31 @@ class TrainConfig:
         name = self.metric_for_best_model or "loss"
         return name if name.startswith("eval_") else f"eval_{name}"
 
-    def validate(self) -> None:  # noqa: C901 - over the budget; to split
+    def validate(self) -> None:
         """Check values that argparse cannot; raise ``FinetuneError`` naming the flag and the fix. A config
         that passes is read-only from then on (``dataclasses.FrozenInstanceError`` on assignment)."""
-        positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise FinetuneError(f"--{name} must be a positive integer, got {value!r}.")
+        self._check_batch()
+        self._check_optimization()
+        self._check_step_counts()
+        self._check_evaluation_and_saving()
+        self._check_data()
+        self._check_processes()
+        self._check_peft()
+        self._check_memory_levers()
+        self._check_hub()
+        object.__setattr__(self, "_read_only", True)  # not a field: copies (dataclasses.replace) start writable
+
+    def _check_batch(self) -> None:
+        """Batch sizes and accumulation (samples, micro-batches), and the planner's flags."""
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            _check_positive_int(name, getattr(self, name))
+        if self.auto_find_batch_size and not self.total_batch_size:
+            raise FinetuneError("--auto_find_batch_size needs --total_batch_size (the effective batch it must keep).")
+        if self.total_batch_size is not None and self.total_batch_size < 1:
+            raise FinetuneError(f"--total_batch_size must be a positive integer, got {self.total_batch_size}.")
+
+    def _check_optimization(self) -> None:
+        """Precision, learning rate, length of training, clipping, fp16's skipped steps."""
         if self.mixed_precision not in MIXED_PRECISION_CHOICES:
             raise FinetuneError(
                 f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {self.mixed_precision!r}."
@@ -623,6 +640,13 @@ class TrainConfig:
             raise FinetuneError(f"--learning_rate must be > 0, got {self.learning_rate}.")
         if self.num_train_epochs <= 0 and self.max_steps <= 0:
             raise FinetuneError("--num_train_epochs must be > 0 (or set --max_steps to a positive number).")
+        if self.max_grad_norm < 0:
+            raise FinetuneError(f"--max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
+        if self.max_skipped_steps < 1:
+            raise FinetuneError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}.")
+
+    def _check_step_counts(self) -> None:
+        """The flags that take a count of optimizer steps or a ratio of the total."""
         for name in ("warmup_steps", "logging_steps", "eval_steps", "save_steps"):
             value = getattr(self, name)
             if value is not None and (value < 0 or (value >= 1 and value != int(value))):
@@ -631,6 +655,9 @@ class TrainConfig:
         for name in ("logging_steps", "eval_steps", "save_steps"):
             if getattr(self, name) == 0:
                 raise FinetuneError(f"--{name} must be > 0 (a count of optimizer steps, or a ratio in (0, 1)).")
+
+    def _check_evaluation_and_saving(self) -> None:
+        """When to evaluate and to save, and what the two decide together (the best model, early stopping)."""
         if self.eval_strategy == "steps" and self.eval_steps is None:
             raise FinetuneError("--eval_strategy steps needs --eval_steps N (optimizer steps between evaluations).")
         if self.eval_steps is not None and self.eval_strategy != "steps":
@@ -639,46 +666,61 @@ class TrainConfig:
         if self.save_strategy == "steps" and self.save_steps is None:
             raise FinetuneError("--save_strategy steps needs --save_steps N (optimizer steps between checkpoints).")
         if self.load_best_model_at_end:
-            if self.eval_strategy == "no":
-                raise FinetuneError("--load_best_model_at_end needs evaluations: set --eval_strategy epoch or steps.")
-            if self.save_strategy != self.eval_strategy:
-                raise FinetuneError(f"--load_best_model_at_end needs --save_strategy equal to --eval_strategy "
-                                    f"({self.eval_strategy!r}), got {self.save_strategy!r}: the best model is one of the "
-                                    "checkpoints, so one must be written at every evaluation.")
-            if self.eval_strategy == "steps" and ((self.save_steps < 1) != (self.eval_steps < 1) or
-                                                 (self.save_steps / self.eval_steps) != int(self.save_steps / self.eval_steps)):
-                raise FinetuneError(f"--load_best_model_at_end needs --save_steps ({self.save_steps}) to be a round "
-                                    f"multiple of --eval_steps ({self.eval_steps}).")
+            self._check_best_model()
         if self.early_stopping_patience is not None:
             if self.early_stopping_patience < 1:
                 raise FinetuneError(f"--early_stopping_patience must be >= 1, got {self.early_stopping_patience}.")
             if not self.load_best_model_at_end:
                 raise FinetuneError("--early_stopping_patience needs --load_best_model_at_end (as Trainer's "
                                     "EarlyStoppingCallback): otherwise the run would end on a worse model.")
-        if self.max_grad_norm < 0:
-            raise FinetuneError(f"--max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise FinetuneError(f"--save_total_limit must be >= 1, got {self.save_total_limit}.")
+
+    def _check_best_model(self) -> None:
+        """``--load_best_model_at_end``: a checkpoint at every evaluation."""
+        if self.eval_strategy == "no":
+            raise FinetuneError("--load_best_model_at_end needs evaluations: set --eval_strategy epoch or steps.")
+        if self.save_strategy != self.eval_strategy:
+            raise FinetuneError(f"--load_best_model_at_end needs --save_strategy equal to --eval_strategy "
+                                f"({self.eval_strategy!r}), got {self.save_strategy!r}: the best model is one of the "
+                                "checkpoints, so one must be written at every evaluation.")
+        if self.eval_strategy == "steps" and ((self.save_steps < 1) != (self.eval_steps < 1) or
+                                             (self.save_steps / self.eval_steps) != int(self.save_steps / self.eval_steps)):
+            raise FinetuneError(f"--load_best_model_at_end needs --save_steps ({self.save_steps}) to be a round "
+                                f"multiple of --eval_steps ({self.eval_steps}).")
+
+    def _check_data(self) -> None:
+        """Which data, how much of it, how it is cut and loaded."""
+        _check_positive_int("max_length", self.max_length)
         for name in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise FinetuneError(f"--{name} must be a positive integer, got {value}.")
         if self.block_size is not None and self.block_size < 2:
             raise FinetuneError(f"--block_size must be an integer >= 2 (tokens), got {self.block_size}.")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise FinetuneError(f"--save_total_limit must be >= 1, got {self.save_total_limit}.")
         if self.dataloader_num_workers < 0:
             raise FinetuneError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}.")
+        if self.validation_file and not self.train_file:
+            raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
+        if self.dataset_name and self.train_file:
+            raise FinetuneError("--dataset_name and --train_file both name the training data: pass one of them.")
+
+    def _check_processes(self) -> None:
+        """What the processes wait for: each other (collectives), the scheduler's grace."""
         if self.ddp_timeout < 1:
             raise FinetuneError(f"--ddp_timeout must be a positive number of seconds, got {self.ddp_timeout}.")
         check_grace_seconds(self.preemption_grace_seconds)
-        if self.max_skipped_steps < 1:
-            raise FinetuneError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}.")
-        if self.auto_find_batch_size and not self.total_batch_size:
-            raise FinetuneError("--auto_find_batch_size needs --total_batch_size (the effective batch it must keep).")
-        if self.total_batch_size is not None and self.total_batch_size < 1:
-            raise FinetuneError(f"--total_batch_size must be a positive integer, got {self.total_batch_size}.")
+
+    def _check_peft(self) -> None:
+        """LoRA's settings and the merged copy."""
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             raise FinetuneError(f"LoRA needs --lora_r >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1), got r="
                                 f"{self.lora_r}, alpha={self.lora_alpha}, dropout={self.lora_dropout}.")
+        if self.merge_adapter and not self.use_peft:
+            raise FinetuneError("--merge_adapter needs --use_peft (there is no adapter to merge otherwise).")
+
+    def _check_memory_levers(self) -> None:
+        """Activation checkpointing's options and the chunked loss."""
         if self.activation_checkpointing_kwargs is not None:
             try:
                 kwargs = json.loads(self.activation_checkpointing_kwargs)
@@ -698,10 +740,9 @@ class TrainConfig:
         if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
             raise FinetuneError(f"--loss_chunk_size must be >= 0 (label tokens per chunk; 0 for the plain loss), "
                                 f"got {self.loss_chunk_size}.")
-        if self.merge_adapter and not self.use_peft:
-            raise FinetuneError("--merge_adapter needs --use_peft (there is no adapter to merge otherwise).")
-        if self.validation_file and not self.train_file:
-            raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
+
+    def _check_hub(self) -> None:
+        """The Hub repository and when a push is possible."""
         if self.hub_model_id is not None and not self.push_to_hub:
             raise FinetuneError("--hub_model_id is used only with --push_to_hub: add --push_to_hub, or drop "
                                 "--hub_model_id.")
@@ -716,9 +757,6 @@ class TrainConfig:
             except HFValidationError as err:
                 raise FinetuneError(f"--hub_model_id {self.hub_model_id!r} is not a Hub repository id ({err}). "
                                     "Use 'name' or 'org/name'.") from None
-        if self.dataset_name and self.train_file:
-            raise FinetuneError("--dataset_name and --train_file both name the training data: pass one of them.")
-        object.__setattr__(self, "_read_only", True)  # not a field: copies (dataclasses.replace) start writable
 
     def to_dict(self) -> dict:
         """All fields as a JSON-serialisable dict."""
@@ -732,6 +770,12 @@ class TrainConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # Fields the run derives, not flags: the parser leaves them out, ``config_argv`` never emits them
 DERIVED_FIELDS = fields_with(derived=True)
+
+
+def _check_positive_int(name: str, value) -> None:
+    """Raise ``FinetuneError`` unless ``value`` (of flag ``--name``) is an int >= 1 (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FinetuneError(f"--{name} must be a positive integer, got {value!r}.")
 
 
 def check_grace_seconds(value) -> float | None:
