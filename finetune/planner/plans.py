@@ -204,18 +204,18 @@ def given_plan(micro_batch: int, total_batch_size: int, num_processes: int) -> B
 @dataclass(frozen=True)
 class Lever:
     """One setting of the memory levers the planner chooses among: activation checkpointing on or off, and
-    for causal LM the loss chunk size (0: the plain full-logits loss; see ``loss.loss_function``)."""
+    for causal LM the loss chunk size (0: the plain full-logits loss; see ``loss.loss_function``). Each field is
+    the ``TrainConfig`` field of that name: a new lever is a field here (and in ``TrainConfig``)."""
 
     activation_checkpointing: bool
     loss_chunk_size: int | None
 
     def config_fields(self) -> dict:
-        """The ``TrainConfig`` fields this setting sets, for ``dataclasses.replace``: ``activation_checkpointing``,
-        and ``loss_chunk_size`` where the setting has one (causal LM)."""
-        fields = {"activation_checkpointing": self.activation_checkpointing}
-        if self.loss_chunk_size is not None:
-            fields["loss_chunk_size"] = self.loss_chunk_size
-        return fields
+        """The ``TrainConfig`` fields this setting sets, for ``dataclasses.replace``: each of the lever's fields
+        that has a value (``activation_checkpointing``, and ``loss_chunk_size`` where the setting has one: causal
+        LM)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: value for name, value in values.items() if value is not None}
 
     def __str__(self) -> str:
         parts = ["checkpointing" if self.activation_checkpointing else "no checkpointing"]
