@@ -104,9 +104,9 @@ def flag(default, help: str, *, step: bool, trainer: str | tuple[str, ...] | Non
     """A ``TrainConfig`` flag: ``dataclasses.field`` with its ``help`` for the parser and its ``Roles``.
     ``step`` and ``trainer`` have no default: every flag says whether it is part of what a step means and
     what Trainer calls it. Raises ``TypeError`` (at import) when either is missing."""
-    roles = Roles(step=step, trainer=trainer, to_trainer=to_trainer, replay=replay, same_run=same_run,
-                  compare_passes=compare_passes, verify=verify)
-    return field(default=default, metadata={"help": help, ROLES: roles})
+    declared = Roles(step=step, trainer=trainer, to_trainer=to_trainer, replay=replay, same_run=same_run,
+                     compare_passes=compare_passes, verify=verify)
+    return field(default=default, metadata={"help": help, ROLES: declared})
 
 
 def derived(default, *, replay: bool):
@@ -114,8 +114,8 @@ def derived(default, *, replay: bool):
     argument, not compared by a rerun, not passed by ``compare``, kept by ``verify``; ``replay``: whether a
     replayed ``run_config.json`` sets it. Left out of ``==`` (``compare=False``), so the config that
     ``config_argv``'s flags rebuild equals the one they came from."""
-    roles = Roles(step=False, trainer=None, same_run=False, compare_passes=False, replay=replay, derived=True)
-    return field(default=default, compare=False, metadata={ROLES: roles})
+    declared = Roles(step=False, trainer=None, same_run=False, compare_passes=False, replay=replay, derived=True)
+    return field(default=default, compare=False, metadata={ROLES: declared})
 
 
 def roles(name: str) -> Roles:
@@ -250,6 +250,7 @@ class TrainConfig:
         1, "Micro-batches per optimizer step (N). Effective batch = micro x N x processes.",
         step=True, trainer="gradient_accumulation_steps",
     )
+    # Trainer's fp16 is asked for on CUDA only, in trainer_backend.training_arguments (a CPU runs fp32)
     mixed_precision: Literal["no", "fp16", "bf16"] | None = flag(
         None,
         "Autocast precision; fp16 uses loss scaling (on a CPU it does not run: fp32). "
@@ -322,7 +323,7 @@ class TrainConfig:
         "epoch",
         "When to evaluate: after every epoch, every --eval_steps optimizer steps "
         "(and after the last one), or never ('no').",
-        step=False, trainer=None, verify='no',
+        step=False, trainer=None, verify="no",
     )
     eval_steps: float | None = flag(
         None,
@@ -338,7 +339,7 @@ class TrainConfig:
     )
     backend: Literal["accelerate", "trainer"] = flag(
         "accelerate", "Training engine: our accelerator.accumulate() loop, or transformers' Trainer.",
-        step=False, trainer=None, compare_passes=False, verify='accelerate',
+        step=False, trainer=None, compare_passes=False, verify="accelerate",
     )
     compare: bool = flag(
         False, "Run both backends with the same settings and write comparison.md/json/png.",
@@ -352,7 +353,7 @@ class TrainConfig:
         "no",
         "When to write a resumable checkpoint: every --save_steps optimizer steps, after "
         "every epoch, or never. A signal (SIGTERM/SIGINT) always writes one.",
-        step=False, trainer="save_strategy", same_run=False, verify='no',
+        step=False, trainer="save_strategy", same_run=False, verify="no",
     )
     save_steps: float | None = flag(
         None,
@@ -424,7 +425,7 @@ class TrainConfig:
     )
     report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = flag(
         "none", "Experiment tracking through Accelerate's trackers (TensorBoard works offline).",
-        step=False, trainer="report_to", verify='none',
+        step=False, trainer="report_to", verify="none",
     )
     push_to_hub: bool = flag(
         False,
