@@ -24,6 +24,8 @@ from typing import Literal
 import yaml
 from transformers import HfArgumentParser
 
+from finetune.argv import given
+from finetune.distributed import world_size
 from finetune.errors import FinetuneError
 from finetune.recipes import load_recipe
 
@@ -582,9 +584,9 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     and a recipe default that is not a flag's field; argparse exits 2 on a malformed value.
     """
     path, argv = _split_config_flag(list(sys.argv[1:] if argv is None else argv))
-    file_values = read_config_file(path, int(os.environ.get("WORLD_SIZE", "1"))) if path else {}
+    file_values = read_config_file(path, world_size()) if path else {}
     derived = {k: file_values.pop(k) for k in DERIVED_FIELDS if k in file_values}
-    if "recipe" in file_values and not any(a == "--recipe" or a.startswith("--recipe=") for a in argv):
+    if "recipe" in file_values and not given(argv, "--recipe"):
         argv = ["--recipe", str(file_values["recipe"]), *argv]
     parser = _FlagParser(TrainConfig)
     _refuse_unknown_flags(parser, argv)
