@@ -163,3 +163,14 @@ def test_the_argv_reader_keeps_each_command_s_spelling():
     assert take_switch(argv, "--times") == (False, argv)
     assert given(argv, "--output_dir") and given(argv, "--recipe") and not given(argv, "--output")
     assert wants_help(["--recipe", "x", "-h"]) and not wants_help(["--help_me"])
+
+
+def test_compare_is_a_command_with_its_own_entry(tmp_path, capsys):
+    """``finetune compare`` runs ``finetune.compare.main`` in this process: bad input is one error line, before
+    anything is written."""
+    from finetune.cli import main
+
+    assert main(["compare", "--recipe", "nope", "--output_dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: unknown recipe 'nope'")
+    assert not (tmp_path / "c").exists()
