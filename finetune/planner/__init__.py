@@ -37,7 +37,7 @@ __all__ = ["BatchPlan", "apply_plan", "plan_for", "probe_and_choose"]
 
 def plan_for(config, recipe) -> BatchPlan | None:
     """The batch plan of a run with ``--total_batch_size`` (None without it), printed on the main process;
-    computed before either engine builds anything, since Accelerate fixes the accumulation steps when the
+    computed before either backend builds anything, since Accelerate fixes the accumulation steps when the
     Accelerator is created. Edits nothing: the caller applies the plan to a copy of ``config``.
 
     Without ``--auto_find_batch_size``: ``plans.given_plan`` of the given micro-batch (``lever`` None). With
