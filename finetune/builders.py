@@ -7,7 +7,6 @@ the model and collate; this module puts them together in the order both engines 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import transformers
@@ -22,6 +21,7 @@ from finetune.data import (
     load_named_dataset,
     load_tokenizer,
 )
+from finetune.distributed import is_main_process
 from finetune.dropout import disable_dropout
 from finetune.errors import FinetuneError
 from finetune.lora import apply_lora
@@ -167,7 +167,7 @@ def build_components(config, recipe, precision: str, main_process_first):
         datasets, label_names, raw_validation = build_datasets(recipe, config, tokenizer, task)
     model = build_model(config, task, label_names, tokenizer.pad_token_id, recipe)
     warning = batchnorm_warning(model, config.gradient_accumulation_steps)
-    if warning and int(os.environ.get("RANK", "0")) == 0:
+    if warning and is_main_process():
         print(warning, file=sys.stderr)
     set_seed(config.seed)
     collator = task.collator(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)

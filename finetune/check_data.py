@@ -23,6 +23,7 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
+from finetune.argv import take_switch, take_values, wants_help
 from finetune.builders import get_task, raw_datasets
 from finetune.config import parse_config
 from finetune.data import load_tokenizer
@@ -30,8 +31,8 @@ from finetune.errors import FinetuneError
 from finetune.recipes import load_recipe
 from finetune.sampling import EpochSeededLengthGroupedSampler
 from finetune.sft import check_conversation_rows, require_chat_template
+from finetune.tasks import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 FATAL = ("between the splits", "empty completion", "nothing trained", "end-of-turn token not trained")
 
 
@@ -218,18 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     """``finetune check-data``: prints the report; 1 for a problem that makes the run wrong (unless
     ``--accept_problems``), 0 when clean or only warned, 2 with one ``error:`` line for bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
+    if wants_help(argv):
         print(__doc__)
         return 0
-    accept = "--accept_problems" in argv
-    samples, rest, i = 3, [], 0
-    while i < len(argv):
-        if argv[i] == "--samples" and i + 1 < len(argv):
-            samples, i = int(argv[i + 1]) if argv[i + 1].isdigit() else -1, i + 2
-            continue
-        if argv[i] != "--accept_problems":
-            rest.append(argv[i])
-        i += 1
+    accept, rest = take_switch(argv, "--accept_problems")
+    values, rest = take_values(rest, "--samples", joined=False)
+    samples = 3
+    for value in values:
+        samples = int(value) if value is not None and value.isdigit() else -1
     try:
         if samples < 0:
             raise FinetuneError("--samples must be a number of samples to show (0 or more).")

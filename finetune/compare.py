@@ -1,11 +1,10 @@
-"""Side-by-side comparison of the two engines: ``finetune compare --recipe NAME`` (or ``--compare``), each in a
-fresh subprocess, one after the other. Writes ``accelerate/``, ``trainer/``, ``comparison.json``/``.md`` and
+"""Side-by-side comparison of the two backends: ``finetune compare --recipe NAME`` (``main``; ``finetune train
+--compare True`` is its alias), each in a fresh subprocess, one after the other. Writes ``accelerate/``, ``trainer/``, ``comparison.json``/``.md`` and
 ``loss_curves.png`` into ``--output_dir``. See docs/design-notes.md#compare."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,9 +18,11 @@ try:  # an optional extra (pip install "finetune[compare]"), needed by --compare
 except ImportError:
     plt = None
 
-from finetune.config import config_argv, fields_with, reproduce_command
-from finetune.errors import FinetuneError
+from finetune import distributed
+from finetune.config import config_argv, fields_with, parse_config, reproduce_command
+from finetune.errors import FinetuneError, reports_errors
 from finetune.recipes import load_recipe
+from finetune.resolve import resolve
 
 BACKENDS = ("accelerate", "trainer")
 # the batch plan is resolved once here, so both backends get the same explicit micro-batch and accumulation:
@@ -131,7 +132,7 @@ def plot_loss_curves(summary: dict, path: Path) -> None:
 def compare(config) -> dict:
     """Run both backends with ``config``, write the comparison into ``config.output_dir`` and return the summary
     (``comparison.json``). Raises ``FinetuneError`` under several processes, or when a backend's run fails."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if distributed.world_size() > 1:
         raise FinetuneError("--compare launches each backend itself in a single process; run it with "
                             "`finetune compare ...` or a 1-process `accelerate launch`.")
     if plt is None:
@@ -160,3 +161,19 @@ def compare(config) -> dict:
     plot_loss_curves(summary, out / "loss_curves.png")
     print("\n" + (out / "comparison.md").read_text())
     return summary
+
+
+@reports_errors
+def main(argv: list[str] | None = None) -> int:
+    """``finetune compare``'s entry (in this process; each backend then runs in a subprocess of its own): the
+    training flags, resolved as a training run's (``resolve.resolve``), compared. The exit code: 0, or 2 with one
+    ``error:`` line for bad input or a failed backend."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    resolution = resolve(parse_config([*argv, "--compare", "True"]))
+    if resolution.finished is None:
+        compare(resolution.config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

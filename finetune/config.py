@@ -49,6 +49,7 @@ from typing import Callable, Literal
 import yaml
 from transformers import HfArgumentParser
 
+from finetune.argv import given
 from finetune.errors import FinetuneError
 from finetune.recipes import load_recipe
 
@@ -894,9 +895,12 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     and a recipe default that is not a flag's field; argparse exits 2 on a malformed value.
     """
     path, argv = _split_config_flag(list(sys.argv[1:] if argv is None else argv))
-    file_values = read_config_file(path, int(os.environ.get("WORLD_SIZE", "1"))) if path else {}
+    # here, not at the top: distributed imports checkpoint, which reads the flags' roles from this module
+    from finetune.distributed import world_size
+
+    file_values = read_config_file(path, world_size()) if path else {}
     derived = {k: file_values.pop(k) for k in DERIVED_FIELDS if k in file_values}
-    if "recipe" in file_values and not any(a == "--recipe" or a.startswith("--recipe=") for a in argv):
+    if "recipe" in file_values and not given(argv, "--recipe"):
         argv = ["--recipe", str(file_values["recipe"]), *argv]
     parser = _FlagParser(TrainConfig)
     _refuse_unknown_flags(parser, argv)

@@ -35,7 +35,9 @@ from accelerate.utils import gather_object, parse_flag_from_env
 from finetune import checkpoint as ckpt
 from finetune.errors import FinetuneError
 
-_PROBE = ".write_test"  # the prefix check_output_dir's own probes use: no rank mistakes it for content
+# The prefix of every write probe the package leaves in an output directory (``output.check_output_dir``'s, the
+# storage layout's here, the save-speed probe's): no rank mistakes one for content, and no upload takes one.
+WRITE_PROBE = ".write_test"
 
 
 def process_state(cpu: bool = False, timeout_seconds: int | None = None) -> PartialState:
@@ -69,14 +71,26 @@ def leave() -> None:
 def distributed_state():
     """``process_state()`` when the launcher started several processes, or None for a single process,
     where there is nothing to agree on."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if world_size() <= 1:
         return None
     return process_state()
 
 
+# The launcher's facts about this process, read from the environment torchrun (and accelerate's simple launcher)
+# exports: no process group is started, nothing is imported, so a command may ask before it decides to start one.
 def world_size() -> int:
     """Processes in the run, from the launcher's ``WORLD_SIZE`` (1 when not launched)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's global rank, from the launcher's ``RANK`` (0 when not launched)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main_process() -> bool:
+    """Whether this is global rank 0 (``rank()``): the process that prints and writes, without a process state."""
+    return rank() == 0
 
 
 def local_process_count() -> int:
@@ -89,7 +103,7 @@ def machine_index(state) -> int:
     divided by the processes per machine."""
     if "GROUP_RANK" in os.environ:
         return int(os.environ["GROUP_RANK"])
-    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))  # torchrun's, else the state's
     return state.process_index // max(per_machine, 1)
 
 
@@ -242,7 +256,7 @@ def plan_storage(state, output_dir) -> StorageLayout:
         return StorageLayout(writes=state.is_main_process, per_machine=False)
     machine, out = machine_index(state), Path(output_dir)
     token = gather_object([uuid.uuid4().hex])[0]  # rank 0's
-    probe = out / f"{_PROBE}-machine{machine}-{token}"
+    probe = out / f"{WRITE_PROBE}-machine{machine}-{token}"
     if state.is_local_main_process:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -253,7 +267,7 @@ def plan_storage(state, output_dir) -> StorageLayout:
     seen = None
     if state.is_local_main_process:
         seen = sorted(int(p.name.split("-")[1].removeprefix("machine"))
-                      for p in out.glob(f"{_PROBE}-machine*-{token}"))
+                      for p in out.glob(f"{WRITE_PROBE}-machine*-{token}"))
     state.wait_for_everyone()
     if state.is_local_main_process:
         probe.unlink(missing_ok=True)

@@ -15,7 +15,6 @@ token, a token that cannot write there) is refused by ``prepare`` before trainin
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 from concurrent.futures import Future
@@ -27,21 +26,18 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from finetune.distributed import WRITE_PROBE, is_main_process
 from finetune.errors import FinetuneError
 
 # What the end-of-training upload leaves out: the checkpoints (Trainer: f"{PREFIX_CHECKPOINT_DIR}-*"; ours live in
 # checkpoints/, where the Trainer backend's TensorBoard runs/ also is, which goes up), Trainer's "_*", write probes.
-END_IGNORE = ["checkpoints/step_*", "checkpoints/checkpoint-*", "checkpoints/.*", "_*", ".write_test*"]
+END_IGNORE = ["checkpoints/step_*", "checkpoints/checkpoint-*", "checkpoints/.*", "_*", f"{WRITE_PROBE}*"]
 # A checkpoint's model files (every_save: weights, config, generation config, tokenizer), not its training state.
 # Trainer copies CONFIG_NAME, GENERATION_CONFIG_NAME, the weights and the tokenizer the same way.
 MODEL_FILES = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 TRAINING_STATE = ["trainer_state.json", "manifest.json", "finetune_step_meaning.json", "optimizer*", "scheduler*",
                   "random_states*", "rng_state*", "scaler*"]
 WHOAMI_TIMEOUT_S = 15.0  # huggingface_hub's session has no timeout (utils/_http.py: timeout=None)
-
-
-def _is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _whoami(api: HfApi, token: str, timeout_s: float) -> dict:
@@ -100,7 +96,7 @@ def prepare(config, api: HfApi | None = None, timeout_s: float = WHOAMI_TIMEOUT_
     if token is None:
         raise FinetuneError(f"--push_to_hub needs a Hugging Face token with write access, and none is set. Run `hf "
                             f"auth login` or set HF_TOKEN, {later}.")
-    if not _is_main_process():
+    if not is_main_process():
         return None
     try:
         who = _whoami(api, token, timeout_s)

@@ -17,14 +17,13 @@ from accelerate.utils import prepare_simple_launcher_cmd_env
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from finetune.argv import take_values
 from finetune.config import TrainConfig, check_grace_seconds
 from finetune.engine import launcher_spawns_processes
 from finetune.errors import FinetuneError
 from finetune.launch_configs import resolve_config_flag
 
 TRAINING_MODULE = "finetune.run"
-VERIFY_MODULE = "finetune.verify"
-PLAN_MODULE = "finetune.plan"
 GRACE_FLAG = "--preemption_grace_seconds"
 # torch 2.13's elastic agent waits this long after passing SIGTERM on before it SIGKILLs its workers:
 # torch/distributed/launcher/api.py LaunchConfig.__post_init__ (lines 145-149) reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
@@ -62,13 +61,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 def grace_seconds(training: list[str]) -> float | None:
     """The ``--preemption_grace_seconds`` among the training flags (the last one given), checked. Raises
     ``FinetuneError`` for a value that is not a positive number of seconds."""
-    value = None
-    for i, arg in enumerate(training):
-        if arg == GRACE_FLAG and i + 1 < len(training):
-            value = training[i + 1]
-        elif arg.startswith(GRACE_FLAG + "="):
-            value = arg.split("=", 1)[1]
-    return check_grace_seconds(value)
+    values = [value for value in take_values(training, GRACE_FLAG)[0] if value is not None]
+    return check_grace_seconds(values[-1] if values else None)
 
 
 def shutdown_timeout_env(grace: float | None) -> dict:
@@ -105,7 +99,7 @@ def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
 def train_command(argv: list[str], module: str = TRAINING_MODULE) -> int:
     """``finetune train [launcher flags] [training flags]``: returns the exit code of the training run
     (0, 2 for a user error, 3 for a numerical failure, 128 + N after signal N). ``module``: what each process
-    runs (``finetune verify`` launches ``VERIFY_MODULE`` the same way)."""
+    runs (``finetune verify`` and ``plan`` launch theirs the same way: ``cli.COMMANDS``)."""
     launcher, training = split_argv(argv)
     try:
         grace = grace_seconds(training)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from finetune.chunked_loss import causal_lm_hidden_and_head, chunked_causal_lm_loss_sum
+from finetune.chunked_loss import DEFAULT_CHUNK_SIZE, causal_lm_hidden_and_head, chunked_causal_lm_loss_sum
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.tasks import CausalLM
-
-DEFAULT_LOSS_CHUNK_SIZE = 1024  # label tokens per chunk on a CPU (measured: docs/benchmarks.md)
 
 
 def auxiliary_loss_sum(outputs, model, task, labels):
@@ -40,7 +38,7 @@ def loss_function(task, config, accelerator):
     ``FinetuneError`` if ``--loss_chunk_size`` was given."""
     chunk = config.loss_chunk_size
     if chunk is None:
-        chunk = DEFAULT_LOSS_CHUNK_SIZE if accelerator.device.type == "cpu" else 0
+        chunk = DEFAULT_CHUNK_SIZE if accelerator.device.type == "cpu" else 0  # measured: docs/benchmarks.md
 
     def plain(model, batch, labels):
         outputs = model(**batch)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from finetune.checkpoint import is_complete, list_checkpoints, newest_complete_checkpoint, refuse_unverified
 from finetune.config import fields_with
+from finetune.distributed import WRITE_PROBE
 from finetune.errors import FinetuneError
 
 # Settings whose change does not make a run "different" (where it goes, whether it may overwrite), and the
 # values a run derives (the new config is compared before they are derived): each field's ``same_run=False``.
 _IGNORED = frozenset(fields_with(same_run=False))
-_PROBE = ".write_test"  # + "-<pid>": each process probes with its own file
 
 
 def check_output_dir(config) -> None:  # noqa: C901 - over the budget; to split
@@ -59,7 +59,7 @@ def check_output_dir(config) -> None:  # noqa: C901 - over the budget; to split
                 "--resume_from_checkpoint latest, or pass --overwrite_output_dir to start over (the checkpoints "
                 "are then deleted).")
     # every process of a launch runs this check at once: another rank's write probe is not "content"
-    content = [p for p in out.iterdir() if not p.name.startswith(_PROBE)] if out.is_dir() else []
+    content = [p for p in out.iterdir() if not p.name.startswith(WRITE_PROBE)] if out.is_dir() else []
     if content and not previous.is_file() and not config.overwrite_output_dir:
         raise FinetuneError(
             f"--output_dir {str(out)!r} is not empty and does not hold a finetune run. "
@@ -72,7 +72,7 @@ def check_output_dir(config) -> None:  # noqa: C901 - over the budget; to split
     while not where.exists() and where != where.parent:
         where = where.parent
     try:
-        probe = where / f"{_PROBE}-{os.getpid()}"
+        probe = where / f"{WRITE_PROBE}-{os.getpid()}"  # each process probes with its own file
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
@@ -87,9 +87,18 @@ def clear_output_dir(out: Path) -> None:
     if not out.is_dir():
         return
     for entry in out.iterdir():
-        if entry.name.startswith(_PROBE):
+        if entry.name.startswith(WRITE_PROBE):
             continue  # another rank's write probe, gone in an instant
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink(missing_ok=True)
+
+
+def finished_metrics(output_dir) -> dict | None:
+    """The metrics of a finished run in ``output_dir`` (``metrics.json`` is written last, after the final
+    model), or None."""
+    try:
+        return json.loads((Path(output_dir) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None

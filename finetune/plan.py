@@ -17,13 +17,13 @@ import sys
 import torch
 
 from finetune import distributed
+from finetune.argv import take_switch, wants_help
 from finetune.config import parse_config
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, reports_errors
 from finetune.planner import probe_and_choose
 from finetune.planner.plans import valid_plans
 from finetune.planner.probes import Probe, levers
-from finetune.recipes import load_recipe
-from finetune.run import use_available_cpu_cores
+from finetune.resolve import resolve
 
 MIB = 2**20
 
@@ -79,10 +79,9 @@ def plan(config, timed: bool) -> int:
     if not config.total_batch_size:
         raise FinetuneError("finetune plan needs --total_batch_size B (samples per optimizer step over all "
                             "processes): the plans are its exact splits.")
-    recipe = load_recipe(config.recipe)
-    config.validate()
+    resolution = resolve(config, writes_run=False, plans=False)  # it writes nothing; the plans are its table
+    config, recipe = resolution.config, resolution.recipe
     state = distributed.process_state(timeout_seconds=config.ddp_timeout)
-    use_available_cpu_cores()
     say = print if state.is_main_process else (lambda *a, **k: None)
     plans = valid_plans(config.total_batch_size, state.num_processes)
     say(f"Plans for --total_batch_size {config.total_batch_size} on {state.num_processes} process(es): "
@@ -101,20 +100,16 @@ def plan(config, timed: bool) -> int:
     return 0
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
     """``finetune plan``'s process entry (``accelerate launch --module finetune.plan``): the exit code, 2 with one
     ``error:`` line for bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
+    if wants_help(argv):
         print(__doc__)
         return 0
-    timed = "--time" in argv
-    try:
-        config = parse_config([a for a in argv if a != "--time"])
-        return plan(config, timed)
-    except FinetuneError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
+    timed, rest = take_switch(argv, "--time")
+    return plan(parse_config(rest), timed)
 
 
 if __name__ == "__main__":

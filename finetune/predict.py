@@ -9,7 +9,6 @@ import argparse
 import csv
 import io
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -450,9 +449,9 @@ def _process_state():
     (``ACCELERATE_USE_CPU``, or several processes and no GPU) join a gloo group, as ``Accelerator`` does."""
     import torch  # lazy: slow import (see the top)
 
-    from finetune.distributed import process_state  # lazy: slow import (see the top)
+    from finetune.distributed import process_state, world_size  # lazy: slow import (see the top)
 
-    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    several = world_size() > 1
     state = process_state(cpu=several and not torch.cuda.is_available())
     if state.num_processes > 1 and state.is_main_process:
         print(f"Predicting on {state.num_processes} processes ({state.device.type}).", file=sys.stderr)

@@ -12,11 +12,12 @@ import os
 import time
 from pathlib import Path
 
+from finetune.distributed import WRITE_PROBE
 from finetune.engine import parameter_numel
 
 PROBE_BYTES = 4 << 20  # the write probe: small enough to cost milliseconds
 # check_output_dir ignores files named so (another process's probe is not a previous run's content)
-PROBE_NAME = ".write_test-speed"
+PROBE_NAME = f"{WRITE_PROBE}-speed"
 TORCHRUN_DEFAULT_TIMEOUT = 30.0  # torch 2.13 launcher/api.py: TORCH_ELASTIC_SHUTDOWN_TIMEOUT's default
 _MIB = 1 << 20
 

@@ -1,15 +1,14 @@
 """The training entry point (``accelerate launch finetune/run.py --recipe NAME``, ``-m finetune.run``, ``finetune
-train``): flags into a ``TrainConfig``, then the engine. User errors print one ``error:`` line and exit 2 (3 for a
-numerical failure, 128 + N after signal N)."""
+train``): flags into a ``TrainConfig``, resolved (``finetune.resolve``), then its backend (``--backend``:
+``finetune.train``, the accelerate loop, or ``finetune.trainer_backend``). User errors print one ``error:`` line and
+exit 2 (3 for a numerical failure, 128 + N after signal N). Importing it sets the path up for a script run; no module
+of the package imports it but ``cli.py``."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 PROCESS_START = time.time()
 
@@ -26,104 +25,41 @@ if __name__ == "__main__":  # before the slow imports: stop with the launcher (s
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize inside forked workers
 
-import torch  # noqa: E402 - after the path set-up above
-
-from finetune import compare, distributed, hub, trainer_backend  # noqa: E402
-from finetune import train as accelerate_engine  # noqa: E402
+from finetune import compare, distributed, trainer_backend  # noqa: E402 - after the path set-up above
+from finetune import train as accelerate_backend  # noqa: E402
 from finetune.config import parse_config  # noqa: E402
-from finetune.errors import FinetuneError  # noqa: E402
-from finetune.output import check_output_dir  # noqa: E402
-from finetune.planner import BatchPlan, plan_for  # noqa: E402
-from finetune.recipes import list_recipes, load_recipe  # noqa: E402
+from finetune.errors import reports_errors  # noqa: E402
+from finetune.recipes import list_recipes  # noqa: E402
 from finetune.reporting import format_summary  # noqa: E402
-from finetune.signals import launched_by_accelerate, watch_launcher  # noqa: E402
-
-
-def use_available_cpu_cores() -> str | None:
-    """Undo ``accelerate launch``'s ``OMP_NUM_THREADS=1`` default on a CPU (accelerate 1.15 ``commands/launch.py``):
-    torch threads = this process's cores / local processes. Returns the note printed, or None if unchanged."""
-    if not launched_by_accelerate() or os.environ.get("OMP_NUM_THREADS") != "1" or torch.cuda.is_available():
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if threads <= 1:
-        return None
-    torch.set_num_threads(threads)
-    note = (f"Using {threads} CPU threads per process (accelerate launch defaults to OMP_NUM_THREADS=1 on a CPU; "
-            "pass --num_cpu_threads_per_process N to choose).")
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(note)
-    return note
-
-
-def apply_plan(config, plan: BatchPlan):
-    """``config`` with ``plan``'s micro-batch and accumulation steps and, where the planner chose one
-    (``--auto_find_batch_size``), its lever setting (``activation_checkpointing``, ``loss_chunk_size``), the
-    plan itself recorded as ``batch_plan`` (``run_config.json``): a new config (``dataclasses.replace``),
-    validated, so read-only. Raises ``FinetuneError`` as ``TrainConfig.validate``."""
-    levers = plan.lever.config_fields() if plan.lever is not None else {}
-    planned = dataclasses.replace(config, per_device_train_batch_size=plan.per_device_train_batch_size,
-                                  gradient_accumulation_steps=plan.gradient_accumulation_steps,
-                                  batch_plan=plan.to_dict(), **levers)
-    planned.validate()
-    return planned
-
-
-def finished_metrics(output_dir) -> dict | None:
-    """The metrics of a finished run in ``output_dir`` (``metrics.json`` is written last, after the final
-    model), or None."""
-    try:
-        return json.loads((Path(output_dir) / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return None
+from finetune.resolve import resolve  # noqa: E402
+from finetune.signals import watch_launcher  # noqa: E402
 
 
 def run(config) -> dict | None:
-    """Run a parsed ``config``: check the output dir, plan the batch (``--total_batch_size``: the engines get
-    the planned config, ``apply_plan``), then train with its backend (or ``--compare`` both). Returns the
-    metrics (None for ``--compare``). Raises ``FinetuneError``."""
-    recipe = load_recipe(config.recipe)
-    config.validate()
-    if distributed.world_size() > 1:  # the process group starts here, with the run's collective timeout
-        distributed.process_state(timeout_seconds=config.ddp_timeout)
-    # the same outcome on every process: on machines of their own, one output dir can fail alone
-    distributed.agree(lambda: check_output_dir(config))
-    # --push_to_hub: offline, no token, a namespace it cannot write: one error line now, before any work
-    hub_push = distributed.agree(lambda: hub.prepare(config))
-    if config.resume_from_checkpoint == "auto":
-        finished = finished_metrics(config.output_dir)
-        # every process agrees (on machines of their own, each has its own copy), then all leave together
-        if not distributed.all_reduce_max(distributed.distributed_state())(float(finished is None)):
-            if distributed.world_size() <= 1 or distributed.process_state().is_main_process:
-                print(f"--resume_from_checkpoint auto: {config.output_dir} holds a finished run (metrics.json); "
-                      "nothing to do.")
-            distributed.leave()
-            return finished
-    use_available_cpu_cores()
-    plan = plan_for(config, recipe)
-    if plan is not None:
-        config = apply_plan(config, plan)
-    if config.compare:
-        compare.compare(config)
+    """Run a parsed ``config``: resolve it (``resolve.resolve``: validate, process group, output dir, hub, threads,
+    the batch plan applied), then train with its backend (or ``--compare`` both). Returns the metrics (None for
+    ``--compare``; the finished run's under ``--resume_from_checkpoint auto`` over one). Raises ``FinetuneError``."""
+    resolution = resolve(config)
+    if resolution.finished is not None:
+        return resolution.finished
+    if resolution.config.compare:  # the alias of `finetune compare`
+        compare.compare(resolution.config)
         return None
-    engine = trainer_backend if config.backend == "trainer" else accelerate_engine
-    return engine.train(config, recipe, process_start=PROCESS_START, hub=hub_push)
+    backend = trainer_backend if config.backend == "trainer" else accelerate_backend
+    return backend.train(resolution.config, resolution.recipe, process_start=PROCESS_START, hub=resolution.hub)
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0, or ``FinetuneError.exit_code``). The process stops with its
-    launcher (``finetune.signals``): a dead launcher's SIGTERM ends it after a checkpoint, exit 143."""
+    """Run the CLI; returns the exit code (0, or ``FinetuneError.exit_code`` after one ``error:`` line). The process
+    stops with its launcher (``finetune.signals``): a dead launcher's SIGTERM ends it after a checkpoint, exit 143."""
     watch_launcher()
-    try:
-        config = parse_config(argv)
-        if config.list_recipes:
-            print(list_recipes())
-            return 0
-        metrics = run(config)
-    except FinetuneError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
-    if metrics is not None and int(os.environ.get("RANK", "0")) == 0:
+    config = parse_config(argv)
+    if config.list_recipes:
+        print(list_recipes())
+        return 0
+    metrics = run(config)
+    if metrics is not None and distributed.is_main_process():
         print(format_summary(metrics, config.output_dir))
     return 0
 

@@ -6,7 +6,7 @@ the large batch trains.
 From the same initial weights and sample order, K optimizer steps (default 3) of one effective batch B run in
 several ways, one after the other in the same launch: B x 1 per process (the reference), the reference with each
 window's samples reordered (the noise floor), accumulation splits m x N, a positive control with a deliberately
-wrong normalisation, and the Trainer engine. Compared: step 1's gradients, the per-step losses, the final weights
+wrong normalisation, and the Trainer backend. Compared: step 1's gradients, the per-step losses, the final weights
 (as a fraction of the distance trained). Exit 0: exact; 1: not exact, or inconclusive; 2: bad input. Writes
 ``verify.json`` and ``verify.md`` to ``--output_dir`` (default ``outputs/<recipe>-verify``). How it decides:
 docs/verify.md.
@@ -19,7 +19,6 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,15 +29,14 @@ import transformers
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from finetune import distributed, trainer_backend
-from finetune import train as accelerate_engine
+from finetune import train as accelerate_backend
+from finetune.argv import given, take_values, wants_help
 from finetune.builders import build_datasets, get_task, raw_datasets
 from finetune.config import check_settings, parse_config
 from finetune.data import load_tokenizer
 from finetune.engine import engine_for
-from finetune.errors import FinetuneError, NumericalError
-from finetune.planner import plan_for
-from finetune.recipes import load_recipe
-from finetune.run import apply_plan, use_available_cpu_cores
+from finetune.errors import FinetuneError, NumericalError, reports_errors
+from finetune.resolve import resolve
 
 DEFAULT_STEPS = 3
 # The smallest tolerance: 16 units in the last place of fp32 (relative), for ways whose floors are bit-identical.
@@ -117,22 +115,16 @@ class Outcome:
 def parse(argv: list[str]) -> tuple:
     """(config, verify steps K): ``--verify_steps`` taken out, the rest parsed as training flags; the output
     directory defaults to ``outputs/<recipe>-verify``. Raises ``FinetuneError``."""
-    steps, rest, i = DEFAULT_STEPS, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--verify_steps" or arg.startswith("--verify_steps="):
-            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 1 if "=" in arg else 2
-            try:
-                steps = int(value)
-            except ValueError:
-                steps = 0
-            if steps < 1:
-                raise FinetuneError(f"--verify_steps must be a positive number of optimizer steps, got {value!r}.")
-            continue
-        rest.append(arg)
-        i += 1
-    given_output = any(a == "--output_dir" or a.startswith("--output_dir=") for a in rest)
+    steps = DEFAULT_STEPS
+    values, rest = take_values(argv, "--verify_steps")
+    for value in ("" if v is None else v for v in values):
+        try:
+            steps = int(value)
+        except ValueError:
+            steps = 0
+        if steps < 1:
+            raise FinetuneError(f"--verify_steps must be a positive number of optimizer steps, got {value!r}.")
+    given_output = given(rest, "--output_dir")
     config = parse_config(rest)
     if not given_output:
         config = dataclasses.replace(config, output_dir=f"{config.output_dir}-verify")
@@ -289,7 +281,7 @@ class _Observer:
 
     def build(self, config, recipe):
         """``train.setup`` for the accelerate backend, varied, determinism checked, watched."""
-        built = accelerate_engine.setup(config, recipe)
+        built = accelerate_backend.setup(config, recipe)
         if self.vary is not None:
             built = self.vary(built)
         self.built = built
@@ -463,7 +455,7 @@ def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, vary=Non
         vary = _without_auxiliary
     observer = _Observer(keep, vary, check_determinism=way.role == "reference" and not way.variant,
                          micro_batch=way.micro)
-    rank = f".rank{os.environ.get('RANK', '0')}" if distributed.world_size() > 1 else ""
+    rank = f".rank{distributed.rank()}" if distributed.world_size() > 1 else ""
     log = root / "logs" / f"{way.slug}{rank}.log"  # each run's banner, progress and warnings: the console gets one line
     log.parent.mkdir(parents=True, exist_ok=True)
     verbosity = transformers.logging.get_verbosity()
@@ -501,7 +493,7 @@ def _train_way(way: Way, config, recipe, observer: _Observer, keep: bool, outcom
     if way.backend == "trainer":
         trainer_backend.train(config, recipe, observe=observer.observe)
     else:
-        accelerate_engine.train(config, recipe, build=observer.build)
+        accelerate_backend.train(config, recipe, build=observer.build)
     final, buffers = observer.final()
     built = observer.built
     padding = _padding_effect(built) if way.role == "reference" else None
@@ -832,14 +824,8 @@ def render(report: dict) -> str:
 def verify(config, steps: int) -> int:  # noqa: C901 - over the budget; to split
     """Run every way and write the report; returns the exit code (0 exact, 1 not exact or inconclusive).
     Raises ``FinetuneError`` for input that cannot run."""
-    recipe = load_recipe(config.recipe)
-    config.validate()
-    if distributed.world_size() > 1:
-        distributed.process_state(timeout_seconds=config.ddp_timeout)
-    use_available_cpu_cores()
-    plan = plan_for(config, recipe)
-    if plan is not None:
-        config = apply_plan(config, plan)
+    resolution = resolve(config, writes_run=False)  # verify checks its own output directory, below
+    config, recipe = resolution.config, resolution.recipe
     processes = distributed.world_size()
     per_process = config.per_device_train_batch_size * config.gradient_accumulation_steps
     # end the data inside the K-th window, so a wrong weighting of a short window shows
@@ -921,19 +907,15 @@ def _explain_auxiliary(report: dict, outcomes: list[Outcome]) -> None:
                                    "the micro-batch")
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
     """``finetune verify``'s process entry (``accelerate launch --module finetune.verify``): the exit code, 2 with
     one ``error:`` line for bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
+    if wants_help(argv):
         print(__doc__)
         return 0
-    try:
-        config, steps = parse(argv)
-        return verify(config, steps)
-    except FinetuneError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
+    return verify(*parse(argv))
 
 
 if __name__ == "__main__":

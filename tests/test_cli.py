@@ -101,3 +101,76 @@ def test_cli_own_data_files(tmp_path, tiny_bert):
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(out).id2label == {0: "business", 1: "sport"}
+
+
+# ------------------------------------------------------------------------------- the `finetune` command table
+def test_help_and_recipes_start_without_torch():
+    """``finetune --help`` and ``finetune recipes`` import neither torch nor accelerate (the table's entries are
+    imported when their command runs)."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    code = ("import sys; from finetune.cli import main\n"
+            "assert main(['--help']) == 0 and main(['recipes']) == 0\n"
+            "print(sorted(m for m in ('torch', 'accelerate', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_the_usage_is_written_from_the_command_table_and_every_entry_loads(capsys):
+    from finetune.cli import COMMANDS, USAGE, main
+
+    names = [c.name for c in COMMANDS]
+    assert names == ["train", "recipes", "env", "predict", "compare", "verify", "plan", "check-data"]
+    listed = [line.split()[0] for line in USAGE.split("commands:\n", 1)[1].splitlines() if line[:3].strip()]
+    assert listed == names
+    assert {c.name for c in COMMANDS if c.launched} == {"train", "verify", "plan"}
+    for command in COMMANDS:
+        assert callable(command.load()), command
+    assert {c.name: c.module for c in COMMANDS}["compare"] == "finetune.compare"  # its own entry, not a flag
+    assert main(["nope"]) == 2
+    assert capsys.readouterr().err == ("error: unknown command 'nope'. Commands: " + ", ".join(names)
+                                       + " (finetune --help).\n")
+
+
+def test_no_module_of_the_package_imports_the_training_entry_point_but_the_cli():
+    import ast
+
+    from helpers import REPO
+
+    importers = set()
+    for path in (REPO / "finetune").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                     if isinstance(node, ast.ImportFrom) and node.module else [])
+            if "finetune.run" in names:
+                importers.add(path.relative_to(REPO).as_posix())
+    assert importers <= {"finetune/cli.py"}  # cli.py names it in its table; it imports it only to run it
+
+
+def test_the_argv_reader_keeps_each_command_s_spelling():
+    from finetune.argv import given, take_switch, take_values, wants_help
+
+    argv = ["--recipe", "x", "--verify_steps", "4", "--time", "--verify_steps=5", "--output_dir=o", "--verify_steps"]
+    assert take_values(argv, "--verify_steps") == (["4", "5", None], ["--recipe", "x", "--time", "--output_dir=o"])
+    assert take_values(argv, "--verify_steps", joined=False)[0] == ["4", None]  # --samples: the spaced form only
+    assert take_switch(argv, "--time") == (True, [a for a in argv if a != "--time"])
+    assert take_switch(argv, "--times") == (False, argv)
+    assert given(argv, "--output_dir") and given(argv, "--recipe") and not given(argv, "--output")
+    assert wants_help(["--recipe", "x", "-h"]) and not wants_help(["--help_me"])
+
+
+def test_compare_is_a_command_with_its_own_entry(tmp_path, capsys):
+    """``finetune compare`` runs ``finetune.compare.main`` in this process: bad input is one error line, before
+    anything is written."""
+    from finetune.cli import main
+
+    assert main(["compare", "--recipe", "nope", "--output_dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: unknown recipe 'nope'")
+    assert not (tmp_path / "c").exists()

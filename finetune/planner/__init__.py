@@ -15,8 +15,8 @@ taken.
 - ``agreement``: every answer agreed over the ranks (``distributed.agreed_max``), so every rank takes the
   same plan.
 
-``plan_for`` is the entry: it returns the plan and edits nothing; ``finetune.run`` builds the run's config
-from it.
+``plan_for`` is the entry: it returns the plan and edits nothing; ``apply_plan`` builds the run's config from
+it (``finetune.resolve`` does both for every command).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from finetune.distributed import agreed_max, all_reduce_max, process_state
 from finetune.planner.plans import BatchPlan, Lever, choose_plan, given_plan, plan_table
 from finetune.planner.probes import Probe, levers
 
-__all__ = ["BatchPlan", "plan_for", "probe_and_choose"]
+__all__ = ["BatchPlan", "apply_plan", "plan_for", "probe_and_choose"]
 
 
 def plan_for(config, recipe) -> BatchPlan | None:
     """The batch plan of a run with ``--total_batch_size`` (None without it), printed on the main process;
-    computed before either engine builds anything, since Accelerate fixes the accumulation steps when the
+    computed before either backend builds anything, since Accelerate fixes the accumulation steps when the
     Accelerator is created. Edits nothing: the caller applies the plan to a copy of ``config``.
 
     Without ``--auto_find_batch_size``: ``plans.given_plan`` of the given micro-batch (``lever`` None). With
@@ -61,6 +61,19 @@ def plan_for(config, recipe) -> BatchPlan | None:
     if state.is_main_process:
         print(f"Batch plan for --total_batch_size {config.total_batch_size}: {plan}")
     return plan
+
+
+def apply_plan(config, plan: BatchPlan):
+    """``config`` with ``plan``'s micro-batch and accumulation steps and, where the planner chose one
+    (``--auto_find_batch_size``), its lever setting (``activation_checkpointing``, ``loss_chunk_size``), the
+    plan itself recorded as ``batch_plan`` (``run_config.json``): a new config (``dataclasses.replace``),
+    validated, so read-only. Raises ``FinetuneError`` as ``TrainConfig.validate``."""
+    levers = plan.lever.config_fields() if plan.lever is not None else {}
+    planned = dataclasses.replace(config, per_device_train_batch_size=plan.per_device_train_batch_size,
+                                  gradient_accumulation_steps=plan.gradient_accumulation_steps,
+                                  batch_plan=plan.to_dict(), **levers)
+    planned.validate()
+    return planned
 
 
 def recorded_plan(config, num_processes: int) -> BatchPlan | None:

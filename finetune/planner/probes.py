@@ -22,10 +22,11 @@ import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.builders import build_model, get_task
+from finetune.chunked_loss import DEFAULT_CHUNK_SIZE
 from finetune.distributed import local_process_count, world_size
 from finetune.engine import build_optimizer
 from finetune.errors import FinetuneError
-from finetune.loss import DEFAULT_LOSS_CHUNK_SIZE, loss_function
+from finetune.loss import loss_function
 from finetune.planner.plans import Lever, estimate_fits_from_memory
 from finetune.tasks import CausalLM
 
@@ -214,7 +215,7 @@ def levers(config, recipe, device) -> list[Lever]:
     given one when ``--loss_chunk_size`` was set)."""
     checkpointing = [True] if config.activation_checkpointing else [False, True]
     if isinstance(get_task(recipe.TASK), CausalLM):
-        chunks = [config.loss_chunk_size] if config.loss_chunk_size is not None else [0, DEFAULT_LOSS_CHUNK_SIZE]
+        chunks = [config.loss_chunk_size] if config.loss_chunk_size is not None else [0, DEFAULT_CHUNK_SIZE]
     else:
         chunks = [None]
     return [Lever(c, k) for c in checkpointing for k in chunks]
