@@ -69,3 +69,45 @@ def faults():
                               kind, rank, step, patch.setattr),
                           undo=patch.undo)
     patch.undo()
+
+
+class _SharedRuns:
+    """Trained runs several tests read, each trained once per session: an in-process run (``helpers.run_in_process``)
+    or a launched one (``helpers.launch``), keyed by everything that decides it. The output directories are the
+    tests' to read, never to change: a test that resumes or damages a run copies it first."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.runs: dict = {}
+
+    def _name(self) -> str:
+        return f"run{len(self.runs)}"
+
+    def in_process(self, **overrides) -> tuple[dict, Path]:
+        """``run_in_process(ROOT, NAME, **overrides)``, once per distinct ``overrides``: (metrics, output dir)."""
+        from helpers import run_in_process
+
+        key = ("in-process", tuple(sorted((k, str(v)) for k, v in overrides.items())))
+        if key not in self.runs:
+            self.runs[key] = run_in_process(self.root, self._name(), **overrides)
+        return self.runs[key]
+
+    def launched(self, args: list[str], num_processes: int = 1, timeout: int = 600) -> Path:
+        """``launch([*args, "--output_dir", DIR], num_processes)``, once per distinct arguments: DIR (asserting
+        the launch exited 0)."""
+        from helpers import launch
+
+        key = ("launched", tuple(args), num_processes)
+        if key not in self.runs:
+            out = self.root / self._name()
+            result = launch([*args, "--output_dir", str(out)], num_processes=num_processes, timeout=timeout)
+            assert result.returncode == 0, result.stderr[-3000:]
+            self.runs[key] = out
+        return self.runs[key]
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> _SharedRuns:
+    """Trained runs shared by the tests of a session (``shared_runs.in_process(**flags)``,
+    ``shared_runs.launched(args, num_processes)``): the same run is trained once, not once per test that reads it."""
+    return _SharedRuns(tmp_path_factory.mktemp("shared-runs"))

@@ -21,9 +21,9 @@ def same_weights(a_dir, b_dir, rtol=1e-5):
 
 
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])
-def test_bert_same_weights_with_and_without(tmp_path, tiny_bert, backend):
-    kw = dict(model_name_or_path=tiny_bert, backend=backend, **BERT)
-    _, plain = run_in_process(tmp_path, "plain", **kw)
+def test_bert_same_weights_with_and_without(tmp_path, tiny_bert, backend, shared_runs):
+    kw = dict(model_name_or_path=tiny_bert, **BERT, **({"backend": backend} if backend != "accelerate" else {}))
+    _, plain = shared_runs.in_process(**kw)  # the accelerate run is also the reference of the two tests below
     _, ckpt = run_in_process(tmp_path, "ckpt", activation_checkpointing=True, **kw)
     same_weights(plain, ckpt)
     assert [r["loss"] for r in train_steps(ckpt)] == pytest.approx([r["loss"] for r in train_steps(plain)], rel=1e-6)
@@ -39,7 +39,7 @@ def test_llama_same_weights_and_the_alias(tmp_path, tiny_llama, clm_texts):
     same_weights(plain, ckpt)
 
 
-def test_every_n_layers_checkpoints_some_layers_and_trains_the_same(tmp_path, tiny_bert):
+def test_every_n_layers_checkpoints_some_layers_and_trains_the_same(tmp_path, tiny_bert, shared_runs):
     """``--activation_checkpointing_kwargs '{"every_n_layers": 2}'`` (TrainingArguments' key, for
     ``activation_checkpointing_enable``, not for torch's checkpoint): of the tiny BERT's 2 layers only the first is
     checkpointed, so the bytes saved for backward fall between none and all checkpointed; same weights."""
@@ -63,7 +63,7 @@ def test_every_n_layers_checkpoints_some_layers_and_trains_the_same(tmp_path, ti
     none, every_2nd, every = saved(None), saved('{"every_n_layers": 2}'), saved("{}")
     assert every < every_2nd < none
     kw = dict(model_name_or_path=tiny_bert, **BERT)
-    _, plain = run_in_process(tmp_path, "plain", **kw)
+    _, plain = shared_runs.in_process(**kw)
     _, half = run_in_process(tmp_path, "half", activation_checkpointing=True,
                              activation_checkpointing_kwargs='{"every_n_layers": 2}', **kw)
     same_weights(plain, half)
@@ -101,11 +101,11 @@ def test_resume_under_checkpointing_gives_the_uninterrupted_weights(tmp_path, ti
     same_weights(plain, resumed)
 
 
-def test_torch_compile_with_checkpointing_trains_the_same_model(tmp_path, tiny_bert):
+def test_torch_compile_with_checkpointing_trains_the_same_model(tmp_path, tiny_bert, shared_runs):
     """torch.compile (inductor, CPU) over non-reentrant checkpointed layers: the losses and weights of the eager run
     without checkpointing."""
     kw = dict(model_name_or_path=tiny_bert, **BERT)
-    _, eager = run_in_process(tmp_path, "eager", **kw)
+    _, eager = shared_runs.in_process(**kw)
     _, compiled = run_in_process(tmp_path, "compiled", torch_compile=True, activation_checkpointing=True, **kw)
     assert [r["loss"] for r in train_steps(compiled)] == pytest.approx([r["loss"] for r in train_steps(eager)],
                                                                          rel=1e-5)

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,30 @@ def _copy_repo(dst: Path) -> Path:
     return dst
 
 
+def running_site_dirs() -> list[str]:
+    """The site-packages directories of the RUNNING environment, as its ``site`` module set them up: a venv's own
+    (and its base's, with ``include-system-site-packages``), a conda environment's, the system interpreter's, and
+    the user site where it is enabled. ``venv --system-site-packages`` would give the *base* interpreter's
+    instead, which inside a venv or conda environment lacks what was installed there."""
+    import site
+
+    dirs = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    dirs += [sysconfig.get_paths()[key] for key in ("purelib", "platlib")]
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
 def _venv_with(path: Path, *pip_args: str) -> Path:
     """A fresh virtual environment at ``path`` with ``pip install --no-deps PIP_ARGS``; its python. The heavy
-    dependencies (and pip itself) come from this interpreter's site-packages."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True)
+    dependencies (and pip itself) come from the running environment's site-packages, which a ``.pth`` file adds
+    after the venv's own (``site.addsitedir``, so their ``.pth`` files run too, as a site-packages' do): what
+    the venv installs comes first, the rest is what this test suite runs on, wherever it runs."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     python = path / "bin" / "python"
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    # "zz": site runs .pth files in name order; the venv's own (an editable install's finder) go first
+    (Path(own) / "zz_running_environment.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in running_site_dirs()))
     install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *pip_args],
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr[-3000:]

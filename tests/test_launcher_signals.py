@@ -113,12 +113,16 @@ def test_sigterm_to_bare_one_process_launcher_checkpoints_and_resumes(tmp_path, 
     assert_same_weights(out, tmp_path / "reference")
 
 
-def test_sigterm_to_two_process_launcher_checkpoints_within_torchrun_grace(tmp_path, tiny_bert):
+def test_sigterm_to_two_process_launcher_checkpoints_within_torchrun_grace(tmp_path, tiny_bert, shared_runs):
     """With 2 processes torchrun passes SIGTERM on and kills the workers 30 s later: they checkpoint and end
-    themselves well before that, and resuming ends with the uninterrupted run's weights."""
-    args = common(tiny_bert)  # 96 samples / (2 x 2 processes) = 24 optimizer steps
-    reference = launch([*args, "--output_dir", str(tmp_path / "reference")], num_processes=2, timeout=300)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    themselves well before that, and resuming ends with the uninterrupted run's weights, which are those of one
+    process with twice the micro-batch (test_machines.py's reference, trained once for both tests)."""
+    from test_machines import common as machines_common
+    from test_machines import one_process_reference
+
+    # 96 samples / (2 x 2 processes) = 24 optimizer steps
+    args = [*machines_common(tiny_bert), "--per_device_train_batch_size", "2"]
+    reference = one_process_reference(shared_runs, tiny_bert)
 
     out = tmp_path / "stopped"
     launcher = start_launch([*args, "--output_dir", str(out)], tmp_path / "stopped", num_processes=2)
@@ -151,4 +155,4 @@ def test_sigterm_to_two_process_launcher_checkpoints_within_torchrun_grace(tmp_p
                      timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in train_steps(out)] == list(range(1, 25))
-    assert_same_weights(out, tmp_path / "reference")
+    assert_same_weights(out, reference)

@@ -1,0 +1,69 @@
+"""The README and docs/ hold together: every relative link in README.md and docs/*.md points to a file of the
+repository (and, with ``#anchor``, to a heading of that page, as GitHub spells anchors); the README stays a
+five-minute read and keeps the test command CI runs (``.ci/run`` reads the line after its marker)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers import REPO
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && ruff check . && python -m pytest -q'
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors of ``page``: lower case, punctuation but ``-``/``_`` dropped, spaces to ``-``."""
+    found = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if not in_code and re.match(r"^#{1,6} ", line):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+def links(page: Path) -> list[str]:
+    """The relative links of ``page`` (not http(s), mailto or in indented code blocks)."""
+    text = "\n".join(line for line in page.read_text().splitlines() if not line.startswith("    "))
+    return [target for target in LINK.findall(text) if not re.match(r"^[a-z]+:", target)]
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative links of ``page`` whose file, or heading, does not exist; each with why."""
+    broken = []
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no file {resolved}")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading #{anchor} in {resolved.name}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    assert not broken_links(page)
+
+
+def test_the_link_check_catches_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# A title: `x`\n\n[ok](page.md#a-title-x) [missing](nowhere.md) [bad](page.md#nope)\n"
+                    "    [in code](skipped.md)\n")
+    assert links(page) == ["page.md#a-title-x", "nowhere.md", "page.md#nope"]
+    assert [line.split(":")[0] for line in broken_links(page)] == ["nowhere.md", "page.md#nope"]
+
+
+def test_the_readme_is_short_and_keeps_the_ci_test_command():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) < 300, len(lines)
+    marker = lines.index("<!-- test-command -->")
+    assert lines[marker + 1] == f"    {TEST_COMMAND}"
+    for page in ("contributing.md", "flags.md", "recipes.md", "resume.md", "multi-node.md"):
+        assert f"(docs/{page})" in "\n".join(lines), page
