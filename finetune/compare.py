@@ -102,7 +102,7 @@ def render_markdown(summary: dict, config, command: str) -> str:
     ratio = summary["samples_per_second_ratio_accelerate_over_trainer"]
     lines += ["", f"- Per-step loss difference over {summary['steps_compared']} optimizer steps: "
               f"max {summary['max_abs_step_loss_diff']:.2e}, mean {summary['mean_abs_step_loss_diff']:.2e} "
-              "(mean loss per sample in both; Trainer's own log would show the window sum, see README).",
+              "(mean loss per sample in both; Trainer's own log would show the window sum, see docs/backends.md).",
               f"- Speed ratio (train samples/s, accelerate / trainer, this run): {ratio:.3f}" if ratio else "",
               "", "![loss curves](loss_curves.png)", "", "Reproduce:", "", f"    {command}", ""]
     return "\n".join(lines)
