@@ -333,8 +333,6 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # ------------------------------------------------------------------------------------------ the elastic variant
@@ -483,3 +481,7 @@ def elastic_main(args, t0: float) -> int:
     ok = not s["failures"] and s["rounds"] and s["kills"] >= args.kills
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -188,7 +188,8 @@ class TrainConfig:
                                         "requeued job) or a checkpoint path."}
     )
     ignore_checkpoint_mismatch: bool = field(
-        default=False, metadata={"help": "Resume even if batch sizes, accumulation, processes or data differ."}
+        default=False, metadata={"help": "Resume even if the effective batch or the data differ (another split of "
+                                        "the same batch needs no flag; samples are never replayed or skipped)."}
     )
     max_skipped_steps: int = field(
         default=10, metadata={"help": "fp16: stop after this many optimizer steps in a row skipped by the GradScaler."}
