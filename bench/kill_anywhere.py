@@ -360,15 +360,25 @@ def relative_gap(out: Path, reference: Path) -> float:
     return diff / sum(float(ref[k].double().pow(2).sum()) for k in ref) ** 0.5
 
 
-def elastic_trial(model: str, out: Path, args, processes: int, delay: float | None, target: str, rng,
+def newest_step(out: Path) -> int:
+    """The step of the newest complete checkpoint under ``out`` (0: none)."""
+    done = [p for p in ckpt.list_checkpoints(out) if ckpt.is_complete(p)]
+    return int(done[-1].name.removeprefix("step_")) if done else 0
+
+
+def elastic_trial(model: str, out: Path, args, processes: int, kill_at: tuple[int, float] | None, target: str, rng,
                   log: Path) -> dict:
-    """One launch on ``processes`` processes resuming ``out`` (``auto``), SIGKILLed after ``delay`` s (``target``
-    as in ``run_campaign``) or, with ``delay`` None, run to its end; the trial's record."""
+    """One launch on ``processes`` processes resuming ``out`` (``auto``), SIGKILLed (``target`` as in
+    ``run_campaign``) ``kill_at`` = (step, seconds): that many seconds after the checkpoint of that optimizer step
+    appears (a moment inside training whatever the machine's speed), or, with ``kill_at`` None, run to its end;
+    the trial's record."""
     proc = start(launch_command(elastic_run_args(model, out, args, processes), processes), log)
-    t0, members, killed = time.monotonic(), [], False
-    while delay is not None and proc.poll() is None and time.monotonic() - t0 < args.trial_timeout:
+    t0, members, killed, due = time.monotonic(), [], False, None
+    while kill_at is not None and proc.poll() is None and time.monotonic() - t0 < args.trial_timeout:
         members = list({m.pid: m for m in [*members, *tree(proc)]}.values())
-        if time.monotonic() - t0 >= delay:
+        if due is None and newest_step(out) >= kill_at[0]:
+            due = time.monotonic() + kill_at[1]
+        if due is not None and time.monotonic() >= due:
             victims = {"all": tree(proc), "worker": workers(proc)[:1] or tree(proc)[-1:],
                        "launcher": tree(proc)[:1]}[target]
             if target == "worker" and processes > 1 and workers(proc):
@@ -385,13 +395,15 @@ def elastic_trial(model: str, out: Path, args, processes: int, delay: float | No
     hung = not wait_all_gone(proc, members, max(args.trial_timeout - (time.monotonic() - t0), 1.0))
     if hung:
         kill_everything(proc, members)
-    return {"processes": processes, "target": target if delay is not None else None, "killed": killed,
-            "delay_s": round(delay, 2) if delay is not None and killed else None, "exit_code": proc.returncode,
+    return {"processes": processes, "target": target if kill_at is not None else None, "killed": killed,
+            "kill_after_step": kill_at[0] if kill_at else None, "seconds_after_it": round(kill_at[1], 2) if kill_at
+            else None, "exit_code": proc.returncode,
             "seconds": round(time.monotonic() - t0, 2), "hung": hung, "finished": (out / "metrics.json").is_file()}
 
 
 def run_elastic_campaign(args) -> dict:  # noqa: C901 - one campaign loop, as run_campaign
-    """The elastic variant: random SIGKILLs, each restart on a randomly chosen process count (1 or 2, B = 8 split
+    """The elastic variant: random SIGKILLs (each 0-1.5 s after the checkpoint of a random step still to come, to
+    every process, one worker or the launcher), each restart on a randomly chosen process count (1 or 2, B = 8 split
     as ``elastic_run_args``), every directory resumable; the finished run's per-step sample-id hashes equal the
     uninterrupted run's (one process, 2 x 4) and its final weights are within ``ELASTIC_FLOOR`` of them. A restart
     whose directory holds no checkpoint yet (killed before the first save) starts afresh in an emptied directory:
@@ -408,7 +420,8 @@ def run_elastic_campaign(args) -> dict:  # noqa: C901 - one campaign loop, as ru
     ref_wall = time.monotonic() - t0
     if not first["finished"]:
         raise bl.BenchError(f"the uninterrupted run failed (exit {first['exit_code']}); see {log}")
-    print(f"reference (1 process, 2 x 4): {len(step_hashes(reference))} optimizer steps in {ref_wall:.1f} s", flush=True)
+    total = len(step_hashes(reference))
+    print(f"reference (1 process, 2 x 4): {total} optimizer steps in {ref_wall:.1f} s", flush=True)
     out = work / "run"
     shutil.rmtree(out, ignore_errors=True)
     trials, failures, kills, rounds = [], [], 0, []
@@ -416,18 +429,20 @@ def run_elastic_campaign(args) -> dict:  # noqa: C901 - one campaign loop, as ru
         finishing = kills >= args.kills
         processes = rng.choice((1, 2))
         target = rng.choice(TARGETS)
-        delay = None if finishing else rng.uniform(0.3 * ref_wall, 1.2 * ref_wall)
         before = check_resumable(out)[1]
         if before is None and out.exists():
             shutil.rmtree(out)  # nothing to resume: a fresh start on this split
+        # after a checkpoint of a step still to come, at a random moment of the next step (or the step after)
+        ahead = (before or 0) + 1
+        kill_at = None if finishing or ahead >= total else (rng.randint(ahead, total - 1), rng.uniform(0.0, 1.5))
         trial = {"trial": len(trials) + 1, "resumed_from": before,
-                 **elastic_trial(model, out, args, processes, delay, target, rng, log)}
+                 **elastic_trial(model, out, args, processes, kill_at, target, rng, log)}
         problem, step = check_resumable(out)
         trial.update(resumable_at=step, problem=problem)
         trials.append(trial)
         kills += trial["killed"]
         print(f"trial {trial['trial']:3d} on {processes} process(es) {str(trial['target']):8s} "
-              f"killed={trial['killed']!s:5s} delay={trial['delay_s']} exit={trial['exit_code']} "
+              f"killed={trial['killed']!s:5s} after_step={trial['kill_after_step']} exit={trial['exit_code']} "
               f"resumed_from={before} resumes_at={step} finished={trial['finished']}", flush=True)
         if trial["hung"]:
             failures.append(f"trial {trial['trial']}: hung past {args.trial_timeout:.0f} s")
