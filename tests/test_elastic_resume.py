@@ -1,7 +1,7 @@
 """Elastic resume through the real CLI (docs/elastic-resume.md): a run on 2 gloo processes checkpointed at step 7 and
 resumed on 1 process with another split of the same effective batch trains the uninterrupted run's samples in
 every step (the log's sample-id hashes), its losses to 1e-6 and its weights within the noise floor (dropout off);
-the same for a micro-batch change on one process (4 x 2 -> 2 x 4). The positive control resumes with the old
+the same for a micro-batch change on one process (4 x 2 -> 2 x 4) and for 1 process resumed on 2. The positive control resumes with the old
 per-process skip (``micro_batches_done`` unchanged on the new launch), installed from here: its hashes differ and
 its weights leave the floor."""
 
@@ -106,21 +106,28 @@ def test_two_processes_resumed_on_one_and_the_old_skip_as_control(tmp_path, tiny
     assert control_gap > 100 * FLOOR
 
 
-def test_micro_batch_change_on_one_process(tmp_path, tiny_bert):
-    """4 x 2 -> 2 x 4 on one process (another GPU's memory), in-process; also the same samples per step as any
-    other split of B = 8."""
+def test_one_process_resumed_as_2x4_and_on_two_processes(tmp_path, tiny_bert):
+    """4 x 2 on one process (in-process), resumed at step 7 as 2 x 4 (another GPU's memory) and, through the
+    launcher, on 2 processes as 2 x 2 (the reverse of the test above): the same samples in every step, the losses
+    to 1e-6, the weights within the floor."""
     _, reference = run_in_process(tmp_path, "four", model_name_or_path=tiny_bert, per_device_train_batch_size=4,
                                   gradient_accumulation_steps=2, **RUN)
     assert _hashes(reference) == _seeded_order_hashes(34, 8, RUN["seed"], 2)
     _stopped_copy(reference, tmp_path / "two")
     _, resumed = run_in_process(tmp_path, "two", model_name_or_path=tiny_bert, per_device_train_batch_size=2,
                                 gradient_accumulation_steps=4, resume_from_checkpoint="latest", **RUN)
-    assert _hashes(resumed) == _hashes(reference)
-    for mine, theirs in zip(train_steps(resumed)[STOP:], train_steps(reference)[STOP:]):
-        assert abs(mine["loss"] - theirs["loss"]) <= 1e-6, (mine, theirs)
-    gap = _relative_gap(load_params(resumed), load_params(reference))
-    print(f"1 process 4 x 2 -> 2 x 4 at step {STOP}: relative weight gap {gap:.3g}")
-    assert gap < FLOOR
+    wider = tmp_path / "wider"
+    _stopped_copy(reference, wider)
+    result = launch(_args(tiny_bert, wider, 2, 2, resume_from_checkpoint="latest"), num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed on 2 processes from a run on 1: micro-batch 4 x 2 -> 2 x 2 (B = 8 samples per step)" in result.stdout
+    for out, what in ((resumed, "1 process 4 x 2 -> 2 x 4"), (wider, "1 process 4 x 2 -> 2 processes 2 x 2")):
+        assert _hashes(out) == _hashes(reference), what
+        for mine, theirs in zip(train_steps(out)[STOP:], train_steps(reference)[STOP:]):
+            assert abs(mine["loss"] - theirs["loss"]) <= 1e-6, (what, mine, theirs)
+        gap = _relative_gap(load_params(out), load_params(reference))
+        print(f"{what} at step {STOP}: relative weight gap {gap:.3g}")
+        assert gap < FLOOR, (what, gap)
 
 
 def test_elastic_kill_campaign_ci_variant(tmp_path):
