@@ -206,19 +206,20 @@ class SampleIds(torch.utils.data.Dataset):
         return getattr(self.dataset, name)
 
 
-def with_sample_ids(collate):
+class with_sample_ids:  # noqa: N801 - used as a function; a class so it pickles (dataloader workers, spawn)
     """``collate`` that moves the rows' ``SAMPLE_ID`` into the batch as ``SAMPLE_IDS`` (int64, one per row);
     rows without it collate as before."""
 
-    def collate_with_ids(features):
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, features):
         if not features or SAMPLE_ID not in features[0]:
-            return collate(features)
+            return self.collate(features)
         ids = [feature[SAMPLE_ID] for feature in features]
-        batch = collate([{k: v for k, v in feature.items() if k != SAMPLE_ID} for feature in features])
+        batch = self.collate([{k: v for k, v in feature.items() if k != SAMPLE_ID} for feature in features])
         batch[SAMPLE_IDS] = torch.tensor(ids, dtype=torch.long)
         return batch
-
-    return collate_with_ids
 
 
 def trim_ids(batch: dict, repeats: int) -> dict:
