@@ -4,6 +4,7 @@ uninterrupted run's.
     python bench/kill_anywhere.py --smoke                                  # CI variant: 5 kills, one process
     python bench/kill_anywhere.py --kills 30 --json k1.json                # the full campaign, one process
     python bench/kill_anywhere.py --kills 10 --processes 2 --json k2.json  # two gloo processes
+    python bench/kill_anywhere.py --elastic --kills 10 --json ke.json      # each restart on 1 or 2 processes
 
 A tiny BERT (``tests/tiny_models.py``) trains bbc-news through the real launcher (``accelerate launch
 finetune/run.py``), writing a checkpoint after every optimizer step (``--save_steps 1 --save_total_limit 2``, so
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--work_dir", help="keep the runs here (default: a temporary folder, removed at the end)")
     p.add_argument("--json", help="write the trials and the summary to this file")
     p.add_argument("--smoke", action="store_true", help="the CI variant: 5 kills, 48 samples, one epoch")
+    p.add_argument("--elastic", action="store_true", help="each restart on a random process count, 1 or 2, with "
+                   "another split of the same effective batch (run_elastic_campaign)")
     args = p.parse_args(argv)
     if args.smoke:
         args.kills, args.train_samples, args.epochs = min(args.kills, 5), 48, 1
@@ -308,6 +311,8 @@ def run_campaign(args) -> dict:  # noqa: C901 - over the budget; to split
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
+    if args.elastic:
+        return elastic_main(args, t0)
     report = run_campaign(args)
     s = report["summary"]
     s["wall_seconds"] = round(time.monotonic() - t0, 1)
@@ -319,6 +324,171 @@ def main(argv=None) -> int:
     for r in s["rounds"]:
         print(f"  round {r['round']}: {r['kills']} kills, final weights bit-exact {r['weights_bit_exact']} "
               f"(max |diff| {r['max_abs_weight_diff']:.3g}), per-step losses equal {r['losses_equal']}")
+    for f in s["failures"]:
+        print(f"FAILURE: {f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    ok = not s["failures"] and s["rounds"] and s["kills"] >= args.kills
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+
+
+# ------------------------------------------------------------------------------------------ the elastic variant
+ELASTIC_FLOOR = 1e-6  # verify's floor in fp32: relative difference of the whole model (docs/elastic-resume.md)
+
+
+def elastic_run_args(model: str, out: Path, args, processes: int) -> list[str]:
+    """``run_args`` with dropout off and B = 8 split for ``processes``: 2 x 4 on one process, 2 x 2 on two."""
+    argv = run_args(model, out, args)
+    at = argv.index("--gradient_accumulation_steps")
+    argv[at + 1] = str(4 // processes)
+    return argv + ["--disable_dropout", "true"]
+
+
+def step_hashes(out: Path) -> list[tuple[int, str | None]]:
+    """(step, the hash of its sample ids) of each optimizer step in ``out``'s log."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["step"], r.get("sample_ids")) for r in records if "loss" in r]
+
+
+def relative_gap(out: Path, reference: Path) -> float:
+    """‖w − w_ref‖ / ‖w_ref‖ over the whole model's final weights."""
+    mine, ref = final_weights(out), final_weights(reference)
+    diff = sum(float((mine[k].double() - ref[k].double()).pow(2).sum()) for k in ref) ** 0.5
+    return diff / sum(float(ref[k].double().pow(2).sum()) for k in ref) ** 0.5
+
+
+def newest_step(out: Path) -> int:
+    """The step of the newest complete checkpoint under ``out`` (0: none)."""
+    done = [p for p in ckpt.list_checkpoints(out) if ckpt.is_complete(p)]
+    return int(done[-1].name.removeprefix("step_")) if done else 0
+
+
+def elastic_trial(model: str, out: Path, args, processes: int, kill_at: tuple[int, float] | None, target: str, rng,
+                  log: Path) -> dict:
+    """One launch on ``processes`` processes resuming ``out`` (``auto``), SIGKILLed (``target`` as in
+    ``run_campaign``) ``kill_at`` = (step, seconds): that many seconds after the checkpoint of that optimizer step
+    appears (a moment inside training whatever the machine's speed), or, with ``kill_at`` None, run to its end;
+    the trial's record."""
+    proc = start(launch_command(elastic_run_args(model, out, args, processes), processes), log)
+    t0, members, killed, due = time.monotonic(), [], False, None
+    while kill_at is not None and proc.poll() is None and time.monotonic() - t0 < args.trial_timeout:
+        members = list({m.pid: m for m in [*members, *tree(proc)]}.values())
+        if due is None and newest_step(out) >= kill_at[0]:
+            due = time.monotonic() + kill_at[1]
+        if due is not None and time.monotonic() >= due:
+            victims = {"all": tree(proc), "worker": workers(proc)[:1] or tree(proc)[-1:],
+                       "launcher": tree(proc)[:1]}[target]
+            if target == "worker" and processes > 1 and workers(proc):
+                victims = [rng.choice(workers(proc))]
+            for v in victims:
+                try:
+                    v.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+            killed = bool(victims)
+            break
+        time.sleep(0.01)
+    members = list({m.pid: m for m in [*members, *tree(proc)]}.values())
+    hung = not wait_all_gone(proc, members, max(args.trial_timeout - (time.monotonic() - t0), 1.0))
+    if hung:
+        kill_everything(proc, members)
+    return {"processes": processes, "target": target if kill_at is not None else None, "killed": killed,
+            "kill_after_step": kill_at[0] if kill_at else None, "seconds_after_it": round(kill_at[1], 2) if kill_at
+            else None, "exit_code": proc.returncode,
+            "seconds": round(time.monotonic() - t0, 2), "hung": hung, "finished": (out / "metrics.json").is_file()}
+
+
+def run_elastic_campaign(args) -> dict:  # noqa: C901 - one campaign loop, as run_campaign
+    """The elastic variant: random SIGKILLs (each 0-1.5 s after the checkpoint of a random step still to come, to
+    every process, one worker or the launcher), each restart on a randomly chosen process count (1 or 2, B = 8 split
+    as ``elastic_run_args``), every directory resumable; the finished run's per-step sample-id hashes equal the
+    uninterrupted run's (one process, 2 x 4) and its final weights are within ``ELASTIC_FLOOR`` of them. A restart
+    whose directory holds no checkpoint yet (killed before the first save) starts afresh in an emptied directory:
+    ``auto`` finds nothing to resume there, and the output-directory check would refuse another split's flags."""
+    rng = random.Random(args.seed)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="kill-elastic-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = str(bl.build_tiny_bert(work / "tiny-bert"))
+    log = work / "launches.log"
+    reference = work / "reference"
+    shutil.rmtree(reference, ignore_errors=True)
+    t0 = time.monotonic()
+    first = elastic_trial(model, reference, args, 1, None, "all", rng, log)
+    ref_wall = time.monotonic() - t0
+    if not first["finished"]:
+        raise bl.BenchError(f"the uninterrupted run failed (exit {first['exit_code']}); see {log}")
+    total = len(step_hashes(reference))
+    print(f"reference (1 process, 2 x 4): {total} optimizer steps in {ref_wall:.1f} s", flush=True)
+    out = work / "run"
+    shutil.rmtree(out, ignore_errors=True)
+    trials, failures, kills, rounds = [], [], 0, []
+    while True:
+        finishing = kills >= args.kills
+        processes = rng.choice((1, 2))
+        target = rng.choice(TARGETS)
+        before = check_resumable(out)[1]
+        if before is None and out.exists():
+            shutil.rmtree(out)  # nothing to resume: a fresh start on this split
+        # after a checkpoint of a step still to come, at a random moment of the next step (or the step after)
+        ahead = (before or 0) + 1
+        kill_at = None if finishing or ahead >= total else (rng.randint(ahead, total - 1), rng.uniform(0.0, 1.5))
+        trial = {"trial": len(trials) + 1, "resumed_from": before,
+                 **elastic_trial(model, out, args, processes, kill_at, target, rng, log)}
+        problem, step = check_resumable(out)
+        trial.update(resumable_at=step, problem=problem)
+        trials.append(trial)
+        kills += trial["killed"]
+        print(f"trial {trial['trial']:3d} on {processes} process(es) {str(trial['target']):8s} "
+              f"killed={trial['killed']!s:5s} after_step={trial['kill_after_step']} exit={trial['exit_code']} "
+              f"resumed_from={before} resumes_at={step} finished={trial['finished']}", flush=True)
+        if trial["hung"]:
+            failures.append(f"trial {trial['trial']}: hung past {args.trial_timeout:.0f} s")
+        if problem:
+            failures.append(f"trial {trial['trial']}: unresumable: {problem}")
+        if not trial["killed"] and not trial["finished"]:
+            failures.append(f"trial {trial['trial']}: exited {trial['exit_code']} without a kill and unfinished "
+                            f"(see {log})")
+        if trial["hung"] or problem or (not trial["killed"] and not trial["finished"]):
+            break
+        if trial["finished"]:
+            gap = relative_gap(out, reference)
+            launches = trials[sum(r["trials"] for r in rounds):]  # this round's
+            result = {"round": len(rounds) + 1, "relative_weight_gap": gap,
+                      "sample_ids_equal": step_hashes(out) == step_hashes(reference),
+                      "processes_used": sorted({t["processes"] for t in launches}), "trials": len(launches)}
+            rounds.append(result)
+            print(f"round {result['round']}: {result}", flush=True)
+            if gap >= ELASTIC_FLOOR or not result["sample_ids_equal"]:
+                failures.append(f"round {result['round']}: {result}")
+            if finishing:
+                break
+            shutil.rmtree(out)
+    summary = {"elastic": True, "seed": args.seed, "trials": len(trials), "kills": kills,
+               "restarts_by_processes": {p: sum(1 for t in trials if t["processes"] == p) for p in (1, 2)},
+               "unresumable_directories": sum(1 for t in trials if t["problem"]),
+               "hangs": sum(t["hung"] for t in trials), "rounds": rounds, "reference_seconds": round(ref_wall, 1),
+               "failures": failures, "machine": bl.format_machine(bl.machine_info())}
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"summary": summary, "trials": trials}
+
+
+def elastic_main(args, t0: float) -> int:
+    """``--elastic``: run ``run_elastic_campaign``, print and write its report; 0 when it passed."""
+    report = run_elastic_campaign(args)
+    s = report["summary"]
+    s["wall_seconds"] = round(time.monotonic() - t0, 1)
+    print(f"\n{s['machine']}")
+    print(f"elastic, seed {s['seed']}: {s['trials']} trials, {s['kills']} kills, restarts by process count "
+          f"{s['restarts_by_processes']}, unresumable directories {s['unresumable_directories']}, hangs {s['hangs']}, "
+          f"{s['wall_seconds']} s")
+    for r in s["rounds"]:
+        print(f"  round {r['round']}: {r['trials']} launches on {r['processes_used']} process(es), relative weight gap "
+              f"{r['relative_weight_gap']:.3g} (floor {ELASTIC_FLOOR:g}), per-step sample ids equal "
+              f"{r['sample_ids_equal']}")
     for f in s["failures"]:
         print(f"FAILURE: {f}")
     if args.json:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from accelerate.utils import gather_object
 
+from finetune import elastic
 from finetune.config import fields_with
 from finetune.errors import FinetuneError
 
@@ -48,7 +49,9 @@ _LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")
 # the others wait in (a hang), and every process must raise the same FinetuneError.
 
 # Settings that change what one optimizer step means, or which samples it sees: resuming under a change
-# of any of them would not continue the same run. Each field declares it (``step=True``, finetune/config.py).
+# of any of them would not continue the same run. Each field declares it (``step=True``, finetune/config.py). The
+# effective batch B is one too (``elastic.batch_meaning``); how it is split (micro-batch, accumulation, processes)
+# is not: a resume may re-split it (finetune.elastic).
 STEP_MEANING = fields_with(step=True)
 
 
@@ -59,7 +62,8 @@ class RunProgress:
 
     step: int = 0
     epoch: int = 0  # the epoch in progress (0-based)
-    micro_batches_done: int = 0  # micro-batches of that epoch already consumed, per process
+    micro_batches_done: int = 0  # micro-batches of that epoch already consumed, per process (this launch's plan)
+    samples_done: int = 0  # positions of that epoch's seeded order consumed, over all processes (any plan of B)
     samples_seen: int = 0
     tokens_seen: int = 0
     input_tokens_seen: int = 0
@@ -119,9 +123,10 @@ def checkpoints_dir(output_dir) -> Path:
 
 
 def step_meaning(config, num_processes: int) -> dict:
-    """The settings that define a step (``STEP_MEANING``) plus the number of processes."""
+    """The settings that define a step (``STEP_MEANING``) plus the effective batch and its split
+    (``elastic.batch_meaning``)."""
     meaning = {name: getattr(config, name) for name in STEP_MEANING}
-    meaning["num_processes"] = num_processes
+    meaning.update(elastic.batch_meaning(config, num_processes))
     return meaning
 
 
@@ -302,10 +307,11 @@ def read_state(path: Path) -> RunProgress:
 
 
 def check_compatible(state: RunProgress, meaning: dict, path: Path, allow: bool) -> None:
-    """Refuse to resume when a setting of ``STEP_MEANING`` or the process count differs from the
-    checkpoint's, naming each difference; ``allow`` (``--ignore_checkpoint_mismatch``) overrides."""
-    differences = [f"{k}: checkpoint {state.step_meaning.get(k)!r}, now {v!r}"
-                   for k, v in meaning.items() if state.step_meaning.get(k) != v]
+    """Refuse to resume when a setting of ``STEP_MEANING`` or the effective batch B differs from the
+    checkpoint's (``elastic.check_batch``: its own error), naming each difference; ``allow``
+    (``--ignore_checkpoint_mismatch``) overrides. Another split of the same B is no difference."""
+    elastic.check_batch(state.step_meaning, meaning, path, allow)
+    differences = elastic.step_differences(state.step_meaning, meaning)
     if differences and not allow:
         raise FinetuneError(
             f"cannot resume from {path}: these settings change what a step means: {'; '.join(differences)}. "

@@ -224,7 +224,8 @@ class TrainConfig:
     )
     per_device_train_batch_size: int = flag(
         8, "Micro-batch size in samples, per process, per forward/backward.",
-        step=True, trainer="per_device_train_batch_size",
+        # a split of the effective batch B: B is part of a step's meaning (elastic.batch_meaning), its split is not
+        step=False, trainer="per_device_train_batch_size",
     )
     per_device_eval_batch_size: int = flag(
         32, "Evaluation batch size per process.",
@@ -249,7 +250,7 @@ class TrainConfig:
     )
     gradient_accumulation_steps: int = flag(
         1, "Micro-batches per optimizer step (N). Effective batch = micro x N x processes.",
-        step=True, trainer="gradient_accumulation_steps",
+        step=False, trainer="gradient_accumulation_steps",  # a split of B, as per_device_train_batch_size
     )
     # Trainer's fp16 is asked for on CUDA only, in trainer_backend.training_arguments (a CPU runs fp32)
     mixed_precision: Literal["no", "fp16", "bf16"] | None = flag(
@@ -403,7 +404,8 @@ class TrainConfig:
         step=False, trainer=None, replay=False, same_run=False, verify=None,
     )
     ignore_checkpoint_mismatch: bool = flag(
-        False, "Resume even if batch sizes, accumulation, processes or data differ.",
+        False, "Resume even if the effective batch or the data differ (another split of the same batch needs no "
+        "flag; samples are never replayed or skipped).",
         step=False, trainer=None, same_run=False,
     )
     max_skipped_steps: int = flag(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from finetune.elastic import trim_ids
+
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
     """transformers' ``LengthGroupedSampler`` (``group_by_length``), its order set by seed and epoch only."""
@@ -62,11 +64,12 @@ def mask_repeats(batches, first_micro_batch: int, micro_batch: int, num_processe
                  dataset_length: int, ignore_index: int):
     """``batches`` (an epoch's micro-batches from number ``first_micro_batch`` on) with each repeated row
     (``repeated_rows``) given ``ignore_index`` labels, so it adds no loss, gradient or item; the rows are kept
-    (every process runs the same number of forward and backward passes)."""
+    (every process runs the same number of forward and backward passes); their sample ids, if the batch carries
+    them (``elastic.SAMPLE_IDS``), are dropped."""
     for index, batch in enumerate(batches, start=first_micro_batch):
         repeats = repeated_rows(index, micro_batch, num_processes, process_index, dataset_length)
         if repeats:
             labels = batch["labels"].clone()
             labels[labels.shape[0] - repeats:] = ignore_index
-            batch = {**batch, "labels": labels}
+            batch = trim_ids({**batch, "labels": labels}, repeats)
         yield batch

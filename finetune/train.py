@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
-from finetune import distributed
+from finetune import distributed, elastic
 from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.config import config_argv, reproduce_command
@@ -87,8 +87,9 @@ def setup(config, recipe) -> Setup:
             global_batch, [len(ids) for ids in datasets["train"]["input_ids"]], config.seed))
     else:  # Accelerate swaps this RandomSampler for its seedable one (data_seed + epoch)
         order = dict(shuffle=True)
-    train_dataloader = DataLoader(datasets["train"], batch_size=config.per_device_train_batch_size, **order,
-                                  **loader_options)
+    # its batches carry their rows' positions: each optimizer step logs the hash of its sample ids (elastic)
+    train_dataloader = DataLoader(elastic.SampleIds(datasets["train"]), batch_size=config.per_device_train_batch_size,
+                                  **order, **{**loader_options, "collate_fn": elastic.with_sample_ids(collator)})
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
     prepared = engine.prepare(config, model, train_dataloader, eval_dataloader)
@@ -106,14 +107,16 @@ class WindowCounts:
     samples: int
     input_tokens: int
     padded_tokens: int
+    sample_ids: str | None = None  # the hash of the window's sample ids over all processes (elastic.window_ids_hash)
 
 
 def count_window(window: list[dict], task, accelerator, repeats: int = 0) -> WindowCounts:
     """The window's ``WindowCounts`` over all processes, known before any backward: one all-reduce (a
     sync point) per window. ``repeats``: this process's rows that repeat samples at the epoch's end
     (``sampling.repeated_rows``), not counted. Raises ``FinetuneError`` (on every process alike) for a window
-    with no item."""
+    with no item. Takes the sample ids out of the batches (``elastic.window_ids_hash``: a second all-reduce)."""
     device = accelerator.device
+    sample_ids = elastic.window_ids_hash(window, accelerator)
     local = torch.stack([sum(task.count(b["labels"]) for b in window),
                          torch.tensor(sum(b["labels"].shape[0] for b in window) - repeats, device=device),
                          sum(b["attention_mask"].sum() for b in window),
@@ -121,7 +124,7 @@ def count_window(window: list[dict], task, accelerator, repeats: int = 0) -> Win
     items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
     if items == 0:
         raise empty_window_error(int(samples))
-    return WindowCounts(items, int(samples), int(input_tokens), int(padded))
+    return WindowCounts(items, int(samples), int(input_tokens), int(padded), sample_ids)
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -198,6 +201,7 @@ class RunState:
                                 writes=built.layout.writes, say=self.accelerator.print,
                                 counts_tokens=isinstance(built.task, CausalLM))
         self.resume_from = None
+        self.resume_notes = []  # what a resume on another split changed (banner lines)
         self.progress_bar = None
         self.trackers = False
         # will a stop signal's step and checkpoint fit the grace before SIGKILL? (the main process says)
@@ -231,6 +235,8 @@ class RunState:
             accelerator.print(f"Resuming from {self.resume_from}: optimizer step {self.progress.step}, epoch "
                               f"{self.progress.epoch}, skipping {self.progress.micro_batches_done} micro-batches of it "
                               "(same data order).")
+            for note in self.resume_notes:
+                accelerator.print(note)
         if config.report_to != "none":
             # hyperparameters as the trackers accept them (no None), under <output_dir>/runs for TensorBoard
             hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
@@ -258,11 +264,20 @@ class RunState:
     def _resume(self, path: Path) -> None:
         loaded = ckpt.read_state(path)
         ckpt.check_compatible(loaded, self.meaning, path, self.config.ignore_checkpoint_mismatch)
+        saved = loaded.step_meaning
+        elastic.refuse_sharded(self.built.engine.name, saved, self.meaning)
+        # the same samples of the seeded order, counted in this launch's micro-batches (any split of B)
+        loaded.samples_done, loaded.micro_batches_done = elastic.resume_position(
+            loaded, saved, self.meaning, len(self.built.train_dataloader.dataset))
+        self.resume_notes = [note for note in (elastic.resume_change(saved, self.meaning),) if note]
         try:
             self.accelerator.load_state(str(path))
         except Exception as err:  # torch/safetensors raise many types for damaged files
             raise FinetuneError(f"checkpoint {path} is corrupt and cannot be loaded ({type(err).__name__}: {err}). "
                                 "Resume from another checkpoint (--resume_from_checkpoint PATH).") from None
+        if elastic.processes_changed(saved, self.meaning):  # the checkpoint's per-process generators do not fit
+            elastic.reseed(self.config.seed, loaded.step)
+            self.resume_notes.append(elastic.RNG_NOTE)
         loaded.step_meaning = self.meaning
         self.book.progress = loaded
 
@@ -319,10 +334,11 @@ class RunState:
             "sum").tolist()
         loss = loss_total / counts.items
         self.progress.micro_batches_done += micro_batches
+        self.progress.samples_done += micro_batches * self.config.per_device_train_batch_size * accelerator.num_processes
         record = book.record_step(loss=loss, samples=counts.samples, items=counts.items, micro_batches=micro_batches,
                                   learning_rate=learning_rate, grad_norm=grad_norm, loss_scale=loss_scale(accelerator),
                                   skipped=skipped, input_tokens=counts.input_tokens, padded_tokens=counts.padded_tokens,
-                                  seconds=seconds)
+                                  seconds=seconds, **({"sample_ids": counts.sample_ids} if counts.sample_ids else {}))
         step = self.progress.step
         self.progress_bar.update(1)
         if step % self.logging_steps == 0:
@@ -351,7 +367,7 @@ class RunState:
             self.evaluate(at_epoch_end=True)
         if last or self.book.stopping_early:  # early stopping at this evaluation ends the run here
             return
-        self.progress.epoch, self.progress.micro_batches_done = self.progress.epoch + 1, 0
+        self.progress.epoch, self.progress.micro_batches_done, self.progress.samples_done = self.progress.epoch + 1, 0, 0
         if self.config.save_strategy == "epoch":
             self.save("end of epoch")
         self.step_mark = time.perf_counter()

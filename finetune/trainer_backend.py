@@ -15,7 +15,7 @@ import torch
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 
 from finetune import checkpoint as ckpt
-from finetune import distributed
+from finetune import distributed, elastic
 from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
@@ -307,6 +307,7 @@ def _resume_checkpoint(config, meaning: dict) -> str | None:
     if saved.is_file():
         state = ckpt.RunProgress(step_meaning=json.loads(saved.read_text()))
         ckpt.check_compatible(state, meaning, Path(path), config.ignore_checkpoint_mismatch)
+        elastic.refuse_trainer_split_change(state.step_meaning, meaning, path)  # also under the flag: no replay
     return str(path)
 
 

@@ -34,6 +34,7 @@ from finetune.argv import given, take_values, wants_help
 from finetune.builders import build_datasets, get_task, raw_datasets
 from finetune.config import check_settings, parse_config
 from finetune.data import load_tokenizer
+from finetune.elastic import SAMPLE_IDS
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError, NumericalError, reports_errors
 from finetune.resolve import resolve
@@ -405,7 +406,7 @@ def _padding_effect(built) -> float | None:
     batch = next(iter(built.train_dataloader))
     if "attention_mask" not in batch:
         return None
-    batch = {k: v for k, v in batch.items() if k != "labels"}
+    batch = {k: v for k, v in batch.items() if k not in ("labels", SAMPLE_IDS)}  # the ids are no model input
     pad_id = getattr(built.tokenizer, "pad_token_id", None) or 0
     longer = {}
     for key, value in batch.items():

@@ -121,7 +121,8 @@ def test_latest_skips_incomplete_and_corrupt_gives_clear_error(tmp_path, tiny_be
 def test_resume_refuses_a_changed_step_meaning(tmp_path, tiny_bert):
     _, out = run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, checkpointing_steps=2,
                             **{**RUN, "num_train_epochs": 1})
-    with pytest.raises(FinetuneError, match="per_device_train_batch_size: checkpoint 2, now 4"):
+    # B = 2 x 3 = 6 samples per step, now 4 x 3 = 12: refused (another split of the same B would resume)
+    with pytest.raises(FinetuneError, match=r"effective batch was B = 6 .*this launch's is B = 12"):
         run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, resume_from_checkpoint="latest",
                        **{**RUN, "num_train_epochs": 1, "per_device_train_batch_size": 4})
     metrics, _ = run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, resume_from_checkpoint="latest",
