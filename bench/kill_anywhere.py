@@ -13,9 +13,10 @@ and sends SIGKILL to one of: every process of the launch (a node lost, an OOM ki
 process (the launcher then tears the rest down), or the launcher alone (its workers see it die). A share of the
 kills is timed inside a checkpoint write: the script polls the checkpoints folder for the temporary folders a
 save makes (``.tmp-step_N``, and ``.replaced-``/``.deleting-`` while it prunes) and kills once one appears; no
-hook in the product. ``--backend trainer``: the same campaign on the Trainer backend, whose saves write Trainer's
-``checkpoint-N`` in place; a save is in progress while such a folder has no ``COMPLETE`` marker yet (the lifecycle
-seals it last), or a ``.deleting-checkpoint-N`` folder is there. A kill counts as inside a save when such a folder is still there after every process is
+hook in the product. ``--backend trainer``: the same campaign on the Trainer backend, where Trainer writes its
+``checkpoint-N`` into ``.tmp-checkpoint/`` and the lifecycle seals it and renames it into place
+(docs/lifecycle.md); a save is in progress while that folder (or ``.replaced-``/``.deleting-checkpoint-N``) is
+there. A kill counts as inside a save when such a folder is still there after every process is
 gone. After each trial the output directory is checked as a resume would (``checkpoint.find_resume_checkpoint``:
 every ``COMPLETE`` checkpoint must verify against its manifest) and the next trial resumes it; a trial that does
 not end within ``--trial_timeout`` seconds is a hang. After the last kill the run finishes, and its final
@@ -50,7 +51,9 @@ from finetune import checkpoint as ckpt  # noqa: E402  (benchlib puts the reposi
 from finetune.bookkeeping import read_log  # noqa: E402
 from finetune.errors import FinetuneError  # noqa: E402
 
-SAVE_FOLDERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", ".deleting-checkpoint-")  # what a save leaves
+# what a save in progress leaves: ours, and the Trainer backend's (Trainer writes into .tmp-checkpoint/checkpoint-N)
+SAVE_FOLDERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", ckpt.TRAINER_STAGING, ".replaced-checkpoint-",
+                ".deleting-checkpoint-")
 TARGETS = ("all", "worker", "launcher")
 
 
@@ -123,14 +126,11 @@ def workers(proc: subprocess.Popen) -> list[psutil.Process]:
 
 
 def save_folders(out: Path) -> set[str]:
-    """The names of the folders of saves in progress (or killed) under ``out``'s checkpoints: the temporary ones,
-    and Trainer's ``checkpoint-N`` folders not sealed yet (no ``COMPLETE`` marker)."""
+    """The names of the temporary folders of saves in progress (or killed) under ``out``'s checkpoints."""
     try:
-        entries = list(os.scandir(ckpt.checkpoints_dir(out)))
+        return {e.name for e in os.scandir(ckpt.checkpoints_dir(out)) if e.name.startswith(SAVE_FOLDERS)}
     except OSError:
         return set()
-    return {e.name for e in entries if e.name.startswith(SAVE_FOLDERS)
-            or (e.name.startswith("checkpoint-") and not os.path.exists(os.path.join(e.path, ckpt.MARKER)))}
 
 
 def wait_all_gone(proc: subprocess.Popen, members: list[psutil.Process], limit: float) -> bool:

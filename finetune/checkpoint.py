@@ -31,10 +31,14 @@ _NAME = re.compile(r"^step_(\d{8})$")
 # the same RunProgress in PROGRESS_FILE (Trainer's ``trainer_state.json`` is there already, its own TrainerState).
 _TRAINER_NAME = re.compile(r"^checkpoint-(\d+)$")
 PROGRESS_FILE = "finetune_progress.json"
+# Trainer writes its checkpoint-N into the folder it is given; the Trainer backend gives it this one under the
+# checkpoints folder, and ``commit_staged`` renames the sealed folder into place, as ``save_checkpoint`` does ours.
+TRAINER_STAGING = ".tmp-checkpoint"
 BACKENDS = ("accelerate", "trainer")
 # Folders a save or a prune leaves behind when killed: never named step_* or checkpoint-*, so never resumed; the
 # next save removes them.
-_LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", ".deleting-checkpoint-")
+_LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", TRAINER_STAGING, ".replaced-checkpoint-",
+              ".deleting-checkpoint-")
 # What the writers of a checkpoint raise when the disk is full or failing (each measured on a full tmpfs, torch
 # 2.13, safetensors 0.8.0, tokenizers 0.23.3, transformers 5.23):
 # - OSError (ENOSPC, EIO, ...): open/write/fsync/os.replace of our own files, and transformers' config and
@@ -346,13 +350,10 @@ def prune(output_dir, newest: Path, best_step: int | None, save_total_limit: int
 
 
 def seal_checkpoint(path: Path, state: RunProgress) -> None:
-    """Make a checkpoint written in place (Trainer's ``checkpoint-<step>``, transformers 5.24 trainer.py
-    ``_save_checkpoint`` lines 3363-3430, writes straight into its final folder) resumable the way ours are: write
-    ``state`` to ``PROGRESS_FILE``, fsync every file, record ``manifest.json``, fsync it, then the ``COMPLETE``
-    marker (naming the manifest's sha256), fsync. Until the marker is there the folder is incomplete and
-    ``latest``/``auto`` skip it; afterwards ``verify_checkpoint`` catches a file changed or truncated. Leftovers
-    of killed prunes are removed first. Raises ``OSError`` from the writes."""
-    _clear_leftovers(path.parent)
+    """Make the checkpoint folder ``path`` resumable the way ours are: write ``state`` to ``PROGRESS_FILE``, fsync
+    every file, record ``manifest.json``, fsync it, then the ``COMPLETE`` marker (naming the manifest's sha256),
+    fsync. Until the marker is there the folder is incomplete and ``latest``/``auto`` skip it; afterwards
+    ``verify_checkpoint`` catches a file changed or truncated. Raises ``OSError`` from the writes."""
     (path / MARKER).unlink(missing_ok=True)  # the same step written again: incomplete until sealed anew
     (path / PROGRESS_FILE).write_text(json.dumps(asdict(state)) + "\n")
     _fsync_tree(path)
@@ -361,6 +362,28 @@ def seal_checkpoint(path: Path, state: RunProgress) -> None:
     (path / MARKER).write_text(_marker_text(state.step, manifest_sha256))
     _fsync_file(path / MARKER)
     _fsync_file(path)
+
+
+def trainer_staging(output_dir) -> Path:
+    """Where the Trainer backend has Trainer write its checkpoints: ``<output_dir>/checkpoints/.tmp-checkpoint``
+    (never resumed; cleared as a leftover)."""
+    return checkpoints_dir(output_dir) / TRAINER_STAGING
+
+
+def commit_staged(staged: Path, final: Path, state: RunProgress) -> None:
+    """Make the Trainer checkpoint ``staged`` (Trainer's ``checkpoint-<step>``, written by transformers 5.24
+    trainer.py ``_save_checkpoint``, lines 3363-3430, straight into the folder it is given: the staging folder)
+    the checkpoint ``final``: sealed (``seal_checkpoint``) then renamed into place, a ``final`` already there
+    renamed aside first, as ``save_checkpoint`` commits ours. A kill before the rename leaves only the staging
+    folder, which no resume considers and the next start clears. Raises ``OSError`` from the writes."""
+    seal_checkpoint(staged, state)
+    _rename_into_place(staged, final)
+    shutil.rmtree(staged.parent, ignore_errors=True)  # the staging folder, empty now
+
+
+def clear_leftovers(output_dir) -> None:
+    """Remove what killed saves and prunes left under ``output_dir``'s checkpoints (never a checkpoint)."""
+    _clear_leftovers(checkpoints_dir(output_dir))
 
 
 class _Failure:
@@ -534,6 +557,12 @@ def _commit(tmp: Path, final: Path, step: int) -> None:
     (tmp / MARKER).write_text(_marker_text(step, manifest_sha256))
     _fsync_file(tmp / MARKER)
     _fsync_file(tmp)
+    _rename_into_place(tmp, final)
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
+    """Rename the complete checkpoint ``tmp`` to ``final``; a ``final`` already there (the same step saved again
+    after a resume) is renamed aside first, so no moment shows a half-deleted checkpoint."""
     aside = final.parent / f".replaced-{final.name}"
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)

@@ -196,22 +196,25 @@ class RunState:
         if push and self.hub is not None:
             self.hub.after_save(path, self.progress.step)
 
-    def seal(self, path: Path, writes: bool, barrier) -> None:
-        """Make the Trainer checkpoint ``path`` of the current step one of ours (``checkpoint.seal_checkpoint``:
-        ``RunProgress``, manifest, ``COMPLETE`` last) once every process wrote its part (``barrier()``), then prune
-        to ``--save_total_limit`` (never the new nor the best one). ``writes``: this process writes the folder.
-        Raises ``FinetuneError`` when the folder cannot be sealed."""
+    def commit_trainer_checkpoint(self, staged: Path, writes: bool, barrier) -> Path:
+        """Make the Trainer checkpoint ``staged`` (``checkpoint-<step>`` in ``checkpoint.trainer_staging``) of the
+        current step one of ours once every process wrote its part (``barrier()``): sealed with this run's
+        ``RunProgress``, manifest and ``COMPLETE`` marker, renamed into place (``checkpoint.commit_staged``), then
+        pruned to ``--save_total_limit`` (never the new nor the best one). ``writes``: this process writes the
+        folder. Returns the checkpoint's path. Raises ``FinetuneError`` when it cannot be written."""
         self.progress.train_runtime = self.train_runtime()
+        final = ckpt.checkpoint_path(self.output_dir, self.progress.step, self.backend)
         barrier()  # every process's random state is in the folder
         if writes:
             try:
-                ckpt.seal_checkpoint(path, self.progress)
+                ckpt.commit_staged(staged, final, self.progress)
             except OSError as err:
-                raise FinetuneError(f"writing checkpoint {path.name} failed ({err}); the previous checkpoints are "
+                raise FinetuneError(f"writing checkpoint {final.name} failed ({err}); the previous checkpoints are "
                                     "intact. Free disk space (or choose another --output_dir) and resume with "
                                     "--resume_from_checkpoint latest.") from None
-            ckpt.prune(self.output_dir, path, self.progress.best_step, self.config.save_total_limit, self.backend)
+            ckpt.prune(self.output_dir, final, self.progress.best_step, self.config.save_total_limit, self.backend)
         barrier()
+        return final
 
     # -------------------------------------------------------------------------------- cleanup
     def finish(self, engine, model, tokenizer, device, written=None) -> dict:

@@ -124,6 +124,13 @@ class FinetuneTrainer(Trainer):
         self.begin_window(counts)
         return masked, torch.tensor(int(counts.items), device=device)
 
+    def _get_output_dir(self, trial) -> str:
+        """Where ``_save_checkpoint`` writes ``checkpoint-<step>`` (transformers 5.24 trainer.py line 3375; the only
+        other caller, line 2028, rotates under ``save_total_limit`` == 1, which the backend turns off): the
+        staging folder (``checkpoint.trainer_staging``), since Trainer writes straight into that folder; the
+        lifecycle seals the checkpoint there and renames it into ``args.output_dir`` (``on_save``)."""
+        return str(ckpt.trainer_staging(Path(self.args.output_dir).parent))
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-batch's loss: ``micro_batch_loss(model, inputs, labels)`` / the window's items."""
         if return_outputs:  # Trainer's own prediction path (unused here: evaluation is evaluate())
@@ -175,6 +182,10 @@ class BookkeepingCallback(TrainerCallback):
         self.window = counts
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.run.layout.writes:  # what killed saves left (a staged checkpoint is never resumed)
+            ckpt.clear_leftovers(self.run.output_dir)
+        self.trainer.accelerator.wait_for_everyone()
+        self._point_at_best(state)  # a resumed TrainerState names the folder it was saved in: the staging one
         self.run.begin_training(model if model is not None else self.trainer.model)
         if self.run.config.eval_on_start and state.global_step == 0:
             self.evaluate(state, control, at_epoch_end=False)
@@ -222,10 +233,22 @@ class BookkeepingCallback(TrainerCallback):
             self.evaluate(state, control, at_epoch_end=True)
 
     def on_save(self, args, state, control, **kwargs):
-        # Trainer wrote checkpoint-<step> in place (_save_checkpoint); seal it, then the hub's callback may push it
-        path = ckpt.checkpoint_path(self.run.output_dir, state.global_step, "trainer")
-        self.run.seal(path, self.run.layout.writes, self.trainer.accelerator.wait_for_everyone)
-        self.run.saved(path, self.run.since_mark(), push=False)  # HubCallback pushes it (after this callback)
+        # Trainer wrote checkpoint-<step> into the staging folder (_get_output_dir); seal it and move it into place,
+        # then the hub's callback (after this one) may push it
+        staged = ckpt.trainer_staging(self.run.output_dir) / f"checkpoint-{state.global_step}"
+        path = self.run.commit_trainer_checkpoint(staged, self.run.layout.writes,
+                                                  self.trainer.accelerator.wait_for_everyone)
+        self._point_at_best(state)
+        self.run.saved(path, self.run.since_mark(), push=False)  # HubCallback pushes it
+
+    def _point_at_best(self, state) -> None:
+        """``state.best_model_checkpoint`` (what ``load_best_model_at_end`` loads) from the run's best step, where
+        that model is a checkpoint (the final model, if best, is the one in memory)."""
+        best = self.run.progress.best_step
+        if best is not None and best < self.run.plan.max_steps:
+            state.best_model_checkpoint = str(ckpt.checkpoint_path(self.run.output_dir, best, "trainer"))
+        elif best is not None:
+            state.best_model_checkpoint = None
 
     def evaluate(self, state, control, at_epoch_end: bool) -> None:
         """Evaluate on Trainer's prepared eval dataloader (``lifecycle.RunState.evaluate``); mirror the best model
@@ -235,9 +258,7 @@ class BookkeepingCallback(TrainerCallback):
                      trainer.processing_class, at_epoch_end)
         if run.new_best:
             state.best_metric, state.best_global_step = run.progress.best_metric, step
-            # the final model, if it is the best, is the one in memory: nothing to load
-            final = step >= state.max_steps
-            state.best_model_checkpoint = None if final else str(Path(trainer.args.output_dir) / f"checkpoint-{step}")
+            self._point_at_best(state)
         if run.book.stopping_early:
             control.should_training_stop = True
 
@@ -287,9 +308,6 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     # Pruning is the lifecycle's, after a checkpoint is sealed (Trainer's rotation runs before: it could leave
     # no complete checkpoint behind a kill).
     trainer.args.save_total_limit = None
-    progress = run.progress
-    if config.metric_for_best_model is not None and progress.best_step is not None and progress.best_step < plan.max_steps:
-        trainer.state.best_model_checkpoint = str(ckpt.checkpoint_path(config.output_dir, progress.best_step, "trainer"))
     run.precision = engine.precision()
     try:
         run.announce(model, trainer.accelerator.device.type)
