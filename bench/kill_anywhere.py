@@ -5,6 +5,7 @@ uninterrupted run's.
     python bench/kill_anywhere.py --kills 30 --json k1.json                # the full campaign, one process
     python bench/kill_anywhere.py --kills 10 --processes 2 --json k2.json  # two gloo processes
     python bench/kill_anywhere.py --elastic --kills 10 --json ke.json      # each restart on 1 or 2 processes
+    python bench/kill_anywhere.py --backend trainer --kills 30 --json kt.json  # the Trainer backend
 
 A tiny BERT (``tests/tiny_models.py``) trains bbc-news through the real launcher (``accelerate launch
 finetune/run.py``), writing a checkpoint after every optimizer step (``--save_steps 1 --save_total_limit 2``, so
@@ -13,7 +14,10 @@ and sends SIGKILL to one of: every process of the launch (a node lost, an OOM ki
 process (the launcher then tears the rest down), or the launcher alone (its workers see it die). A share of the
 kills is timed inside a checkpoint write: the script polls the checkpoints folder for the temporary folders a
 save makes (``.tmp-step_N``, and ``.replaced-``/``.deleting-`` while it prunes) and kills once one appears; no
-hook in the product. A kill counts as inside a save when such a folder is still there after every process is
+hook in the product. ``--backend trainer``: the same campaign on the Trainer backend, where Trainer writes its
+``checkpoint-N`` into ``.tmp-checkpoint/`` and the lifecycle seals it and renames it into place
+(docs/lifecycle.md); a save is in progress while that folder (or ``.replaced-``/``.deleting-checkpoint-N``) is
+there. A kill counts as inside a save when such a folder is still there after every process is
 gone. After each trial the output directory is checked as a resume would (``checkpoint.find_resume_checkpoint``:
 every ``COMPLETE`` checkpoint must verify against its manifest) and the next trial resumes it; a trial that does
 not end within ``--trial_timeout`` seconds is a hang. After the last kill the run finishes, and its final
@@ -45,9 +49,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib as bl  # noqa: E402
 
 from finetune import checkpoint as ckpt  # noqa: E402  (benchlib puts the repository on sys.path)
+from finetune.bookkeeping import read_log  # noqa: E402
 from finetune.errors import FinetuneError  # noqa: E402
 
-SAVE_FOLDERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")  # what a save in progress leaves
+# what a save in progress leaves: ours, and the Trainer backend's (Trainer writes into .tmp-checkpoint/checkpoint-N)
+SAVE_FOLDERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", ckpt.TRAINER_STAGING, ".replaced-checkpoint-",
+                ".deleting-checkpoint-")
 TARGETS = ("all", "worker", "launcher")
 
 
@@ -62,6 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--trial_timeout", type=float, default=180.0, help="seconds before a trial counts as a hang")
     p.add_argument("--work_dir", help="keep the runs here (default: a temporary folder, removed at the end)")
     p.add_argument("--json", help="write the trials and the summary to this file")
+    p.add_argument("--backend", default="accelerate", choices=("accelerate", "trainer"), help="the training loop")
     p.add_argument("--smoke", action="store_true", help="the CI variant: 5 kills, 48 samples, one epoch")
     p.add_argument("--elastic", action="store_true", help="each restart on a random process count, 1 or 2, with "
                    "another split of the same effective batch (run_elastic_campaign)")
@@ -81,7 +89,7 @@ def run_args(model: str, out: Path, args) -> list[str]:
             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
             "--num_train_epochs", str(args.epochs), "--learning_rate", "1e-3", "--warmup_steps", "0", "--seed", "7",
             "--eval_strategy", "epoch", "--save_steps", "1", "--save_total_limit", "2",
-            "--resume_from_checkpoint", "auto", "--ddp_timeout", "60"]
+            "--resume_from_checkpoint", "auto", "--ddp_timeout", "60", "--backend", args.backend]
 
 
 def launch_command(args_list: list[str], processes: int) -> list[str]:
@@ -152,17 +160,17 @@ def kill_everything(proc: subprocess.Popen, members: list[psutil.Process]) -> No
         pass
 
 
-def check_resumable(out: Path) -> tuple[str | None, int | None]:
+def check_resumable(out: Path, backend: str = "accelerate") -> tuple[str | None, int | None]:
     """(problem, step) as a resume sees ``out``: every complete checkpoint verifies, and "auto" finds the newest
     (step None: a fresh start). ``problem`` names what would make the directory unresumable."""
-    for path in ckpt.list_checkpoints(out):
+    for path in ckpt.list_checkpoints(out, backend):
         if ckpt.is_complete(path) and not ckpt.is_resumable(path):
             return f"complete checkpoint {path.name} does not verify", None
     try:
-        path = ckpt.find_resume_checkpoint(out, "auto")
+        path = ckpt.find_resume_checkpoint(out, "auto", backend)
     except FinetuneError as err:
         return str(err), None
-    return None, (int(path.name.removeprefix("step_")) if path is not None else None)
+    return None, (ckpt.step_of(path) if path is not None else None)
 
 
 def final_weights(out: Path) -> dict:
@@ -172,8 +180,7 @@ def final_weights(out: Path) -> dict:
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
-    return [(r["step"], r["loss"]) for r in records if "loss" in r]
+    return [(r["step"], r["loss"]) for r in read_log(out, "step")]
 
 
 def compare(out: Path, reference: Path) -> dict:
@@ -229,7 +236,7 @@ def run_campaign(args) -> dict:  # noqa: C901 - over the budget; to split
         trial = {"trial": len(trials) + 1, "round": round_no, "target": target, "timing": "in save" if in_save else
                  ("random" if not finishing else "to the end"), "delay_s": None, "killed": False,
                  "inside_save": False}
-        before = check_resumable(out)[1]
+        before = check_resumable(out, args.backend)[1]
         stale = save_folders(out)  # left by an earlier killed save: cleared by the next save, not a new one
         proc = start(launch_command(run_args(model, out, args), args.processes), log)
         t0 = time.monotonic()
@@ -262,7 +269,7 @@ def run_campaign(args) -> dict:  # noqa: C901 - over the budget; to split
         trial["exit_code"] = proc.returncode
         trial["seconds"] = round(time.monotonic() - t0, 2)
         trial["inside_save"] = trial["killed"] and bool(save_folders(out) - stale)
-        problem, step = check_resumable(out)
+        problem, step = check_resumable(out, args.backend)
         trial.update(resumed_from=before, resumable_at=step, problem=problem, hung=hung)
         finished = (out / "metrics.json").is_file()
         trial["finished"] = finished
@@ -295,7 +302,7 @@ def run_campaign(args) -> dict:  # noqa: C901 - over the budget; to split
             round_no += 1
             shutil.rmtree(out)
     summary = {
-        "processes": args.processes, "seed": args.seed, "trials": len(trials), "kills": kills,
+        "processes": args.processes, "backend": args.backend, "seed": args.seed, "trials": len(trials), "kills": kills,
         "kills_inside_save": sum(t["inside_save"] for t in trials),
         "kills_by_target": {t: sum(1 for x in trials if x["killed"] and x["target"] == t) for t in TARGETS},
         "unresumable_directories": sum(1 for t in trials if t["problem"]), "hangs": sum(t["hung"] for t in trials),
@@ -317,7 +324,7 @@ def main(argv=None) -> int:
     s = report["summary"]
     s["wall_seconds"] = round(time.monotonic() - t0, 1)
     print(f"\n{s['machine']}")
-    print(f"{s['processes']} process(es), seed {s['seed']}: {s['trials']} trials, {s['kills']} kills "
+    print(f"{s['backend']} backend, {s['processes']} process(es), seed {s['seed']}: {s['trials']} trials, {s['kills']} kills "
           f"({s['kills_inside_save']} inside a save; by target {s['kills_by_target']}), "
           f"{len(s['rounds'])} round(s), unresumable directories {s['unresumable_directories']}, hangs {s['hangs']}, "
           f"{s['wall_seconds']} s")

@@ -1,14 +1,22 @@
-"""Bookkeeping both engines share (output directory, ``log.jsonl``, cadence, best model, early stopping, fp16
-skips). Units: optimizer steps, samples and tokens over all processes, seconds. See docs/design-notes.md#bookkeeping."""
+"""Bookkeeping both backends share (output directory, ``log.jsonl`` and its one reader, cadence, best model, early
+stopping, fp16 skips); the run lifecycle (``finetune.lifecycle.RunState``) holds it. Units: optimizer steps,
+samples and tokens over all processes, seconds. See docs/design-notes.md#bookkeeping.
+
+``log.jsonl``'s schema (one JSON object a line, written by ``Bookkeeping`` only): a step record has ``step``,
+``epoch``, ``loss`` (mean per item over the window), ``learning_rate``, ``grad_norm``, ``samples``,
+``micro_batches``, and where known ``padded_tokens``, ``input_tokens``, ``trained_tokens``, ``step_seconds`` with
+their ``*_per_second`` rates, ``warmup``, ``loss_scale``, ``skipped`` (and the Trainer backend's
+``trainer_logged_loss``); an evaluation record has ``step``, ``epoch`` and the evaluation's ``eval_*`` results, and
+no ``loss``. ``read_log`` reads it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from finetune.checkpoint import RunProgress
 from finetune.errors import FinetuneError, NumericalError
 from finetune.output import clear_output_dir
+from finetune.progress import RunProgress
 from finetune.steps import StepPlan
 
 
@@ -23,6 +31,22 @@ def empty_window_error(samples: int) -> FinetuneError:
 def grad_norm_value(grad_norm) -> float | None:
     """A gradient norm (tensor, float, or None) as a float for the log, or None."""
     return None if grad_norm is None else float(grad_norm)
+
+
+LOG_FILE = "log.jsonl"
+
+
+def read_log(output_dir, kind: str | None = None) -> list[dict]:
+    """The records of ``<output_dir>/log.jsonl`` in order ([] where there is no log); ``kind``: "step" for the
+    optimizer steps only (records with a ``loss``), "eval" for the evaluations only, None for both. Blank lines
+    are skipped. Raises ``ValueError`` for a line that is not JSON."""
+    path = Path(output_dir) / LOG_FILE
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if kind is None:
+        return records
+    return [r for r in records if ("loss" in r) == (kind == "step")]
 
 
 class JsonlLog:
@@ -76,8 +100,8 @@ class Bookkeeping:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "run_config.json").write_text(self.config.to_json() + "\n")
             if resume_step is not None:
-                restore_log(self.output_dir / "log.jsonl", resume_step)
-        self.log = JsonlLog(self.output_dir / "log.jsonl", self.writes, append=resume_step is not None)
+                restore_log(self.output_dir / LOG_FILE, resume_step)
+        self.log = JsonlLog(self.output_dir / LOG_FILE, self.writes, append=resume_step is not None)
 
     def close(self) -> None:
         """Close ``log.jsonl`` (idempotent)."""
@@ -146,15 +170,6 @@ class Bookkeeping:
                 f"{progress.step}): the loss or gradients overflow fp16. Nothing after the last checkpoint was saved. "
                 "Use --mixed_precision bf16 or no, or lower --learning_rate; raise --max_skipped_steps to tolerate more.")
         return record
-
-    def checkpointed_after(self, step: int, at_epoch_end: bool) -> bool:
-        """Whether the model evaluated after ``step`` is kept by the accelerate loop: a checkpoint follows
-        the evaluation (``--save_strategy``), or it is the final model."""
-        if step >= self.plan.max_steps:
-            return True
-        if at_epoch_end:
-            return self.config.save_strategy == "epoch"
-        return self.config.save_strategy == "steps" and step > 0 and step % self.save_steps == 0
 
     def record_evaluation(self, results: dict, seconds: float, checkpointed: bool) -> None:
         """Log an evaluation (``seconds``, kept out of ``train_runtime``), track early stopping and the best

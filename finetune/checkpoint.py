@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from accelerate.utils import gather_object
@@ -20,6 +20,7 @@ from accelerate.utils import gather_object
 from finetune import elastic
 from finetune.config import fields_with
 from finetune.errors import FinetuneError
+from finetune.progress import RunProgress
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -27,9 +28,19 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 HASH_LIMIT = 1 << 20  # files up to 1 MiB (the state files, configs, tokenizer) get a sha256; bigger ones a size
 _NAME = re.compile(r"^step_(\d{8})$")
-# Folders a save or a prune leaves behind when killed: never named step_*, so never resumed; the next save
-# removes them.
-_LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")
+# The Trainer backend's checkpoints: Trainer's own ``checkpoint-<step>`` folders (transformers 5.24
+# trainer_utils.py PREFIX_CHECKPOINT_DIR), sealed by the same manifest and COMPLETE marker (``seal_checkpoint``), with
+# the same RunProgress in PROGRESS_FILE (Trainer's ``trainer_state.json`` is there already, its own TrainerState).
+_TRAINER_NAME = re.compile(r"^checkpoint-(\d+)$")
+PROGRESS_FILE = "finetune_progress.json"
+# Trainer writes its checkpoint-N into the folder it is given; the Trainer backend gives it this one under the
+# checkpoints folder, and ``commit_staged`` renames the sealed folder into place, as ``save_checkpoint`` does ours.
+TRAINER_STAGING = ".tmp-checkpoint"
+BACKENDS = ("accelerate", "trainer")
+# Folders a save or a prune leaves behind when killed: never named step_* or checkpoint-*, so never resumed; the
+# next save removes them.
+_LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", TRAINER_STAGING, ".replaced-checkpoint-",
+              ".deleting-checkpoint-")
 # What the writers of a checkpoint raise when the disk is full or failing (each measured on a full tmpfs, torch
 # 2.13, safetensors 0.8.0, tokenizers 0.23.3, transformers 5.23):
 # - OSError (ENOSPC, EIO, ...): open/write/fsync/os.replace of our own files, and transformers' config and
@@ -55,68 +66,6 @@ _LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_")
 STEP_MEANING = fields_with(step=True)
 
 
-@dataclass
-class RunProgress:
-    """The loop's own state at an optimizer-step boundary (units: optimizer steps, micro-batches per
-    process, samples and label tokens over all processes, seconds)."""
-
-    step: int = 0
-    epoch: int = 0  # the epoch in progress (0-based)
-    micro_batches_done: int = 0  # micro-batches of that epoch already consumed, per process (this launch's plan)
-    samples_done: int = 0  # positions of that epoch's seeded order consumed, over all processes (any plan of B)
-    samples_seen: int = 0
-    tokens_seen: int = 0
-    input_tokens_seen: int = 0
-    padded_tokens_seen: int = 0  # input positions incl. padding (what the model computed on)
-    # throughput over the timed steps: every optimizer step but the first of each start (warm-up)
-    timed_steps: int = 0
-    timed_seconds: float = 0.0
-    timed_samples: int = 0
-    timed_padded_tokens: int = 0
-    timed_input_tokens: int = 0
-    timed_trained_tokens: int = 0
-    skipped_steps: int = 0
-    consecutive_skipped: int = 0
-    step_loss_total: float = 0.0  # sum over optimizer steps of each step's mean loss (train_loss: / step)
-    last_loss: float | None = None
-    best_metric: float | None = None  # --metric_for_best_model's best value so far, and where
-    best_step: int | None = None
-    evals_without_improvement: int = 0  # for --early_stopping_patience
-    patience_best: float | None = None  # the best value of every evaluation (best_metric: of those kept)
-    train_runtime: float = 0.0
-    num_processes: int = 1
-    step_meaning: dict = field(default_factory=dict)
-
-    def record_step(self, loss: float, skipped: bool) -> None:
-        """Count one optimizer step whose mean loss per item was ``loss``."""
-        self.step += 1
-        self.step_loss_total += loss
-        self.last_loss = loss
-        self.skipped_steps += int(skipped)
-        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
-
-    def record_evaluation(self, value: float | None, greater_is_better: bool, checkpointed: bool = True) -> bool:
-        """Track ``--metric_for_best_model`` after an evaluation at ``self.step``. Early stopping counts
-        evaluations without a strict improvement over every evaluation so far (Trainer's
-        ``EarlyStoppingCallback``, threshold 0); the best model is the best evaluation whose model is kept
-        (``checkpointed``: a checkpoint follows it, or it is the final model). Returns whether this
-        evaluation is the new best model."""
-        if value is None:
-            return False
-
-        def better(than):
-            return than is None or (value > than if greater_is_better else value < than)
-
-        if better(self.patience_best):
-            self.patience_best, self.evals_without_improvement = value, 0
-        else:
-            self.evals_without_improvement += 1
-        if checkpointed and better(self.best_metric):
-            self.best_metric, self.best_step = value, self.step
-            return True
-        return False
-
-
 def checkpoints_dir(output_dir) -> Path:
     """``<output_dir>/checkpoints``."""
     return Path(output_dir) / "checkpoints"
@@ -130,12 +79,32 @@ def step_meaning(config, num_processes: int) -> dict:
     return meaning
 
 
-def list_checkpoints(output_dir) -> list[Path]:
-    """Checkpoint directories with a real name, oldest first (complete or not)."""
+def list_checkpoints(output_dir, backend: str = "accelerate") -> list[Path]:
+    """``backend``'s checkpoint directories with a real name (``step_<8 digits>``; Trainer: ``checkpoint-<step>``),
+    oldest first (complete or not)."""
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+    name = _NAME if backend == "accelerate" else _TRAINER_NAME
+    return sorted((p for p in root.iterdir() if p.is_dir() and name.match(p.name)), key=step_of)
+
+
+def step_of(path: Path) -> int:
+    """The optimizer step a checkpoint folder is named after (``step_00000012`` or ``checkpoint-12``: 12)."""
+    match = _NAME.match(path.name) or _TRAINER_NAME.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not named after a step")
+    return int(match[1])
+
+
+def rng_file(backend: str, rank: int, num_processes: int) -> str:
+    """The file in a checkpoint that holds process ``rank``'s random-number state: Accelerate's
+    ``random_states_<rank>.pkl`` (accelerate/checkpointing.py ``save_accelerator_state``), Trainer's
+    ``rng_state_<rank>.pth``, or ``rng_state.pth`` on one process (transformers 5.24 trainer.py
+    ``_save_rng_state``)."""
+    if backend == "accelerate":
+        return f"random_states_{rank}.pkl"
+    return f"rng_state_{rank}.pth" if num_processes > 1 else "rng_state.pth"
 
 
 def is_complete(path: Path) -> bool:
@@ -143,17 +112,17 @@ def is_complete(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def find_resume_checkpoint(output_dir, spec: str) -> Path | None:
+def find_resume_checkpoint(output_dir, spec: str, backend: str = "accelerate") -> Path | None:
     """``spec`` "latest": the newest complete checkpoint under ``output_dir`` that verifies (``verify_checkpoint``;
     incomplete and damaged ones are skipped with a warning naming why); "auto": the same, or None where there is
     no checkpoint at all (a fresh start); otherwise the path ``spec``, which must be complete and verify. Raises
     ``FinetuneError`` if there is none ("latest"), if "auto" finds checkpoints but none verifies
     (``refuse_unverified``: a fresh start would delete or write over them), or the path is incomplete or damaged
-    (naming the file)."""
+    (naming the file). ``backend``: whose checkpoints (``list_checkpoints``)."""
     if spec in ("latest", "auto"):
-        path = newest_complete_checkpoint(output_dir, warn=True)
+        path = newest_complete_checkpoint(output_dir, warn=True, backend=backend)
         if path is None and spec == "auto":
-            refuse_unverified(output_dir)
+            refuse_unverified(output_dir, backend=backend)
         if path is None and spec == "latest":
             raise FinetuneError(f"--resume_from_checkpoint latest: no complete checkpoint under "
                                 f"{checkpoints_dir(output_dir)}. Start without --resume_from_checkpoint.")
@@ -170,11 +139,11 @@ def find_resume_checkpoint(output_dir, spec: str) -> Path | None:
     return path
 
 
-def newest_complete_checkpoint(output_dir, warn: bool = False) -> Path | None:
+def newest_complete_checkpoint(output_dir, warn: bool = False, backend: str = "accelerate") -> Path | None:
     """The newest checkpoint under ``output_dir`` that is complete and verifies (one written before manifests
     counts, unverified), or None. ``warn``: print why each newer one was skipped (and a note for an unverified
     one)."""
-    for path in reversed(list_checkpoints(output_dir)):
+    for path in reversed(list_checkpoints(output_dir, backend)):
         if not is_complete(path):
             if warn:
                 print(f"warning: skipping incomplete checkpoint {path} (no {MARKER} marker: its write was interrupted)")
@@ -190,11 +159,14 @@ def newest_complete_checkpoint(output_dir, warn: bool = False) -> Path | None:
     return None
 
 
-def unverified_checkpoints(output_dir) -> list[tuple[Path, str]]:
+def unverified_checkpoints(output_dir, backend: str = "accelerate") -> list[tuple[Path, str]]:
     """(path, why) for each checkpoint directory under ``output_dir`` that cannot be resumed: incomplete (no
-    ``COMPLETE`` marker) or damaged (``_inspect``: a file missing, truncated or changed), oldest first."""
+    ``COMPLETE`` marker) or damaged (``_inspect``: a file missing, truncated or changed), oldest first; for the
+    Trainer backend also the accelerate backend's, which it cannot resume (``backend``)."""
     found = []
-    for path in list_checkpoints(output_dir):
+    if backend == "trainer":
+        found += [(path, "written by --backend accelerate") for path in list_checkpoints(output_dir)]
+    for path in list_checkpoints(output_dir, backend):
         if not is_complete(path):
             found.append((path, f"no {MARKER} marker (its write was interrupted, or the marker was removed)"))
         else:
@@ -204,12 +176,12 @@ def unverified_checkpoints(output_dir) -> list[tuple[Path, str]]:
     return found
 
 
-def refuse_unverified(output_dir, spec: str = "auto") -> None:
+def refuse_unverified(output_dir, spec: str = "auto", backend: str = "accelerate") -> None:
     """For ``--resume_from_checkpoint auto`` where no checkpoint verifies: raise ``FinetuneError`` naming every
     checkpoint under ``output_dir`` and why it cannot be resumed, and the two ways on, if there is any (``auto``
     never starts a run over checkpoints it could not verify: with ``--overwrite_output_dir`` the fresh start would
     delete them, without it the next saves would write over them). Returns where there are none."""
-    unverified = unverified_checkpoints(output_dir)
+    unverified = unverified_checkpoints(output_dir, backend)
     if not unverified:
         return
     root = checkpoints_dir(output_dir)
@@ -294,15 +266,17 @@ def _inspect(path: Path) -> tuple[str | None, bool]:  # noqa: C901 - over the bu
 
 
 def read_state(path: Path) -> RunProgress:
-    """The ``RunProgress`` saved in checkpoint ``path``. Raises ``FinetuneError`` if it is unreadable."""
+    """The ``RunProgress`` saved in checkpoint ``path`` (``PROGRESS_FILE`` in a Trainer checkpoint, else
+    ``STATE_FILE``). Raises ``FinetuneError`` if it is unreadable."""
+    name = PROGRESS_FILE if _TRAINER_NAME.match(Path(path).name) else STATE_FILE
     try:
-        saved = json.loads((path / STATE_FILE).read_text())
+        saved = json.loads((path / name).read_text())
         if "loss_sum" in saved:  # the names before round 3
             saved["step_loss_total"] = saved.pop("loss_sum")
             saved.setdefault("patience_best", saved.get("best_metric"))
         return RunProgress(**saved)
     except (OSError, ValueError, TypeError) as err:
-        raise FinetuneError(f"checkpoint {path} is corrupt ({STATE_FILE}: {err}). Resume from another checkpoint "
+        raise FinetuneError(f"checkpoint {path} is corrupt ({name}: {err}). Resume from another checkpoint "
                             "(--resume_from_checkpoint PATH) or start again.") from None
 
 
@@ -318,9 +292,10 @@ def check_compatible(state: RunProgress, meaning: dict, path: Path, allow: bool)
             "Resume with the checkpoint's settings, or pass --ignore_checkpoint_mismatch to continue anyway.")
 
 
-def checkpoint_path(output_dir, step: int) -> Path:
-    """``<output_dir>/checkpoints/step_<8 digits>``."""
-    return checkpoints_dir(output_dir) / f"step_{step:08d}"
+def checkpoint_path(output_dir, step: int, backend: str = "accelerate") -> Path:
+    """``<output_dir>/checkpoints/step_<8 digits>`` (Trainer backend: ``checkpoint-<step>``)."""
+    name = f"step_{step:08d}" if backend == "accelerate" else f"checkpoint-{step}"
+    return checkpoints_dir(output_dir) / name
 
 
 def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limit: int | None,
@@ -358,12 +333,61 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
     if writes:
         failure.run("committing", lambda: _commit(tmp, final, state.step))
     _agree(accelerator, failure, final, tmp, writes)
-    if writes and save_total_limit:
-        keep = {final, checkpoint_path(output_dir, state.best_step) if state.best_step is not None else final}
-        complete = [p for p in list_checkpoints(output_dir) if is_complete(p) and p not in keep]
-        for old in complete[: max(len(complete) + 1 - save_total_limit, 0)]:
-            _remove(old, root / f".deleting-{old.name}")
+    if writes:
+        prune(output_dir, final, state.best_step, save_total_limit)
     return final
+
+
+def prune(output_dir, newest: Path, best_step: int | None, save_total_limit: int | None,
+          backend: str = "accelerate") -> None:
+    """Keep at most ``save_total_limit`` complete checkpoints of ``backend``: delete the oldest complete ones,
+    never ``newest`` (just completed) nor ``best_step``'s; incomplete ones are left (a resume skips them, a save of
+    their step replaces them). Each is renamed to ``.deleting-<name>`` before its files go, so a kill mid-way never
+    leaves a named folder with part of its files. None or 0: keep every one."""
+    if not save_total_limit:
+        return
+    root = checkpoints_dir(output_dir)
+    keep = {newest, checkpoint_path(output_dir, best_step, backend) if best_step is not None else newest}
+    complete = [p for p in list_checkpoints(output_dir, backend) if is_complete(p) and p not in keep]
+    for old in complete[: max(len(complete) + 1 - save_total_limit, 0)]:
+        _remove(old, root / f".deleting-{old.name}")
+
+
+def seal_checkpoint(path: Path, state: RunProgress) -> None:
+    """Make the checkpoint folder ``path`` resumable the way ours are: write ``state`` to ``PROGRESS_FILE``, fsync
+    every file, record ``manifest.json``, fsync it, then the ``COMPLETE`` marker (naming the manifest's sha256),
+    fsync. Until the marker is there the folder is incomplete and ``latest``/``auto`` skip it; afterwards
+    ``verify_checkpoint`` catches a file changed or truncated. Raises ``OSError`` from the writes."""
+    (path / MARKER).unlink(missing_ok=True)  # the same step written again: incomplete until sealed anew
+    (path / PROGRESS_FILE).write_text(json.dumps(asdict(state)) + "\n")
+    _fsync_tree(path)
+    manifest_sha256 = write_manifest(path, state.step)
+    _fsync_file(path / MANIFEST)
+    (path / MARKER).write_text(_marker_text(state.step, manifest_sha256))
+    _fsync_file(path / MARKER)
+    _fsync_file(path)
+
+
+def trainer_staging(output_dir) -> Path:
+    """Where the Trainer backend has Trainer write its checkpoints: ``<output_dir>/checkpoints/.tmp-checkpoint``
+    (never resumed; cleared as a leftover)."""
+    return checkpoints_dir(output_dir) / TRAINER_STAGING
+
+
+def commit_staged(staged: Path, final: Path, state: RunProgress) -> None:
+    """Make the Trainer checkpoint ``staged`` (Trainer's ``checkpoint-<step>``, written by transformers 5.24
+    trainer.py ``_save_checkpoint``, lines 3363-3430, straight into the folder it is given: the staging folder)
+    the checkpoint ``final``: sealed (``seal_checkpoint``) then renamed into place, a ``final`` already there
+    renamed aside first, as ``save_checkpoint`` commits ours. A kill before the rename leaves only the staging
+    folder, which no resume considers and the next start clears. Raises ``OSError`` from the writes."""
+    seal_checkpoint(staged, state)
+    _rename_into_place(staged, final)
+    shutil.rmtree(staged.parent, ignore_errors=True)  # the staging folder, empty now
+
+
+def clear_leftovers(output_dir) -> None:
+    """Remove what killed saves and prunes left under ``output_dir``'s checkpoints (never a checkpoint)."""
+    _clear_leftovers(checkpoints_dir(output_dir))
 
 
 class _Failure:
@@ -537,6 +561,12 @@ def _commit(tmp: Path, final: Path, step: int) -> None:
     (tmp / MARKER).write_text(_marker_text(step, manifest_sha256))
     _fsync_file(tmp / MARKER)
     _fsync_file(tmp)
+    _rename_into_place(tmp, final)
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
+    """Rename the complete checkpoint ``tmp`` to ``final``; a ``final`` already there (the same step saved again
+    after a resume) is renamed aside first, so no moment shows a half-deleted checkpoint."""
     aside = final.parent / f".replaced-{final.name}"
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)

@@ -19,6 +19,7 @@ except ImportError:
     plt = None
 
 from finetune import distributed
+from finetune.bookkeeping import read_log
 from finetune.config import config_argv, fields_with, parse_config, reproduce_command
 from finetune.errors import FinetuneError, reports_errors
 from finetune.recipes import load_recipe
@@ -35,10 +36,6 @@ def child_argv(config, recipe, backend: str, output_dir: Path) -> list[str]:
     recipe plus every setting that differs from its defaults), into ``output_dir``."""
     return config_argv(config, recipe, exclude=_NOT_PASSED) + [
         "--backend", backend, "--output_dir", str(output_dir), "--overwrite_output_dir", "True"]
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def summarize(runs: dict[str, dict]) -> dict:
@@ -149,7 +146,7 @@ def compare(config) -> dict:
         result = subprocess.run([sys.executable, "-m", "finetune.run", *child_argv(config, recipe, backend, out / backend)])
         if result.returncode != 0:
             raise FinetuneError(f"the {backend} backend failed (exit {result.returncode}); its output is above.")
-        steps = [r for r in _read_jsonl(out / backend / "log.jsonl") if "loss" in r]
+        steps = read_log(out / backend, "step")
         runs[backend] = {"metrics": json.loads((out / backend / "metrics.json").read_text()), "steps": steps,
                          "wall_time": round(time.time() - start, 3)}
     summary = summarize(runs)

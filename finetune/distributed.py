@@ -288,21 +288,22 @@ class _NoCheckpoint(Exception):
     """``--resume_from_checkpoint auto`` found no checkpoint on this process."""
 
 
-def held_checkpoints(state, output_dir) -> list[int]:
+def held_checkpoints(state, output_dir, backend: str = "accelerate") -> list[int]:
     """The steps this process could resume from in its ``output_dir``: complete checkpoints that verify
     (``checkpoint.is_resumable``) and hold this process's random-number state where they were written by as many
-    processes (``random_states_<rank>.pkl``), oldest first."""
+    processes (``checkpoint.rng_file``), oldest first. ``backend``: whose checkpoints."""
     held = []
-    for path in ckpt.list_checkpoints(output_dir):
+    for path in ckpt.list_checkpoints(output_dir, backend):
         if not ckpt.is_resumable(path):
             continue
         try:
             saved = ckpt.read_state(path)
         except FinetuneError:
             continue
-        if saved.num_processes == state.num_processes and not (path / f"random_states_{state.process_index}.pkl").is_file():
+        rng = ckpt.rng_file(backend, state.process_index, state.num_processes)
+        if saved.num_processes == state.num_processes and not (path / rng).is_file():
             continue
-        held.append(int(path.name.removeprefix("step_")))
+        held.append(ckpt.step_of(path))
     return held
 
 
@@ -316,7 +317,7 @@ def common_checkpoint(outcomes: list[dict]) -> int | None:
     return max(common) if common else None
 
 
-def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:  # noqa: C901 - over the budget; to split
+def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate") -> Path | None:  # noqa: C901 - over the budget; to split
     """The checkpoint to resume from (``checkpoint.find_resume_checkpoint`` in this process's
     ``output_dir``), checked to be the same step on every process (collective; every process calls it).
 
@@ -327,16 +328,17 @@ def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:  # noqa: C
     are exchanged. If they differ, "auto" takes the newest checkpoint every process holds complete and verified
     (``common_checkpoint``) and says so; otherwise (or where no step is held by all) every process raises the
     same ``FinetuneError`` naming which machine and rank lacks what, and how to fix it: copy the checkpoint to
-    the machine that lacks it, or resume every machine from a step all of them hold.
+    the machine that lacks it, or resume every machine from a step all of them hold. ``backend``: whose
+    checkpoints (the Trainer backend's ``checkpoint-<step>`` folders are sealed and checked alike).
     """
     mine: dict = {"name": None, "error": None, "step": None}
     caught = None
     try:
-        path = ckpt.find_resume_checkpoint(output_dir, spec)
+        path = ckpt.find_resume_checkpoint(output_dir, spec, backend)
         if path is None:  # "auto" with no checkpoint: a fresh start, if every process agrees
             raise _NoCheckpoint()
         saved = ckpt.read_state(path)
-        rng = path / f"random_states_{state.process_index}.pkl"
+        rng = path / ckpt.rng_file(backend, state.process_index, state.num_processes)
         if saved.num_processes == state.num_processes and not rng.is_file():
             raise FinetuneError(f"checkpoint {path} lacks this process's random-number state ({rng.name})")
         mine.update(name=path.name, step=saved.step)
@@ -348,7 +350,7 @@ def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:  # noqa: C
         if caught is not None:
             raise caught
         return path
-    mine.update(machine=machine_index(state), rank=state.process_index, held=held_checkpoints(state, output_dir),
+    mine.update(machine=machine_index(state), rank=state.process_index, held=held_checkpoints(state, output_dir, backend),
                 dir=str(Path(output_dir).resolve()))
     outcomes = gather_object([mine])
     names = {o["name"] for o in outcomes}
@@ -357,7 +359,7 @@ def agree_on_checkpoint(state, output_dir, spec: str) -> Path | None:  # noqa: C
     machines = num_machines(state)
     common = common_checkpoint(outcomes) if spec == "auto" else None
     if common is not None:
-        chosen = ckpt.checkpoint_path(output_dir, common)
+        chosen = ckpt.checkpoint_path(output_dir, common, backend)
         if state.is_main_process:
             newest = "; ".join(f"{describe(where, machines)}: {name or 'none'}"
                                for name, where in _group([{**o, "name": o["name"] or "none"} for o in outcomes],

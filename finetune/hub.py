@@ -35,7 +35,7 @@ END_IGNORE = ["checkpoints/step_*", "checkpoints/checkpoint-*", "checkpoints/.*"
 # A checkpoint's model files (every_save: weights, config, generation config, tokenizer), not its training state.
 # Trainer copies CONFIG_NAME, GENERATION_CONFIG_NAME, the weights and the tokenizer the same way.
 MODEL_FILES = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
-TRAINING_STATE = ["trainer_state.json", "manifest.json", "finetune_step_meaning.json", "optimizer*", "scheduler*",
+TRAINING_STATE = ["trainer_state.json", "manifest.json", "finetune_progress.json", "optimizer*", "scheduler*",
                   "random_states*", "rng_state*", "scaler*"]
 WHOAMI_TIMEOUT_S = 15.0  # huggingface_hub's session has no timeout (utils/_http.py: timeout=None)
 

@@ -1,5 +1,5 @@
 """What a run tells: the banner at the start, ``log.jsonl`` while it trains, and at the end the model
-directory, ``metrics.json``, the model card and the summary. One writer for both engines.
+directory, ``metrics.json``, the model card and the summary. One writer for both backends.
 
 Units: seconds, bytes, samples; losses are mean per item (sample, or label token for causal LM), nats.
 """
@@ -115,11 +115,11 @@ def throughput(state, runtime: float, model, config, device, num_processes: int 
 
 def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, precision: str, device,
                 model, eval_runtime: float, process_start: float | None) -> dict:
-    """The ``metrics.json`` dict, the same for both engines.
+    """The ``metrics.json`` dict, the same for both backends.
 
     ``state``: a ``checkpoint.RunProgress`` (counts over all processes: ``samples_seen``; ``tokens_seen``,
     label tokens, 0 for classification; ``input_tokens_seen``, non-padding inputs; ``padded_tokens_seen``,
-    input positions with padding, 0 where the engine cannot see its batches; ``step_loss_total`` over optimizer
+    input positions with padding, 0 where the backend cannot see its batches; ``step_loss_total`` over optimizer
     steps of each step's mean loss; ``train_runtime`` seconds, evaluation excluded). ``plan``: the
     ``steps.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
     token counts, rates and FLOP/s as ``throughput`` gives them.
@@ -164,7 +164,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
 
 
 def write_outputs(engine, model, tokenizer, config, recipe, metrics: dict, writes: bool) -> None:
-    """The end of a run, for both engines: the model directory (``engine.save_model``), ``metrics.json`` and
+    """The end of a run, for both backends: the model directory (``engine.save_model``), ``metrics.json`` and
     the model card (``README.md``, with the command that reproduces the run) in ``config.output_dir``,
     written by the processes with ``writes``."""
     output_dir = Path(config.output_dir)

@@ -1,4 +1,4 @@
-"""The accelerate engine: ``setup()`` asks the engine seam (``finetune.engine``), then one visible ``train()``
+"""The accelerate backend: ``setup()`` asks the engine seam (``finetune.engine``), then one visible ``train()``
 loop with exact accumulation inline. Each micro-batch's summed loss is divided by the items of its whole window
 over all processes (a partial last window weighs its true size); clipping on the sync micro-batch only; the
 schedule advances only after a real optimizer step. Under an engine that steps inside ``backward``
@@ -17,21 +17,19 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
-from finetune import distributed, elastic
-from finetune.bookkeeping import Bookkeeping, empty_window_error
+from finetune import distributed, elastic, lifecycle
 from finetune.builders import build_components, get_task
 from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
-from finetune.evaluation import check_eval_set, evaluate, generation_eval, write_generations
+from finetune.evaluation import check_eval_set
+from finetune.lifecycle import WindowCounts, count_window
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
-from finetune.preemption import SaveBudget
-from finetune.reporting import run_banner, run_metrics, write_outputs
 from finetune.sampling import EpochSeededLengthGroupedSampler, iter_windows, mask_repeats, window_repeats
 from finetune.signals import GracefulStop
 from finetune.steps import StepPlan
-from finetune.tasks import IGNORE_INDEX, CausalLM
+from finetune.tasks import IGNORE_INDEX
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -98,35 +96,6 @@ def setup(config, recipe) -> Setup:
                  raw_validation, layout, loss_function(task, config, accelerator))
 
 
-@dataclass
-class WindowCounts:
-    """An accumulation window's sizes, summed over all processes: loss ``items`` (samples, or label tokens
-    for causal LM), ``samples``, non-padding ``input_tokens`` and ``padded_tokens`` (input positions)."""
-
-    items: float
-    samples: int
-    input_tokens: int
-    padded_tokens: int
-    sample_ids: str | None = None  # the hash of the window's sample ids over all processes (elastic.window_ids_hash)
-
-
-def count_window(window: list[dict], task, accelerator, repeats: int = 0) -> WindowCounts:
-    """The window's ``WindowCounts`` over all processes, known before any backward: one all-reduce (a
-    sync point) per window. ``repeats``: this process's rows that repeat samples at the epoch's end
-    (``sampling.repeated_rows``), not counted. Raises ``FinetuneError`` (on every process alike) for a window
-    with no item. Takes the sample ids out of the batches (``elastic.window_ids_hash``: a second all-reduce)."""
-    device = accelerator.device
-    sample_ids = elastic.window_ids_hash(window, accelerator)
-    local = torch.stack([sum(task.count(b["labels"]) for b in window),
-                         torch.tensor(sum(b["labels"].shape[0] for b in window) - repeats, device=device),
-                         sum(b["attention_mask"].sum() for b in window),
-                         torch.tensor(sum(b["attention_mask"].numel() for b in window), device=device)])
-    items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
-    if items == 0:
-        raise empty_window_error(int(samples))
-    return WindowCounts(items, int(samples), int(input_tokens), int(padded), sample_ids)
-
-
 # ------------------------------------------------------------------------------------------ the loop
 def train(config, recipe, process_start: float | None = None, build=None, hub=None) -> dict:
     """Fine-tune ``recipe`` with ``config``; write the model, ``metrics.json``, ``log.jsonl``, the model card
@@ -182,91 +151,57 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
 
 
 # ------------------------------------------------------------------------------------------ around the loop
-class RunState:
-    """What the loop needs around it: resuming, trackers, the progress bar, guards, checkpoints and the final
-    outputs; the records and cadence both engines share are ``bookkeeping.Bookkeeping``'s. A context
-    manager: whatever ends the loop (success, an error, a signal), the progress bar, the log and the
-    trackers are closed."""
+class RunState(lifecycle.RunState):
+    """The run lifecycle (``lifecycle.RunState``: counters, log, resume, evaluation, timers, final outputs) plus
+    what this loop asks of it: the epoch's batches, guards, the step's reduction and signals, checkpoints,
+    trackers and the progress bar. A context manager: whatever ends the loop (success, an error, a signal), the
+    progress bar, the log and the trackers are closed."""
 
     def __init__(self, built: Setup, config, recipe, process_start: float | None, hub=None):
-        self.built, self.config, self.recipe, self.process_start = built, config, recipe, process_start
-        self.hub = hub  # finetune.hub.HubPush or None
-        self.accelerator = built.accelerator
-        self.output_dir = Path(config.output_dir)
-        self.plan = built.plan
+        accelerator = built.accelerator
+        super().__init__(config, recipe, backend="accelerate", plan=built.plan, num_processes=accelerator.num_processes,
+                         task=built.task, layout=built.layout, precision=built.precision, say=accelerator.print,
+                         main=accelerator.is_main_process, raw_validation=built.raw_validation, hub=hub,
+                         process_start=process_start)
+        self.built, self.accelerator = built, accelerator
         self.logging_steps = max(self.plan.steps(config.logging_steps), 1)
-        self.meaning = ckpt.step_meaning(config, self.accelerator.num_processes)
-        self.book = Bookkeeping(config, self.plan, ckpt.RunProgress(num_processes=self.accelerator.num_processes,
-                                                                    step_meaning=self.meaning),
-                                writes=built.layout.writes, say=self.accelerator.print,
-                                counts_tokens=isinstance(built.task, CausalLM))
-        self.resume_from = None
-        self.resume_notes = []  # what a resume on another split changed (banner lines)
         self.progress_bar = None
         self.trackers = False
-        # will a stop signal's step and checkpoint fit the grace before SIGKILL? (the main process says)
-        self.budget = SaveBudget(config.preemption_grace_seconds, self.accelerator.print,
-                                 active=self.accelerator.is_main_process)
-        self.step_mark = None  # time.perf_counter() when the optimizer step in progress began
-
-    @property
-    def progress(self) -> ckpt.RunProgress:
-        """The counters a checkpoint holds."""
-        return self.book.progress
 
     # -------------------------------------------------------------------------------- start and end
     def __enter__(self) -> "RunState":
         config, accelerator = self.config, self.accelerator
-        if config.resume_from_checkpoint:
-            # every process must resume from the same step, also where each machine has its own files
-            self.resume_from = distributed.agree_on_checkpoint(accelerator, self.output_dir, config.resume_from_checkpoint)
-            if self.resume_from is None:
-                accelerator.print(f"--resume_from_checkpoint auto: no complete checkpoint under "
-                                  f"{ckpt.checkpoints_dir(self.output_dir)}; starting a fresh run.")
-            else:
-                distributed.agree(lambda: self._resume(self.resume_from), accelerator)
-        self.book.open(self.progress.step if self.resume_from is not None else None)
+        self.resume(accelerator, self._load)
+        self.open()
         accelerator.wait_for_everyone()
-        accelerator.print(run_banner(config, accelerator.num_processes, self.plan, self.built.precision,
-                                     accelerator.device.type, self.built.model))
-        if self.built.engine.note:
-            accelerator.print(self.built.engine.note)
-        if self.resume_from is not None:
-            accelerator.print(f"Resuming from {self.resume_from}: optimizer step {self.progress.step}, epoch "
-                              f"{self.progress.epoch}, skipping {self.progress.micro_batches_done} micro-batches of it "
-                              "(same data order).")
-            for note in self.resume_notes:
-                accelerator.print(note)
+        self.announce(self.built.model, accelerator.device.type, self.built.engine.note)
         if config.report_to != "none":
             # hyperparameters as the trackers accept them (no None), under <output_dir>/runs for TensorBoard
             hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
                        for k, v in config.to_dict().items() if v is not None}
             accelerator.init_trackers("runs", config=hparams)
             self.trackers = True
-        self.budget.start(self.built.model, self.output_dir)
         self.progress_bar = tqdm(total=self.plan.max_steps, initial=self.progress.step, desc="Training", unit="step",
                                  disable=not accelerator.is_local_main_process)
-        self.runtime_before, self.train_start = self.progress.train_runtime, time.perf_counter()
-        self.samples_at_start = self.progress.samples_seen
+        self.begin_training(self.built.model)
         if config.eval_on_start and self.progress.step == 0:
             self.evaluate(at_epoch_end=False)
-        self.step_mark = time.perf_counter()
+        self.mark()
         return self
 
     def __exit__(self, *exc) -> None:
         if self.progress_bar is not None:
             self.progress_bar.close()
-        self.book.close()
+        self.close()
         if self.trackers:
             self.accelerator.end_training()
             self.trackers = False
 
-    def _resume(self, path: Path) -> None:
-        loaded = ckpt.read_state(path)
-        ckpt.check_compatible(loaded, self.meaning, path, self.config.ignore_checkpoint_mismatch)
+    def _load(self, path: Path, loaded) -> None:
+        """The accelerate backend's state from ``path``; ``loaded``: the checkpoint's ``RunProgress``, its position
+        moved to this launch's split of B (``elastic.resume_position``: the same samples of the seeded order)."""
         saved = loaded.step_meaning
         elastic.refuse_sharded(self.built.engine.name, saved, self.meaning)
-        # the same samples of the seeded order, counted in this launch's micro-batches (any split of B)
         loaded.samples_done, loaded.micro_batches_done = elastic.resume_position(
             loaded, saved, self.meaning, len(self.built.train_dataloader.dataset))
         self.resume_notes = [note for note in (elastic.resume_change(saved, self.meaning),) if note]
@@ -278,8 +213,6 @@ class RunState:
         if elastic.processes_changed(saved, self.meaning):  # the checkpoint's per-process generators do not fit
             elastic.reseed(self.config.seed, loaded.step)
             self.resume_notes.append(elastic.RNG_NOTE)
-        loaded.step_meaning = self.meaning
-        self.book.progress = loaded
 
     # -------------------------------------------------------------------------------- the loop's questions
     @property
@@ -325,8 +258,7 @@ class RunState:
         """Account for the optimizer step just taken (``Bookkeeping.record_step``), trackers and progress; then
         a signal, and the evaluation and checkpoint cadence."""
         accelerator, book = self.accelerator, self.book
-        seconds = time.perf_counter() - self.step_mark
-        self.budget.step(seconds)
+        seconds = self.step_seconds()
         # One reduction per optimizer step: the window's loss, and whether any process was signalled (every
         # process must stop at the same step).
         loss_total, stop_votes = accelerator.reduce(
@@ -335,7 +267,7 @@ class RunState:
         loss = loss_total / counts.items
         self.progress.micro_batches_done += micro_batches
         self.progress.samples_done += micro_batches * self.config.per_device_train_batch_size * accelerator.num_processes
-        record = book.record_step(loss=loss, samples=counts.samples, items=counts.items, micro_batches=micro_batches,
+        record = self.record_step(loss=loss, samples=counts.samples, items=counts.items, micro_batches=micro_batches,
                                   learning_rate=learning_rate, grad_norm=grad_norm, loss_scale=loss_scale(accelerator),
                                   skipped=skipped, input_tokens=counts.input_tokens, padded_tokens=counts.padded_tokens,
                                   seconds=seconds, **({"sample_ids": counts.sample_ids} if counts.sample_ids else {}))
@@ -357,7 +289,7 @@ class RunState:
             self.evaluate(at_epoch_end=False)
         if book.save_after_step(step):
             self.save(f"every {book.save_steps} steps")
-        self.step_mark = time.perf_counter()
+        self.mark()
 
     def end_epoch(self) -> None:
         """After an epoch (or the last, partial one): evaluate per ``--eval_strategy``, then move to the next
@@ -370,39 +302,26 @@ class RunState:
         self.progress.epoch, self.progress.micro_batches_done, self.progress.samples_done = self.progress.epoch + 1, 0, 0
         if self.config.save_strategy == "epoch":
             self.save("end of epoch")
-        self.step_mark = time.perf_counter()
+        self.mark()
 
     # -------------------------------------------------------------------------------- evaluation, checkpoints
     def evaluate(self, at_epoch_end: bool) -> None:
-        """Evaluate now (loss and metrics, then generation for SFT recipes); record it."""
-        built, start = self.built, time.perf_counter()
-        results = evaluate(self.accelerator, built.model, built.eval_dataloader, built.task, built.metric_specs)
-        generated, predictions = generation_eval(self.accelerator, built.model, built.tokenizer,
-                                                 built.raw_validation, self.recipe, self.config)
-        results.update(generated)
-        if predictions and self.book.writes:
-            write_generations(self.output_dir, built.raw_validation, predictions)
+        """Evaluate now (``lifecycle.RunState.evaluate``) and tell the trackers."""
+        built = self.built
+        results = super().evaluate(self.accelerator, built.model, built.eval_dataloader, built.tokenizer, at_epoch_end)
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()},
                                  step=self.progress.step)
-        step = self.progress.step
-        self.book.record_evaluation(results, time.perf_counter() - start, self.book.checkpointed_after(step, at_epoch_end))
 
     def save(self, reason: str, push: bool = True) -> Path:
         """Write a checkpoint of the state after the current optimizer step (collective); ``push``: then hand it
         to ``--push_to_hub`` (``HubPush.after_save``: in the background, per ``--hub_strategy``)."""
-        self.progress.train_runtime = self._train_runtime()
+        self.progress.train_runtime = self.train_runtime()
         start = time.perf_counter()
         path = ckpt.save_checkpoint(self.accelerator, self.output_dir, self.progress, self.config.save_total_limit,
                                     model=self.built.model, tokenizer=self.built.tokenizer, layout=self.built.layout)
-        self.accelerator.print(f"checkpoint ({reason}): {path}")
-        self.budget.saved(time.perf_counter() - start)
-        if push and self.hub is not None:
-            self.hub.after_save(path, self.progress.step)
+        self.saved(path, time.perf_counter() - start, reason, push)
         return path
-
-    def _train_runtime(self) -> float:
-        return self.runtime_before + time.perf_counter() - self.train_start - self.book.eval_runtime
 
     def resume_command(self) -> str:
         """The command that continues this run from its newest checkpoint (on several machines: the one for
@@ -415,23 +334,12 @@ class RunState:
                                  machine_flags=distributed.machine_flags(self.built.layout))
 
     def finish(self) -> dict:
-        """After the loop: load the best checkpoint if asked, write the model, ``metrics.json`` and the model
-        card; return the metrics."""
+        """After the loop: load the best checkpoint if asked, then the final outputs (``lifecycle.RunState.finish``);
+        return the metrics."""
         progress, accelerator = self.progress, self.accelerator
-        progress.train_runtime = self._train_runtime()
         if self.config.load_best_model_at_end and progress.best_step is not None and progress.best_step != progress.step:
             best = ckpt.checkpoint_path(self.output_dir, progress.best_step)
             accelerator.print(f"loading the best model: step {progress.best_step} ({self.config.best_metric_key} "
                               f"{progress.best_metric:.4f}) from {best}")
             accelerator.load_state(str(best))
-        metrics = run_metrics(self.config, progress, self.book.final_eval_results(), plan=self.plan,
-                              num_processes=accelerator.num_processes, precision=self.built.precision,
-                              device=accelerator.device, model=self.built.model, eval_runtime=self.book.eval_runtime,
-                              process_start=self.process_start)
-        if self.resume_from is not None:
-            metrics["resumed_from"] = str(self.resume_from)
-        write_outputs(self.built.engine, self.built.model, self.built.tokenizer, self.config, self.recipe, metrics,
-                      writes=self.book.writes)
-        if self.hub is not None:
-            self.hub.at_end(self.output_dir)
-        return metrics
+        return super().finish(self.built.engine, self.built.model, self.built.tokenizer, accelerator.device)

@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from finetune import distributed, trainer_backend
 from finetune import train as accelerate_backend
 from finetune.argv import given, take_values, wants_help
+from finetune.bookkeeping import read_log
 from finetune.builders import build_datasets, get_task, raw_datasets
 from finetune.config import check_settings, parse_config
 from finetune.data import load_tokenizer
@@ -381,13 +382,6 @@ def _random_modules(model, batch) -> list[str]:
     return [n for n in random if not any(o != n and (n == "" or o.startswith(n + ".")) for o in random)]
 
 
-def _read_log(out: Path) -> list[dict]:
-    path = out / "log.jsonl"
-    if not path.is_file():
-        return []
-    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if "loss" in r]
-
-
 def _unclip(gradients: dict, grad_norm: float | None, max_norm: float) -> dict:
     """Step 1's gradients before clipping: torch's ``clip_grad_norm_`` multiplied them by
     ``min(1, max_norm / (norm + 1e-6))`` (torch 2.13 ``nn/utils/clip_grad.py`` ``_clip_grads_with_norm_``)."""
@@ -509,7 +503,7 @@ def _train_way(way: Way, config, recipe, observer: _Observer, keep: bool, outcom
 def _read_outcome(outcome: Outcome, out: Path, observer: _Observer, base) -> None:
     """Fill ``outcome`` from the way's ``log.jsonl`` (losses, items, samples, skips) and the observed gradients
     of each optimizer step that was not skipped, unclipped with that step's logged norm."""
-    records = _read_log(out)
+    records = read_log(out, "step")
     outcome.losses = [r["loss"] for r in records]
     outcome.items = [r.get("trained_tokens", r.get("items", r["samples"])) for r in records]
     outcome.samples = [r["samples"] for r in records]

@@ -151,7 +151,9 @@ def test_the_trainer_backend_keeps_a_copy_on_each_machine(tmp_path, tiny_bert):
         # closely, the weights by the relative norm of the whole difference
         assert [r["loss"] for r in train_steps(out)] == pytest.approx(expected, rel=1e-3)
         checkpoint = out / "checkpoints" / "checkpoint-4"
-        assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "finetune_step_meaning.json").is_file()
+        # Trainer's state, and ours: the progress (with what a step means), manifest and COMPLETE marker
+        assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "finetune_progress.json").is_file()
+        assert (checkpoint / "COMPLETE").is_file() and (checkpoint / "manifest.json").is_file()
         assert (checkpoint / f"rng_state_{rank}.pth").is_file()  # this machine's process resumes from its own copy
         final, single = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
         assert final.keys() == single.keys()

@@ -4,6 +4,7 @@ TrainingArguments in one tested place."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -165,36 +166,55 @@ def test_trainer_counts_gpt2_items_by_the_task_not_by_the_class_name(tmp_path):
 
 
 def test_trainer_auto_resume_never_starts_over_checkpoints_it_cannot_resume(tmp_path, capsys):
-    """``--resume_from_checkpoint auto`` on the Trainer backend. Trainer writes ``trainer_state.json`` last in a
-    checkpoint (transformers 5.24 ``trainer.py`` ``_save_checkpoint``: model, optimizer, scheduler, RNG, then
-    ``self.state.save_to_json(...)``), so a folder without it was interrupted: skipped with a warning for the
-    previous one (before: "no Trainer checkpoint", no resume at all). Where none can be resumed, or only the
-    accelerate backend's ``step_*`` checkpoints are there, it refuses naming them (before: the latter was a fresh
-    start, and with --overwrite_output_dir its first act deleted them)."""
-    from types import SimpleNamespace
-
-    from finetune import trainer_backend
+    """``--resume_from_checkpoint auto`` on the Trainer backend. Trainer writes a checkpoint straight into its
+    final folder (transformers 5.24 ``trainer.py`` ``_save_checkpoint``), so the lifecycle seals it afterwards like
+    ours (``checkpoint.seal_checkpoint``: progress, manifest, ``COMPLETE`` last); a folder without the marker was
+    interrupted: skipped with a warning for the previous one. Where none can be resumed, or only the accelerate
+    backend's ``step_*`` checkpoints are there, it refuses naming them (a fresh start would delete or write over
+    them)."""
+    from finetune import checkpoint as ckpt
+    from finetune.progress import RunProgress
 
     root = tmp_path / "checkpoints"
-    config = SimpleNamespace(resume_from_checkpoint="auto", output_dir=str(tmp_path), ignore_checkpoint_mismatch=False)
     for step in (2, 4, 10):
         (root / f"checkpoint-{step}").mkdir(parents=True)
-    (root / "checkpoint-2" / "trainer_state.json").write_text("{}")
-    assert trainer_backend._resume_checkpoint(config, {}) == str(root / "checkpoint-2")
+        (root / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")  # Trainer's own: not enough
+    ckpt.seal_checkpoint(root / "checkpoint-2", RunProgress(step=2))
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto", "trainer") == root / "checkpoint-2"
     out = capsys.readouterr().out
-    assert f"warning: skipping incomplete Trainer checkpoint {root / 'checkpoint-10'}" in out
-    assert f"warning: skipping incomplete Trainer checkpoint {root / 'checkpoint-4'}" in out
-    (root / "checkpoint-2" / "trainer_state.json").unlink()
+    assert f"warning: skipping incomplete checkpoint {root / 'checkpoint-10'}" in out
+    assert f"warning: skipping incomplete checkpoint {root / 'checkpoint-4'}" in out
+    (root / "checkpoint-2" / "COMPLETE").unlink()
     with pytest.raises(FinetuneError) as refused:
-        trainer_backend._resume_checkpoint(config, {})
-    assert (f"--resume_from_checkpoint auto: no Trainer checkpoint under {root} can be resumed (checkpoint-2 (no "
-            "trainer_state.json: its save was interrupted), checkpoint-4 ") in str(refused.value)
+        ckpt.find_resume_checkpoint(tmp_path, "auto", "trainer")
+    assert (f"--resume_from_checkpoint auto: no checkpoint under {root} can be resumed (checkpoint-10: no COMPLETE "
+            "marker (its write was interrupted") in str(refused.value)
+    assert "checkpoint-4: no COMPLETE marker" in str(refused.value) and "checkpoint-2: no COMPLETE" in str(refused.value)
     assert f"rm -r {root}" in str(refused.value)
     for step in (2, 4, 10):
-        (root / f"checkpoint-{step}").rmdir()
+        shutil.rmtree(root / f"checkpoint-{step}")
     (root / "step_00000002").mkdir()  # the accelerate backend's: not Trainer's to resume, nor to delete
-    with pytest.raises(FinetuneError, match=r"\(step_00000002 \(written by --backend accelerate\)\)"):
-        trainer_backend._resume_checkpoint(config, {})
+    with pytest.raises(FinetuneError, match=r"\(step_00000002: written by --backend accelerate\)"):
+        ckpt.find_resume_checkpoint(tmp_path, "auto", "trainer")
     (root / "step_00000002").rmdir()
-    assert trainer_backend._resume_checkpoint(config, {}) is None  # nothing there: a fresh start
-    assert "starting a fresh run" in capsys.readouterr().out
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto", "trainer") is None  # nothing there: a fresh start
+
+
+def test_a_sealed_trainer_checkpoint_that_changed_is_damaged(tmp_path, capsys):
+    """The mutant for the Trainer checkpoint's manifest: a sealed ``checkpoint-N`` whose optimizer file was cut
+    short after sealing is skipped by ``latest`` (the previous one resumes) and refused by path, naming the file."""
+    from finetune import checkpoint as ckpt
+    from finetune.progress import RunProgress
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        folder = root / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "optimizer.pt").write_bytes(bytes(range(200)) * step)
+        ckpt.seal_checkpoint(folder, RunProgress(step=step, num_processes=1))
+    assert ckpt.read_state(root / "checkpoint-2").step == 2
+    (root / "checkpoint-2" / "optimizer.pt").write_bytes(bytes(range(100)))
+    assert ckpt.find_resume_checkpoint(tmp_path, "latest", "trainer") == root / "checkpoint-1"
+    assert "skipping damaged checkpoint" in capsys.readouterr().out
+    with pytest.raises(FinetuneError, match="optimizer.pt has 100 bytes, 400 when saved"):
+        ckpt.find_resume_checkpoint(tmp_path, str(root / "checkpoint-2"), "trainer")
