@@ -231,6 +231,28 @@ class TrainConfig:
         metadata={"help": "Training order (TrainingArguments name): 'random', or 'group_by_length' (shuffled, then "
                           "sorted by length within mega-batches of 50 optimizer steps, so micro-batches need less padding)."},
     )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Causal LM/SFT (TRL's name): each micro-batch's samples concatenated into one row, "
+                          "position_ids restarting per sample, no padding computed; the same samples and label "
+                          "tokens per step as padded micro-batches (docs/packing.md)."},
+    )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Causal LM/SFT (TRL's name): repack each optimizer step's own samples into padding-free "
+                          "micro-batches of at most --max_tokens_per_micro_batch tokens (--packing_strategy); which "
+                          "samples form a step never changes (docs/packing.md)."},
+    )
+    packing_strategy: Literal["window_bfd"] = field(
+        default="window_bfd",
+        metadata={"help": "With --packing: 'window_bfd', best-fit decreasing within each accumulation window. TRL's "
+                          "dataset-wide 'bfd'/'wrapped' are not offered: they change which samples form a step."},
+    )
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={"help": "With --packing: tokens per packed micro-batch, per process (default: "
+                          "per_device_train_batch_size x max_length, the padded micro-batch's most positions)."},
+    )
     torch_compile: bool = field(
         default=False, metadata={"help": "Compile the model with torch.compile (inductor) through Accelerate's dynamo plugin."}
     )
@@ -455,6 +477,9 @@ class TrainConfig:
             except HFValidationError as err:
                 raise FinetuneError(f"--hub_model_id {self.hub_model_id!r} is not a Hub repository id ({err}). "
                                     "Use 'name' or 'org/name'.") from None
+        if self.max_tokens_per_micro_batch is not None and (not self.packing or self.max_tokens_per_micro_batch < 2):
+            raise FinetuneError(f"--max_tokens_per_micro_batch is the --packing token budget: add --packing, and give "
+                                f"at least 2 tokens (got {self.max_tokens_per_micro_batch}).")
         if self.dataset_name and self.train_file:
             raise FinetuneError("--dataset_name and --train_file both name the training data: pass one of them.")
         object.__setattr__(self, "_read_only", True)  # not a field: copies (dataclasses.replace) start writable

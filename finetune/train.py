@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
-from finetune import distributed
+from finetune import distributed, packing
 from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.config import config_argv, reproduce_command
@@ -54,6 +54,7 @@ class Setup:
     raw_validation: object  # the validation split before tokenizing (generation evaluates it)
     layout: distributed.StorageLayout  # who writes the run's files (one process, or one per machine)
     micro_batch_loss: object  # (model, batch, labels) -> the summed loss tensor: loss.loss_function
+    pack: object = None  # --padding_free/--packing: window -> the micro-batches it runs (packing.Packer), else None
 
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses."""
@@ -92,9 +93,10 @@ def setup(config, recipe) -> Setup:
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
     prepared = engine.prepare(config, model, train_dataloader, eval_dataloader)
+    pack = packing.packer_for(config, task, accelerator.unwrap_model(prepared.model), accelerator.distributed_type)
     return Setup(accelerator, engine, prepared.model, tokenizer, prepared.optimizer, prepared.scheduler,
                  prepared.train_dataloader, prepared.eval_dataloader, prepared.plan, precision, task, recipe.METRICS,
-                 raw_validation, layout, loss_function(task, config, accelerator))
+                 raw_validation, layout, loss_function(task, config, accelerator), pack)
 
 
 @dataclass
@@ -108,16 +110,18 @@ class WindowCounts:
     padded_tokens: int
 
 
-def count_window(window: list[dict], task, accelerator, repeats: int = 0) -> WindowCounts:
+def count_window(window: list[dict], task, accelerator, repeats: int = 0, run: list[dict] | None = None) -> WindowCounts:
     """The window's ``WindowCounts`` over all processes, known before any backward: one all-reduce (a
     sync point) per window. ``repeats``: this process's rows that repeat samples at the epoch's end
-    (``sampling.repeated_rows``), not counted. Raises ``FinetuneError`` (on every process alike) for a window
-    with no item."""
+    (``sampling.repeated_rows``), not counted. ``run``: the micro-batches actually computed when packing
+    rebuilt the window (``packing.Packer``): tokens are counted on them, items and samples on ``window`` (equal
+    either way: packing masks only labels the shift never trains). Raises ``FinetuneError`` (on every process
+    alike) for a window with no item."""
     device = accelerator.device
+    input_tokens, positions = map(sum, zip(*(packing.tokens(b) for b in (run or window)), strict=True))
     local = torch.stack([sum(task.count(b["labels"]) for b in window),
                          torch.tensor(sum(b["labels"].shape[0] for b in window) - repeats, device=device),
-                         sum(b["attention_mask"].sum() for b in window),
-                         torch.tensor(sum(b["attention_mask"].numel() for b in window), device=device)])
+                         torch.tensor(input_tokens, device=device), torch.tensor(positions, device=device)])
     items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
     if items == 0:
         raise empty_window_error(int(samples))
@@ -144,21 +148,29 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
         model.train()
         while not run.done:
             for window in iter_windows(run.epoch_batches(), N):
-                counts = count_window(window, task, accelerator, run.repeats(len(window)))
+                # the micro-batches to compute: the window, or its own samples repacked (finetune.packing)
+                micro_batches = built.pack(window) if built.pack else window
+                counts = count_window(window, task, accelerator, run.repeats(len(window)), micro_batches)
                 # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
-                # also for a short last window (it syncs when its counter reaches a multiple of N).
-                accelerator.step = N - len(window)
+                # also for a short last window (it syncs when its counter reaches a multiple of N). A packed
+                # window has its own count (any number, differing by process): the counter runs over it alone.
+                if micro_batches is window:
+                    K, accelerator.step = N, N - len(window)
+                else:
+                    K = accelerator.gradient_accumulation_steps = len(micro_batches)
+                    accelerator.step = 0
                 window_loss = torch.zeros((), device=accelerator.device)
                 # Read before any backward: an engine may run the optimizer (and its own schedule's) step
                 # inside the last one.
                 learning_rate = built.learning_rate()
-                for batch in window:
+                for batch in micro_batches:
                     with accelerator.accumulate(model):
                         labels = batch.pop("labels")
                         loss_sum = built.micro_batch_loss(model, batch, labels)  # forward; summed over its items
-                        # accelerator.backward divides by N and DDP averages over P processes: undo both, so
-                        # the summed gradient is sum(per-item gradients) / items in the window.
-                        scaled = loss_sum * (N * P / counts.items)
+                        # accelerator.backward divides by K (its gradient_accumulation_steps) and DDP averages over
+                        # P processes: undo both, so the summed gradient is sum(per-item gradients) / items in the
+                        # window.
+                        scaled = loss_sum * (K * P / counts.items)
                         accelerator.backward(scaled)
                         window_loss += loss_sum.detach()
                         if accelerator.sync_gradients:
