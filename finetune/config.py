@@ -480,6 +480,10 @@ class TrainConfig:
         if self.max_tokens_per_micro_batch is not None and (not self.packing or self.max_tokens_per_micro_batch < 2):
             raise FinetuneError(f"--max_tokens_per_micro_batch is the --packing token budget: add --packing, and give "
                                 f"at least 2 tokens (got {self.max_tokens_per_micro_batch}).")
+        if self.packing and self.backend == "trainer":  # Trainer syncs on its micro-batch counter (trainer.py 1895-1899)
+            raise FinetuneError("--packing runs in --backend accelerate only: Trainer's inner loop decides the optimizer "
+                                "step from a running micro-batch count, so a window cannot change its number of "
+                                "micro-batches. Use --padding_free, or --backend accelerate.")
         if self.dataset_name and self.train_file:
             raise FinetuneError("--dataset_name and --train_file both name the training data: pass one of them.")
         object.__setattr__(self, "_read_only", True)  # not a field: copies (dataclasses.replace) start writable

@@ -104,6 +104,30 @@ def tokens(batch: dict) -> tuple[int, int]:
     return batch["input_ids"].numel(), batch["input_ids"].numel()
 
 
+def samples(inputs: dict, labels: torch.Tensor) -> int:
+    """Samples in a micro-batch: its rows, or for a padding-free row (``position_ids``, no ``attention_mask``) the
+    positions where ``position_ids`` restart at 0."""
+    if "attention_mask" not in inputs and "position_ids" in inputs:
+        return int((inputs["position_ids"] == 0).sum())
+    return labels.shape[0]
+
+
+def eval_outputs(forward, batch: dict, labels: torch.Tensor, task) -> tuple[torch.Tensor, ...]:
+    """``task.eval_outputs`` for a padded evaluation batch (``labels`` popped) computed as one padding-free row:
+    the row's logits cut back into its samples, each scored as a batch of one, concatenated (per-sample tensors
+    in the batch's row order, as the padded path gives them). ``forward``: the model's forward; no gradients."""
+    rows = unpad({**batch, "labels": labels})
+    row = flatten(rows)
+    with torch.no_grad():
+        logits = forward(**{key: value for key, value in row.items() if key != "labels"}).logits[0]
+    parts, start = [], 0
+    for sample in rows:
+        n = len(sample["input_ids"])
+        parts.append(task.eval_outputs(logits[start:start + n].unsqueeze(0), sample["labels"].unsqueeze(0)))
+        start += n
+    return tuple(torch.cat(columns) for columns in zip(*parts, strict=True))
+
+
 def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget: int | None,
                     strategy: str | None) -> dict:
     """What packing does to a run's steps, for ``check-data`` and the banner. ``lengths_per_step``: per optimizer

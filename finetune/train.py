@@ -372,7 +372,8 @@ class RunState:
     def evaluate(self, at_epoch_end: bool) -> None:
         """Evaluate now (loss and metrics, then generation for SFT recipes); record it."""
         built, start = self.built, time.perf_counter()
-        results = evaluate(self.accelerator, built.model, built.eval_dataloader, built.task, built.metric_specs)
+        results = evaluate(self.accelerator, built.model, built.eval_dataloader, built.task, built.metric_specs,
+                           padding_free=built.pack is not None)
         generated, predictions = generation_eval(self.accelerator, built.model, built.tokenizer,
                                                  built.raw_validation, self.recipe, self.config)
         results.update(generated)

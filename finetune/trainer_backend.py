@@ -15,7 +15,7 @@ import torch
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 
 from finetune import checkpoint as ckpt
-from finetune import distributed
+from finetune import distributed, packing
 from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
@@ -93,6 +93,7 @@ class FinetuneTrainer(Trainer):
         self.account, self.count_tokens, self.task = account, count_tokens, task
         self.steps_per_epoch, self.begin_window = steps_per_epoch, begin_window
         self.micro_batch_loss = None  # set once the Trainer's accelerator exists
+        self.pack = None  # --padding_free: packing.Packer, set once the model is on its device
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The window's micro-batches (up to ``num_batches``, fewer at the end of an epoch) and its items over
@@ -126,7 +127,8 @@ class FinetuneTrainer(Trainer):
         items = sum(self.task.count(b["labels"]) for b in masked).to(device)
         if processes > 1:  # average_tokens_across_devices: every process's items
             items = self.accelerator.reduce(items, "sum")
-        return masked, items
+        # --padding_free: each micro-batch one row, the same count (Trainer syncs by its micro-batch counter)
+        return (self.pack(masked) if self.pack else masked), items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-batch's loss: ``micro_batch_loss(model, inputs, labels)`` / the window's items."""
@@ -134,7 +136,8 @@ class FinetuneTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        loss = self.account(self.micro_batch_loss(model, inputs, labels), labels, num_items_in_batch)
+        loss = self.account(self.micro_batch_loss(model, inputs, labels), labels, num_items_in_batch,
+                            packing.samples(inputs, labels))
         self.count_tokens(inputs)
         if num_items_in_batch is not None and torch.is_grad_enabled():
             # num_items_in_batch counts every process's items and DDP averages the gradients over the processes:
@@ -168,13 +171,13 @@ class BookkeepingCallback(TrainerCallback):
 
     def count_tokens(self, inputs) -> None:
         """Add a training micro-batch's input tokens (attention mask 1) and input positions (with padding)."""
-        mask = inputs.get("attention_mask")
-        if mask is None or not torch.is_grad_enabled():
+        if "input_ids" not in inputs or not torch.is_grad_enabled():
             return
-        counts = torch.stack([mask.sum(), torch.tensor(mask.numel(), device=mask.device)])
+        device = inputs["input_ids"].device
+        counts = torch.tensor(packing.tokens(inputs), device=device)  # a padding-free row has no mask
         self.window_tokens = counts if self.window_tokens is None else self.window_tokens + counts
 
-    def account(self, loss_sum, labels, num_items_in_batch=None):
+    def account(self, loss_sum, labels, num_items_in_batch=None, samples: int | None = None):
         """The loss Trainer back-propagates for a micro-batch whose summed loss is ``loss_sum``: divided by the
         window's items ``num_items_in_batch``; the window's loss, items and samples are counted for the log."""
         if num_items_in_batch is None or not torch.is_grad_enabled():  # evaluation (Trainer passes a count there too)
@@ -183,7 +186,8 @@ class BookkeepingCallback(TrainerCallback):
             raise empty_window_error(labels.shape[0])
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
         self.window_items = int(num_items_in_batch)
-        self.window_samples += labels.shape[0]  # begin_window took off this window's repeated rows
+        # begin_window took off this window's repeated rows; a padding-free row holds ``samples`` samples
+        self.window_samples += labels.shape[0] if samples is None else samples
         self.micro_batches += 1
         return loss_sum / num_items_in_batch
 
@@ -234,7 +238,7 @@ class BookkeepingCallback(TrainerCallback):
         best model and early stopping into Trainer's ``state``/``control``."""
         start, trainer, step = time.perf_counter(), self.trainer, state.global_step
         results = evaluate(trainer.accelerator, trainer.model_wrapped, trainer.get_eval_dataloader(), self.task,
-                           self.metric_specs)
+                           self.metric_specs, padding_free=trainer.pack is not None)
         generated, predictions = generation_eval(trainer.accelerator, trainer.model_wrapped, trainer.processing_class,
                                                  self.raw_validation, self.recipe, self.config)
         results.update(generated)
@@ -373,6 +377,8 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"))
     check_eval_set(len(datasets["validation"]), config)
+    # the per-sequence check on the model as loaded, before anything is written
+    pack = packing.packer_for(config, task, model, args.distributed_state.distributed_type)
     processes = args.world_size
     plan = plan_steps(micro_batches_per_process(len(datasets["train"]), config.per_device_train_batch_size, processes),
                       config)
@@ -400,6 +406,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     engine = engine_for(trainer.accelerator)
     engine.configure_trainer()  # before Trainer.train prepares the model (FSDP: fp32 reductions)
     trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
+    trainer.pack = pack
     if observe is not None:
         observe(trainer)
     # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets

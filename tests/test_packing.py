@@ -181,8 +181,8 @@ def _relative(a: dict, b: dict) -> float:
 
 
 def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_llama, clm_texts):
-    """40 samples, 8 per step: padded 8 x 1, padding-free 2 x 4 and packed (budget 96 tokens, several
-    micro-batches per step) take the same 5 optimizer steps: same samples, items and losses per step, and the
+    """40 samples, 8 per step: padded 8 x 1, padding-free 2 x 4 (both backends) and packed (budget 96 tokens,
+    several micro-batches per step) take the same 5 optimizer steps: same samples, items and losses per step, and the
     same weights to float rounding (relative norm of the whole difference; Adam turns rounding noise on
     zero-gradient tensors into lr-sized steps, docs/design-notes.md)."""
     kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], **CLM)
@@ -191,8 +191,10 @@ def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_lla
                              padding_free=True, **kw)
     _, packed = run_in_process(tmp_path, "packed", per_device_train_batch_size=8, gradient_accumulation_steps=1,
                                packing=True, max_tokens_per_micro_batch=96, **kw)
+    _, trainer = run_in_process(tmp_path, "trainer", per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                                padding_free=True, backend="trainer", **kw)
     reference = train_steps(ref)
-    for out in (free, packed):
+    for out in (free, packed, trainer):
         steps = train_steps(out)
         assert [r["samples"] for r in steps] == [r["samples"] for r in reference] == [8] * 5
         assert [r["trained_tokens"] for r in steps] == [r["trained_tokens"] for r in reference]
@@ -200,3 +202,64 @@ def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_lla
         assert _relative(load_params(out), load_params(ref)) < 1e-5
         assert all(r["padded_tokens"] == r["input_tokens"] for r in steps)  # no padding computed
     assert all(r["padded_tokens"] > r["input_tokens"] for r in reference)
+
+
+def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
+    """DDP on 2 CPU processes through the real CLI: 36 samples, 2 x 2 per process per step (the last step holds
+    4 samples and 4 masked repeats), padded vs packed under a 48-token budget, where the processes run different
+    numbers of micro-batches per step (one synchronising backward each): same samples, items, losses and
+    weights."""
+    from helpers import launch
+
+    common = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", clm_texts[0],
+              "--validation_file", clm_texts[1], "--num_train_epochs", "1", "--disable_dropout", "True",
+              "--max_length", "64", "--learning_rate", "1e-3", "--seed", "3", "--warmup_steps", "0",
+              "--eval_strategy", "no", "--max_train_samples", "36", "--per_device_train_batch_size", "2",
+              "--gradient_accumulation_steps", "2"]
+    outs = {}
+    for name, extra in [("padded", []), ("packed", ["--packing", "True", "--max_tokens_per_micro_batch", "48"])]:
+        outs[name] = tmp_path / name
+        result = launch(common + ["--output_dir", str(outs[name]), *extra], num_processes=2, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+    padded, packed = train_steps(outs["padded"]), train_steps(outs["packed"])
+    assert [r["samples"] for r in packed] == [r["samples"] for r in padded] == [8, 8, 8, 8, 4]
+    assert [r["trained_tokens"] for r in packed] == [r["trained_tokens"] for r in padded]
+    assert [r["loss"] for r in packed] == pytest.approx([r["loss"] for r in padded], rel=1e-5)
+    assert _relative(load_params(outs["packed"]), load_params(outs["padded"])) < 1e-5
+
+
+def test_padding_free_evaluation_gives_the_padded_per_sample_outputs(tiny_llama, clm_texts):
+    """evaluation.evaluate(padding_free=True) scores each sample from the packed row: the same per-sample summed
+    losses and label tokens as the padded batch, so eval_loss and perplexity are the padded run's."""
+    task, model = CausalLM(), AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    padded, _ = _padded_and_row(tiny_llama, clm_texts)
+    labels = padded.pop("labels")
+    with torch.no_grad():
+        reference = task.eval_outputs(model(**padded).logits, labels)
+    outputs = packing.eval_outputs(model, padded, labels, task)
+    torch.testing.assert_close(outputs[0], reference[0], rtol=1e-5, atol=1e-5)
+    assert outputs[1].tolist() == reference[1].tolist()
+
+
+@pytest.mark.parametrize("mutant", [False, True], ids=["packed", "first-label-not-masked"])
+def test_verify_way_packed_against_padded(tmp_path, tiny_llama, monkeypatch, mutant):
+    """``finetune verify --packing``: the packed way against the padded reference is exact; with the first
+    label of each sample left in (a mutant of flatten) the same way is NOT EXACT."""
+    from test_verify import run_verify
+
+    if mutant:
+        real = packing.flatten
+
+        def unmasked(samples):
+            row = real(samples)
+            return {**row, "labels": torch.cat([s["labels"] for s in samples]).unsqueeze(0)}
+
+        monkeypatch.setattr(packing, "flatten", unmasked)
+    code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama,
+                              "--packing", "True", "--max_tokens_per_micro_batch", "48")
+    packed = [r for r in report["rows"] if r["role"] == "packed"]
+    assert len(packed) == 1 and packed[0]["way"] == "2 x 2, packed"
+    if mutant:
+        assert code == 1 and packed[0]["verdict"].startswith("NOT EXACT"), packed[0]
+    else:
+        assert code == 0 and packed[0]["verdict"] == "exact", packed[0]
