@@ -211,6 +211,13 @@ def separation_error(model, flag: str, tolerance: float | None = None) -> str | 
     return None
 
 
+def budget(config) -> int:
+    """Tokens per packed micro-batch per process: ``--max_tokens_per_micro_batch``, else the padded micro-batch's
+    most positions (``per_device_train_batch_size`` x the longest sample, ``max_length`` or ``block_size``)."""
+    return config.max_tokens_per_micro_batch or config.per_device_train_batch_size * max(config.max_length,
+                                                                                         config.block_size or 0)
+
+
 def flag_of(config) -> str:
     """How the run's packing flags read on a command line (for messages)."""
     return f"--packing --packing_strategy {config.packing_strategy}" if config.packing else "--padding_free"
@@ -235,6 +242,4 @@ def packer_for(config, task, model, distributed_type=None) -> Packer | None:
     error = separation_error(model, flag)
     if error:
         raise FinetuneError(error)
-    budget = config.max_tokens_per_micro_batch or config.per_device_train_batch_size * max(config.max_length,
-                                                                                           config.block_size or 0)
-    return Packer(config.packing_strategy if config.packing else None, budget if config.packing else None)
+    return Packer(config.packing_strategy if config.packing else None, budget(config) if config.packing else None)

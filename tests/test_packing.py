@@ -263,3 +263,21 @@ def test_verify_way_packed_against_padded(tmp_path, tiny_llama, monkeypatch, mut
         assert code == 1 and packed[0]["verdict"].startswith("NOT EXACT"), packed[0]
     else:
         assert code == 0 and packed[0]["verdict"] == "exact", packed[0]
+
+
+def test_check_data_packing_line_counts_steps_and_padding():
+    """check-data's packing line: one step of 4 samples (10, 2, 7, 5 tokens), micro-batch 2: padded positions
+    2 x 10 + 2 x 7 = 34 for 24 tokens (29.4% padding); window_bfd under 12 tokens: bins {10, 2}, {7, 5}."""
+    from types import SimpleNamespace
+
+    from finetune.check_data import packing_line
+
+    config = SimpleNamespace(train_sampling_strategy="random", seed=0, max_tokens_per_micro_batch=12,
+                             per_device_train_batch_size=2, max_length=16, block_size=None, packing=True,
+                             packing_strategy="window_bfd", padding_free=False)
+    summary = packing.packing_summary([[10, 2, 7, 5]], 2, 12, "window_bfd")
+    assert summary["micro_batches_per_step"] == 2 and summary["max_tokens_per_micro_batch"] == 12
+    assert summary["padding_fraction_before"] == pytest.approx(1 - 24 / 34)
+    line = packing_line(config, [10, 2, 7, 5], 4)
+    assert "2.0 micro-batches per step (max 2)" in line and "12 tokens per micro-batch" in line
+    assert "29.4% of positions before, 0% after" in line
