@@ -244,7 +244,8 @@ def test_padding_free_evaluation_gives_the_padded_per_sample_outputs(tiny_llama,
 @pytest.mark.parametrize("mutant", [False, True], ids=["packed", "first-label-not-masked"])
 def test_verify_way_packed_against_padded(tmp_path, tiny_llama, monkeypatch, mutant):
     """``finetune verify --packing``: the packed way against the padded reference is exact; with the first
-    label of each sample left in (a mutant of flatten) the same way is NOT EXACT."""
+    label of each sample left in (a mutant of flatten) the same way is NOT EXACT. Verify's samples are 32
+    tokens (--max_length 32): a 64-token budget puts two in a row, so there is a boundary to contaminate."""
     from test_verify import run_verify
 
     if mutant:
@@ -256,7 +257,7 @@ def test_verify_way_packed_against_padded(tmp_path, tiny_llama, monkeypatch, mut
 
         monkeypatch.setattr(packing, "flatten", unmasked)
     code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama,
-                              "--packing", "True", "--max_tokens_per_micro_batch", "48")
+                              "--packing", "True", "--max_tokens_per_micro_batch", "64")
     packed = [r for r in report["rows"] if r["role"] == "packed"]
     assert len(packed) == 1 and packed[0]["way"] == "2 x 2, packed"
     if mutant:
