@@ -101,6 +101,10 @@ def micro_batches(mode: str, window: list[dict], budget: int, pad_token_id: int)
 def run_step(model, task, batches: list[dict]) -> tuple[float, float, int, int]:
     """(seconds, summed loss, positions computed, label tokens) of forward + backward over ``batches``."""
     model.zero_grad(set_to_none=True)
+    device = next(model.parameters()).device
+    batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     total, positions, items = 0.0, 0, 0
     for batch in batches:
@@ -113,6 +117,7 @@ def run_step(model, task, batches: list[dict]) -> tuple[float, float, int, int]:
         total += float(loss.detach())
         positions += batch["input_ids"].numel()
         items += int(task.count(batch["labels"]))
+    sync()
     return time.perf_counter() - start, total, positions, items
 
 
@@ -126,6 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps measured (each in every mode)")
     parser.add_argument("--repeats", type=int, default=1, help="ABBA repeats per step")
     parser.add_argument("--out", default=None, help="write the JSON result here")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args, rest = parser.parse_known_args(argv)
     config = parse_config(rest)
     recipe = load_recipe(config.recipe)
@@ -133,7 +139,8 @@ def main(argv=None) -> int:
     info = machine_info()
     torch.manual_seed(0)
     model, task, steps, tokenizer = step_batches(config, recipe, args.steps)
-    model.train()
+    model.to(args.device).train()
+    steps = [[{k: v.to(args.device) for k, v in b.items()} for b in window] for window in steps]
     for module in model.modules():  # dropout off: modes must compute the same function
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -153,6 +160,7 @@ def main(argv=None) -> int:
             for m in (*MODES, *reversed(MODES)):
                 s, loss, pos, items = run_step(model, task, built[m])
                 seconds[m].append(s)
+                print(f"  step {len(losses['padded']) + 1}: {m} {s:.2f} s", file=sys.stderr, flush=True)
                 step_loss.setdefault(m, (loss / items, pos, items))
         for m in MODES:
             losses[m].append(step_loss[m][0])
