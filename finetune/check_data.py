@@ -28,6 +28,8 @@ from finetune.builders import get_task, raw_datasets
 from finetune.config import parse_config
 from finetune.data import load_tokenizer
 from finetune.errors import FinetuneError
+from finetune.packing import budget as packing_budget
+from finetune.packing import flag_of, packing_summary
 from finetune.recipes import load_recipe
 from finetune.sampling import EpochSeededLengthGroupedSampler
 from finetune.sft import check_conversation_rows, require_chat_template
@@ -108,13 +110,33 @@ def percentiles(values: list[int]) -> str:
     return f"min {ordered[0]}, p50 {pick(0.5)}, p90 {pick(0.9)}, p99 {pick(0.99)}, max {ordered[-1]}"
 
 
+def training_order(lengths: list[int], strategy: str, global_batch: int, seed: int) -> list[int]:
+    """Sample indices in the first epoch's training order (the seeded random order, or ``group_by_length``)."""
+    if strategy == "group_by_length":
+        return list(iter(EpochSeededLengthGroupedSampler(global_batch, lengths, seed)))
+    return torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def packing_line(config, lengths: list[int], global_batch: int) -> str:
+    """What ``--padding_free``/``--packing`` do to the first epoch's steps on one process (``global_batch`` samples
+    per step): micro-batches per step, tokens per micro-batch, the padding fraction before and after
+    (``packing.packing_summary``)."""
+    order = [lengths[i] for i in training_order(lengths, config.train_sampling_strategy, global_batch, config.seed)]
+    budget = packing_budget(config)
+    summary = packing_summary([order[i:i + global_batch] for i in range(0, len(order), global_batch)],
+                              config.per_device_train_batch_size, budget if config.packing else None,
+                              config.packing_strategy if config.packing else None)
+    return (f"Packing ({flag_of(config)}" + (f", {budget} tokens per micro-batch" if config.packing else "")
+            + f"): {summary['micro_batches_per_step']:.1f} micro-batches per step (max "
+            f"{summary['max_micro_batches_per_step']}), {summary['tokens_per_micro_batch']:.0f} tokens per micro-batch "
+            f"(max {summary['max_tokens_per_micro_batch']}); padding {summary['padding_fraction_before']:.1%} of "
+            f"positions before, {summary['padding_fraction_after']:.0%} after")
+
+
 def padding_fraction(lengths: list[int], micro_batch: int, strategy: str, global_batch: int, seed: int) -> float:
     """Padding positions / all positions when ``lengths`` (tokens) are batched as training orders them (the
     seeded random order, or ``group_by_length``) in micro-batches padded to their longest sample."""
-    if strategy == "group_by_length":
-        order = list(iter(EpochSeededLengthGroupedSampler(global_batch, lengths, seed)))
-    else:
-        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = training_order(lengths, strategy, global_batch, seed)
     real = padded = 0
     for i in range(0, len(order), micro_batch):
         batch = [lengths[j] for j in order[i:i + micro_batch]]
@@ -184,6 +206,8 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]
     global_batch = config.per_device_train_batch_size * config.gradient_accumulation_steps
     lines.append(f"Padding at micro-batch {config.per_device_train_batch_size} ({config.train_sampling_strategy}): "
                  f"{padding_fraction(lengths, config.per_device_train_batch_size, config.train_sampling_strategy, global_batch, config.seed):.1%} of positions")
+    if config.padding_free or config.packing:
+        lines.append(packing_line(config, lengths, global_batch))
     problems = []
     if task.name == "sequence-classification":
         names = getattr(raw["train"].features.get("label"), "names", None)

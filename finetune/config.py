@@ -464,6 +464,32 @@ class TrainConfig:
         "sorted by length within mega-batches of 50 optimizer steps, so micro-batches need less padding).",
         step=True, trainer="train_sampling_strategy",
     )
+    padding_free: bool = flag(
+        False,
+        "Causal LM/SFT (TRL's name): each micro-batch's samples concatenated into one row, position_ids restarting "
+        "per sample, no padding computed; the same samples and label tokens per step as padded micro-batches "
+        "(docs/packing.md).",
+        step=False, trainer=None,  # how a step is computed, not which samples form it
+    )
+    packing: bool = flag(
+        False,
+        "Causal LM/SFT (TRL's name): repack each optimizer step's own samples into padding-free micro-batches of at "
+        "most --max_tokens_per_micro_batch tokens (--packing_strategy); which samples form a step never changes "
+        "(docs/packing.md).",
+        step=False, trainer=None,
+    )
+    packing_strategy: Literal["window_bfd"] = flag(
+        "window_bfd",
+        "With --packing: 'window_bfd', best-fit decreasing within each accumulation window. TRL's dataset-wide "
+        "'bfd'/'wrapped' are not offered: they change which samples form a step.",
+        step=False, trainer=None,
+    )
+    max_tokens_per_micro_batch: int | None = flag(
+        None,
+        "With --packing: tokens per packed micro-batch, per process (default: per_device_train_batch_size x "
+        "max_length, the padded micro-batch's most positions).",
+        step=False, trainer=None,
+    )
     torch_compile: bool = flag(
         False, "Compile the model with torch.compile (inductor) through Accelerate's dynamo plugin.",
         step=False, trainer="torch_compile",
@@ -622,6 +648,7 @@ class TrainConfig:
         self._check_processes()
         self._check_peft()
         self._check_memory_levers()
+        self._check_packing()
         self._check_hub()
         object.__setattr__(self, "_read_only", True)  # not a field: copies (dataclasses.replace) start writable
 
@@ -744,6 +771,16 @@ class TrainConfig:
         if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
             raise FinetuneError(f"--loss_chunk_size must be >= 0 (label tokens per chunk; 0 for the plain loss), "
                                 f"got {self.loss_chunk_size}.")
+
+    def _check_packing(self) -> None:
+        """The --packing token budget, and the backend that can run packed windows."""
+        if self.max_tokens_per_micro_batch is not None and (not self.packing or self.max_tokens_per_micro_batch < 2):
+            raise FinetuneError(f"--max_tokens_per_micro_batch is the --packing token budget: add --packing, and give "
+                                f"at least 2 tokens (got {self.max_tokens_per_micro_batch}).")
+        if self.packing and self.backend == "trainer":  # Trainer syncs on its micro-batch counter (trainer.py 1895-1899)
+            raise FinetuneError("--packing runs in --backend accelerate only: Trainer's inner loop decides the optimizer "
+                                "step from a running micro-batch count, so a window cannot change its number of "
+                                "micro-batches. Use --padding_free, or --backend accelerate.")
 
     def _check_hub(self) -> None:
         """The Hub repository and when a push is possible."""

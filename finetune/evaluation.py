@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import gather_object
 from accelerate.utils.memory import should_reduce_batch_size
 
+from finetune import packing
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.sft import generate_completions, prompt_and_reference, score_completions
@@ -27,10 +28,11 @@ def check_eval_set(num_samples: int, config) -> None:
                               "--eval_strategy no.")
 
 
-def evaluate(accelerator, model, dataloader, task, metric_specs: dict) -> dict:
+def evaluate(accelerator, model, dataloader, task, metric_specs: dict, padding_free: bool = False) -> dict:
     """Evaluate on every process, gather per-sample outputs (``gather_for_metrics``, which drops Accelerate's
     padding repeats) and score once with ``task.eval_metrics``: e.g. ``eval_loss`` (per sample, or per token for
-    causal LM), the metrics, ``eval_samples``; ``{"eval_samples": 0}`` for an empty set."""
+    causal LM), the metrics, ``eval_samples``; ``{"eval_samples": 0}`` for an empty set. ``padding_free``: each
+    batch runs as one padding-free row (``packing.eval_outputs``), with the same per-sample outputs."""
     was_training = model.training
     model.eval()
     parts = []
@@ -39,7 +41,10 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict) -> dict:
     forward = engine.eval_model(model)
     for batch in dataloader:
         labels = batch.pop("labels")
-        outputs = _eval_outputs(forward, batch, labels, task, splittable)
+        if padding_free:
+            outputs = packing.eval_outputs(forward, batch, labels, task)
+        else:
+            outputs = _eval_outputs(forward, batch, labels, task, splittable)
         parts.append([t.cpu() for t in accelerator.gather_for_metrics(outputs)])
     model.train(was_training)
     if not parts:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from finetune import checkpoint as ckpt
-from finetune import distributed, elastic
+from finetune import distributed, elastic, packing
 from finetune.bookkeeping import Bookkeeping, empty_window_error
 from finetune.errors import FinetuneError
 from finetune.evaluation import evaluate, generation_eval, write_generations
@@ -39,18 +39,20 @@ class WindowCounts:
     sample_ids: str | None = None  # the hash of the window's sample ids over all processes (elastic.window_ids_hash)
 
 
-def count_window(window: list[dict], task, accelerator, repeats: int = 0) -> WindowCounts:
+def count_window(window: list[dict], task, accelerator, repeats: int = 0, run: list[dict] | None = None) -> WindowCounts:
     """The window's ``WindowCounts`` over all processes, known before any backward: one all-reduce (a
     sync point) per window. ``repeats``: this process's rows that repeat samples at the epoch's end
-    (``sampling.repeated_rows``), not counted. Both backends count their windows here. Raises ``FinetuneError``
+    (``sampling.repeated_rows``), not counted. ``run``: the micro-batches actually computed when packing
+    rebuilt the window (``packing.Packer``): tokens are counted on them, items and samples on ``window`` (equal
+    either way: packing masks only labels the shift never trains). Both backends count their windows here. Raises ``FinetuneError``
     (on every process alike) for a window with no item. Takes the sample ids out of the batches where they carry
     them (``elastic.window_ids_hash``: a second all-reduce)."""
     device = accelerator.device
     sample_ids = elastic.window_ids_hash(window, accelerator)
+    input_tokens, positions = map(sum, zip(*(packing.tokens(b) for b in (run or window)), strict=True))
     local = torch.stack([sum(task.count(b["labels"]) for b in window),
                          torch.tensor(sum(b["labels"].shape[0] for b in window) - repeats, device=device),
-                         sum(b["attention_mask"].sum() for b in window),
-                         torch.tensor(sum(b["attention_mask"].numel() for b in window), device=device)])
+                         torch.tensor(input_tokens, device=device), torch.tensor(positions, device=device)])
     items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
     if items == 0:
         raise empty_window_error(int(samples))
@@ -171,12 +173,12 @@ class RunState:
             return self.config.save_strategy == "epoch"
         return self.config.save_strategy == "steps" and step > 0 and step % self.book.save_steps == 0
 
-    def evaluate(self, accelerator, model, dataloader, tokenizer, at_epoch_end: bool) -> dict:
-        """Evaluate ``model`` now (``evaluation.evaluate``: loss and metrics; then generation for SFT recipes,
-        its predictions written beside the log); record it (``Bookkeeping.record_evaluation``, the model kept per
+    def evaluate(self, accelerator, model, dataloader, tokenizer, at_epoch_end: bool, padding_free: bool = False) -> dict:
+        """Evaluate ``model`` now (``evaluation.evaluate``: loss and metrics, padding-free where ``padding_free``;
+        then generation for SFT recipes, its predictions written beside the log); record it (``Bookkeeping.record_evaluation``, the model kept per
         ``model_kept``). Returns the results. Raises ``FinetuneError`` as ``record_evaluation`` does."""
         start = time.perf_counter()
-        results = evaluate(accelerator, model, dataloader, self.task, self.recipe.METRICS)
+        results = evaluate(accelerator, model, dataloader, self.task, self.recipe.METRICS, padding_free=padding_free)
         generated, predictions = generation_eval(accelerator, model, tokenizer, self.raw_validation, self.recipe,
                                                  self.config)
         results.update(generated)

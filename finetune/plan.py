@@ -74,6 +74,16 @@ def render(lever, parts: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def packing_budget_note(config) -> str:
+    """Under ``--packing``: the token budget per packed micro-batch a plan implies (``packing.budget``: the given
+    ``--max_tokens_per_micro_batch``, else micro-batch m x ``--max_length``, the padded micro-batch's most
+    positions, so the memory probed for m samples of ``--max_length`` tokens bounds it under SDPA)."""
+    if config.max_tokens_per_micro_batch:
+        return f"--packing: {config.max_tokens_per_micro_batch} tokens per micro-batch (--max_tokens_per_micro_batch)"
+    return (f"--packing: the token budget per micro-batch follows the plan's micro-batch m: m x {config.max_length} "
+            "tokens (--max_length); give --max_tokens_per_micro_batch to fix it")
+
+
 def plan(config, timed: bool) -> int:
     """Print the table (main process); 0, or raises ``FinetuneError`` (no ``--total_batch_size``, bad flags)."""
     if not config.total_batch_size:
@@ -94,6 +104,8 @@ def plan(config, timed: bool) -> int:
         finally:
             probe.close()
         say(render(lever, parts, rows))
+    if config.packing:  # the token budget is the micro-batch's lever under --packing (docs/packing.md)
+        say(packing_budget_note(config))
     if timed:
         chosen = probe_and_choose(dataclasses.replace(config, auto_find_batch_size=True), recipe, state)
         say(f"--auto_find_batch_size would choose: {chosen}")

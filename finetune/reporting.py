@@ -13,12 +13,22 @@ from pathlib import Path
 
 import torch
 
+from finetune import packing
 from finetune.config import config_argv, reproduce_command
 from finetune.dropout import dropout_left
 from finetune.engine import parameter_counts
 from finetune.flops import peak_flops, training_flops_per_token
 from finetune.model_card import write_model_card
 from finetune.precision import PRECISION_NAMES
+
+
+def packing_banner(config) -> str:
+    """The banner's packing line: padding-free micro-batches, or window-local packing and its token budget."""
+    if not config.packing:
+        return "padding-free micro-batches (--padding_free): one row per micro-batch, no padding computed"
+    budget = packing.budget(config)
+    return (f"{config.packing_strategy}: each optimizer step's own samples repacked into padding-free micro-batches "
+            f"of at most {budget} tokens per process")
 
 
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
@@ -36,6 +46,7 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
             f"Optimizer steps: {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches per "
             f"process), {plan.max_steps} in total over {plan.num_epochs} epoch(s) [{config.backend} backend]\n"
             + (f"Speed options: {', '.join(options)}\n" if options else "")
+            + (f"Packing: {packing_banner(config)}\n" if config.padding_free or config.packing else "")
             + (f"Parameters: {parameter_counts(model)[0]:,} trainable of {parameter_counts(model)[1]:,}"
                + (f" (LoRA r={config.lora_r}, alpha={config.lora_alpha})" if config.use_peft else "") + "\n"
                if model is not None else "")

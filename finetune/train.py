@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
-from finetune import distributed, elastic, lifecycle
+from finetune import distributed, elastic, lifecycle, packing
 from finetune.builders import build_components, get_task
 from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
@@ -52,6 +52,7 @@ class Setup:
     raw_validation: object  # the validation split before tokenizing (generation evaluates it)
     layout: distributed.StorageLayout  # who writes the run's files (one process, or one per machine)
     micro_batch_loss: object  # (model, batch, labels) -> the summed loss tensor: loss.loss_function
+    pack: object = None  # --padding_free/--packing: window -> the micro-batches it runs (packing.Packer), else None
 
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses."""
@@ -91,9 +92,10 @@ def setup(config, recipe) -> Setup:
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
     prepared = engine.prepare(config, model, train_dataloader, eval_dataloader)
+    pack = packing.packer_for(config, task, accelerator.unwrap_model(prepared.model), accelerator.distributed_type)
     return Setup(accelerator, engine, prepared.model, tokenizer, prepared.optimizer, prepared.scheduler,
                  prepared.train_dataloader, prepared.eval_dataloader, prepared.plan, precision, task, recipe.METRICS,
-                 raw_validation, layout, loss_function(task, config, accelerator))
+                 raw_validation, layout, loss_function(task, config, accelerator), pack)
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -116,21 +118,29 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
         model.train()
         while not run.done:
             for window in iter_windows(run.epoch_batches(), N):
-                counts = count_window(window, task, accelerator, run.repeats(len(window)))
+                # the micro-batches to compute: the window, or its own samples repacked (finetune.packing)
+                micro_batches = built.pack(window) if built.pack else window
+                counts = count_window(window, task, accelerator, run.repeats(len(window)), micro_batches)
                 # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
-                # also for a short last window (it syncs when its counter reaches a multiple of N).
-                accelerator.step = N - len(window)
+                # also for a short last window (it syncs when its counter reaches a multiple of N). A packed
+                # window has its own count (any number, differing by process): the counter runs over it alone.
+                if micro_batches is window:
+                    K, accelerator.step = N, N - len(window)
+                else:
+                    K = accelerator.gradient_accumulation_steps = len(micro_batches)
+                    accelerator.step = 0
                 window_loss = torch.zeros((), device=accelerator.device)
                 # Read before any backward: an engine may run the optimizer (and its own schedule's) step
                 # inside the last one.
                 learning_rate = built.learning_rate()
-                for batch in window:
+                for batch in micro_batches:
                     with accelerator.accumulate(model):
                         labels = batch.pop("labels")
                         loss_sum = built.micro_batch_loss(model, batch, labels)  # forward; summed over its items
-                        # accelerator.backward divides by N and DDP averages over P processes: undo both, so
-                        # the summed gradient is sum(per-item gradients) / items in the window.
-                        scaled = loss_sum * (N * P / counts.items)
+                        # accelerator.backward divides by K (its gradient_accumulation_steps) and DDP averages over
+                        # P processes: undo both, so the summed gradient is sum(per-item gradients) / items in the
+                        # window.
+                        scaled = loss_sum * (K * P / counts.items)
                         accelerator.backward(scaled)
                         window_loss += loss_sum.detach()
                         if accelerator.sync_gradients:
@@ -306,9 +316,11 @@ class RunState(lifecycle.RunState):
 
     # -------------------------------------------------------------------------------- evaluation, checkpoints
     def evaluate(self, at_epoch_end: bool) -> None:
-        """Evaluate now (``lifecycle.RunState.evaluate``) and tell the trackers."""
+        """Evaluate now (``lifecycle.RunState.evaluate``; padding-free under --padding_free/--packing) and tell the
+        trackers."""
         built = self.built
-        results = super().evaluate(self.accelerator, built.model, built.eval_dataloader, built.tokenizer, at_epoch_end)
+        results = super().evaluate(self.accelerator, built.model, built.eval_dataloader, built.tokenizer, at_epoch_end,
+                                   padding_free=built.pack is not None)
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()},
                                  step=self.progress.step)

@@ -15,7 +15,7 @@ import torch
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 
 from finetune import checkpoint as ckpt
-from finetune import distributed
+from finetune import distributed, packing
 from finetune.bookkeeping import empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
@@ -67,6 +67,7 @@ class FinetuneTrainer(Trainer):
         self.account, self.task = account, task
         self.steps_per_epoch, self.begin_window = steps_per_epoch, begin_window
         self.micro_batch_loss = None  # set once the Trainer's accelerator exists
+        self.pack = None  # --padding_free: packing.Packer, set once the model is on its device
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The window's micro-batches (up to ``num_batches``, fewer at the end of an epoch) and its items over
@@ -98,9 +99,11 @@ class FinetuneTrainer(Trainer):
             return masked, None
         repeats = window_repeats(first, len(masked), self.args.per_device_train_batch_size, processes, rank,
                                  len(self.train_dataset))
-        counts = count_window(masked, self.task, self.accelerator, repeats)
+        # --padding_free: each micro-batch one row, the same count (Trainer syncs by its micro-batch counter)
+        run = self.pack(masked) if self.pack else masked
+        counts = count_window(masked, self.task, self.accelerator, repeats, run)
         self.begin_window(counts)
-        return masked, torch.tensor(int(counts.items), device=device)
+        return run, torch.tensor(int(counts.items), device=device)
 
     def _get_output_dir(self, trial) -> str:
         """Where ``_save_checkpoint`` writes ``checkpoint-<step>`` (transformers 5.24 trainer.py line 3375; the only
@@ -233,7 +236,7 @@ class BookkeepingCallback(TrainerCallback):
         and early stopping into Trainer's ``state``/``control``."""
         trainer, run, step = self.trainer, self.run, state.global_step
         run.evaluate(trainer.accelerator, trainer.model_wrapped, trainer.get_eval_dataloader(),
-                     trainer.processing_class, at_epoch_end)
+                     trainer.processing_class, at_epoch_end, padding_free=trainer.pack is not None)
         if run.new_best:
             state.best_metric, state.best_global_step = run.progress.best_metric, step
             self._point_at_best(state)
@@ -258,6 +261,8 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"))
     check_eval_set(len(datasets["validation"]), config)
+    # the per-sequence check on the model as loaded, before anything is written
+    pack = packing.packer_for(config, task, model, args.distributed_state.distributed_type)
     processes = args.world_size
     plan = plan_steps(micro_batches_per_process(len(datasets["train"]), config.per_device_train_batch_size, processes),
                       config)
@@ -278,6 +283,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     engine = engine_for(trainer.accelerator)
     engine.configure_trainer()  # before Trainer.train prepares the model (FSDP: fp32 reductions)
     trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
+    trainer.pack = pack
     if observe is not None:
         observe(trainer)
     # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets

@@ -52,6 +52,7 @@ USAGE = __doc__.split("\n\n")[1].strip()
 # what the check turns off or fixes: dropout (it verifies accumulation, not randomness), evaluation, checkpoints,
 # trackers, the planner (B is fixed by the flags or planned once here); each field declares it (``verify=``)
 CHECK_SETTINGS = check_settings()
+PACKING_FIELDS = ("padding_free", "packing", "max_tokens_per_micro_batch")  # a "packed" way's flags
 FLOOR_ROLES = ("floor", "chunked")  # ways that are the reference computed another way: they set the tolerance
 
 
@@ -60,14 +61,16 @@ class Way:
     """One way of training the effective batch: ``micro`` samples per micro-batch x ``accumulation`` micro-batches
     per process. ``role``: "reference", "floor" (the reference, each window's samples reordered), "chunked" (the
     reference, each micro-batch's loss computed over row chunks of the splits' micro-batch sizes, ``chunks`` in
-    turn, with one backward: the splits' shapes, the same sum), "split", "control" (a wrong normalisation) or "engine" (through ``--backend
-    trainer``)."""
+    turn, with one backward: the splits' shapes, the same sum), "split", "control" (a wrong normalisation), "engine" (through ``--backend
+    trainer``) or "packed" (the user's ``--padding_free``/``--packing``, ``packing``: against the padded
+    reference, so a user proves that their model and attention implementation keep packed sequences apart)."""
 
     role: str
     micro: int
     accumulation: int
     variant: str = ""  # "without the auxiliary loss": the model's router_aux_loss_coef set to 0
     chunks: tuple = ()  # the chunked floor's rows per chunk, in turn
+    packing: tuple = ()  # "packed": the user's packing flags, ((field, value), ...) (finetune.packing)
 
     @property
     def backend(self) -> str:
@@ -76,7 +79,8 @@ class Way:
     @property
     def label(self) -> str:
         extra = {"floor": ", samples reordered", "chunked": f", in chunks of {'/'.join(map(str, self.chunks))}",
-                 "control": ", wrong normalisation", "engine": ", Trainer"}
+                 "control": ", wrong normalisation", "engine": ", Trainer",
+                 "packed": ", packed" if dict(self.packing).get("packing") else ", padding-free"}
         variant = f", {self.variant}" if self.variant else ""
         return f"{self.micro} x {self.accumulation}{extra.get(self.role, '')}{variant}"
 
@@ -438,7 +442,8 @@ def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, vary=Non
     on global rank 0 only: ``keep``). ``vary(built)``: the control's change. Collective: every process runs
     every way."""
     config = dataclasses.replace(base, per_device_train_batch_size=way.micro, gradient_accumulation_steps=way.accumulation,
-                                 max_steps=steps, output_dir=str(root / way.slug), backend=way.backend)
+                                 max_steps=steps, output_dir=str(root / way.slug), backend=way.backend,
+                                 **dict(way.packing))
     config.validate()
     out = Path(config.output_dir)
     outcome = Outcome(way, output_dir=str(out))
@@ -825,12 +830,18 @@ def verify(config, steps: int) -> int:  # noqa: C901 - over the budget; to split
     per_process = config.per_device_train_batch_size * config.gradient_accumulation_steps
     # end the data inside the K-th window, so a wrong weighting of a short window shows
     samples = _rows_for_partial_window(config, recipe, steps, per_process * processes)
-    base = dataclasses.replace(config, **CHECK_SETTINGS, batch_plan=None, max_train_samples=samples)
+    # the ways run padded; the user's --padding_free/--packing becomes one more way against the padded reference
+    packed = PACKING_FIELDS if config.padding_free or config.packing else ()
+    base = dataclasses.replace(config, **CHECK_SETTINGS, batch_plan=None, max_train_samples=samples,
+                               **{name: None if name == "max_tokens_per_micro_batch" else False for name in packed})
     root = Path(config.output_dir)
     if (root / "checkpoints").exists() or (root / "model.safetensors").exists():
         raise FinetuneError(f"--output_dir {root} holds a training run; verify writes its own ways there. Pass "
                             "another --output_dir.")
     ways = ways_for(per_process, config.gradient_accumulation_steps)
+    if packed:  # the user's own split, packed as the user asks
+        ways.append(Way("packed", config.per_device_train_batch_size, config.gradient_accumulation_steps,
+                        packing=tuple((name, getattr(config, name)) for name in packed)))
     keep = distributed.process_state().is_main_process
     say = print if keep else (lambda *a, **k: None)
     agree = distributed.all_reduce_max(distributed.distributed_state())

@@ -32,6 +32,7 @@ RECIPES: dict[str, str] = {
     "bbc-news": "finetune.recipes.bbc_news",
     "bbc-news-clm": "finetune.recipes.bbc_news_clm",
     "bbc-headlines": "finetune.recipes.bbc_headlines",
+    "bbc-lead-headlines": "finetune.recipes.bbc_lead_headlines",
     "glue-mrpc": "finetune.recipes.glue_mrpc",
     "wikitext-clm": "finetune.recipes.wikitext_clm",
 }

@@ -59,7 +59,8 @@ def plan_for(config, recipe) -> BatchPlan | None:
     else:
         plan = given_plan(config.per_device_train_batch_size, config.total_batch_size, state.num_processes)
     if state.is_main_process:
-        print(f"Batch plan for --total_batch_size {config.total_batch_size}: {plan}")
+        print(f"Batch plan for --total_batch_size {config.total_batch_size}: {plan}"
+              + (f"; --packing budget {packing_budget(config, plan)} tokens per micro-batch" if config.packing else ""))
     return plan
 
 
@@ -74,6 +75,13 @@ def apply_plan(config, plan: BatchPlan):
                                   batch_plan=plan.to_dict(), **levers)
     planned.validate()
     return planned
+
+
+def packing_budget(config, plan: BatchPlan) -> int:
+    """``--packing``'s tokens per micro-batch under ``plan`` (``packing.budget`` with the plan's micro-batch)."""
+    from finetune.packing import budget
+
+    return budget(dataclasses.replace(config, per_device_train_batch_size=plan.per_device_train_batch_size))
 
 
 def recorded_plan(config, num_processes: int) -> BatchPlan | None:

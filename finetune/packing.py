@@ -1,0 +1,245 @@
+"""Padding-free micro-batches and window-local packing for causal LM and SFT (issue 27; docs/packing.md).
+
+A **padding-free** micro-batch is one row: its samples' tokens concatenated, ``position_ids`` restarting at 0 at
+every sample, no padding and no 2-D ``attention_mask``, and the first label of every sample ``IGNORE_INDEX``
+so that no sample is trained to continue the one before it. transformers recognises such a row from the
+``position_ids`` alone and builds a block-diagonal causal mask for SDPA and eager attention
+(transformers 5.24 ``masking_utils.py`` lines 862-870: only when ``attention_mask is None`` and there is no
+cache; ``find_packed_sequence_indices``, lines 735-764, starts a new sequence wherever consecutive positions do
+not differ by 1); ``DataCollatorWithFlattening`` (``data/data_collator.py`` lines 1348-1354) and TRL's
+``DataCollatorForLanguageModeling(padding_free=True)`` build the same row.
+
+**Window-local packing** (``--packing``, ``--packing_strategy window_bfd``) takes the samples of one accumulation window, the same ones the
+seeded order gives the padded run, and packs them best-fit-decreasing (TRL ``trl/data_utils.py``
+``_pack_bfd``) into padding-free micro-batches of at most ``--max_tokens_per_micro_batch`` tokens each: it changes
+how a step is split, never which samples form it or how many label tokens (items) it has, because the
+causal-LM loss shifts labels inside each row (``tasks.CausalLM.count``: ``labels[:, 1:]``) and the first label
+of every sample, which the shift would otherwise pair with the previous sample's last position, is masked.
+
+``separation_error`` runs the per-sequence check on the user's own model: a model or attention implementation
+that cannot keep packed sequences apart is refused by what it computes, not by its name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.tasks import IGNORE_INDEX, CausalLM
+
+STRATEGIES = ("window_bfd",)  # --packing_strategy values
+
+
+# ------------------------------------------------------------------------------------------ samples and rows
+def unpad(batch: dict) -> list[dict]:
+    """The samples of a right-padded micro-batch (``tasks.CausalLMCollator``, ``sft.SFTCollator``): one dict per row
+    with 1-D ``input_ids`` and ``labels`` of the row's real length (``attention_mask.sum()`` tokens). Rows whose
+    labels are all ``IGNORE_INDEX`` (an epoch's repeated rows: ``sampling.mask_repeats``) are kept: every row is
+    a forward pass in the padded run too."""
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    return [{"input_ids": batch["input_ids"][i, :n], "labels": batch["labels"][i, :n]}
+            for i, n in enumerate(lengths)]
+
+
+def flatten(samples: list[dict]) -> dict:
+    """One padding-free row of ``samples`` (dicts of 1-D ``input_ids`` and ``labels``, n_i tokens each): tensors of
+    shape (1, sum n_i): ``input_ids``, ``position_ids`` (0..n_i-1 per sample) and ``labels`` (the first of each
+    sample ``IGNORE_INDEX``, as ``DataCollatorWithFlattening``'s ``separator_id``), and ``use_cache=False``. No
+    ``attention_mask``, and no cache: with either, transformers would not separate the samples (module docstring;
+    a model builds a ``DynamicCache`` whenever ``use_cache`` is on, in training too). Raises ``ValueError`` for no samples or an
+    empty sample."""
+    if not samples or any(len(s["input_ids"]) == 0 for s in samples):
+        raise ValueError("flatten needs at least one sample, none of them empty")
+    labels = [s["labels"].clone() for s in samples]
+    for row in labels:
+        row[0] = IGNORE_INDEX
+    return {"input_ids": torch.cat([s["input_ids"] for s in samples]).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(len(s["input_ids"]), device=s["input_ids"].device)
+                                       for s in samples]).unsqueeze(0),
+            "labels": torch.cat(labels).unsqueeze(0), "use_cache": False}
+
+
+def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
+    """Bins of sample indices, each bin's summed ``lengths`` (tokens) at most ``budget`` (tokens), by best fit
+    decreasing: longest first (ties in index order), each into the open bin it fills most tightly, else a new bin
+    (TRL ``trl/data_utils.py`` ``_pack_bfd``, which uses a segment tree for the same choice). A sample longer
+    than ``budget`` gets a bin of its own. Deterministic: bins in order of creation, indices sorted in each."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins, room = [], []
+    for i in order:
+        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
+        if fits:
+            best = min(fits, key=lambda b: (room[b], b))
+            bins[best].append(i)
+            room[best] -= lengths[i]
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+class Packer:
+    """Turns an accumulation window (this process's list of padded micro-batches) into the micro-batches it runs.
+    ``strategy``: None (``--padding_free``: each micro-batch flattened into one row, the same split) or
+    ``"window_bfd"`` (the window's samples repacked by ``best_fit_decreasing`` under ``budget`` tokens per
+    micro-batch). Returns a list of padding-free batches (``flatten``); their count may differ from the window's
+    and between processes."""
+
+    def __init__(self, strategy: str | None, budget: int | None):
+        self.strategy, self.budget = strategy, budget
+
+    def __call__(self, window: list[dict]) -> list[dict]:
+        if self.strategy is None:
+            return [flatten(unpad(batch)) for batch in window]
+        samples = [s for batch in window for s in unpad(batch)]
+        return [flatten([samples[i] for i in b])
+                for b in best_fit_decreasing([len(s["input_ids"]) for s in samples], self.budget)]
+
+
+def tokens(batch: dict) -> tuple[int, int]:
+    """(input tokens, computed positions) of a micro-batch: the ``attention_mask``'s ones and its size for a padded
+    batch; both ``input_ids.numel()`` for a padding-free one."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
+    return batch["input_ids"].numel(), batch["input_ids"].numel()
+
+
+def samples(inputs: dict, labels: torch.Tensor) -> int:
+    """Samples in a micro-batch: its rows, or for a padding-free row (``position_ids``, no ``attention_mask``) the
+    positions where ``position_ids`` restart at 0."""
+    if "attention_mask" not in inputs and "position_ids" in inputs:
+        return int((inputs["position_ids"] == 0).sum())
+    return labels.shape[0]
+
+
+def eval_outputs(forward, batch: dict, labels: torch.Tensor, task) -> tuple[torch.Tensor, ...]:
+    """``task.eval_outputs`` for a padded evaluation batch (``labels`` popped) computed as one padding-free row:
+    the row's logits cut back into its samples, each scored as a batch of one, concatenated (per-sample tensors
+    in the batch's row order, as the padded path gives them). ``forward``: the model's forward; no gradients."""
+    rows = unpad({**batch, "labels": labels})
+    row = flatten(rows)
+    with torch.no_grad():
+        logits = forward(**{key: value for key, value in row.items() if key != "labels"}).logits[0]
+    parts, start = [], 0
+    for sample in rows:
+        n = len(sample["input_ids"])
+        parts.append(task.eval_outputs(logits[start:start + n].unsqueeze(0), sample["labels"].unsqueeze(0)))
+        start += n
+    return tuple(torch.cat(columns) for columns in zip(*parts, strict=True))
+
+
+def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget: int | None,
+                    strategy: str | None) -> dict:
+    """What packing does to a run's steps, for ``check-data`` and the banner. ``lengths_per_step``: per optimizer
+    step (of one process), the token lengths of its samples in order; ``micro_batch``: samples per padded
+    micro-batch. Returns micro-batches per step (mean, max), tokens per micro-batch (mean, max) and the padding
+    fraction (padded positions that hold no token) before (padded micro-batches) and after."""
+    padded = real = 0
+    after_batches, after_tokens = [], []
+    for lengths in lengths_per_step:
+        chunks = [lengths[i:i + micro_batch] for i in range(0, len(lengths), micro_batch)]
+        padded += sum(max(c) * len(c) for c in chunks)
+        real += sum(lengths)
+        if strategy is None:
+            bins = [list(range(len(c))) for c in chunks]
+            sizes = [sum(c) for c in chunks]
+        else:
+            bins = best_fit_decreasing(lengths, budget)
+            sizes = [sum(lengths[i] for i in b) for b in bins]
+        after_batches.append(len(bins))
+        after_tokens.extend(sizes)
+    steps = max(len(lengths_per_step), 1)
+    return {"micro_batches_per_step": sum(after_batches) / steps, "max_micro_batches_per_step": max(after_batches, default=0),
+            "tokens_per_micro_batch": sum(after_tokens) / max(len(after_tokens), 1),
+            "max_tokens_per_micro_batch": max(after_tokens, default=0),
+            "padding_fraction_before": 1 - real / padded if padded else 0.0, "padding_fraction_after": 0.0}
+
+
+# ------------------------------------------------------------------------------------------ the per-sequence check
+def per_sequence_difference(model, samples: list[torch.Tensor], row_transform=None) -> float:
+    """The largest difference between each sample's logits computed alone and at its positions in one padding-free
+    row, relative to the largest absolute logit (0 when the model keeps the samples apart exactly). ``samples``:
+    1-D token-id tensors; ``model``: a transformers causal LM (its mode is restored; no gradients).
+    ``row_transform(row) -> row``: a change to the packed row's inputs before the forward (the tests' negative
+    controls: positions not reset, a 2-D mask)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = [model(input_ids=s.unsqueeze(0).to(device), use_cache=False).logits[0].float() for s in samples]
+            row = flatten([{"input_ids": s.to(device), "labels": s.to(device)} for s in samples])
+            inputs = {key: value for key, value in row.items() if key != "labels"}
+            if row_transform is not None:
+                inputs = row_transform(inputs)
+            packed = model(**inputs).logits[0].float()
+    finally:
+        model.train(was_training)
+    scale = max(float(a.abs().max()) for a in alone) or 1.0
+    worst, start = 0.0, 0
+    for a in alone:
+        worst = max(worst, float((packed[start:start + len(a)] - a).abs().max()))
+        start += len(a)
+    return worst / scale
+
+
+def check_samples(vocab_size: int, lengths=(7, 5, 9), seed: int = 0) -> list[torch.Tensor]:
+    """Random token ids for ``separation_error``: one 1-D tensor per length (tokens), ids in [1, vocab_size)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, max(vocab_size, 2), (n,), generator=generator) for n in lengths]
+
+
+def separation_error(model, flag: str, tolerance: float | None = None) -> str | None:
+    """Run the per-sequence check (``per_sequence_difference`` on three short random samples) on the user's model
+    as it will train; return None if packed samples match their unpacked logits within ``tolerance`` (relative to
+    the largest logit: 1e-4 for fp32 weights, 2e-2 for 16-bit ones), else the one-line reason ``FinetuneError``
+    gives, naming ``flag`` and the attention implementation."""
+    parameter = next(model.parameters())
+    if tolerance is None:
+        tolerance = 1e-4 if parameter.dtype == torch.float32 else 2e-2
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None) or "default"
+    try:
+        difference = per_sequence_difference(model, check_samples(int(getattr(config, "vocab_size", 2))))
+    except Exception as err:  # a model whose forward rejects position_ids or a packed row
+        return (f"{flag}: {type(model).__name__} cannot run a padding-free row ({type(err).__name__}: {err}). "
+                "Train without packing.")
+    if difference > tolerance:
+        return (f"{flag}: {type(model).__name__} with attn_implementation={attention!r} does not keep packed "
+                f"sequences apart (packed vs alone logits differ by {difference:.2e} of the largest logit, more than "
+                f"{tolerance:.0e}). Use --attn_implementation sdpa or eager, or train without packing.")
+    return None
+
+
+def budget(config) -> int:
+    """Tokens per packed micro-batch per process: ``--max_tokens_per_micro_batch``, else the padded micro-batch's
+    most positions (``per_device_train_batch_size`` x the longest sample, ``max_length`` or ``block_size``)."""
+    return config.max_tokens_per_micro_batch or config.per_device_train_batch_size * max(config.max_length,
+                                                                                         config.block_size or 0)
+
+
+def flag_of(config) -> str:
+    """How the run's packing flags read on a command line (for messages)."""
+    return f"--packing --packing_strategy {config.packing_strategy}" if config.packing else "--padding_free"
+
+
+def packer_for(config, task, model, distributed_type=None) -> Packer | None:
+    """The ``Packer`` ``--padding_free`` / ``--packing`` ask for (None when neither), after the per-sequence check on
+    ``model`` (the unwrapped model, before training). ``distributed_type``: accelerate's ``DistributedType`` (its
+    value is compared by name). Raises ``FinetuneError`` (one line, before anything is written) for a task other
+    than causal LM/SFT, a sharding engine (FSDP reduce-scatters on every micro-batch and DeepSpeed counts its own
+    micro-batches, so a window's micro-batch count must not vary there), or a model that fails the check."""
+    if not (config.padding_free or config.packing):
+        return None
+    flag = flag_of(config)
+    if not isinstance(task, CausalLM):
+        raise FinetuneError(f"{flag} is for causal LM and SFT recipes; a {task.name} recipe keeps padded "
+                            "micro-batches (one label per sample, nothing to pack). Drop the flag.")
+    if str(getattr(distributed_type, "name", distributed_type)) in ("FSDP", "DEEPSPEED"):
+        raise FinetuneError(f"{flag} runs on one process or DDP only, not under {distributed_type.name}: the number "
+                            "of micro-batches per window would differ between processes. Drop the flag or the "
+                            "sharding config.")
+    error = separation_error(model, flag)
+    if error:
+        raise FinetuneError(error)
+    return Packer(config.packing_strategy if config.packing else None, budget(config) if config.packing else None)

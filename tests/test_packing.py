@@ -1,0 +1,299 @@
+"""Packing is contamination-free (issue 27): per sequence, per label, per optimizer step.
+
+Per sequence: on tiny Llama, Qwen2, GPT-2 and Mixtral (tests/families.py), the padding-free row's logits at each
+sample's positions equal the sample's logits alone (fp32, rtol 1e-5) under ``sdpa`` and ``eager``; the negative
+controls (positions not reset, a 2-D all-ones mask with the row) must fail the same check, and
+``packing.separation_error`` must refuse them. Per label: a row's summed loss and label tokens equal the padded
+micro-batch's; with the first label of each sample left in, they do not. Per step: padding-free and packed runs
+give the padded B x 1 run's weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import families
+import pytest
+import torch
+from helpers import load_params, run_in_process, train_steps
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from finetune import packing
+from finetune.errors import FinetuneError
+from finetune.tasks import IGNORE_INDEX, CausalLM
+
+FAMILIES = ["llama", "qwen2", "gpt2", "mixtral"]
+ATTENTION = ["sdpa", "eager"]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: str(families.build(name, root / name)) for name in FAMILIES}
+
+
+def _model(path, attention):
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, dtype=torch.float32)
+
+
+def _alone_and_packed(model, samples, row_transform=None):
+    """(each sample's logits alone, the packed row's logits at its positions), fp32, no gradients."""
+    model.eval()
+    with torch.no_grad():
+        alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
+        row = packing.flatten([{"input_ids": s, "labels": s} for s in samples])
+        inputs = {k: v for k, v in row.items() if k != "labels"}
+        packed = model(**(row_transform(inputs) if row_transform else inputs)).logits[0]
+    bounds = torch.tensor([0] + [len(s) for s in samples]).cumsum(0).tolist()
+    return alone, [packed[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _positions_not_reset(inputs):
+    return {**inputs, "position_ids": torch.arange(inputs["input_ids"].shape[1]).unsqueeze(0)}
+
+
+def _all_ones_mask(inputs):
+    return {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_logits_equal_each_sample_alone(family_dirs, family, attention):
+    model = _model(family_dirs[family], attention)
+    samples = packing.check_samples(model.config.vocab_size, lengths=(7, 5, 9, 3))
+    alone, packed = _alone_and_packed(model, samples)
+    for a, p in zip(alone, packed):
+        torch.testing.assert_close(p, a, rtol=1e-5, atol=1e-6)
+    assert packing.separation_error(model, "--padding_free") is None
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mutant", [_positions_not_reset, _all_ones_mask], ids=["positions-not-reset", "2d-mask"])
+def test_negative_controls_fail_the_per_sequence_check(family_dirs, family, attention, mutant):
+    """The same comparison must fail for a row whose positions run on, or that carries a 2-D all-ones mask
+    (transformers then builds no block-diagonal mask: masking_utils.py lines 862-870). GPT-2's learned positions
+    make a 2-D mask harmless only where positions also run on; here positions reset, so the mask alone must
+    show."""
+    model = _model(family_dirs[family], attention)
+    samples = packing.check_samples(model.config.vocab_size, lengths=(7, 5, 9, 3))
+    alone, packed = _alone_and_packed(model, samples, mutant)
+    # the first sample sees nothing before it: only the later ones can differ
+    worst = max(float((p - a).abs().max()) for a, p in zip(alone[1:], packed[1:]))
+    assert worst > 1e-3, worst
+    assert packing.per_sequence_difference(model, samples, mutant) > 1e-3
+
+
+def test_separation_check_refuses_a_model_that_cannot_separate(tmp_path):
+    """Refused by what it computes, not its name: OPT derives positions from the attention mask and ignores
+    position_ids, so packed samples see shifted positions; the check's one line names the flag."""
+    path = families.build("opt", tmp_path / "opt")
+    error = packing.separation_error(_model(path, "sdpa"), "--padding_free")
+    assert error is not None and error.startswith("--padding_free: OPTForCausalLM") and "\n" not in error
+
+
+def test_check_refuses_a_model_given_a_2d_mask(family_dirs, monkeypatch):
+    """A mutant of the code under test: if flatten passed a 2-D mask, the check on the user's model must fail."""
+    real = packing.flatten
+    monkeypatch.setattr(packing, "flatten", lambda samples: {**real(samples),
+                                                             "attention_mask": real(samples)["input_ids"] * 0 + 1})
+    assert packing.separation_error(_model(family_dirs["llama"], "sdpa"), "--padding_free") is not None
+
+
+# ------------------------------------------------------------------------------------------ labels
+def _padded_and_row(tiny_llama, clm_texts, n=6):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    texts = [json.loads(line)["text"] for line in open(clm_texts[0])][:n]
+    features = [{"input_ids": ids} for ids in tokenizer(texts, truncation=True, max_length=48)["input_ids"]]
+    padded = CausalLM().collator(tokenizer, None)(features)
+    return padded, packing.flatten(packing.unpad(padded))
+
+
+def test_row_trains_the_padded_batch_label_tokens(tiny_llama, clm_texts):
+    """Label level: the row's summed loss and its items (label tokens after the shift) equal the padded
+    micro-batch's, with the first label of every sample masked."""
+    task, model = CausalLM(), AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    padded, row = _padded_and_row(tiny_llama, clm_texts)
+    starts = row["position_ids"][0] == 0
+    assert (row["labels"][0][starts] == IGNORE_INDEX).all() and "attention_mask" not in row
+    assert row["input_ids"].numel() == padded["attention_mask"].sum() < padded["input_ids"].numel()
+    assert task.count(row["labels"]) == task.count(padded["labels"])
+    with torch.no_grad():
+        loss_padded = task.loss_sum(model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits,
+                                    padded["labels"])
+        loss_row = task.loss_sum(model(**{k: v for k, v in row.items() if k != "labels"}).logits, row["labels"])
+    torch.testing.assert_close(loss_row, loss_padded, rtol=1e-5, atol=0)
+
+
+def test_first_label_not_masked_is_caught(tiny_llama, clm_texts):
+    """Negative control at the label level: a row that keeps each sample's first label trains the previous
+    sample's last token to predict it: more items than the padded batch, and another loss."""
+    task = CausalLM()
+    padded, row = _padded_and_row(tiny_llama, clm_texts)
+    unmasked = torch.cat([s["input_ids"] for s in packing.unpad(padded)]).unsqueeze(0)
+    assert task.count(unmasked) == task.count(padded["labels"]) + (len(packing.unpad(padded)) - 1)
+    assert task.count(unmasked) != task.count(row["labels"])
+
+
+# ------------------------------------------------------------------------------------------ packing
+def test_best_fit_decreasing_keeps_every_sample_once_under_the_budget():
+    lengths = [9, 3, 7, 5, 2, 8, 1, 6]
+    bins = packing.best_fit_decreasing(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+    assert len(bins) == 5  # 41 tokens: at least 5 bins of 10
+    assert packing.best_fit_decreasing([12, 3], 10) == [[0], [1]]  # longer than the budget: alone
+
+
+def test_packer_repacks_only_the_window_samples(tiny_llama, clm_texts):
+    """window_bfd: the window's samples, each once, in micro-batches under the budget; items equal."""
+    task = CausalLM()
+    padded, _ = _padded_and_row(tiny_llama, clm_texts, n=8)
+    window = [{k: v[i:i + 2] for k, v in padded.items()} for i in range(0, 8, 2)]
+    budget = int(padded["attention_mask"].sum(dim=1).max()) + 8
+    runs = packing.Packer("window_bfd", budget)(window)
+    assert all(r["input_ids"].numel() <= budget for r in runs)
+    assert sum(r["input_ids"].numel() for r in runs) == int(padded["attention_mask"].sum())
+    assert sum(task.count(r["labels"]) for r in runs) == task.count(padded["labels"])
+    assert sorted(tuple(s["input_ids"].tolist()) for r in runs for s in _split(r)) == \
+        sorted(tuple(s["input_ids"].tolist()) for s in packing.unpad(padded))
+
+
+def _split(row):
+    starts = (row["position_ids"][0] == 0).nonzero().flatten().tolist() + [row["input_ids"].shape[1]]
+    return [{"input_ids": row["input_ids"][0, a:b]} for a, b in zip(starts, starts[1:])]
+
+
+def test_classification_keeps_padded_micro_batches(tiny_bert, tmp_path):
+    with pytest.raises(FinetuneError, match="--padding_free is for causal LM and SFT"):
+        run_in_process(tmp_path, "cls", model_name_or_path=tiny_bert, max_train_samples=8, max_steps=1,
+                       padding_free=True)
+
+
+# ------------------------------------------------------------------------------------------ per step
+CLM = dict(recipe="bbc-news-clm", num_train_epochs=1, disable_dropout=True, max_length=64, learning_rate=1e-3,
+           seed=3, warmup_steps=0, eval_strategy="no", max_train_samples=40)
+
+
+def _relative(a: dict, b: dict) -> float:
+    diff = sum(float((a[k] - b[k]).double().norm() ** 2) for k in a) ** 0.5
+    return diff / sum(float(b[k].double().norm() ** 2) for k in b) ** 0.5
+
+
+def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_llama, clm_texts):
+    """40 samples, 8 per step: padded 8 x 1, padding-free 2 x 4 (both backends) and packed (budget 96 tokens,
+    several micro-batches per step) take the same 5 optimizer steps: same samples, items and losses per step, and the
+    same weights to float rounding (relative norm of the whole difference; Adam turns rounding noise on
+    zero-gradient tensors into lr-sized steps, docs/design-notes.md)."""
+    kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], **CLM)
+    _, ref = run_in_process(tmp_path, "ref", per_device_train_batch_size=8, gradient_accumulation_steps=1, **kw)
+    _, free = run_in_process(tmp_path, "free", per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                             padding_free=True, **kw)
+    _, packed = run_in_process(tmp_path, "packed", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                               packing=True, max_tokens_per_micro_batch=96, **kw)
+    _, trainer = run_in_process(tmp_path, "trainer", per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                                padding_free=True, backend="trainer", **kw)
+    reference = train_steps(ref)
+    for out in (free, packed, trainer):
+        steps = train_steps(out)
+        assert [r["samples"] for r in steps] == [r["samples"] for r in reference] == [8] * 5
+        assert [r["trained_tokens"] for r in steps] == [r["trained_tokens"] for r in reference]
+        assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+        assert _relative(load_params(out), load_params(ref)) < 1e-5
+        assert all(r["padded_tokens"] == r["input_tokens"] for r in steps)  # no padding computed
+    assert all(r["padded_tokens"] > r["input_tokens"] for r in reference)
+
+
+def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
+    """DDP on 2 CPU processes through the real CLI: 36 samples, 2 x 2 per process per step (the last step holds
+    4 samples and 4 masked repeats), padded vs packed under a 48-token budget, where the processes run different
+    numbers of micro-batches per step (one synchronising backward each): same samples, items, losses and
+    weights."""
+    from helpers import launch
+
+    common = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", clm_texts[0],
+              "--validation_file", clm_texts[1], "--num_train_epochs", "1", "--disable_dropout", "True",
+              "--max_length", "64", "--learning_rate", "1e-3", "--seed", "3", "--warmup_steps", "0",
+              "--eval_strategy", "no", "--max_train_samples", "36", "--per_device_train_batch_size", "2",
+              "--gradient_accumulation_steps", "2"]
+    outs = {}
+    for name, extra in [("padded", []), ("packed", ["--packing", "True", "--max_tokens_per_micro_batch", "48"])]:
+        outs[name] = tmp_path / name
+        result = launch(common + ["--output_dir", str(outs[name]), *extra], num_processes=2, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+    padded, packed = train_steps(outs["padded"]), train_steps(outs["packed"])
+    assert [r["samples"] for r in packed] == [r["samples"] for r in padded] == [8, 8, 8, 8, 4]
+    assert [r["trained_tokens"] for r in packed] == [r["trained_tokens"] for r in padded]
+    assert [r["loss"] for r in packed] == pytest.approx([r["loss"] for r in padded], rel=1e-5)
+    assert _relative(load_params(outs["packed"]), load_params(outs["padded"])) < 1e-5
+
+
+def test_padding_free_evaluation_gives_the_padded_per_sample_outputs(tiny_llama, clm_texts):
+    """evaluation.evaluate(padding_free=True) scores each sample from the packed row: the same per-sample summed
+    losses and label tokens as the padded batch, so eval_loss and perplexity are the padded run's."""
+    task, model = CausalLM(), AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    padded, _ = _padded_and_row(tiny_llama, clm_texts)
+    labels = padded.pop("labels")
+    with torch.no_grad():
+        reference = task.eval_outputs(model(**padded).logits, labels)
+    outputs = packing.eval_outputs(model, padded, labels, task)
+    torch.testing.assert_close(outputs[0], reference[0], rtol=1e-5, atol=1e-5)
+    assert outputs[1].tolist() == reference[1].tolist()
+
+
+@pytest.mark.parametrize("mutant", [False, True], ids=["packed", "first-label-not-masked"])
+def test_verify_way_packed_against_padded(tmp_path, tiny_llama, monkeypatch, mutant):
+    """``finetune verify --packing``: the packed way against the padded reference is exact; with the first
+    label of each sample left in (a mutant of flatten) the same way is NOT EXACT. Verify's samples are 32
+    tokens (--max_length 32): a 64-token budget puts two in a row, so there is a boundary to contaminate."""
+    from test_verify import run_verify
+
+    if mutant:
+        real = packing.flatten
+
+        def unmasked(samples):
+            row = real(samples)
+            return {**row, "labels": torch.cat([s["labels"] for s in samples]).unsqueeze(0)}
+
+        monkeypatch.setattr(packing, "flatten", unmasked)
+    code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama,
+                              "--packing", "True", "--max_tokens_per_micro_batch", "64")
+    packed = [r for r in report["rows"] if r["role"] == "packed"]
+    assert len(packed) == 1 and packed[0]["way"] == "2 x 2, packed"
+    if mutant:
+        assert code == 1 and packed[0]["verdict"].startswith("NOT EXACT"), packed[0]
+    else:
+        assert code == 0 and packed[0]["verdict"] == "exact", packed[0]
+
+
+def test_check_data_packing_line_counts_steps_and_padding():
+    """check-data's packing line: one step of 4 samples (10, 2, 7, 5 tokens), micro-batch 2: padded positions
+    2 x 10 + 2 x 7 = 34 for 24 tokens (29.4% padding); window_bfd under 12 tokens: bins {10, 2}, {7, 5}."""
+    from types import SimpleNamespace
+
+    from finetune.check_data import packing_line
+
+    config = SimpleNamespace(train_sampling_strategy="random", seed=0, max_tokens_per_micro_batch=12,
+                             per_device_train_batch_size=2, max_length=16, block_size=None, packing=True,
+                             packing_strategy="window_bfd", padding_free=False)
+    summary = packing.packing_summary([[10, 2, 7, 5]], 2, 12, "window_bfd")
+    assert summary["micro_batches_per_step"] == 2 and summary["max_tokens_per_micro_batch"] == 12
+    assert summary["padding_fraction_before"] == pytest.approx(1 - 24 / 34)
+    line = packing_line(config, [10, 2, 7, 5], 4)
+    assert "2.0 micro-batches per step (max 2)" in line and "12 tokens per micro-batch" in line
+    assert "29.4% of positions before, 0% after" in line
+
+
+def test_packed_with_lora_and_activation_checkpointing_gives_the_padded_adapter(tmp_path, tiny_llama, clm_texts):
+    """LoRA (r 4) with activation checkpointing: packed 8 x 1 (96-token budget) trains the padded run's adapter
+    (the same per-step losses; adapter weights within 1e-5 of their norm)."""
+    from safetensors.torch import load_file
+
+    kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], **CLM,
+              use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, activation_checkpointing=True,
+              per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    _, ref = run_in_process(tmp_path, "ref", **kw)
+    _, packed = run_in_process(tmp_path, "packed", packing=True, max_tokens_per_micro_batch=96, **kw)
+    assert [r["loss"] for r in train_steps(packed)] == pytest.approx([r["loss"] for r in train_steps(ref)], rel=1e-5)
+    a, b = load_file(str(packed / "adapter_model.safetensors")), load_file(str(ref / "adapter_model.safetensors"))
+    assert _relative(a, b) < 1e-5
