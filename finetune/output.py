@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,6 +16,19 @@ from finetune.errors import FinetuneError
 # Settings whose change does not make a run "different" (where it goes, whether it may overwrite), and the
 # values a run derives (the new config is compared before they are derived): each field's ``same_run=False``.
 _IGNORED = frozenset(fields_with(same_run=False))
+
+
+def _planned_split(old: dict, new: dict) -> set[str]:
+    """The fields the batch planner chooses on every launch (the split of ``--total_batch_size`` B and, under
+    ``--auto_find_batch_size``, the memory levers: ``planner.Lever``), where both runs ask for the same B: a
+    requeued job plans B again on the processes it gets, and ``run_config.json`` holds the planned values, the new
+    config the flags before planning. Empty where B is not planned (then the split is the user's own)."""
+    if old.get("total_batch_size") is None or old.get("total_batch_size") != new.get("total_batch_size"):
+        return set()
+    from finetune.planner.plans import Lever  # the lever's fields are TrainConfig's of those names
+
+    return {"per_device_train_batch_size", "gradient_accumulation_steps",
+            *(f.name for f in dataclasses.fields(Lever))}
 
 
 def check_output_dir(config) -> None:  # noqa: C901 - over the budget; to split
@@ -46,7 +60,8 @@ def check_output_dir(config) -> None:  # noqa: C901 - over the budget; to split
         except (OSError, ValueError):
             old = {}
         new = config.to_dict()
-        differences = sorted(k for k in set(old) | set(new) if k not in _IGNORED and old.get(k) != new.get(k))
+        ignored = _IGNORED | _planned_split(old, new)
+        differences = sorted(k for k in set(old) | set(new) if k not in ignored and old.get(k) != new.get(k))
         if differences:
             raise FinetuneError(
                 f"--output_dir {str(out)!r} holds a different run (settings that differ: {', '.join(differences)}). "
