@@ -101,13 +101,25 @@ def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dic
                           timeout=timeout, env=launch_env(env), cwd=REPO)
 
 
+def machine_cpus(rank: int, machines: int) -> set[int]:
+    """The CPUs of this host that "machine" ``rank`` of ``machines`` (all on this host) owns: a disjoint share of
+    this process's affinity set (round-robin where there are fewer CPUs than machines). A real machine has cores
+    of its own; without a share, each machine's processes take every core of the host (``finetune`` undoes
+    accelerate's ``OMP_NUM_THREADS=1``: threads = cores / local processes), and two machines' gloo ranks fight
+    over the same cores (measured on 2 cores: 0.48 s per optimizer step instead of 0.03 s)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return set(cpus[rank::machines]) if len(cpus) >= machines else {cpus[rank % len(cpus)]}
+
+
 def start_launch(args: list[str], logs: Path, num_processes: int = 1, machine: tuple[int, int, int] | None = None):
     """Start ``accelerate launch finetune/run.py ARGS`` (see ``launch_command``) in the background, its stdout
     and stderr going to ``logs``.out and ``logs``.err (files, not pipes: a full pipe would stall a run nobody
-    reads). Returns the ``Popen``."""
+    reads). A ``machine`` runs on its own share of this host's CPUs (``machine_cpus``). Returns the ``Popen``."""
+    cpus = machine_cpus(machine[0], machine[1]) if machine and hasattr(os, "sched_setaffinity") else None
     with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:
         return subprocess.Popen(launch_command(args, num_processes, machine), stdout=out, stderr=err,
-                                env=launch_env(), cwd=REPO)
+                                env=launch_env(), cwd=REPO,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
 
 def run_script(args: list[str], timeout: int = 300, env: dict | None = None):

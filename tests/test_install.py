@@ -56,10 +56,22 @@ def _venv_with(path: Path, *pip_args: str) -> Path:
     # "zz": site runs .pth files in name order; the venv's own (an editable install's finder) go first
     (Path(own) / "zz_running_environment.pth").write_text(
         "".join(f"import site; site.addsitedir({d!r})\n" for d in running_site_dirs()))
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *pip_args],
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *_build_isolation(), *pip_args],
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr[-3000:]
     return python
+
+
+def _build_isolation() -> list[str]:
+    """``--no-build-isolation`` where the running environment has the build backend pyproject.toml requires
+    (setuptools >= 68, which the venv sees through its ``.pth``): pip then builds with it instead of installing
+    setuptools into a throwaway build environment for every install (the slowest part of these tests); without
+    it, pip's default isolated build, as a user's ``pip install .`` does."""
+    try:
+        import setuptools
+    except ImportError:
+        return []
+    return ["--no-build-isolation"] if int(setuptools.__version__.split(".")[0]) >= 68 else []
 
 
 def _env(**extra: str) -> dict:

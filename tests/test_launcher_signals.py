@@ -21,13 +21,6 @@ pytestmark = pytest.mark.integration
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def common(model: str) -> list[str]:
-    return ["--recipe", "bbc-news", "--model_name_or_path", model, "--max_train_samples", "96", "--max_eval_samples",
-            "8", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--num_train_epochs", "1",
-            "--max_length", "32", "--disable_dropout", "--eval_strategy", "no", "--learning_rate", "1e-3",
-            "--warmup_steps", "0", "--seed", "7"]
-
-
 def assert_same_weights(a_dir, b_dir):
     a, b = load_params(a_dir), load_params(b_dir)
     assert a.keys() == b.keys()
@@ -73,12 +66,16 @@ def wait_pid(pid: int, timeout: float) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
-def test_sigterm_to_bare_one_process_launcher_checkpoints_and_resumes(tmp_path, tiny_bert):
+def test_sigterm_to_bare_one_process_launcher_checkpoints_and_resumes(tmp_path, tiny_bert, shared_runs):
     """The bare 1-process launcher dies at once on SIGTERM; the kernel then signals the training process
-    (PR_SET_PDEATHSIG), which finishes its step, checkpoints and exits 143 instead of training on."""
-    args = common(tiny_bert)
-    reference = launch([*args, "--output_dir", str(tmp_path / "reference")], timeout=300)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    (PR_SET_PDEATHSIG), which finishes its step, checkpoints and exits 143 instead of training on. The
+    uninterrupted run is test_machines.py's one-process micro-batch-4 reference (trained once per session)."""
+    from test_machines import STEPS, one_process_reference
+    from test_machines import common as machines_common
+
+    # 96 samples / micro-batch 4 = 24 optimizer steps: the reference's own flags
+    args = [*machines_common(tiny_bert), "--per_device_train_batch_size", "4"]
+    reference = one_process_reference(shared_runs, tiny_bert)
 
     out = tmp_path / "stopped"
     with subreaper():
@@ -96,7 +93,7 @@ def test_sigterm_to_bare_one_process_launcher_checkpoints_and_resumes(tmp_path, 
                 launcher.wait()
     stderr = (tmp_path / "stopped.err").read_text()
     stopped_at = len(train_steps(out))
-    assert 2 <= stopped_at < 48, stderr[-3000:]
+    assert 2 <= stopped_at < STEPS, stderr[-3000:]
     assert "SIGTERM (the launcher exited): finishing this optimizer step" in stderr
     assert f"error: stopped by SIGTERM after optimizer step {stopped_at}; checkpoint: " in stderr
     assert (out / "checkpoints" / f"step_{stopped_at:08d}" / "COMPLETE").is_file()
@@ -107,10 +104,9 @@ def test_sigterm_to_bare_one_process_launcher_checkpoints_and_resumes(tmp_path, 
 
     resumed = launch([*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["step"] for r in train_steps(out)] == list(range(1, 49))
-    assert [r["loss"] for r in train_steps(out)] == pytest.approx([r["loss"] for r in train_steps(tmp_path / "reference")],
-                                                                   rel=1e-5)
-    assert_same_weights(out, tmp_path / "reference")
+    assert [r["step"] for r in train_steps(out)] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in train_steps(out)] == pytest.approx([r["loss"] for r in train_steps(reference)], rel=1e-5)
+    assert_same_weights(out, reference)
 
 
 def test_sigterm_to_two_process_launcher_checkpoints_within_torchrun_grace(tmp_path, tiny_bert, shared_runs):
