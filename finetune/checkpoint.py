@@ -17,7 +17,7 @@ from pathlib import Path
 
 from accelerate.utils import gather_object
 
-from finetune import elastic
+from finetune import distributed, elastic
 from finetune.config import fields_with
 from finetune.errors import FinetuneError
 from finetune.progress import RunProgress
@@ -606,3 +606,115 @@ def _fsync_tree(path: Path) -> None:
     for file in path.rglob("*"):
         if file.is_file():
             _fsync_file(file)
+
+
+# ------------------------------------------------------------------------------------------ agreement between processes
+class _NoCheckpoint(Exception):
+    """``--resume_from_checkpoint auto`` found no checkpoint on this process."""
+
+
+def held_checkpoints(state, output_dir, backend: str = "accelerate") -> list[int]:
+    """The steps this process could resume from in its ``output_dir``: complete checkpoints that verify
+    (``checkpoint.is_resumable``) and hold this process's random-number state where they were written by as many
+    processes (``checkpoint.rng_file``), oldest first. ``backend``: whose checkpoints."""
+    held = []
+    for path in list_checkpoints(output_dir, backend):
+        if not is_resumable(path):
+            continue
+        try:
+            saved = read_state(path)
+        except FinetuneError:
+            continue
+        rng = rng_file(backend, state.process_index, state.num_processes)
+        if saved.num_processes == state.num_processes and not (path / rng).is_file():
+            continue
+        held.append(step_of(path))
+    return held
+
+
+def common_checkpoint(outcomes: list[dict]) -> int | None:
+    """The newest step every process holds (each outcome's ``held``: ``held_checkpoints`` on its machine), or None
+    where no step is held by all. ``--resume_from_checkpoint auto`` resumes there when the machines' newest
+    checkpoints differ (each machine with its own files: a machine stopped before its newest save completed,
+    or lost it)."""
+    held = [set(o["held"]) for o in outcomes]
+    common = set.intersection(*held) if held else set()
+    return max(common) if common else None
+
+
+def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate") -> Path | None:  # noqa: C901 - over the budget; to split
+    """The checkpoint to resume from (``checkpoint.find_resume_checkpoint`` in this process's
+    ``output_dir``), checked to be the same step on every process (collective; every process calls it).
+
+    Each process resolves ``spec`` on its own machine (verifying the checkpoint's files against its manifest:
+    ``checkpoint.verify_checkpoint``; "latest" and "auto" skip damaged ones, "auto" refuses where there are
+    checkpoints but none verifies) and also checks that the checkpoint holds its own random-number state
+    (``random_states_<rank>.pkl``; without it Accelerate resumes with other dropout masks, silently). The results
+    are exchanged. If they differ, "auto" takes the newest checkpoint every process holds complete and verified
+    (``common_checkpoint``) and says so; otherwise (or where no step is held by all) every process raises the
+    same ``FinetuneError`` naming which machine and rank lacks what, and how to fix it: copy the checkpoint to
+    the machine that lacks it, or resume every machine from a step all of them hold. ``backend``: whose
+    checkpoints (the Trainer backend's ``checkpoint-<step>`` folders are sealed and checked alike).
+    """
+    mine: dict = {"name": None, "error": None, "step": None}
+    caught = None
+    try:
+        path = find_resume_checkpoint(output_dir, spec, backend)
+        if path is None:  # "auto" with no checkpoint: a fresh start, if every process agrees
+            raise _NoCheckpoint()
+        saved = read_state(path)
+        rng = path / rng_file(backend, state.process_index, state.num_processes)
+        if saved.num_processes == state.num_processes and not rng.is_file():
+            raise FinetuneError(f"checkpoint {path} lacks this process's random-number state ({rng.name})")
+        mine.update(name=path.name, step=saved.step)
+    except _NoCheckpoint:
+        path = None
+    except FinetuneError as err:
+        path, caught, mine["error"] = None, err, str(err)
+    if state.num_processes <= 1:
+        if caught is not None:
+            raise caught
+        return path
+    mine.update(machine=distributed.machine_index(state), rank=state.process_index, held=held_checkpoints(state, output_dir, backend),
+                dir=str(Path(output_dir).resolve()))
+    outcomes = gather_object([mine])
+    names = {o["name"] for o in outcomes}
+    if len(names) == 1 and (None not in names or not any(o["error"] for o in outcomes)):
+        return path  # the same checkpoint everywhere, or ("auto") none anywhere
+    machines = distributed.num_machines(state)
+    common = common_checkpoint(outcomes) if spec == "auto" else None
+    if common is not None:
+        chosen = checkpoint_path(output_dir, common, backend)
+        if state.is_main_process:
+            newest = "; ".join(f"{distributed.describe(where, machines)}: {name or 'none'}"
+                               for name, where in distributed.group_outcomes([{**o, "name": o["name"] or "none"} for o in outcomes],
+                                                         "name").items())
+            print(f"--resume_from_checkpoint auto: the processes' newest resumable checkpoints differ ({newest}); "
+                  f"resuming every process from {chosen.name}, the newest that all of them hold complete and "
+                  "verified.")
+        return chosen
+    for o in outcomes:  # "auto": some processes found a checkpoint, these none
+        if o["name"] is None and o["error"] is None:
+            o["error"] = f"no complete checkpoint under {checkpoints_dir(o['dir'])}"
+    if caught is None and path is None:
+        caught = FinetuneError(f"no complete checkpoint under {checkpoints_dir(output_dir)}")
+    failed = distributed.group_outcomes(outcomes, "error")
+    if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
+        raise caught  # the same on every process: as on one process
+    parts = [f"{distributed.describe(where, machines)} would resume from {name}" for name, where in distributed.group_outcomes(outcomes, "name").items()]
+    parts += [f"{distributed.describe(where, machines)} cannot: {message}" for message, where in failed.items()]
+    newest = max((o["step"] for o in outcomes if o["step"] is not None), default=None)
+    fixes = []
+    if newest is not None:
+        name = checkpoint_path("", newest).name
+        source = next(o for o in outcomes if o["step"] == newest)
+        targets = {o["machine"]: o["dir"] for o in outcomes if o["step"] != newest}
+        fixes.append(f"copy {name} from {checkpoints_dir(source['dir'])} on machine {source['machine']} to "
+                     + ", ".join(f"{checkpoints_dir(d)} on machine {m}" for m, d in sorted(targets.items())))
+    common = set.intersection(*(set(o["held"]) for o in outcomes))
+    if common:
+        fixes.append(f"resume every machine from step {max(common)}, which all hold: --resume_from_checkpoint "
+                     f"<its --output_dir>/checkpoints/{checkpoint_path('', max(common)).name}")
+    fix = (", or ".join(fixes) + ".") if fixes else "start the run again without --resume_from_checkpoint."
+    raise FinetuneError(f"--resume_from_checkpoint {spec}: every process must resume from the same checkpoint, "
+                        f"but {'; '.join(parts)}. To fix it, {fix}")

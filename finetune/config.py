@@ -934,7 +934,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     and a recipe default that is not a flag's field; argparse exits 2 on a malformed value.
     """
     path, argv = _split_config_flag(list(sys.argv[1:] if argv is None else argv))
-    # here, not at the top: distributed imports checkpoint, which reads the flags' roles from this module
+    # here, not at the top: distributed imports torch and accelerate, which parsing flags does not need
     from finetune.distributed import world_size
 
     file_values = read_config_file(path, world_size()) if path else {}

@@ -90,7 +90,7 @@ class RunState:
 
     # -------------------------------------------------------------------------------- setup
     def resume(self, state, load=None) -> Path | None:
-        """``--resume_from_checkpoint``: the checkpoint every process agrees on (``distributed.agree_on_checkpoint``:
+        """``--resume_from_checkpoint``: the checkpoint every process agrees on (``ckpt.agree_on_checkpoint``:
         complete, verified against its manifest, holding each process's random state, the same step everywhere),
         its ``RunProgress`` checked to mean the same step (``checkpoint.check_compatible``) and restored, after
         ``load(path, progress)`` loaded the backend's own state (the accelerate backend's ``load_state``; Trainer loads its
@@ -100,7 +100,7 @@ class RunState:
         spec = self.config.resume_from_checkpoint
         if not spec:
             return None
-        path = distributed.agree_on_checkpoint(state, self.output_dir, spec, self.backend)
+        path = ckpt.agree_on_checkpoint(state, self.output_dir, spec, self.backend)
         if path is None:
             self.say(f"--resume_from_checkpoint auto: no complete checkpoint under "
                      f"{ckpt.checkpoints_dir(self.output_dir)}; starting a fresh run.")

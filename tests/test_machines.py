@@ -244,7 +244,8 @@ def _agree_auto(rank: int, port: int, root: str, out: str) -> None:
     import json
     import os
 
-    from finetune.distributed import agree_on_checkpoint, process_state
+    from finetune.checkpoint import agree_on_checkpoint
+    from finetune.distributed import process_state
     from finetune.errors import FinetuneError
 
     # each rank a machine of its own (LOCAL_WORLD_SIZE 1), each with its own output dir
