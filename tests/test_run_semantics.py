@@ -112,8 +112,13 @@ def test_trainer_backend_resumes_from_its_checkpoint(tmp_path, tiny_bert):
     a, b = load_params(full), load_params(resumed_dir)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)
-    with pytest.raises(FinetuneError, match="per_device_train_batch_size"):
+    # another effective batch is another run (issue 28: a step means B samples), named with both B's ...
+    with pytest.raises(FinetuneError, match=r"effective batch was B = 8 .* this launch's is B = 4"):
         run_in_process(tmp_path, "resumed", resume_from_checkpoint="latest", **{**kw, "per_device_train_batch_size": 2})
+    # ... and the same B split another way is refused by this backend (its resume is exact on its own split only)
+    with pytest.raises(FinetuneError, match=r"--backend trainer on another split \(4 x 2 x 1 process -> 2 x 4 x 1"):
+        run_in_process(tmp_path, "resumed", resume_from_checkpoint="latest",
+                       **{**kw, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4})
 
 
 def test_overwrite_leaves_only_the_new_runs_files_and_a_refused_run_touches_nothing(tmp_path, tiny_bert):
