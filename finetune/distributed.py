@@ -129,6 +129,8 @@ def describe(where: list[tuple[int, int]], machines: int) -> str:
 
 
 def group_outcomes(outcomes: list[dict], key: str) -> dict[str, list[tuple[int, int]]]:
+    """``outcomes`` (one dict per process, with ``machine`` and ``rank``) grouped by their value of ``key``: that
+    value -> the (machine, rank) pairs that gave it, for messages naming who saw what (``describe``)."""
     groups: dict[str, list[tuple[int, int]]] = {}
     for o in outcomes:
         if o.get(key) is not None:

@@ -232,7 +232,7 @@ def _write_checkpoint(output_dir, step: int, processes: int = 2):
 
 def test_the_newest_checkpoint_all_hold():
     """``common_checkpoint``: the newest step in every process's set of resumable checkpoints, or None."""
-    from finetune.distributed import common_checkpoint
+    from finetune.checkpoint import common_checkpoint
 
     assert common_checkpoint([{"held": [3, 6]}, {"held": [3]}]) == 3
     assert common_checkpoint([{"held": [3, 6, 9]}, {"held": [6, 9]}, {"held": [3, 6]}]) == 6
