@@ -28,7 +28,7 @@ def test_every_mutant_changes_the_loop_where_it_says():
         changed = mutated_source(name, source)
         assert changed != source and all(changed.count(new) == 1 for _, new in lines), name
     with pytest.raises(ValueError, match="occurs 0 times"):
-        mutated_source("drop-processes", source.replace("N * P / counts.items", "N * P / window_items"))
+        mutated_source("drop-processes", source.replace("K * P / counts.items", "K * P / window_items"))
 
 
 @pytest.mark.parametrize("mutant, recipe, precision", [("partial-under", "bbc-news", "no"),

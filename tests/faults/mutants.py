@@ -4,14 +4,14 @@ is a list of (line as it stands, line as the mutant has it); ``mutate`` applies 
 must match exactly once, so a mutant that no longer applies fails loudly instead of testing the clean engine)
 and runs the result in place of the module's functions.
 
-The correct line, ``scaled = loss_sum * (N * P / counts.items)``, divides each micro-batch's summed loss by the
+The correct line, ``scaled = loss_sum * (K * P / counts.items)``, divides each micro-batch's summed loss by the
 items (samples, or label tokens) of its whole window over every process, undoing ``accelerator.backward``'s
-division by N and DDP's average over P.
+division by K (N for padded micro-batches, the window's own count when packing) and DDP's average over P.
 
 - ``partial-under``: a short last window weighted by its share of N (``* len(window) / N``): Accelerate's own
   default, which divides every window's loss by N.
 - ``partial-over``: a short last window scaled up as if it were full (``* N / len(window)``).
-- ``drop-processes``: DDP's average over P not undone (``N / counts.items``): every gradient 1/P.
+- ``drop-processes``: DDP's average over P not undone (``K / counts.items``): every gradient 1/P.
 - ``own-items``: each process normalises by its own window's items, not every process's (a tensor, as such code
   would count them: a process whose window holds only repeated rows divides by 0 and gets inf, not an exception
   on one rank).
@@ -27,15 +27,15 @@ from __future__ import annotations
 import inspect
 
 MUTANT_ENV = "FAULT_MUTANT"
-CORRECT = "scaled = loss_sum * (N * P / counts.items)"
-COUNT = "counts = count_window(window, task, accelerator, run.repeats(len(window)))"
+CORRECT = "scaled = loss_sum * (K * P / counts.items)"
+COUNT = "counts = count_window(window, task, accelerator, run.repeats(len(window)), micro_batches)"
 
 MUTANTS: dict[str, list[tuple[str, str]]] = {
-    "partial-under": [(CORRECT, "scaled = loss_sum * (N * P / counts.items) * (len(window) / N)")],
-    "partial-over": [(CORRECT, "scaled = loss_sum * (N * P / counts.items) * (N / len(window))")],
-    "drop-processes": [(CORRECT, "scaled = loss_sum * (N / counts.items)")],
+    "partial-under": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (len(window) / N)")],
+    "partial-over": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (N / len(window))")],
+    "drop-processes": [(CORRECT, "scaled = loss_sum * (K / counts.items)")],
     "own-items": [(COUNT, COUNT + "; own_items = sum(task.count(b['labels']) for b in window)"),
-                  (CORRECT, "scaled = loss_sum * (N / own_items)")],
+                  (CORRECT, "scaled = loss_sum * (K / own_items)")],
     "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(labels).clamp(min=1)")],
 }
 
