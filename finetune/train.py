@@ -214,7 +214,8 @@ class RunState(lifecycle.RunState):
         elastic.refuse_sharded(self.built.engine.name, saved, self.meaning)
         loaded.samples_done, loaded.micro_batches_done = elastic.resume_position(
             loaded, saved, self.meaning, len(self.built.train_dataloader.dataset))
-        self.resume_notes = [note for note in (elastic.resume_change(saved, self.meaning),) if note]
+        change = elastic.resume_change(saved, self.meaning)
+        self.resume_notes = [change] if change else []
         try:
             self.accelerator.load_state(str(path))
         except Exception as err:  # torch/safetensors raise many types for damaged files
