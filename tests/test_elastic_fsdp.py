@@ -187,3 +187,15 @@ def test_checkpoints_that_cannot_reshard_are_refused_before_loading(tmp_path, en
     assert why in str(err.value) and "\n" not in str(err.value) and loads == []
     train.RunState._load(_run_state(engine, version, 2, loads), path, progress)  # same count: loads
     assert loads == [str(path)]
+
+
+def test_the_fsdp_engine_reads_its_version_from_accelerates_plugin():
+    """``FsdpEngine.fsdp_version``, which ``RunState._load`` passes on: the plugin's (Accelerate's default 1)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from finetune.engine import engine_for
+
+    for version in (1, 2):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+        accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin))
+        assert engine_for(accelerator).fsdp_version == version
