@@ -174,7 +174,7 @@ def refuse_sharded(engine_name: str, saved: dict, meaning: dict, path, fsdp_vers
       3701, 3720, 3849, 3883; ``utils/fsdp_utils.py`` lines 173-185 and 261-278, 340-352 and 403-425): torch
       distributed checkpoint. Its ``.metadata`` holds each tensor's global shape and saved chunks; on load each
       rank asks for the chunks of its own ``DTensor`` shards (torch 2.13 ``distributed/checkpoint/default_planner.py``
-      ``create_default_local_load_plan`` lines 477-514, ``planner_helpers.py`` ``create_read_items_for_chunk_list``
+      ``create_default_local_load_plan`` lines 477-516, ``planner_helpers.py`` ``create_read_items_for_chunk_list``
       line 254), so another world size reads other slices: the library reshards.
     - **FSDP2, full**: whole tensors in one file; ``set_model_state_dict``/``set_optimizer_state_dict`` with
       ``full_state_dict`` broadcast or distribute them onto this mesh (torch ``distributed/checkpoint/state_dict.py``
