@@ -204,8 +204,9 @@ def refuse_sharded(engine_name: str, saved: dict, meaning: dict, path, fsdp_vers
                 f"{now} on load")
     if layout == "full":
         return f"FSDP2: the full state dict written by {before} processes is sharded onto {now} on load"
-    why = ("its state is saved per rank (LOCAL_STATE_DICT, or a sharded state dict without torch distributed "
-           "checkpoint), each file one rank's slice" if engine_name == "FSDP" and fsdp_version == 2 else
+    why = ("its FSDP state is neither a torch distributed checkpoint (pytorch_model_fsdp_0/.metadata) nor whole "
+           "files (pytorch_model_fsdp.bin): files saved per rank hold one rank's slice each"
+           if engine_name == "FSDP" and fsdp_version == 2 else
            "resharding FSDP1 (FullyShardedDataParallel) states onto another process count is not verified in "
            "this version")
     raise FinetuneError(

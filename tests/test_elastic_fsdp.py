@@ -171,7 +171,7 @@ def test_the_resume_loads_an_fsdp2_checkpoint_on_another_process_count(tmp_path,
 
 
 @pytest.mark.parametrize("engine, version, layout, why", [
-    ("FSDP", 2, "per-rank", "saved per rank"),
+    ("FSDP", 2, "per-rank", "files saved per rank hold one rank's slice"),
     ("FSDP", 1, "sharded", "FSDP1"),
     ("DeepSpeed", None, "sharded", "ds_to_universal.py"),
 ])
