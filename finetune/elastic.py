@@ -183,8 +183,8 @@ def refuse_sharded(engine_name: str, saved: dict, meaning: dict, path, fsdp_vers
       and load functions, ``fully_shard`` on a CPU mesh).
     - **Refused**: per-rank files (``fsdp_layout`` None: LOCAL_STATE_DICT, or ``use_dcp=False``; each file is one
       rank's slice of a mesh of the checkpoint's size); FSDP1 (``FullyShardedDataParallel``: not measured; its
-      2-process full-state save ended in SIGSEGV on a CPU here); DeepSpeed ZeRO, which partitions its optimizer states per rank and
-      needs DeepSpeed's conversion to a universal checkpoint first.
+      2-process full-state save ended in SIGSEGV on a CPU here); DeepSpeed ZeRO, which partitions its optimizer
+      states per rank and needs DeepSpeed's conversion to a universal checkpoint first.
 
     Raises ``FinetuneError`` (one line naming the fix); returns None for the plain/DDP engine or the same process
     count."""
