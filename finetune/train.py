@@ -212,7 +212,8 @@ class RunState(lifecycle.RunState):
         moved to this launch's split of B (``elastic.resume_position``: the same samples of the seeded order)."""
         saved = loaded.step_meaning
         engine = self.built.engine
-        resharded = elastic.refuse_sharded(engine.name, saved, self.meaning, path, getattr(engine, "fsdp_version", None))
+        resharded = elastic.refuse_sharded(engine.name, saved, self.meaning, path,
+                                           getattr(engine, "fsdp_version", None))  # None: not FSDP
         loaded.samples_done, loaded.micro_batches_done = elastic.resume_position(
             loaded, saved, self.meaning, len(self.built.train_dataloader.dataset))
         self.resume_notes = [note for note in (elastic.resume_change(saved, self.meaning), resharded) if note]
