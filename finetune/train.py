@@ -211,11 +211,12 @@ class RunState(lifecycle.RunState):
         """The accelerate backend's state from ``path``; ``loaded``: the checkpoint's ``RunProgress``, its position
         moved to this launch's split of B (``elastic.resume_position``: the same samples of the seeded order)."""
         saved = loaded.step_meaning
-        elastic.refuse_sharded(self.built.engine.name, saved, self.meaning)
+        engine = self.built.engine
+        resharded = elastic.refuse_sharded(engine.name, saved, self.meaning, path,
+                                           getattr(engine, "fsdp_version", None))  # None: not FSDP
         loaded.samples_done, loaded.micro_batches_done = elastic.resume_position(
             loaded, saved, self.meaning, len(self.built.train_dataloader.dataset))
-        change = elastic.resume_change(saved, self.meaning)
-        self.resume_notes = [change] if change else []
+        self.resume_notes = [note for note in (elastic.resume_change(saved, self.meaning), resharded) if note]
         try:
             self.accelerator.load_state(str(path))
         except Exception as err:  # torch/safetensors raise many types for damaged files

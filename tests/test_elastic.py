@@ -123,11 +123,11 @@ def test_repeated_rows_lose_their_ids():
 def test_refusals_name_the_fix():
     two, one = _meaning(2, 2, 2), _meaning(2, 4, 1)
     with pytest.raises(FinetuneError, match="ds_to_universal.py.*Resume on 2 processes|Resume on 2 processes.*ds_to_univ"):
-        elastic.refuse_sharded("DeepSpeed", two, one)
+        elastic.refuse_sharded("DeepSpeed", two, one, "ckpt")
     with pytest.raises(FinetuneError, match="FSDP checkpoint written by 2 processes on 1.*Resume on 2 processes"):
-        elastic.refuse_sharded("FSDP", two, one)
-    elastic.refuse_sharded("FSDP", _meaning(2, 2, 2), _meaning(1, 4, 2))  # same P, another split: allowed
-    elastic.refuse_sharded("plain", two, one)
+        elastic.refuse_sharded("FSDP", two, one, "ckpt")  # FSDP1, or no resharding layout: tests/test_elastic_fsdp.py
+    elastic.refuse_sharded("FSDP", _meaning(2, 2, 2), _meaning(1, 4, 2), "ckpt")  # same P, another split: allowed
+    elastic.refuse_sharded("plain", two, one, "ckpt")
     with pytest.raises(FinetuneError, match=r"--backend trainer on another split \(2 x 2 x 2 processes -> 2 x 4 x 1 "
                                             r"process\).*--backend accelerate"):
         elastic.refuse_trainer_split_change(two, one, "ckpt")

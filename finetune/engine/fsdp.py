@@ -69,6 +69,12 @@ class FsdpEngine(PlainEngine):
     generation_synced = True  # every forward all-gathers: ranks generate in lockstep
     eval_may_split_batch = False  # all-gathers run inside every forward: a rank retrying alone would hang
 
+    @property
+    def fsdp_version(self) -> int:
+        """1 (``FullyShardedDataParallel``) or 2 (``fully_shard``): the launcher config's, as Accelerate's plugin
+        holds it (accelerate 1.15 ``utils/dataclasses.py``, ``fsdp_version`` defaults to 1)."""
+        return getattr(getattr(self.accelerator.state, "fsdp_plugin", None), "fsdp_version", 1)
+
     def configure(self, config, per_machine: bool = False) -> None:
         """Replace the accumulation plugin with one that syncs each batch (``RuntimeError`` if it did not take), and
         under bf16/fp16 make the gradient reductions fp32 (``reduce_in_fp32``).
