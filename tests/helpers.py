@@ -140,3 +140,27 @@ def assert_user_error(result, *fragments: str) -> None:
     ours = [line for line in result.stderr.splitlines()
             if line.strip().startswith("File ") and ("/finetune/" in line or "/recipes/" in line)]
     assert not ours, result.stderr[-3000:]
+
+
+def run_args_in_process(args: list[str]) -> dict:
+    """The CLI's ``run.run`` in this process on ``ARGS`` exactly as a launch would get them (``--recipe`` and
+    ``--output_dir`` included), on the CPU as ``launch_env`` keeps a launch (``ACCELERATE_USE_CPU=1`` while it
+    runs): the metrics. For a reference run a test compares a launch with, where the launcher is not what it
+    tests: the same code and flags without a process start (its imports cost ~10 s of CPU)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from finetune.config import parse_config
+    from finetune.run import run
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    before = os.environ.get("ACCELERATE_USE_CPU")
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    try:
+        return run(parse_config(args))
+    finally:
+        if before is None:
+            del os.environ["ACCELERATE_USE_CPU"]
+        else:
+            os.environ["ACCELERATE_USE_CPU"] = before

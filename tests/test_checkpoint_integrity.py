@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +32,12 @@ RUN = dict(max_train_samples=24, max_eval_samples=8, per_device_train_batch_size
 
 
 @pytest.fixture
-def finished(tmp_path, tiny_bert):
-    """A finished run with checkpoints after steps 2 and 4: (output dir, its final weights)."""
-    _, out = run_in_process(tmp_path, "run", model_name_or_path=tiny_bert, **RUN)
+def finished(tmp_path, tiny_bert, shared_runs):
+    """A finished run with checkpoints after steps 2 and 4: (output dir, its final weights). Trained once per
+    session; each test gets its own copy at ``tmp_path/run`` (where ``run_in_process(tmp_path, "run", ...)``
+    resumes it), to damage as it likes."""
+    _, trained = shared_runs.in_process(model_name_or_path=tiny_bert, **RUN)
+    out = Path(shutil.copytree(trained, tmp_path / "run"))
     return out, load_params(out)
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import launch, load_params, train_steps
+from helpers import launch, load_params, run_args_in_process, train_steps
 
 pytestmark = pytest.mark.integration
 
@@ -19,9 +19,15 @@ def _assert_same(a_dir, b_dir):
 
 
 def _run(tmp_path, name, processes, micro, accum, common):
+    """The run on ``processes`` processes through the launcher; the one-process reference in this process (the
+    same flags and code: the launcher is what the 2-process run tests, and a launch costs ~10 s of imports)."""
     out = tmp_path / name
-    result = launch([*common, "--output_dir", str(out), "--per_device_train_batch_size", str(micro),
-                     "--gradient_accumulation_steps", str(accum)], num_processes=processes)
+    args = [*common, "--output_dir", str(out), "--per_device_train_batch_size", str(micro),
+            "--gradient_accumulation_steps", str(accum)]
+    if processes == 1:
+        run_args_in_process(args)
+        return out, None
+    result = launch(args, num_processes=processes)
     assert result.returncode == 0, result.stderr[-4000:]
     return out, result
 

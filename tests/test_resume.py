@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,11 +93,18 @@ def test_checkpoints_are_pruned_complete_and_refused_without_resume(tmp_path, ti
         check_output_dir(config)
 
 
-def test_latest_skips_incomplete_and_corrupt_gives_clear_error(tmp_path, tiny_bert, capsys):
+def _checkpointed_epoch(shared_runs, tiny_bert, tmp_path, name: str) -> Path:
+    """A copy, at ``tmp_path/name``, of one epoch of ``RUN`` with a checkpoint every 2 optimizer steps (7 steps:
+    checkpoints 2, 4, 6), trained once per session: the tests that damage, resume or overwrite it get their own."""
+    _, shared = shared_runs.in_process(model_name_or_path=tiny_bert, checkpointing_steps=2,
+                                       **{**RUN, "num_train_epochs": 1})
+    return Path(shutil.copytree(shared, tmp_path / name))
+
+
+def test_latest_skips_incomplete_and_corrupt_gives_clear_error(tmp_path, tiny_bert, capsys, shared_runs):
     from finetune.checkpoint import find_resume_checkpoint
 
-    _, out = run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, checkpointing_steps=2,
-                            **{**RUN, "num_train_epochs": 1})
+    out = _checkpointed_epoch(shared_runs, tiny_bert, tmp_path, "ckpt")
     newest = out / "checkpoints" / "step_00000006"
     (newest / "COMPLETE").unlink()  # as if the process died before the marker
     assert find_resume_checkpoint(out, "latest").name == "step_00000004"
@@ -118,9 +126,8 @@ def test_latest_skips_incomplete_and_corrupt_gives_clear_error(tmp_path, tiny_be
                        **{**RUN, "num_train_epochs": 1})
 
 
-def test_resume_refuses_a_changed_step_meaning(tmp_path, tiny_bert):
-    _, out = run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, checkpointing_steps=2,
-                            **{**RUN, "num_train_epochs": 1})
+def test_resume_refuses_a_changed_step_meaning(tmp_path, tiny_bert, shared_runs):
+    _checkpointed_epoch(shared_runs, tiny_bert, tmp_path, "ckpt")
     # B = 2 x 3 = 6 samples per step, now 4 x 3 = 12: refused (another split of the same B would resume)
     with pytest.raises(FinetuneError, match=r"effective batch was B = 6 .*this launch's is B = 12"):
         run_in_process(tmp_path, "ckpt", model_name_or_path=tiny_bert, resume_from_checkpoint="latest",
@@ -131,7 +138,7 @@ def test_resume_refuses_a_changed_step_meaning(tmp_path, tiny_bert):
     assert metrics["resumed_from"].endswith("step_00000006")
 
 
-def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, tiny_bert, monkeypatch):
+def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, tiny_bert, monkeypatch, shared_runs):
     import torch
 
     from finetune.tasks import SequenceClassification
@@ -144,8 +151,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, tiny_
         loss = original(self, logits, labels)
         return loss * float("nan") if calls["n"] == 14 else loss  # micro-batch 14 = in optimizer step 5
 
-    _, out = run_in_process(tmp_path, "nan", model_name_or_path=tiny_bert, checkpointing_steps=2,
-                            **{**RUN, "num_train_epochs": 1})
+    out = _checkpointed_epoch(shared_runs, tiny_bert, tmp_path, "nan")
     # the good run's final files: the failed run below must leave them as they are (it writes no model)
     finished = {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
                 for name in ("model.safetensors", "metrics.json")}
@@ -247,10 +253,10 @@ def test_resume_auto_is_one_command_for_every_start_of_a_requeued_job(tmp_path, 
     kw = dict(model_name_or_path=tiny_bert, backend=backend, save_steps=2, max_steps=4, eval_strategy="no",
               max_train_samples=32, max_eval_samples=8, per_device_train_batch_size=4, max_length=32,
               disable_dropout=True, seed=3)
-    full_metrics, full = run_in_process(tmp_path, "full", **kw)
-    # the first start of the job: nothing there yet
+    # the first start of the job: nothing there yet; it runs uninterrupted to the end, the reference below
     first, out = run_in_process(tmp_path, "job", resume_from_checkpoint="auto", **kw)
     assert "starting a fresh run" in capsys.readouterr().out and "resumed_from" not in first
+    full = Path(shutil.copytree(out, tmp_path / "full"))
     # preempted after step 2: what a killed run leaves (the step-2 checkpoint, no final model)
     name = "step_00000002" if backend == "accelerate" else "checkpoint-2"
     for leftover in ("model.safetensors", "metrics.json"):

@@ -3,6 +3,8 @@ file, the label(s) with too few rows and the fix, instead of datasets' "Minimum 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from helpers import assert_user_error, launch
 
@@ -21,8 +23,26 @@ def sport_business(n_each: int):
     return [(f"{topic} story {i}", topic) for i in range(n_each) for topic in ("sport", "business")]
 
 
+def run_main(args: list[str], capsys) -> SimpleNamespace:
+    """``finetune.run.main(ARGS)`` in this process (the CLI's own error handling): its exit code and what it
+    printed, as ``returncode``, ``stdout`` and ``stderr`` (what ``assert_user_error`` reads of a launch)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from finetune.run import main
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    capsys.readouterr()
+    code = main(args)
+    printed = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=printed.out, stderr=printed.err)
+
+
+# one case through the real launcher; the other two call the CLI's main in this process (the same error
+# handling, without two more launches that only differ in the rows of the file)
 @pytest.mark.parametrize("case", ["two-rows", "one-label-with-one-row", "holdout-smaller-than-label-count"])
-def test_cli_names_the_file_the_labels_and_the_fix(tmp_path, tiny_bert, case):
+def test_cli_names_the_file_the_labels_and_the_fix(tmp_path, tiny_bert, case, capsys):
     if case == "two-rows":
         rows, fragments = [("a goal", "sport"), ("shares fell", "business")], ["'business' (1 row)", "'sport' (1 row)"]
     elif case == "one-label-with-one-row":
@@ -30,8 +50,9 @@ def test_cli_names_the_file_the_labels_and_the_fix(tmp_path, tiny_bert, case):
     else:  # 2 rows of each of 2 labels: the 20% hold-out is 1 row, which cannot hold both labels
         rows, fragments = sport_business(2), ["4 rows", "hold-out of 1 row", "2 labels", "at least 6 rows"]
     train_file = write_csv(tmp_path / f"{case}.csv", rows)
-    result = launch(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir", str(tmp_path / "out"),
-                     "--train_file", train_file, *TINY])
+    args = ["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir", str(tmp_path / "out"),
+            "--train_file", train_file, *TINY]
+    result = launch(args) if case == "two-rows" else run_main(args, capsys)
     assert "Minimum class count" not in result.stderr and "should be greater or equal" not in result.stderr
     assert_user_error(result, "--train_file", train_file, "too small", "--validation_file", *fragments)
     if case == "one-label-with-one-row":  # only the label that is short is named
