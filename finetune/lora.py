@@ -8,14 +8,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-from finetune.gguf_model import load_gguf_causal_lm
-
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
 
-# peft is imported where it is used: ~1 s that a run without --use_peft (and `finetune --help`) should not pay.
+# peft, transformers' auto classes and the GGUF loader are imported where they are used: peft takes ~1 s that a run
+# without --use_peft should not pay, and `finetune train`'s launcher process imports this module through the engine
+# seam (engine/plain.py) without building a model.
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_DIR = "base_model"  # a GGUF base, de-quantized once, where the adapter config can point to it
 
@@ -75,6 +73,8 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
         # the labels (num_labels, id2label) live in the trained config, not the base model's
         model.get_base_model().config.save_pretrained(output_dir)
     if base_name_or_path.endswith(".gguf"):
+        from finetune.gguf_model import load_gguf_causal_lm  # lazy: see the top
+
         base, _ = load_gguf_causal_lm(base_name_or_path)
         save_pretrained_here(base, output_dir / BASE_DIR)
         tokenizer.save_pretrained(output_dir / BASE_DIR)
@@ -92,6 +92,7 @@ def load_adapter_model(path) -> PeftModel:
     """The base model of ``path``'s ``adapter_config.json`` with the adapter applied (``PeftModel.from_pretrained``).
     Raises ``OSError``/``ValueError`` (transformers', peft's) when either cannot be loaded."""
     from peft import PeftModel, TaskType  # lazy: see the top
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = Path(path)
     adapter = json.loads((path / ADAPTER_CONFIG).read_text())
