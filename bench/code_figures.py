@@ -13,7 +13,9 @@ evaluation samples, ``--total_batch_size 8`` so the batch planner runs, one epoc
   checkout's ``recipes/`` included as ``finetune.recipes.*``; a function's module is its ``__name__`` global, so a
   lambda or nested function belongs to the module that wrote it). Its caller is the innermost frame below it that
   is also the package's (library frames in between are skipped: a callback the library calls counts as a call
-  from the package module that handed it over). Module bodies executing on import are not calls.
+  from the package module that handed it over). A package module's import is not traced: its module and class
+  bodies, and what they call, are no calls (a function-local import runs them inside the traced run, where an
+  import at the top ran them before it).
 - *stays*: the distinct modules a call enters, the entry's module included.
 - *climbs back up*: the distinct (caller module A, callee module B) pairs, A != B, where B imports A directly or
   transitively. Imports are every ``import`` statement of the package's source, at module level or inside a
@@ -26,6 +28,7 @@ evaluation samples, ``--total_batch_size 8`` so the batch planner runs, one epoc
 Only the main thread is traced. ``--verbose`` lists every climb with its first caller and callee functions.
 """
 import ast
+import inspect
 import os
 import pathlib
 import subprocess
@@ -114,6 +117,15 @@ def closure(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return reach
 
 
+def importing(frame) -> bool:
+    """Whether ``frame`` is, or runs under, a module or class body of the package: part of an import."""
+    while frame is not None:
+        if not frame.f_code.co_flags & inspect.CO_NEWLOCALS and frame.f_globals.get("__name__", "").startswith(PACKAGE):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def traced_run(root: pathlib.Path) -> tuple[dict, str]:
     """Run the tiny training run of REPO under ``sys.setprofile``: ((caller module, callee module) -> the set of
     (caller function, callee function) pairs seen, the entry's module)."""
@@ -132,10 +144,10 @@ def traced_run(root: pathlib.Path) -> tuple[dict, str]:
     edges: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
     def profile(frame, event, arg):
-        if event != "call" or frame.f_code.co_name == "<module>":
+        if event != "call":
             return
         callee = frame.f_globals.get("__name__", "")
-        if not callee.startswith(PACKAGE):
+        if not callee.startswith(PACKAGE) or importing(frame):
             return
         caller = frame.f_back
         while caller is not None and not caller.f_globals.get("__name__", "").startswith(PACKAGE):

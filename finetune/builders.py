@@ -10,8 +10,8 @@ import json
 import sys
 
 import transformers
+from accelerate.utils import set_seed
 from torch.nn.modules.batchnorm import _BatchNorm
-from transformers import set_seed
 
 from finetune.data import (
     LABEL_COLUMN,
@@ -157,7 +157,9 @@ def build_components(config, recipe, precision: str, main_process_first):
     ``main_process_first``: a context-manager factory (Accelerate's or TrainingArguments') so rank 0
     tokenizes and caches before the others read the cache. The seed is set before the model is built
     (the classifier head is random) and again after, as ``Trainer.__init__`` does, so both engines start
-    training from the same RNG state. ``precision`` is the one that really runs: under fp16/bf16 the
+    training from the same RNG state (Accelerate's ``set_seed`` seeds what transformers' does on CPU and CUDA:
+    ``random``, ``numpy``, ``torch``, every CUDA device; accelerate 1.15 ``utils/random.py`` ``set_seed``,
+    transformers 5.24 ``trainer_utils.py`` ``set_seed``, whose module imports peft). ``precision`` is the one that really runs: under fp16/bf16 the
     collator pads to a multiple of 8 tokens (tensor cores); fp32 gains nothing from it.
     """
     task = get_task(recipe.TASK)

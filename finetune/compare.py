@@ -10,14 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-try:  # an optional extra (pip install "finetune[compare]"), needed by --compare alone
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    plt = None
-
 from finetune import distributed
 from finetune.bookkeeping import read_log
 from finetune.config import config_argv, fields_with, parse_config, reproduce_command
@@ -105,8 +97,25 @@ def render_markdown(summary: dict, config, command: str) -> str:
     return "\n".join(lines)
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, imported here (an optional extra, ``pip install
+    "finetune[compare]"``, needed by ``compare`` alone, and 0.4 s to import). Raises ``FinetuneError`` naming the
+    install command when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise FinetuneError("--compare draws loss_curves.png with matplotlib, which is not installed: "
+                            'pip install "finetune[compare]" (or pip install matplotlib).') from None
+    return plt
+
+
 def plot_loss_curves(summary: dict, path: Path) -> None:
-    """``loss_curves.png``: both backends' loss per optimizer step, learning rate on a second axis."""
+    """``loss_curves.png``: both backends' loss per optimizer step, learning rate on a second axis. Raises
+    ``FinetuneError`` without matplotlib (``pyplot``)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     styles = {"accelerate": dict(color="tab:blue", lw=2.0), "trainer": dict(color="tab:orange", lw=1.2, ls="--")}
     for backend in BACKENDS:
@@ -132,9 +141,7 @@ def compare(config) -> dict:
     if distributed.world_size() > 1:
         raise FinetuneError("--compare launches each backend itself in a single process; run it with "
                             "`finetune compare ...` or a 1-process `accelerate launch`.")
-    if plt is None:
-        raise FinetuneError("--compare draws loss_curves.png with matplotlib, which is not installed: "
-                            'pip install "finetune[compare]" (or pip install matplotlib).')
+    pyplot()  # without matplotlib, refused before any work
     recipe = load_recipe(config.recipe)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -934,10 +934,11 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     and a recipe default that is not a flag's field; argparse exits 2 on a malformed value.
     """
     path, argv = _split_config_flag(list(sys.argv[1:] if argv is None else argv))
-    # here, not at the top: distributed imports torch and accelerate, which parsing flags does not need
-    from finetune.distributed import world_size
+    file_values = {}
+    if path:  # here, not at the top: distributed imports torch and accelerate, which parsing flags does not need
+        from finetune.distributed import world_size
 
-    file_values = read_config_file(path, world_size()) if path else {}
+        file_values = read_config_file(path, world_size())
     derived = {k: file_values.pop(k) for k in DERIVED_FIELDS if k in file_values}
     if "recipe" in file_values and not given(argv, "--recipe"):
         argv = ["--recipe", str(file_values["recipe"]), *argv]

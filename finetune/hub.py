@@ -5,8 +5,9 @@ with ``exist_ok=True``; ``_push_from_checkpoint`` uploads the model after each s
 skips a save while the previous push is still running; ``push_to_hub`` waits for those, then uploads the output
 directory without its checkpoints, "End of training").
 
-Both backends call one ``HubPush`` at the same two points: ``after_save`` once a checkpoint is complete, ``at_end``
-once the final model, ``metrics.json`` and the model card are written. Only the main process (``RANK`` 0) pushes.
+Both backends call one ``HubPush`` at the same two points: ``after_save`` once a checkpoint is complete (the Trainer
+backend through its ``HubCallback``), ``at_end`` once the final model, ``metrics.json`` and the model card are
+written. Only the main process (``RANK`` 0) pushes.
 An upload never fails or blocks the training: the background uploads run on HfApi's own one-worker thread pool,
 and a failed upload is a ``warning:`` line (the run's folder is left as it is). What cannot work (offline, no
 token, a token that cannot write there) is refused by ``prepare`` before training, with one ``error:`` line.
@@ -24,7 +25,6 @@ from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
 
 from finetune.distributed import WRITE_PROBE, is_main_process
 from finetune.errors import FinetuneError
@@ -227,14 +227,3 @@ class HubPush:
         print(f"pushed {output_dir} to the Hub: {constants.ENDPOINT}/{self.repo_id} ({url})", flush=True)
         return url
 
-
-class HubCallback(TrainerCallback):
-    """The Trainer backend's call of ``HubPush.after_save``: ``on_save`` comes once Trainer's checkpoint
-    ``<args.output_dir>/checkpoint-<global_step>`` is written (transformers 5.24 ``trainer.py``
-    ``_maybe_log_save_evaluate``, lines 2285-2286: ``_save_checkpoint``, then ``callback_handler.on_save``)."""
-
-    def __init__(self, push: HubPush):
-        self.push = push
-
-    def on_save(self, args, state, control, **kwargs):
-        self.push.after_save(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step)

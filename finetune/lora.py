@@ -4,19 +4,24 @@ save an adapter directory. The base is frozen; a classifier's new head trains an
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from peft import LoraConfig, PeftModel, TaskType, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
 
-from finetune.gguf_model import load_gguf_causal_lm
-
+# peft, transformers' auto classes and the GGUF loader are imported where they are used: peft takes ~1 s that a run
+# without --use_peft should not pay, and `finetune train`'s launcher process imports this module through the engine
+# seam (engine/plain.py) without building a model.
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_DIR = "base_model"  # a GGUF base, de-quantized once, where the adapter config can point to it
 
 
 def lora_config(config, task_name: str) -> LoraConfig:
     """The ``peft.LoraConfig`` of the LoRA flags: ``SEQ_CLS`` for classification, else ``CAUSAL_LM``."""
+    from peft import LoraConfig, TaskType  # lazy: see the top
+
     targets = config.lora_target_modules
     if targets and targets != "all-linear":
         targets = [name.strip() for name in targets.split(",") if name.strip()]
@@ -27,7 +32,16 @@ def lora_config(config, task_name: str) -> LoraConfig:
 
 def apply_lora(model, config, task_name: str) -> PeftModel:
     """``peft.get_peft_model`` with ``lora_config``; peft's ``ValueError`` for target modules the model lacks."""
+    from peft import get_peft_model  # lazy: see the top
+
     return get_peft_model(model, lora_config(config, task_name))
+
+
+def is_peft_model(model) -> bool:
+    """``isinstance(model, peft.PeftModel)``, without importing peft: a model can only be one once peft is
+    imported (``apply_lora`` or ``load_adapter_model`` did it)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def save_pretrained_here(model, path, **kwargs) -> None:
@@ -49,6 +63,8 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
     """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer) into
     ``output_dir``; a ``.gguf`` base is de-quantized once into ``output_dir/base_model``, ``merge`` also writes
     ``output_dir/merged``. ``state_dict``: the gathered full state dict, or None (see docs/design-notes.md#lora)."""
+    from peft import TaskType  # lazy: see the top
+
     model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=is_main_process)
     if not is_main_process:
         return
@@ -57,6 +73,8 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
         # the labels (num_labels, id2label) live in the trained config, not the base model's
         model.get_base_model().config.save_pretrained(output_dir)
     if base_name_or_path.endswith(".gguf"):
+        from finetune.gguf_model import load_gguf_causal_lm  # lazy: see the top
+
         base, _ = load_gguf_causal_lm(base_name_or_path)
         save_pretrained_here(base, output_dir / BASE_DIR)
         tokenizer.save_pretrained(output_dir / BASE_DIR)
@@ -73,6 +91,9 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
 def load_adapter_model(path) -> PeftModel:
     """The base model of ``path``'s ``adapter_config.json`` with the adapter applied (``PeftModel.from_pretrained``).
     Raises ``OSError``/``ValueError`` (transformers', peft's) when either cannot be loaded."""
+    from peft import PeftModel, TaskType  # lazy: see the top
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
     path = Path(path)
     adapter = json.loads((path / ADAPTER_CONFIG).read_text())
     base_path = adapter["base_model_name_or_path"]

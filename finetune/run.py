@@ -25,27 +25,34 @@ if __name__ == "__main__":  # before the slow imports: stop with the launcher (s
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize inside forked workers
 
-from finetune import compare, distributed, trainer_backend  # noqa: E402 - after the path set-up above
-from finetune import train as accelerate_backend  # noqa: E402
-from finetune.config import parse_config  # noqa: E402
+from finetune.config import parse_config  # noqa: E402 - after the path set-up above
 from finetune.errors import reports_errors  # noqa: E402
 from finetune.recipes import list_recipes  # noqa: E402
-from finetune.reporting import format_summary  # noqa: E402
-from finetune.resolve import resolve  # noqa: E402
 from finetune.signals import watch_launcher  # noqa: E402
+
+# The rest is imported where it is used (docs/contributing.md#imports): `--help`, `--list_recipes` and a flag
+# refused while parsing need none of it, and a run imports its own backend only (the Trainer backend, the
+# `--compare` alias and their libraries cost a launched process seconds it does not use).
 
 
 def run(config) -> dict | None:
     """Run a parsed ``config``: resolve it (``resolve.resolve``: validate, process group, output dir, hub, threads,
     the batch plan applied), then train with its backend (or ``--compare`` both). Returns the metrics (None for
     ``--compare``; the finished run's under ``--resume_from_checkpoint auto`` over one). Raises ``FinetuneError``."""
+    from finetune.resolve import resolve  # lazy: torch, accelerate, the planner (see the imports above)
+
     resolution = resolve(config)
     if resolution.finished is not None:
         return resolution.finished
     if resolution.config.compare:  # the alias of `finetune compare`
-        compare.compare(resolution.config)
+        from finetune.compare import compare  # lazy: matplotlib, the alias only
+
+        compare(resolution.config)
         return None
-    backend = trainer_backend if config.backend == "trainer" else accelerate_backend
+    if config.backend == "trainer":
+        from finetune import trainer_backend as backend  # lazy: transformers.Trainer, --backend trainer only
+    else:
+        from finetune import train as backend  # lazy: the accelerate backend
     return backend.train(resolution.config, resolution.recipe, process_start=PROCESS_START, hub=resolution.hub)
 
 
@@ -59,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         print(list_recipes())
         return 0
     metrics = run(config)
+    from finetune import distributed  # lazy (imported by run() already)
+    from finetune.reporting import format_summary
+
     if metrics is not None and distributed.is_main_process():
         print(format_summary(metrics, config.output_dir))
     return 0

@@ -20,7 +20,6 @@ from finetune.bookkeeping import empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.engine import engine_for
 from finetune.evaluation import check_eval_set
-from finetune.hub import HubCallback
 from finetune.lifecycle import RunState, WindowCounts, count_window
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
@@ -242,6 +241,19 @@ class BookkeepingCallback(TrainerCallback):
             self._point_at_best(state)
         if run.book.stopping_early:
             control.should_training_stop = True
+
+
+class HubCallback(TrainerCallback):
+    """The Trainer backend's call of ``hub.HubPush.after_save`` (here, not in ``hub.py``: ``TrainerCallback``
+    imports peft, which the accelerate backend does not need): ``on_save`` comes once Trainer's checkpoint
+    ``<args.output_dir>/checkpoint-<global_step>`` is written (transformers 5.24 ``trainer.py``
+    ``_maybe_log_save_evaluate``, lines 2285-2286: ``_save_checkpoint``, then ``callback_handler.on_save``)."""
+
+    def __init__(self, push):
+        self.push = push
+
+    def on_save(self, args, state, control, **kwargs):
+        self.push.after_save(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step)
 
 
 def train(config, recipe, process_start: float | None = None, hub=None, observe=None) -> dict:

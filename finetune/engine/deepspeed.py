@@ -8,7 +8,6 @@ import math
 from collections.abc import Mapping
 
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
-from transformers import get_scheduler
 
 from finetune.engine.plain import PlainEngine, Prepared, build_optimizer, parameter_groups
 from finetune.errors import FinetuneError
@@ -58,6 +57,8 @@ class DeepSpeedEngine(PlainEngine):
     def prepare(self, config, model, train_dataloader, eval_dataloader) -> Prepared:
         """One ``accelerator.prepare`` (``deepspeed.initialize``), the schedule sized from each process's
         micro-batches. Raises ``RuntimeError`` if the engine runs other settings than asked."""
+        from transformers import get_scheduler  # lazy: as in engine/plain.py (it imports peft)
+
         accelerator, ds_config = self.accelerator, self.ds_config
         plan = plan_steps(micro_batches_per_process(len(train_dataloader.dataset), config.per_device_train_batch_size,
                                                     accelerator.num_processes), config)

@@ -7,14 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import PeftModel
 from torch.nn.parallel import DistributedDataParallel
-from transformers import get_scheduler
 
 from finetune.errors import FinetuneError
-from finetune.lora import save_adapter, save_pretrained_here
+from finetune.lora import is_peft_model, save_adapter, save_pretrained_here
 from finetune.precision import effective_mixed_precision
 from finetune.steps import StepPlan, plan_steps
+
+# transformers' get_scheduler is imported where a schedule is built: its module (transformers.optimization) imports
+# transformers.trainer_utils, which imports peft, seconds that `finetune train`'s launcher process (it imports the
+# engine seam for `launcher_spawns_processes`) and the batch planner's probes do not need.
 
 
 def parameter_groups(model, config, shape=lambda param: param.shape) -> list[dict]:
@@ -78,6 +80,8 @@ class PlainEngine:
 
     def prepare(self, config, model, train_dataloader, eval_dataloader) -> Prepared:
         """``accelerator.prepare`` model, AdamW and dataloaders; the schedule sized in optimizer steps."""
+        from transformers import get_scheduler  # lazy: see the top
+
         accelerator = self.accelerator
         optimizer = build_optimizer(model, config)
         model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
@@ -138,7 +142,7 @@ class PlainEngine:
                                     "must write a copy: give every machine one shared --output_dir.")
             return
         state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in gathered.items()}
-        if isinstance(unwrapped, PeftModel):
+        if is_peft_model(unwrapped):
             save_adapter(unwrapped, state_dict, tokenizer, output_dir, config.model_name_or_path, writes,
                          merge=config.merge_adapter)
             return
