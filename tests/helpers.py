@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,12 +49,23 @@ def train_steps(output_dir: Path) -> list[dict]:
     return [r for r in read_log(output_dir) if "loss" in r]
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (the kernel's pick for port 0). Every test that
+    starts a process group takes its own: tests run in parallel (``pytest -n``), and two groups on one port
+    (torch's and accelerate's default 29500) fail or join each other."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, int, int] | None = None,
                    module: str | None = None) -> list[str]:
     """The ``accelerate launch finetune/run.py ARGS`` command line on CPU; ``num_processes`` > 1 gives gloo
-    ranks. ``machine``: (machine rank, number of machines, main process port) for one "machine" of a run
-    over several, all on 127.0.0.1 (``num_processes`` is then the total over all machines). ``module``: run
-    that module instead (``--module finetune.verify``)."""
+    ranks, rendezvousing on a port of their own (``--main_process_port 0``: accelerate picks a free one; its
+    default 29500 would be shared by every launch of a parallel test run). ``machine``: (machine rank, number
+    of machines, main process port) for one "machine" of a run over several, all on 127.0.0.1
+    (``num_processes`` is then the total over all machines). ``module``: run that module instead
+    (``--module finetune.verify``)."""
     machines = machine[1] if machine else 1
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", str(machines), "--mixed_precision",
            "no", "--dynamo_backend", "no"]
@@ -63,6 +75,8 @@ def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, 
     if machine:
         cmd += ["--machine_rank", str(machine[0]), "--main_process_ip", "127.0.0.1", "--main_process_port",
                 str(machine[2])]
+    elif num_processes > 1:
+        cmd += ["--main_process_port", "0"]
     if module:
         return cmd + ["--module", module, *args]
     return cmd + [str(REPO / "finetune" / "run.py"), *args]
