@@ -10,6 +10,14 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+HOST_CPUS_ENV = "FINETUNE_TEST_HOST_CPUS"  # set by conftest.py when it pins a parallel worker to a share
+
+
+def host_cpus() -> set[int]:
+    """The CPUs the test run may use, those of this process's affinity set before ``conftest.py`` pinned this
+    xdist worker to its share (a test that needs several cores launches on them: ``launch(cpus=...)``)."""
+    listed = os.environ.get(HOST_CPUS_ENV)
+    return {int(cpu) for cpu in listed.split(",")} if listed else set(os.sched_getaffinity(0))
 
 
 def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
@@ -106,13 +114,15 @@ def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None 
 
 
 def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dict | None = None,
-           module: str | None = None):
-    """Run ``accelerate launch finetune/run.py ARGS`` on CPU; ``num_processes`` > 1 gives gloo ranks.
+           module: str | None = None, cpus: set[int] | None = None):
+    """Run ``accelerate launch finetune/run.py ARGS`` on CPU; ``num_processes`` > 1 gives gloo ranks; ``cpus``:
+    the launch's CPU affinity (default: this process's).
 
     Returns the ``CompletedProcess`` (stdout and stderr captured as text).
     """
     return subprocess.run(launch_command(args, num_processes, module=module), capture_output=True, text=True,
-                          timeout=timeout, env=launch_env(env), cwd=REPO)
+                          timeout=timeout, env=launch_env(env), cwd=REPO,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
 
 def machine_cpus(rank: int, machines: int) -> set[int]:
