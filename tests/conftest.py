@@ -1,41 +1,83 @@
 """Shared fixtures: a tiny BERT built from a config (with the real MiniLM vocabulary), a reset of
-Accelerate's process-wide state between in-process runs, and the fault injectors of ``tests/faults``."""
+Accelerate's process-wide state between in-process runs, the fault injectors of ``tests/faults``, trained
+runs shared by the whole test run, and the CPU share of each parallel worker (``pytest -n``)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 
+from helpers import HOST_CPUS_ENV  # noqa: E402
 from tiny_models import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
+
+PIN_ENV = "FINETUNE_TEST_PIN"  # "0": parallel workers are not pinned to CPU shares
+
+
+def worker_cpus(worker: str, workers: int, cpus: set[int]) -> set[int]:
+    """The CPUs xdist worker ``worker`` ("gw0", "gw1", ...) of ``workers`` keeps out of ``cpus`` (its affinity
+    set): a disjoint share (round-robin), or one CPU where there are fewer CPUs than workers."""
+    index, ordered = int(worker.removeprefix("gw")), sorted(cpus)
+    return set(ordered[index::workers]) if len(ordered) >= workers else {ordered[index % len(ordered)]}
+
+
+def pytest_configure(config):
+    """Under ``pytest -n N`` each worker (and every process it starts, which inherits the affinity) runs on its
+    own share of this host's CPUs: finetune sizes its torch threads from the cores it may use
+    (``finetune/resolve.py``), so unpinned, N workers each start as many threads as the host has cores."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and os.environ.get(PIN_ENV, "1") != "0" and hasattr(os, "sched_setaffinity"):
+        os.environ.setdefault(HOST_CPUS_ENV, ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))))
+        cpus = worker_cpus(worker, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cpus)
+
+
+def once_per_run(tmp_path_factory, name: str, make):
+    """``make(DIR)``'s result, computed once per test run: serially in a fresh temporary ``DIR``; under xdist by
+    the first worker that asks, holding a file lock, in ``DIR`` beside the workers' temporary directories
+    (``getbasetemp().parent``, the run's own), the result pickled there for the other workers."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent
+    result = root / f"{name}.pickle"
+    with FileLock(str(root / f"{name}.lock")):
+        if not result.is_file():
+            shutil.rmtree(root / name, ignore_errors=True)  # what a worker that failed to make it left
+            (root / name).mkdir()
+            result.write_bytes(pickle.dumps(make(root / name)))
+    return pickle.loads(result.read_bytes())
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
-    """Path of a tiny Llama model directory (session-wide)."""
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+    """Path of a tiny Llama model directory (one for the whole test run)."""
+    return once_per_run(tmp_path_factory, "tiny-llama", lambda root: str(build_tiny_llama(root)))
 
 
 @pytest.fixture(scope="session")
 def clm_texts(tmp_path_factory) -> tuple[str, str]:
     """(train, validation) JSON-lines files of variable-length texts: 48 and 12 rows."""
-    root = tmp_path_factory.mktemp("clm-data")
-    return (str(write_variable_length_texts(root / "train.jsonl", 48, seed=1)),
-            str(write_variable_length_texts(root / "valid.jsonl", 12, seed=2)))
+    return once_per_run(tmp_path_factory, "clm-data", lambda root: (
+        str(write_variable_length_texts(root / "train.jsonl", 48, seed=1)),
+        str(write_variable_length_texts(root / "valid.jsonl", 12, seed=2))))
 
 
 @pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory) -> str:
-    """Path of a tiny BERT model directory (session-wide)."""
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny-bert")))
+    """Path of a tiny BERT model directory (one for the whole test run)."""
+    return once_per_run(tmp_path_factory, "tiny-bert", lambda root: str(build_tiny_bert(root)))
 
 
 @pytest.fixture(autouse=True)
@@ -72,42 +114,46 @@ def faults():
 
 
 class _SharedRuns:
-    """Trained runs several tests read, each trained once per session: an in-process run (``helpers.run_in_process``)
-    or a launched one (``helpers.launch``), keyed by everything that decides it. The output directories are the
-    tests' to read, never to change: a test that resumes or damages a run copies it first."""
+    """Trained runs several tests read, each trained once per test run (all xdist workers together,
+    ``once_per_run``): an in-process run (``helpers.run_in_process``) or a launched one (``helpers.launch``),
+    keyed by everything that decides it (the shared ``tiny_bert``'s path is the same in every worker). The output
+    directories are the tests' to read, never to change: a test that resumes or damages a run copies it first."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
         self.runs: dict = {}
 
-    def _name(self) -> str:
-        return f"run{len(self.runs)}"
+    def _once(self, key: tuple, train):
+        """``train(output dir)``'s result for ``key``: computed once per test run, kept for this worker."""
+        if key not in self.runs:
+            name = "shared-run-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            self.runs[key] = once_per_run(self.tmp_path_factory, name, train)
+        return self.runs[key]
 
     def in_process(self, **overrides) -> tuple[dict, Path]:
         """``run_in_process(ROOT, NAME, **overrides)``, once per distinct ``overrides``: (metrics, output dir)."""
         from helpers import run_in_process
 
         key = ("in-process", tuple(sorted((k, str(v)) for k, v in overrides.items())))
-        if key not in self.runs:
-            self.runs[key] = run_in_process(self.root, self._name(), **overrides)
-        return self.runs[key]
+        return self._once(key, lambda root: run_in_process(root, "run", **overrides))
 
     def launched(self, args: list[str], num_processes: int = 1, timeout: int = 600) -> Path:
         """``launch([*args, "--output_dir", DIR], num_processes)``, once per distinct arguments: DIR (asserting
         the launch exited 0)."""
         from helpers import launch
 
-        key = ("launched", tuple(args), num_processes)
-        if key not in self.runs:
-            out = self.root / self._name()
+        def train(root: Path) -> Path:
+            out = root / "run"
             result = launch([*args, "--output_dir", str(out)], num_processes=num_processes, timeout=timeout)
             assert result.returncode == 0, result.stderr[-3000:]
-            self.runs[key] = out
-        return self.runs[key]
+            return out
+
+        return self._once(("launched", tuple(args), num_processes), train)
 
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory) -> _SharedRuns:
-    """Trained runs shared by the tests of a session (``shared_runs.in_process(**flags)``,
-    ``shared_runs.launched(args, num_processes)``): the same run is trained once, not once per test that reads it."""
-    return _SharedRuns(tmp_path_factory.mktemp("shared-runs"))
+    """Trained runs shared by the tests of a test run (``shared_runs.in_process(**flags)``,
+    ``shared_runs.launched(args, num_processes)``): the same run is trained once, not once per test that reads it
+    nor once per parallel worker."""
+    return _SharedRuns(tmp_path_factory)

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+HOST_CPUS_ENV = "FINETUNE_TEST_HOST_CPUS"  # set by conftest.py when it pins a parallel worker to a share
+
+
+def host_cpus() -> set[int]:
+    """The CPUs the test run may use, those of this process's affinity set before ``conftest.py`` pinned this
+    xdist worker to its share (a test that needs several cores launches on them: ``launch(cpus=...)``)."""
+    listed = os.environ.get(HOST_CPUS_ENV)
+    return {int(cpu) for cpu in listed.split(",")} if listed else set(os.sched_getaffinity(0))
 
 
 def run_in_process(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
@@ -48,12 +57,23 @@ def train_steps(output_dir: Path) -> list[dict]:
     return [r for r in read_log(output_dir) if "loss" in r]
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (the kernel's pick for port 0). Every test that
+    starts a process group takes its own: tests run in parallel (``pytest -n``), and two groups on one port
+    (torch's and accelerate's default 29500) fail or join each other."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, int, int] | None = None,
                    module: str | None = None) -> list[str]:
     """The ``accelerate launch finetune/run.py ARGS`` command line on CPU; ``num_processes`` > 1 gives gloo
-    ranks. ``machine``: (machine rank, number of machines, main process port) for one "machine" of a run
-    over several, all on 127.0.0.1 (``num_processes`` is then the total over all machines). ``module``: run
-    that module instead (``--module finetune.verify``)."""
+    ranks, rendezvousing on a port of their own (``--main_process_port 0``: accelerate picks a free one; its
+    default 29500 would be shared by every launch of a parallel test run). ``machine``: (machine rank, number
+    of machines, main process port) for one "machine" of a run over several, all on 127.0.0.1
+    (``num_processes`` is then the total over all machines). ``module``: run that module instead
+    (``--module finetune.verify``)."""
     machines = machine[1] if machine else 1
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", str(machines), "--mixed_precision",
            "no", "--dynamo_backend", "no"]
@@ -63,6 +83,8 @@ def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, 
     if machine:
         cmd += ["--machine_rank", str(machine[0]), "--main_process_ip", "127.0.0.1", "--main_process_port",
                 str(machine[2])]
+    elif num_processes > 1:
+        cmd += ["--main_process_port", "0"]
     if module:
         return cmd + ["--module", module, *args]
     return cmd + [str(REPO / "finetune" / "run.py"), *args]
@@ -92,13 +114,15 @@ def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None 
 
 
 def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dict | None = None,
-           module: str | None = None):
-    """Run ``accelerate launch finetune/run.py ARGS`` on CPU; ``num_processes`` > 1 gives gloo ranks.
+           module: str | None = None, cpus: set[int] | None = None):
+    """Run ``accelerate launch finetune/run.py ARGS`` on CPU; ``num_processes`` > 1 gives gloo ranks; ``cpus``:
+    the launch's CPU affinity (default: this process's).
 
     Returns the ``CompletedProcess`` (stdout and stderr captured as text).
     """
     return subprocess.run(launch_command(args, num_processes, module=module), capture_output=True, text=True,
-                          timeout=timeout, env=launch_env(env), cwd=REPO)
+                          timeout=timeout, env=launch_env(env), cwd=REPO,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
 
 def machine_cpus(rank: int, machines: int) -> set[int]:

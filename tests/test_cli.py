@@ -7,7 +7,7 @@ import math
 import os
 
 import pytest
-from helpers import assert_user_error, launch, read_log, run_script, train_steps
+from helpers import assert_user_error, host_cpus, launch, read_log, run_script, train_steps
 
 pytestmark = pytest.mark.integration
 
@@ -22,14 +22,15 @@ def test_cli_run_writes_a_reloadable_model_and_honest_metrics(tmp_path, tiny_ber
                      "--max_train_samples", str(train_samples), "--max_eval_samples", "30",
                      "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum),
                      "--num_train_epochs", str(epochs), "--learning_rate", "1e-2", "--warmup_steps", "0",
-                     "--max_length", "64", "--mixed_precision", "fp16"])
+                     "--max_length", "64", "--mixed_precision", "fp16"],
+                    cpus=host_cpus())  # all of them, also in a pinned parallel worker: the thread count below
     assert result.returncode == 0, result.stderr[-3000:]
     # the requested precision did not run on CPU: say so, and record the truth
     assert "fp16" in result.stdout and "this run is fp32" in result.stdout
     assert "Effective batch size: 4 (micro-batch) x 4 (accumulation) x 1 (processes) = 16" in result.stdout
     assert "Run summary" in result.stdout
-    if len(os.sched_getaffinity(0)) >= 2:  # the launcher's OMP_NUM_THREADS=1 default is undone
-        assert f"Using {len(os.sched_getaffinity(0))} CPU threads per process" in result.stdout
+    if len(host_cpus()) >= 2:  # the launcher's OMP_NUM_THREADS=1 default is undone
+        assert f"Using {len(host_cpus())} CPU threads per process" in result.stdout
 
     metrics = json.loads((out / "metrics.json").read_text())
     assert METRIC_KEYS <= metrics.keys()

@@ -37,8 +37,8 @@ def deepspeed_train(config_file, *args: str, env: dict | None = None) -> subproc
     full_env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     full_env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     return subprocess.run([sys.executable, "-m", "finetune.cli", "train", "--config_file", str(config_file),
-                           "--num_processes", "1", *args], capture_output=True, text=True, timeout=900, env=full_env,
-                          cwd=REPO)
+                           "--num_processes", "1", "--main_process_port", "0", *args],  # a port of its own
+                          capture_output=True, text=True, timeout=900, env=full_env, cwd=REPO)
 
 
 @pytest.fixture(scope="module")

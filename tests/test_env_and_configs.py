@@ -120,8 +120,9 @@ def test_an_unknown_config_file_is_one_error_line_before_launching(capsys):
 def test_train_with_a_shipped_config_by_name_from_another_directory(tmp_path, tiny_bert):
     """``finetune train --config_file multi_cpu_2proc`` from a directory without the file: two gloo processes."""
     out = tmp_path / "ddp"
-    result = cli("train", "--config_file", "multi_cpu_2proc", "--recipe", "bbc-news", "--model_name_or_path",
-                 tiny_bert, "--output_dir", str(out), "--max_train_samples", "16", "--max_eval_samples", "8",
+    result = cli("train", "--config_file", "multi_cpu_2proc", "--main_process_port", "0",  # a port of its own
+                 "--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir", str(out),
+                 "--max_train_samples", "16", "--max_eval_samples", "8",
                  "--per_device_train_batch_size", "2", "--max_steps", "1", "--max_length", "32", cwd=tmp_path,
                  ACCELERATE_USE_CPU="1", HF_HUB_OFFLINE="1")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -454,7 +454,7 @@ def test_accelerate_launch_two_processes_gives_the_same_lines(tmp_path, trained)
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
     single = output_lines(run_predict(["--model", str(trained), "--file", str(tmp_path / "texts.txt")]))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--module", "finetune.predict", "--model", str(trained), "--file", str(tmp_path / "texts.txt")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)

@@ -685,10 +685,11 @@ def test_generation_under_fsdp1_uses_whole_weights(tmp_path, nested, bf16):
     import json
 
     import torch.multiprocessing as mp
+    from helpers import free_port
     from tiny_models import build_tiny_chat_llama
 
     model_dir = build_tiny_chat_llama(tmp_path / "model")
-    port = 29100 + (os.getpid() % 300) * 3 + int(nested) + int(bf16)
+    port = free_port()  # its own: parallel tests (pytest -n) start other process groups beside it
     mp.spawn(_fsdp1_generation, args=(port, str(model_dir), nested, bf16, str(tmp_path / "result")), nprocs=2,
              join=True)
     results = [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in (0, 1)]
