@@ -132,10 +132,15 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="ABBA repeats per step")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)} "
+                        "(padded is always run: the ratios are to it)")
     args, rest = parser.parse_known_args(argv)
+    modes = ("padded", *(m for m in MODES if m != "padded" and m in args.modes.split(",")))
     config = parse_config(rest)
     recipe = load_recipe(config.recipe)
-    budget = config.max_tokens_per_micro_batch or config.per_device_train_batch_size * config.max_length
+    from finetune.packing import budget as packing_budget
+
+    budget = packing_budget(config)  # the run's --packing budget; TRL's BFD packs to the same seq_length
     info = machine_info()
     torch.manual_seed(0)
     model, task, steps, tokenizer = step_batches(config, recipe, args.steps)
@@ -145,24 +150,24 @@ def main(argv=None) -> int:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    seconds = {m: [] for m in MODES}
-    losses = {m: [] for m in MODES}
-    positions = {m: 0 for m in MODES}
+    seconds = {m: [] for m in modes}
+    losses = {m: [] for m in modes}
+    positions = {m: 0 for m in modes}
     counts = {"samples": 0, "input_tokens": 0, "trained_tokens": 0}
-    micro = {m: [] for m in MODES}
+    micro = {m: [] for m in modes}
     run_step(model, task, micro_batches("padded", steps[0], budget, pad))  # warm-up
     for window in steps:
         counts["samples"] += sum(b["input_ids"].shape[0] for b in window)
         counts["input_tokens"] += sum(int(b["attention_mask"].sum()) for b in window)
-        built = {m: micro_batches(m, window, budget, pad) for m in MODES}
+        built = {m: micro_batches(m, window, budget, pad) for m in modes}
         step_loss = {}
         for _ in range(args.repeats):
-            for m in (*MODES, *reversed(MODES)):
+            for m in (*modes, *reversed(modes)):
                 s, loss, pos, items = run_step(model, task, built[m])
                 seconds[m].append(s)
                 print(f"  step {len(losses['padded']) + 1}: {m} {s:.2f} s", file=sys.stderr, flush=True)
                 step_loss.setdefault(m, (loss / items, pos, items))
-        for m in MODES:
+        for m in modes:
             losses[m].append(step_loss[m][0])
             positions[m] += step_loss[m][1]
             micro[m].append(len(built[m]))
@@ -172,7 +177,7 @@ def main(argv=None) -> int:
               "micro_batch": config.per_device_train_batch_size, "accumulation": config.gradient_accumulation_steps,
               "max_length": config.max_length, "budget": budget, "steps": n_steps, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "modes": {}}
-    for m in MODES:
+    for m in modes:
         per_step = statistics.median(seconds[m])
         result["modes"][m] = {
             "seconds_per_step": per_step, "samples_per_s": counts["samples"] / n_steps / per_step,

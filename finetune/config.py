@@ -486,8 +486,9 @@ class TrainConfig:
     )
     max_tokens_per_micro_batch: int | None = flag(
         None,
-        "With --packing: tokens per packed micro-batch, per process (default: per_device_train_batch_size x "
-        "max_length, the padded micro-batch's most positions).",
+        "With --packing: tokens per packed micro-batch, per process (default: max_length, the longest padded row: "
+        "SDPA/eager attention costs a row's length squared, so longer rows cost more than they save on a CPU; "
+        "raise it for flash_attention_2 on a GPU).",
         step=False, trainer=None,
     )
     torch_compile: bool = flag(

@@ -212,10 +212,13 @@ def separation_error(model, flag: str, tolerance: float | None = None) -> str | 
 
 
 def budget(config) -> int:
-    """Tokens per packed micro-batch per process: ``--max_tokens_per_micro_batch``, else the padded micro-batch's
-    most positions (``per_device_train_batch_size`` x the longest sample, ``max_length`` or ``block_size``)."""
-    return config.max_tokens_per_micro_batch or config.per_device_train_batch_size * max(config.max_length,
-                                                                                         config.block_size or 0)
+    """Tokens per packed micro-batch per process: ``--max_tokens_per_micro_batch``, else the longest padded row,
+    ``max_length`` (or ``block_size``) tokens. Not m rows' worth: SDPA and eager attention (every CPU run) compute
+    a packed row's scores over the whole row, row length squared per head, the block-diagonal mask only zeroing
+    them, so one row of m x ``max_length`` tokens would cost up to m times the padded micro-batch's attention
+    (measured in docs/packing.md); rows of at most ``max_length`` never compute more attention per token than
+    the padded run, nor need more memory than its micro-batch. A window then runs more, smaller forward passes."""
+    return config.max_tokens_per_micro_batch or max(config.max_length, config.block_size or 0)
 
 
 def flag_of(config) -> str:

@@ -20,6 +20,7 @@ from finetune import distributed
 from finetune.argv import take_switch, wants_help
 from finetune.config import parse_config
 from finetune.errors import FinetuneError, reports_errors
+from finetune.packing import budget as packing_budget
 from finetune.planner import probe_and_choose
 from finetune.planner.plans import valid_plans
 from finetune.planner.probes import Probe, levers
@@ -75,13 +76,13 @@ def render(lever, parts: dict, rows: list[dict]) -> str:
 
 
 def packing_budget_note(config) -> str:
-    """Under ``--packing``: the token budget per packed micro-batch a plan implies (``packing.budget``: the given
-    ``--max_tokens_per_micro_batch``, else micro-batch m x ``--max_length``, the padded micro-batch's most
-    positions, so the memory probed for m samples of ``--max_length`` tokens bounds it under SDPA)."""
+    """Under ``--packing``: the token budget per packed micro-batch (``packing.budget``: the given
+    ``--max_tokens_per_micro_batch``, else ``--max_length``, one padded row's positions, so the memory probed for
+    m samples of ``--max_length`` tokens bounds it)."""
     if config.max_tokens_per_micro_batch:
         return f"--packing: {config.max_tokens_per_micro_batch} tokens per micro-batch (--max_tokens_per_micro_batch)"
-    return (f"--packing: the token budget per micro-batch follows the plan's micro-batch m: m x {config.max_length} "
-            "tokens (--max_length); give --max_tokens_per_micro_batch to fix it")
+    return (f"--packing: {packing_budget(config)} tokens per micro-batch (--max_length, one padded row; "
+            "give --max_tokens_per_micro_batch to change it)")
 
 
 def plan(config, timed: bool) -> int:

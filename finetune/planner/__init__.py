@@ -78,7 +78,8 @@ def apply_plan(config, plan: BatchPlan):
 
 
 def packing_budget(config, plan: BatchPlan) -> int:
-    """``--packing``'s tokens per micro-batch under ``plan`` (``packing.budget`` with the plan's micro-batch)."""
+    """``--packing``'s tokens per micro-batch under ``plan`` (``packing.budget`` with the plan's micro-batch; its
+    default, one row of ``--max_length`` tokens, does not depend on the micro-batch)."""
     from finetune.packing import budget
 
     return budget(dataclasses.replace(config, per_device_train_batch_size=plan.per_device_train_batch_size))
