@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 from helpers import HOST_CPUS_ENV  # noqa: E402
 from tiny_models import build_tiny_bert, build_tiny_llama, write_variable_length_texts  # noqa: E402
 
-PIN_ENV = "FINETUNE_TEST_PIN"  # "0": parallel workers are not pinned to CPU shares
+PIN_ENV = "FINETUNE_TEST_PIN"  # "1": each parallel worker is pinned to its own share of the CPUs
 
 
 def worker_cpus(worker: str, workers: int, cpus: set[int]) -> set[int]:
@@ -38,7 +38,7 @@ def pytest_configure(config):
     own share of this host's CPUs: finetune sizes its torch threads from the cores it may use
     (``finetune/resolve.py``), so unpinned, N workers each start as many threads as the host has cores."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker and os.environ.get(PIN_ENV, "1") != "0" and hasattr(os, "sched_setaffinity"):
+    if worker and os.environ.get(PIN_ENV, "0") == "1" and hasattr(os, "sched_setaffinity"):
         os.environ.setdefault(HOST_CPUS_ENV, ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))))
         cpus = worker_cpus(worker, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), os.sched_getaffinity(0))
         os.sched_setaffinity(0, cpus)
