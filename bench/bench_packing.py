@@ -8,10 +8,12 @@ E D C B A), medians over steps and repeats:
 
 - ``padded``: our collator's right-padded micro-batches (``tasks.CausalLMCollator`` / ``sft.SFTCollator``);
 - ``padding_free``: each micro-batch one row (``finetune.packing.Packer(None)``, ``--padding_free``);
-- ``packed``: the step's samples repacked by ``window_bfd`` under the token budget (``--packing``);
+- ``packed``: the step's samples repacked by ``window_bfd`` (``--packing``): rows of at most ``--max_length``
+  tokens, grouped into micro-batches of at most the budget's positions;
 - ``trl_padding_free``: TRL's ``DataCollatorForLanguageModeling(padding_free=True)`` on the same micro-batches;
-- ``trl_bfd``: TRL's ``pack_dataset(strategy="bfd", seq_length=budget)`` on the step's samples, then its
-  padding-free collator (TRL packs a whole dataset; here the step's own samples, so they are identical).
+- ``trl_bfd``: TRL's ``pack_dataset(strategy="bfd", seq_length=max_length)`` on the step's samples, then its
+  padding-free collator on micro-batches of m packed rows, each flattened into one row, as ``SFTTrainer`` does
+  (TRL packs a whole dataset; here the step's own samples, so they are identical).
 
 Reported: samples/s, input tokens/s (real tokens), padded tokens/s (computed positions), trained tokens/s, the
 ratios to padded, and the per-step losses of every mode. Run: ``python bench/bench_packing.py --recipe
@@ -61,8 +63,10 @@ def step_batches(config, recipe, limit_steps: int):
     return model, task, steps, tokenizer
 
 
-def trl_micro_batches(mode: str, window: list[dict], budget: int, pad_token_id: int) -> list[dict]:
-    """TRL's padding-free rows for ``window``: its collator on each micro-batch, or its BFD packing of the step."""
+def trl_micro_batches(mode: str, window: list[dict], row_length: int, pad_token_id: int) -> list[dict]:
+    """TRL's padding-free rows for ``window``: its collator on each micro-batch, or its BFD packing of the step
+    into rows of ``row_length`` tokens, m rows (the window's micro-batch) per micro-batch, as its dataloader takes
+    them."""
     import datasets
     from trl.data_utils import pack_dataset
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -82,20 +86,21 @@ def trl_micro_batches(mode: str, window: list[dict], budget: int, pad_token_id: 
     samples = [s for b in window for s in unpad(b)]
     data = datasets.Dataset.from_list([{"input_ids": s["input_ids"].tolist(), "labels": s["labels"].tolist()}
                                        for s in samples])
-    packed = pack_dataset(data, seq_length=budget, strategy="bfd")
-    return [rows([packed[i]]) for i in range(len(packed))]
+    packed = pack_dataset(data, seq_length=row_length, strategy="bfd")
+    m = window[0]["input_ids"].shape[0]
+    return [rows([packed[j] for j in range(i, min(i + m, len(packed)))]) for i in range(0, len(packed), m)]
 
 
-def micro_batches(mode: str, window: list[dict], budget: int, pad_token_id: int) -> list[dict]:
+def micro_batches(mode: str, window: list[dict], budget: int, row_length: int, pad_token_id: int) -> list[dict]:
     from finetune.packing import Packer
 
     if mode == "padded":
         return window
     if mode == "padding_free":
-        return Packer(None, None)(window)
+        return Packer(None)(window)
     if mode == "packed":
-        return Packer("window_bfd", budget)(window)
-    return trl_micro_batches(mode, window, budget, pad_token_id)
+        return Packer("window_bfd", budget, row_length, pad_token_id)(window)
+    return trl_micro_batches(mode, window, row_length, pad_token_id)
 
 
 def run_step(model, task, batches: list[dict]) -> tuple[float, float, int, int]:
@@ -139,8 +144,9 @@ def main(argv=None) -> int:
     config = parse_config(rest)
     recipe = load_recipe(config.recipe)
     from finetune.packing import budget as packing_budget
+    from finetune.packing import row_length as packing_row_length
 
-    budget = packing_budget(config)  # the run's --packing budget; TRL's BFD packs to the same seq_length
+    budget, row_length = packing_budget(config), packing_row_length(config)  # TRL's BFD rows: the same length
     info = machine_info()
     torch.manual_seed(0)
     model, task, steps, tokenizer = step_batches(config, recipe, args.steps)
@@ -155,11 +161,11 @@ def main(argv=None) -> int:
     positions = {m: 0 for m in modes}
     counts = {"samples": 0, "input_tokens": 0, "trained_tokens": 0}
     micro = {m: [] for m in modes}
-    run_step(model, task, micro_batches("padded", steps[0], budget, pad))  # warm-up
+    run_step(model, task, micro_batches("padded", steps[0], budget, row_length, pad))  # warm-up
     for window in steps:
         counts["samples"] += sum(b["input_ids"].shape[0] for b in window)
         counts["input_tokens"] += sum(int(b["attention_mask"].sum()) for b in window)
-        built = {m: micro_batches(m, window, budget, pad) for m in modes}
+        built = {m: micro_batches(m, window, budget, row_length, pad) for m in modes}
         step_loss = {}
         for _ in range(args.repeats):
             for m in (*modes, *reversed(modes)):
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
     n_steps = len(steps)
     result = {"machine": info, "recipe": config.recipe, "model": config.model_name_or_path,
               "micro_batch": config.per_device_train_batch_size, "accumulation": config.gradient_accumulation_steps,
-              "max_length": config.max_length, "budget": budget, "steps": n_steps, "repeats": args.repeats,
+              "max_length": config.max_length, "budget": budget, "row_length": row_length, "steps": n_steps, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "modes": {}}
     for m in modes:
         per_step = statistics.median(seconds[m])
@@ -189,7 +195,7 @@ def main(argv=None) -> int:
             "losses": [round(x, 6) for x in losses[m]]}
     base = result["modes"]["padded"]["samples_per_s"]
     lines = [f"### {config.recipe}: micro-batch {config.per_device_train_batch_size} x {config.gradient_accumulation_steps}, "
-             f"--max_length {config.max_length}, budget {budget} tokens, {n_steps} steps x {args.repeats} ABBA repeat(s)",
+             f"--max_length {config.max_length}, packed rows of at most {row_length} tokens, budget {budget} positions, {n_steps} steps x {args.repeats} ABBA repeat(s)",
              format_machine(info), f"- torch threads: {torch.get_num_threads()}", "",
              "| mode | s/step (median) | samples/s | x padded | input tok/s | computed tok/s | trained tok/s | "
              "micro-batches/step | padding | per-step losses |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -29,7 +29,7 @@ from finetune.config import parse_config
 from finetune.data import load_tokenizer
 from finetune.errors import FinetuneError
 from finetune.packing import budget as packing_budget
-from finetune.packing import flag_of, packing_summary
+from finetune.packing import flag_of, packing_summary, row_length
 from finetune.recipes import load_recipe
 from finetune.sampling import EpochSeededLengthGroupedSampler
 from finetune.sft import check_conversation_rows, require_chat_template
@@ -125,12 +125,14 @@ def packing_line(config, lengths: list[int], global_batch: int) -> str:
     budget = packing_budget(config)
     summary = packing_summary([order[i:i + global_batch] for i in range(0, len(order), global_batch)],
                               config.per_device_train_batch_size, budget if config.packing else None,
-                              config.packing_strategy if config.packing else None)
-    return (f"Packing ({flag_of(config)}" + (f", {budget} tokens per micro-batch" if config.packing else "")
+                              config.packing_strategy if config.packing else None, row_length(config),
+                              exact=config.backend == "trainer")
+    return (f"Packing ({flag_of(config)}" + (f", rows of at most {row_length(config)} tokens, at most {budget} "
+                                             "positions per micro-batch" if config.packing else "")
             + f"): {summary['micro_batches_per_step']:.1f} micro-batches per step (max "
             f"{summary['max_micro_batches_per_step']}), {summary['tokens_per_micro_batch']:.0f} tokens per micro-batch "
             f"(max {summary['max_tokens_per_micro_batch']}); padding {summary['padding_fraction_before']:.1%} of "
-            f"positions before, {summary['padding_fraction_after']:.0%} after")
+            f"positions before, {summary['padding_fraction_after']:.1%} after")
 
 
 def padding_fraction(lengths: list[int], micro_batch: int, strategy: str, global_batch: int, seed: int) -> float:

@@ -486,9 +486,9 @@ class TrainConfig:
     )
     max_tokens_per_micro_batch: int | None = flag(
         None,
-        "With --packing: tokens per packed micro-batch, per process (default: max_length, the longest padded row: "
-        "SDPA/eager attention costs a row's length squared, so longer rows cost more than they save on a CPU; "
-        "raise it for flash_attention_2 on a GPU).",
+        "With --packing: positions per packed micro-batch, per process (its rows x its longest row's tokens; rows "
+        "hold at most --max_length tokens). Default: micro-batch x max_length, the most a padded micro-batch "
+        "computes (docs/packing.md).",
         step=False, trainer=None,
     )
     torch_compile: bool = flag(
@@ -778,10 +778,11 @@ class TrainConfig:
         if self.max_tokens_per_micro_batch is not None and (not self.packing or self.max_tokens_per_micro_batch < 2):
             raise FinetuneError(f"--max_tokens_per_micro_batch is the --packing token budget: add --packing, and give "
                                 f"at least 2 tokens (got {self.max_tokens_per_micro_batch}).")
-        if self.packing and self.backend == "trainer":  # Trainer syncs on its micro-batch counter (trainer.py 1895-1899)
-            raise FinetuneError("--packing runs in --backend accelerate only: Trainer's inner loop decides the optimizer "
-                                "step from a running micro-batch count, so a window cannot change its number of "
-                                "micro-batches. Use --padding_free, or --backend accelerate.")
+        if self.max_tokens_per_micro_batch is not None and self.backend == "trainer":  # trainer.py 1895-1899
+            raise FinetuneError("--max_tokens_per_micro_batch is for --backend accelerate: Trainer finds the optimizer "
+                                "step by counting micro-batches, so under --backend trainer a packed window keeps its "
+                                "N micro-batches of at most m rows of --max_length tokens. Drop the flag, or use "
+                                "--backend accelerate.")
 
     def _check_hub(self) -> None:
         """The Hub repository and when a push is possible."""

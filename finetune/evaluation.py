@@ -28,11 +28,12 @@ def check_eval_set(num_samples: int, config) -> None:
                               "--eval_strategy no.")
 
 
-def evaluate(accelerator, model, dataloader, task, metric_specs: dict, padding_free: bool = False) -> dict:
+def evaluate(accelerator, model, dataloader, task, metric_specs: dict, pack=None) -> dict:
     """Evaluate on every process, gather per-sample outputs (``gather_for_metrics``, which drops Accelerate's
     padding repeats) and score once with ``task.eval_metrics``: e.g. ``eval_loss`` (per sample, or per token for
-    causal LM), the metrics, ``eval_samples``; ``{"eval_samples": 0}`` for an empty set. ``padding_free``: each
-    batch runs as one padding-free row (``packing.eval_outputs``), with the same per-sample outputs."""
+    causal LM), the metrics, ``eval_samples``; ``{"eval_samples": 0}`` for an empty set. ``pack``: the run's
+    ``packing.Packer``, if any: each batch then runs padding-free, as one row (``--padding_free``) or in rows of its
+    ``row_length`` (``--packing``), with the same per-sample outputs (``packing.eval_outputs``)."""
     was_training = model.training
     model.eval()
     parts = []
@@ -41,8 +42,8 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict, padding_f
     forward = engine.eval_model(model)
     for batch in dataloader:
         labels = batch.pop("labels")
-        if padding_free:
-            outputs = packing.eval_outputs(forward, batch, labels, task)
+        if pack is not None:
+            outputs = packing.eval_outputs(forward, batch, labels, task, pack.row_length)
         else:
             outputs = _eval_outputs(forward, batch, labels, task, splittable)
         parts.append([t.cpu() for t in accelerator.gather_for_metrics(outputs)])

@@ -173,12 +173,12 @@ class RunState:
             return self.config.save_strategy == "epoch"
         return self.config.save_strategy == "steps" and step > 0 and step % self.book.save_steps == 0
 
-    def evaluate(self, accelerator, model, dataloader, tokenizer, at_epoch_end: bool, padding_free: bool = False) -> dict:
-        """Evaluate ``model`` now (``evaluation.evaluate``: loss and metrics, padding-free where ``padding_free``;
+    def evaluate(self, accelerator, model, dataloader, tokenizer, at_epoch_end: bool, pack=None) -> dict:
+        """Evaluate ``model`` now (``evaluation.evaluate``: loss and metrics, padding-free as ``pack`` packs, if given;
         then generation for SFT recipes, its predictions written beside the log); record it (``Bookkeeping.record_evaluation``, the model kept per
         ``model_kept``). Returns the results. Raises ``FinetuneError`` as ``record_evaluation`` does."""
         start = time.perf_counter()
-        results = evaluate(accelerator, model, dataloader, self.task, self.recipe.METRICS, padding_free=padding_free)
+        results = evaluate(accelerator, model, dataloader, self.task, self.recipe.METRICS, pack=pack)
         generated, predictions = generation_eval(accelerator, model, tokenizer, self.raw_validation, self.recipe,
                                                  self.config)
         results.update(generated)

@@ -78,108 +78,189 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+class Rows(dict):
+    """A packed micro-batch (``pack_rows``): the model's inputs and ``labels``, plus ``padding``, the positions
+    that hold no token (an attribute, so it never reaches the model's forward)."""
+
+    padding = 0
+
+
+def pack_rows(rows: list[list[dict]], pad_token_id: int) -> Rows:
+    """One micro-batch of ``rows`` (each a list of samples: dicts of 1-D ``input_ids`` and ``labels``): each row
+    ``flatten``-ed, then right-padded to the longest, shape (len(rows), longest row's tokens). A row's padding
+    continues its last sample's ``position_ids`` (so it starts no sequence: no token before it can see it, causal
+    attention) with ``pad_token_id`` inputs and ``IGNORE_INDEX`` labels, as right padding is in a padded
+    micro-batch. No ``attention_mask`` (transformers separates each row's samples from its ``position_ids``, row
+    by row: ``find_packed_sequence_indices``). ``rows == []`` gives an empty micro-batch: one padding position,
+    no item (``Packer(exact=True)`` runs it where a window has fewer rows than micro-batches)."""
+    if not rows:
+        batch = Rows(input_ids=torch.full((1, 1), pad_token_id), position_ids=torch.zeros((1, 1), dtype=torch.long),
+                     labels=torch.full((1, 1), IGNORE_INDEX), use_cache=False)
+        batch.padding = 1
+        return batch
+    flat = [flatten(row) for row in rows]
+    width = max(f["input_ids"].shape[1] for f in flat)
+    parts, padding = {"input_ids": [], "position_ids": [], "labels": []}, 0
+    for f in flat:
+        extra = width - f["input_ids"].shape[1]
+        padding += extra
+        ids, positions, labels = f["input_ids"][0], f["position_ids"][0], f["labels"][0]
+        parts["input_ids"].append(torch.cat([ids, ids.new_full((extra,), pad_token_id)]))
+        parts["position_ids"].append(torch.cat([positions, positions[-1] + 1 + torch.arange(
+            extra, dtype=positions.dtype, device=positions.device)]))
+        parts["labels"].append(torch.cat([labels, labels.new_full((extra,), IGNORE_INDEX)]))
+    batch = Rows({key: torch.stack(value) for key, value in parts.items()}, use_cache=False)
+    batch.padding = padding
+    return batch
+
+
+def group_rows(lengths: list[int], budget: int, count: int | None = None) -> list[list[int]]:
+    """Row indices grouped into micro-batches, longest rows first (so rows padded together have similar lengths).
+    ``count`` None: as few micro-batches as fit ``budget`` positions each (a micro-batch's rows x its longest
+    row's tokens; a row alone may exceed it). ``count`` N: exactly N micro-batches, the rows shared out evenly
+    (sizes differ by at most one; an empty group where there are fewer rows than N)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if count is not None:
+        size, extra = divmod(len(order), count)
+        bounds = [0]
+        for k in range(count):
+            bounds.append(bounds[-1] + size + (k < extra))
+        return [order[a:b] for a, b in zip(bounds, bounds[1:])]
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class Packer:
     """Turns an accumulation window (this process's list of padded micro-batches) into the micro-batches it runs.
-    ``strategy``: None (``--padding_free``: each micro-batch flattened into one row, the same split) or
-    ``"window_bfd"`` (the window's samples repacked by ``best_fit_decreasing`` under ``budget`` tokens per
-    micro-batch). Returns a list of padding-free batches (``flatten``); their count may differ from the window's
-    and between processes."""
 
-    def __init__(self, strategy: str | None, budget: int | None):
-        self.strategy, self.budget = strategy, budget
+    - ``strategy`` None (``--padding_free``): each micro-batch flattened into one row (``flatten``), the same split.
+    - ``"window_bfd"`` (``--packing``): the window's samples packed best-fit-decreasing (``best_fit_decreasing``)
+      into rows of at most ``row_length`` tokens (``--max_length``: attention per token never exceeds the padded
+      run's), the rows then grouped into micro-batches of at most ``budget`` positions (``group_rows``; each
+      ``pack_rows``). ``exact``: exactly as many micro-batches as the window has (Trainer counts its micro-batches
+      to find the optimizer step); otherwise as few as fit, a count that may differ between processes.
+
+    Returns a list of padding-free batches (``flatten`` rows or ``Rows``)."""
+
+    def __init__(self, strategy: str | None, budget: int | None = None, row_length: int | None = None,
+                 pad_token_id: int = 0, exact: bool = False):
+        self.strategy, self.budget, self.pad_token_id, self.exact = strategy, budget, pad_token_id, exact
+        self.row_length = min(row_length, budget) if row_length and budget else (row_length or budget)
 
     def __call__(self, window: list[dict]) -> list[dict]:
         if self.strategy is None:
             return [flatten(unpad(batch)) for batch in window]
         samples = [s for batch in window for s in unpad(batch)]
-        return [flatten([samples[i] for i in b])
-                for b in best_fit_decreasing([len(s["input_ids"]) for s in samples], self.budget)]
+        rows = [[samples[i] for i in b]
+                for b in best_fit_decreasing([len(s["input_ids"]) for s in samples], self.row_length)]
+        lengths = [sum(len(s["input_ids"]) for s in row) for row in rows]
+        groups = group_rows(lengths, self.budget, len(window) if self.exact else None)
+        return [pack_rows([rows[i] for i in group], self.pad_token_id) for group in groups]
 
 
 def tokens(batch: dict) -> tuple[int, int]:
     """(input tokens, computed positions) of a micro-batch: the ``attention_mask``'s ones and its size for a padded
-    batch; both ``input_ids.numel()`` for a padding-free one."""
+    batch; ``input_ids.numel()`` less its ``padding`` (``Rows``), and ``input_ids.numel()``, for a padding-free one."""
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
-    return batch["input_ids"].numel(), batch["input_ids"].numel()
+    return batch["input_ids"].numel() - getattr(batch, "padding", 0), batch["input_ids"].numel()
 
 
-def samples(inputs: dict, labels: torch.Tensor) -> int:
-    """Samples in a micro-batch: its rows, or for a padding-free row (``position_ids``, no ``attention_mask``) the
-    positions where ``position_ids`` restart at 0."""
-    if "attention_mask" not in inputs and "position_ids" in inputs:
-        return int((inputs["position_ids"] == 0).sum())
-    return labels.shape[0]
-
-
-def eval_outputs(forward, batch: dict, labels: torch.Tensor, task) -> tuple[torch.Tensor, ...]:
-    """``task.eval_outputs`` for a padded evaluation batch (``labels`` popped) computed as one padding-free row:
-    the row's logits cut back into its samples, each scored as a batch of one, concatenated (per-sample tensors
-    in the batch's row order, as the padded path gives them). ``forward``: the model's forward; no gradients."""
-    rows = unpad({**batch, "labels": labels})
-    row = flatten(rows)
+def eval_outputs(forward, batch: dict, labels: torch.Tensor, task, row_length: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``task.eval_outputs`` for a padded evaluation batch (``labels`` popped) computed padding-free: its samples in
+    one row (``row_length`` None), or packed best-fit-decreasing into rows of at most ``row_length`` tokens, one
+    micro-batch (``pack_rows``). Each sample's logits are cut back out and scored as a batch of one; the
+    per-sample tensors are concatenated in the batch's row order, as the padded path gives them. ``forward``: the
+    model's forward; no gradients."""
+    samples = unpad({**batch, "labels": labels})
+    if row_length is None:
+        rows = [list(range(len(samples)))]
+        packed = flatten(samples)
+    else:
+        rows = best_fit_decreasing([len(s["input_ids"]) for s in samples], row_length)
+        packed = pack_rows([[samples[i] for i in row] for row in rows], pad_token_id=0)
     with torch.no_grad():
-        logits = forward(**{key: value for key, value in row.items() if key != "labels"}).logits[0]
-    parts, start = [], 0
-    for sample in rows:
-        n = len(sample["input_ids"])
-        parts.append(task.eval_outputs(logits[start:start + n].unsqueeze(0), sample["labels"].unsqueeze(0)))
-        start += n
-    return tuple(torch.cat(columns) for columns in zip(*parts, strict=True))
+        logits = forward(**{key: value for key, value in packed.items() if key != "labels"}).logits
+    parts = {}
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = len(samples[i]["input_ids"])
+            parts[i] = task.eval_outputs(logits[r, start:start + n].unsqueeze(0), samples[i]["labels"].unsqueeze(0))
+            start += n
+    return tuple(torch.cat(columns) for columns in zip(*(parts[i] for i in range(len(samples))), strict=True))
 
 
 def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget: int | None,
-                    strategy: str | None) -> dict:
-    """What packing does to a run's steps, for ``check-data`` and the banner. ``lengths_per_step``: per optimizer
-    step (of one process), the token lengths of its samples in order; ``micro_batch``: samples per padded
-    micro-batch. Returns micro-batches per step (mean, max), tokens per micro-batch (mean, max) and the padding
-    fraction (padded positions that hold no token) before (padded micro-batches) and after."""
-    padded = real = 0
+                    strategy: str | None, row_length: int | None = None, exact: bool = False) -> dict:
+    """What packing does to a run's steps, for ``check-data`` and the banner, computed as ``Packer`` packs.
+    ``lengths_per_step``: per optimizer step (of one process), the token lengths of its samples in order;
+    ``micro_batch``: samples per padded micro-batch; ``budget``, ``row_length`` and ``exact`` as ``Packer``'s.
+    Returns micro-batches per step (mean, max), input tokens per micro-batch (mean, max) and the padding
+    fraction (computed positions that hold no token) before (padded micro-batches) and after."""
+    padded = real = after = 0
     after_batches, after_tokens = [], []
     for lengths in lengths_per_step:
         chunks = [lengths[i:i + micro_batch] for i in range(0, len(lengths), micro_batch)]
         padded += sum(max(c) * len(c) for c in chunks)
         real += sum(lengths)
         if strategy is None:
-            bins = [list(range(len(c))) for c in chunks]
-            sizes = [sum(c) for c in chunks]
+            sizes, positions = [sum(c) for c in chunks], sum(lengths)
         else:
-            bins = best_fit_decreasing(lengths, budget)
-            sizes = [sum(lengths[i] for i in b) for b in bins]
-        after_batches.append(len(bins))
+            rows = [sum(lengths[i] for i in b)
+                    for b in best_fit_decreasing(lengths, min(row_length or budget, budget))]
+            groups = group_rows(rows, budget, len(chunks) if exact else None)
+            sizes = [sum(rows[i] for i in g) for g in groups]
+            positions = sum(len(g) * max((rows[i] for i in g), default=1) for g in groups)
+        after_batches.append(len(sizes))
         after_tokens.extend(sizes)
+        after += positions
     steps = max(len(lengths_per_step), 1)
     return {"micro_batches_per_step": sum(after_batches) / steps, "max_micro_batches_per_step": max(after_batches, default=0),
             "tokens_per_micro_batch": sum(after_tokens) / max(len(after_tokens), 1),
             "max_tokens_per_micro_batch": max(after_tokens, default=0),
-            "padding_fraction_before": 1 - real / padded if padded else 0.0, "padding_fraction_after": 0.0}
+            "padding_fraction_before": 1 - real / padded if padded else 0.0,
+            "padding_fraction_after": 1 - real / after if after else 0.0}
 
 
 # ------------------------------------------------------------------------------------------ the per-sequence check
 def per_sequence_difference(model, samples: list[torch.Tensor], row_transform=None) -> float:
-    """The largest difference between each sample's logits computed alone and at its positions in one padding-free
-    row, relative to the largest absolute logit (0 when the model keeps the samples apart exactly). ``samples``:
-    1-D token-id tensors; ``model``: a transformers causal LM (its mode is restored; no gradients).
-    ``row_transform(row) -> row``: a change to the packed row's inputs before the forward (the tests' negative
-    controls: positions not reset, a 2-D mask)."""
+    """The largest difference between each sample's logits computed alone and at its positions packed, relative
+    to the largest absolute logit (0 when the model keeps the samples apart exactly), over both layouts packing
+    uses: all ``samples`` in one padding-free row (``flatten``), and a micro-batch of two padded rows, the last
+    sample alone in the second (``pack_rows``). ``samples``: at least two 1-D token-id tensors; ``model``: a
+    transformers causal LM (its mode is restored; no gradients). ``row_transform(inputs) -> inputs``: a change to
+    the packed inputs before the forward (the tests' negative controls: positions not reset, a 2-D mask)."""
     device = next(model.parameters()).device
+    as_samples = [{"input_ids": s.to(device), "labels": s.to(device)} for s in samples]
+    layouts = [[as_samples], [as_samples[:-1], as_samples[-1:]]]  # rows of samples
     was_training = model.training
     model.eval()
+    worst = 0.0
     try:
         with torch.no_grad():
             alone = [model(input_ids=s.unsqueeze(0).to(device), use_cache=False).logits[0].float() for s in samples]
-            row = flatten([{"input_ids": s.to(device), "labels": s.to(device)} for s in samples])
-            inputs = {key: value for key, value in row.items() if key != "labels"}
-            if row_transform is not None:
-                inputs = row_transform(inputs)
-            packed = model(**inputs).logits[0].float()
+            for rows in layouts:
+                batch = flatten(rows[0]) if len(rows) == 1 else pack_rows(rows, pad_token_id=0)
+                inputs = {key: value for key, value in batch.items() if key != "labels"}
+                if row_transform is not None:
+                    inputs = row_transform(inputs)
+                packed = model(**inputs).logits.float()
+                found = iter(alone)
+                for r, row in enumerate(rows):
+                    start = 0
+                    for _ in row:
+                        a = next(found)
+                        worst = max(worst, float((packed[r, start:start + len(a)] - a).abs().max()))
+                        start += len(a)
     finally:
         model.train(was_training)
     scale = max(float(a.abs().max()) for a in alone) or 1.0
-    worst, start = 0.0, 0
-    for a in alone:
-        worst = max(worst, float((packed[start:start + len(a)] - a).abs().max()))
-        start += len(a)
     return worst / scale
 
 
@@ -211,14 +292,19 @@ def separation_error(model, flag: str, tolerance: float | None = None) -> str | 
     return None
 
 
+def row_length(config) -> int:
+    """Tokens per packed row: ``max_length`` (or ``block_size``), the longest padded row. SDPA and eager attention
+    (every CPU run) compute a row's scores over the whole row, its length squared per head, the block-diagonal
+    mask only zeroing them, so rows no longer than the padded run's never cost more attention per token."""
+    return max(config.max_length, config.block_size or 0)
+
+
 def budget(config) -> int:
-    """Tokens per packed micro-batch per process: ``--max_tokens_per_micro_batch``, else the longest padded row,
-    ``max_length`` (or ``block_size``) tokens. Not m rows' worth: SDPA and eager attention (every CPU run) compute
-    a packed row's scores over the whole row, row length squared per head, the block-diagonal mask only zeroing
-    them, so one row of m x ``max_length`` tokens would cost up to m times the padded micro-batch's attention
-    (measured in docs/packing.md); rows of at most ``max_length`` never compute more attention per token than
-    the padded run, nor need more memory than its micro-batch. A window then runs more, smaller forward passes."""
-    return config.max_tokens_per_micro_batch or max(config.max_length, config.block_size or 0)
+    """Positions per packed micro-batch per process (rows x the longest row's tokens): ``--max_tokens_per_micro_batch``,
+    else micro-batch m x ``row_length``, the most positions a padded micro-batch can have, so the memory that
+    ``finetune plan`` probes for m samples of ``max_length`` tokens bounds it. Fewer, larger micro-batches matter
+    on a CPU: each backward writes every weight's gradient and adds it to the last (docs/packing.md)."""
+    return config.max_tokens_per_micro_batch or config.per_device_train_batch_size * row_length(config)
 
 
 def flag_of(config) -> str:
@@ -226,10 +312,10 @@ def flag_of(config) -> str:
     return f"--packing --packing_strategy {config.packing_strategy}" if config.packing else "--padding_free"
 
 
-def packer_for(config, task, model, distributed_type=None) -> Packer | None:
+def packer_for(config, task, model, distributed_type=None, exact: bool = False) -> Packer | None:
     """The ``Packer`` ``--padding_free`` / ``--packing`` ask for (None when neither), after the per-sequence check on
     ``model`` (the unwrapped model, before training). ``distributed_type``: accelerate's ``DistributedType`` (its
-    value is compared by name). Raises ``FinetuneError`` (one line, before anything is written) for a task other
+    value is compared by name). ``exact``: a packed window keeps its number of micro-batches (the Trainer backend). Raises ``FinetuneError`` (one line, before anything is written) for a task other
     than causal LM/SFT, a sharding engine (FSDP reduce-scatters on every micro-batch and DeepSpeed counts its own
     micro-batches, so a window's micro-batch count must not vary there), or a model that fails the check."""
     if not (config.padding_free or config.packing):
@@ -245,4 +331,8 @@ def packer_for(config, task, model, distributed_type=None) -> Packer | None:
     error = separation_error(model, flag)
     if error:
         raise FinetuneError(error)
-    return Packer(config.packing_strategy if config.packing else None, budget(config) if config.packing else None)
+    if not config.packing:
+        return Packer(None)
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return Packer(config.packing_strategy, budget(config), row_length(config),
+                  pad_token_id=pad if isinstance(pad, int) else 0, exact=exact)

@@ -26,9 +26,10 @@ def packing_banner(config) -> str:
     """The banner's packing line: padding-free micro-batches, or window-local packing and its token budget."""
     if not config.packing:
         return "padding-free micro-batches (--padding_free): one row per micro-batch, no padding computed"
-    budget = packing.budget(config)
-    return (f"{config.packing_strategy}: each optimizer step's own samples repacked into padding-free micro-batches "
-            f"of at most {budget} tokens per process")
+    return (f"{config.packing_strategy}: each optimizer step's own samples packed into rows of at most "
+            f"{packing.row_length(config)} tokens, micro-batches of at most {packing.budget(config)} positions per "
+            "process" + (" (as many micro-batches as the padded run: Trainer counts them)"
+                         if config.backend == "trainer" else ""))
 
 
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:

@@ -322,7 +322,7 @@ class RunState(lifecycle.RunState):
         trackers."""
         built = self.built
         results = super().evaluate(self.accelerator, built.model, built.eval_dataloader, built.tokenizer, at_epoch_end,
-                                   padding_free=built.pack is not None)
+                                   pack=built.pack)
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()},
                                  step=self.progress.step)

@@ -66,7 +66,7 @@ class FinetuneTrainer(Trainer):
         self.account, self.task = account, task
         self.steps_per_epoch, self.begin_window = steps_per_epoch, begin_window
         self.micro_batch_loss = None  # set once the Trainer's accelerator exists
-        self.pack = None  # --padding_free: packing.Packer, set once the model is on its device
+        self.pack = None  # --padding_free/--packing: packing.Packer (exact), set once the model is on its device
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The window's micro-batches (up to ``num_batches``, fewer at the end of an epoch) and its items over
@@ -98,7 +98,8 @@ class FinetuneTrainer(Trainer):
             return masked, None
         repeats = window_repeats(first, len(masked), self.args.per_device_train_batch_size, processes, rank,
                                  len(self.train_dataset))
-        # --padding_free: each micro-batch one row, the same count (Trainer syncs by its micro-batch counter)
+        # --padding_free/--packing: the window's own samples, in as many micro-batches as it has (Trainer finds the
+        # optimizer step by counting micro-batches: trainer.py lines 1895-1899)
         run = self.pack(masked) if self.pack else masked
         counts = count_window(masked, self.task, self.accelerator, repeats, run)
         self.begin_window(counts)
@@ -235,7 +236,7 @@ class BookkeepingCallback(TrainerCallback):
         and early stopping into Trainer's ``state``/``control``."""
         trainer, run, step = self.trainer, self.run, state.global_step
         run.evaluate(trainer.accelerator, trainer.model_wrapped, trainer.get_eval_dataloader(),
-                     trainer.processing_class, at_epoch_end, padding_free=trainer.pack is not None)
+                     trainer.processing_class, at_epoch_end, pack=trainer.pack)
         if run.new_best:
             state.best_metric, state.best_global_step = run.progress.best_metric, step
             self._point_at_best(state)
@@ -274,7 +275,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
         config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"))
     check_eval_set(len(datasets["validation"]), config)
     # the per-sequence check on the model as loaded, before anything is written
-    pack = packing.packer_for(config, task, model, args.distributed_state.distributed_type)
+    pack = packing.packer_for(config, task, model, args.distributed_state.distributed_type, exact=True)
     processes = args.world_size
     plan = plan_steps(micro_batches_per_process(len(datasets["train"]), config.per_device_train_batch_size, processes),
                       config)

@@ -113,5 +113,9 @@ def test_the_packing_recipe_is_mostly_padding_at_its_defaults(capsys):
     out = capsys.readouterr().out
     before = float(re.search(r"Padding at micro-batch 32 \(random\): ([\d.]+)% of positions", out).group(1))
     assert before >= 40.0
-    assert re.search(r"384 tokens per micro-batch\): ([\d.]+) micro-batches per step", out)  # budget: --max_length
-    assert "0% after" in out
+    # rows of --max_length tokens, micro-batches of up to 32 of them: one micro-batch per step, a little padding
+    steps = re.search(r"rows of at most 384 tokens, at most 12288 positions per micro-batch\): ([\d.]+) micro-batches "
+                      r"per step", out)
+    assert steps and float(steps.group(1)) == 1.0
+    after = float(re.search(r"of positions before, ([\d.]+)% after", out).group(1))
+    assert after < 10.0

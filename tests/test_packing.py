@@ -188,18 +188,38 @@ def test_packer_repacks_only_the_window_samples(tiny_llama, clm_texts):
     task = CausalLM()
     padded, _ = _padded_and_row(tiny_llama, clm_texts, n=8)
     window = [{k: v[i:i + 2] for k, v in padded.items()} for i in range(0, 8, 2)]
-    budget = int(padded["attention_mask"].sum(dim=1).max()) + 8
-    runs = packing.Packer("window_bfd", budget)(window)
-    assert all(r["input_ids"].numel() <= budget for r in runs)
-    assert sum(r["input_ids"].numel() for r in runs) == int(padded["attention_mask"].sum())
+    row = int(padded["attention_mask"].sum(dim=1).max()) + 8
+    for budget, rows in [(row, 1), (3 * row, 3)]:  # one row per micro-batch; up to three rows
+        runs = packing.Packer("window_bfd", budget, row_length=row, pad_token_id=-1)(window)
+        assert all(r["input_ids"].numel() <= budget for r in runs) and max(len(r["input_ids"]) for r in runs) == rows
+        assert sum(packing.tokens(r)[0] for r in runs) == int(padded["attention_mask"].sum())
+        assert sum(task.count(r["labels"]) for r in runs) == task.count(padded["labels"])
+        assert sorted(tuple(s["input_ids"].tolist()) for r in runs for s in _split(r)) == \
+            sorted(tuple(s["input_ids"].tolist()) for s in packing.unpad(padded))
+
+
+def test_packer_exact_keeps_the_window_micro_batch_count(tiny_llama, clm_texts):
+    """exact (the Trainer backend): as many micro-batches as the window, rows shared out evenly, an empty
+    micro-batch (no item, one padding position) where the window packs into fewer rows."""
+    task = CausalLM()
+    padded, _ = _padded_and_row(tiny_llama, clm_texts, n=8)
+    window = [{k: v[i:i + 2] for k, v in padded.items()} for i in range(0, 8, 2)]
+    width = padded["input_ids"].shape[1]
+    runs = packing.Packer("window_bfd", 8 * width, row_length=8 * width, exact=True)(window)  # one row of all 8
+    assert len(runs) == 4 and [len(r["input_ids"]) for r in runs] == [1, 1, 1, 1]
+    assert [packing.tokens(r) for r in runs[1:]] == [(0, 1)] * 3
     assert sum(task.count(r["labels"]) for r in runs) == task.count(padded["labels"])
-    assert sorted(tuple(s["input_ids"].tolist()) for r in runs for s in _split(r)) == \
-        sorted(tuple(s["input_ids"].tolist()) for s in packing.unpad(padded))
+    assert packing.group_rows([5, 9, 7, 3, 8], budget=0, count=2) == [[1, 4, 2], [0, 3]]
 
 
-def _split(row):
-    starts = (row["position_ids"][0] == 0).nonzero().flatten().tolist() + [row["input_ids"].shape[1]]
-    return [{"input_ids": row["input_ids"][0, a:b]} for a, b in zip(starts, starts[1:])]
+def _split(batch):
+    """The samples of a packed micro-batch built with pad_token_id -1: each row cut where positions restart,
+    its padding dropped."""
+    found = []
+    for ids, positions in zip(batch["input_ids"], batch["position_ids"]):
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
+        found += [{"input_ids": ids[a:b][ids[a:b] != -1]} for a, b in zip(starts, starts[1:])]
+    return found
 
 
 def test_classification_keeps_padded_micro_batches(tiny_bert, tmp_path):
@@ -219,26 +239,34 @@ def _relative(a: dict, b: dict) -> float:
 
 
 def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_llama, clm_texts):
-    """40 samples, 8 per step: padded 8 x 1, padding-free 2 x 4 (both backends) and packed (budget 96 tokens,
-    several micro-batches per step) take the same 5 optimizer steps: same samples, items and losses per step, and the
-    same weights to float rounding (relative norm of the whole difference; Adam turns rounding noise on
-    zero-gradient tensors into lr-sized steps, docs/design-notes.md)."""
+    """40 samples, 8 per step: padded 8 x 1; padding-free 2 x 4 (both backends); packed under a 96-position budget
+    (several one-row micro-batches per step), at its default budget (8 rows of --max_length 64: micro-batches of
+    several padded rows) and in the Trainer backend (2 x 4: four micro-batches per step, as Trainer counts them)
+    take the same 5 optimizer steps: same samples, items and losses per step, and the same weights to float
+    rounding (relative norm of the whole difference; Adam turns rounding noise on zero-gradient tensors into
+    lr-sized steps, docs/design-notes.md)."""
     kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], **CLM)
     _, ref = run_in_process(tmp_path, "ref", per_device_train_batch_size=8, gradient_accumulation_steps=1, **kw)
-    _, free = run_in_process(tmp_path, "free", per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                             padding_free=True, **kw)
-    _, packed = run_in_process(tmp_path, "packed", per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                               packing=True, max_tokens_per_micro_batch=96, **kw)
-    _, trainer = run_in_process(tmp_path, "trainer", per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                                padding_free=True, backend="trainer", **kw)
+    runs = {name: run_in_process(tmp_path, name, **flags, **kw)[1] for name, flags in [
+        ("free", dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, padding_free=True)),
+        ("packed", dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, packing=True,
+                        max_tokens_per_micro_batch=96)),
+        ("packed-rows", dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, packing=True)),
+        ("trainer-free", dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, padding_free=True,
+                              backend="trainer")),
+        ("trainer-packed", dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, packing=True,
+                                backend="trainer"))]}
     reference = train_steps(ref)
-    for out in (free, packed, trainer):
+    for name, out in runs.items():
         steps = train_steps(out)
-        assert [r["samples"] for r in steps] == [r["samples"] for r in reference] == [8] * 5
-        assert [r["trained_tokens"] for r in steps] == [r["trained_tokens"] for r in reference]
-        assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
-        assert _relative(load_params(out), load_params(ref)) < 1e-5
-        assert all(r["padded_tokens"] == r["input_tokens"] for r in steps)  # no padding computed
+        assert [r["samples"] for r in steps] == [r["samples"] for r in reference] == [8] * 5, name
+        assert [r["trained_tokens"] for r in steps] == [r["trained_tokens"] for r in reference], name
+        assert [r["input_tokens"] for r in steps] == [r["input_tokens"] for r in reference], name
+        assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in reference], rel=1e-5), name
+        assert _relative(load_params(out), load_params(ref)) < 1e-5, name
+        assert all(r["padded_tokens"] < p["padded_tokens"] for r, p in zip(steps, reference)), name
+        if "free" in name:
+            assert all(r["padded_tokens"] == r["input_tokens"] for r in steps), name  # no padding computed
     assert all(r["padded_tokens"] > r["input_tokens"] for r in reference)
 
 
@@ -274,16 +302,19 @@ def test_padding_free_evaluation_gives_the_padded_per_sample_outputs(tiny_llama,
     labels = padded.pop("labels")
     with torch.no_grad():
         reference = task.eval_outputs(model(**padded).logits, labels)
-    outputs = packing.eval_outputs(model, padded, labels, task)
-    torch.testing.assert_close(outputs[0], reference[0], rtol=1e-5, atol=1e-5)
-    assert outputs[1].tolist() == reference[1].tolist()
+    longest = int(padded["attention_mask"].sum(dim=1).max())
+    for row_length in (None, longest, 2 * longest):  # one row; one sample per row; rows of several
+        outputs = packing.eval_outputs(model, padded, labels, task, row_length)
+        torch.testing.assert_close(outputs[0], reference[0], rtol=1e-5, atol=1e-5)
+        assert outputs[1].tolist() == reference[1].tolist()
 
 
 @pytest.mark.parametrize("mutant", [False, True], ids=["packed", "first-label-not-masked"])
-def test_verify_way_packed_against_padded(tmp_path, tiny_llama, monkeypatch, mutant):
+def test_verify_way_packed_against_padded(tmp_path, tiny_llama, clm_texts, monkeypatch, mutant):
     """``finetune verify --packing``: the packed way against the padded reference is exact; with the first
     label of each sample left in (a mutant of flatten) the same way is NOT EXACT. Verify's samples are 32
-    tokens (--max_length 32): a 64-token budget puts two in a row, so there is a boundary to contaminate."""
+    tokens (--max_length 32) or fewer (the variable-length texts): rows of 32 tokens hold two or more of the
+    short ones, so there are boundaries to contaminate."""
     from test_verify import run_verify
 
     if mutant:
@@ -295,7 +326,7 @@ def test_verify_way_packed_against_padded(tmp_path, tiny_llama, monkeypatch, mut
 
         monkeypatch.setattr(packing, "flatten", unmasked)
     code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama,
-                              "--packing", "True", "--max_tokens_per_micro_batch", "64")
+                              "--train_file", clm_texts[0], "--validation_file", clm_texts[1], "--packing", "True")
     packed = [r for r in report["rows"] if r["role"] == "packed"]
     assert len(packed) == 1 and packed[0]["way"] == "2 x 2, packed"
     if mutant:
@@ -313,13 +344,17 @@ def test_check_data_packing_line_counts_steps_and_padding():
 
     config = SimpleNamespace(train_sampling_strategy="random", seed=0, max_tokens_per_micro_batch=12,
                              per_device_train_batch_size=2, max_length=16, block_size=None, packing=True,
-                             packing_strategy="window_bfd", padding_free=False)
-    summary = packing.packing_summary([[10, 2, 7, 5]], 2, 12, "window_bfd")
+                             packing_strategy="window_bfd", padding_free=False, backend="accelerate")
+    summary = packing.packing_summary([[10, 2, 7, 5]], 2, 12, "window_bfd", 16)
     assert summary["micro_batches_per_step"] == 2 and summary["max_tokens_per_micro_batch"] == 12
     assert summary["padding_fraction_before"] == pytest.approx(1 - 24 / 34)
     line = packing_line(config, [10, 2, 7, 5], 4)
     assert "2.0 micro-batches per step (max 2)" in line and "12 tokens per micro-batch" in line
-    assert "29.4% of positions before, 0% after" in line
+    assert "29.4% of positions before, 0.0% after" in line
+    # rows of 12 under a 24-position budget: both rows in one micro-batch, no padding
+    assert packing.packing_summary([[10, 2, 7, 5]], 2, 24, "window_bfd", 12)["micro_batches_per_step"] == 1
+    # rows {9}, {6}: one micro-batch of 2 x 9 positions holding 15 tokens
+    assert packing.packing_summary([[9, 6]], 2, 18, "window_bfd", 9)["padding_fraction_after"] == pytest.approx(1 / 6)
 
 
 def test_packed_with_lora_and_activation_checkpointing_gives_the_padded_adapter(tmp_path, tiny_llama, clm_texts):
