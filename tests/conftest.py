@@ -34,14 +34,31 @@ def worker_cpus(worker: str, workers: int, cpus: set[int]) -> set[int]:
 
 
 def pytest_configure(config):
-    """Under ``pytest -n N`` each worker (and every process it starts, which inherits the affinity) runs on its
-    own share of this host's CPUs: finetune sizes its torch threads from the cores it may use
-    (``finetune/resolve.py``), so unpinned, N workers each start as many threads as the host has cores."""
+    """With ``FINETUNE_TEST_PIN=1`` under ``pytest -n N``, each worker (and every process it starts, which inherits
+    the affinity) runs on its own share of this host's CPUs (finetune sizes its torch threads from the cores it may
+    use, ``finetune/resolve.py``). Off by default: unpinned, a worker waiting on a launched process leaves its
+    core to the other (docs/contributing.md)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker and os.environ.get(PIN_ENV, "0") == "1" and hasattr(os, "sched_setaffinity"):
         os.environ.setdefault(HOST_CPUS_ENV, ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))))
         cpus = worker_cpus(worker, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), os.sched_getaffinity(0))
         os.sched_setaffinity(0, cpus)
+
+
+# The slowest test files, slowest first (summed test time on 2 AMD cores, 2026-11-26: test_bench 460 s ...
+# test_fp16 64 s). Under ``-n 2 --dist loadfile --no-loadscope-reorder`` workers take whole files in collection
+# order, so these start first and the short files fill in around them: a long file started last is the run's
+# tail. Regenerate from ``--junitxml`` times when a file's cost changes by minutes.
+SLOW_FILES = ("test_bench.py", "test_kill_anywhere.py", "test_verify.py", "test_activation_checkpointing.py",
+              "test_machines.py", "test_resume.py", "test_packing.py", "test_verify_mutants.py",
+              "test_run_semantics.py", "test_hub_check.py", "test_elastic_resume.py", "test_predict.py",
+              "test_fp16.py", "test_batch_plan.py", "test_slurm.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Collect the ``SLOW_FILES`` first, slowest first, the other files after them in their own order."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order in a file
 
 
 def once_per_run(tmp_path_factory, name: str, make):
