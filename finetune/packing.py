@@ -78,6 +78,23 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def balanced_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of sample indices for packed rows: as few as ``best_fit_decreasing`` makes under ``capacity`` tokens,
+    each then as short as it can be: bisection for the least capacity (tokens) at which best fit decreasing still
+    needs no more bins. Rows are right-padded to the longest in their micro-batch, so a window of 1,786 tokens in
+    rows of at most 384 pads 134 positions in five rows of 384 and few in five rows of about 360 (docs/packing.md)."""
+    bins = best_fit_decreasing(lengths, capacity)
+    low, high = max(max(lengths, default=0), -(-sum(lengths) // max(len(bins), 1))), capacity
+    while low < high:
+        middle = (low + high) // 2
+        trial = best_fit_decreasing(lengths, middle)
+        if len(trial) <= len(bins):
+            bins, high = trial, middle
+        else:
+            low = middle + 1
+    return bins
+
+
 class Rows(dict):
     """A packed micro-batch (``pack_rows``): the model's inputs and ``labels``, plus ``padding``, the positions
     that hold no token (an attribute, so it never reaches the model's forward)."""
@@ -139,7 +156,7 @@ class Packer:
     """Turns an accumulation window (this process's list of padded micro-batches) into the micro-batches it runs.
 
     - ``strategy`` None (``--padding_free``): each micro-batch flattened into one row (``flatten``), the same split.
-    - ``"window_bfd"`` (``--packing``): the window's samples packed best-fit-decreasing (``best_fit_decreasing``)
+    - ``"window_bfd"`` (``--packing``): the window's samples packed best-fit-decreasing (``balanced_rows``)
       into rows of at most ``row_length`` tokens (``--max_length``: attention per token never exceeds the padded
       run's), the rows then grouped into micro-batches of at most ``budget`` positions (``group_rows``; each
       ``pack_rows``). ``exact``: exactly as many micro-batches as the window has (Trainer counts its micro-batches
@@ -157,7 +174,7 @@ class Packer:
             return [flatten(unpad(batch)) for batch in window]
         samples = [s for batch in window for s in unpad(batch)]
         rows = [[samples[i] for i in b]
-                for b in best_fit_decreasing([len(s["input_ids"]) for s in samples], self.row_length)]
+                for b in balanced_rows([len(s["input_ids"]) for s in samples], self.row_length)]
         lengths = [sum(len(s["input_ids"]) for s in row) for row in rows]
         groups = group_rows(lengths, self.budget, len(window) if self.exact else None)
         return [pack_rows([rows[i] for i in group], self.pad_token_id) for group in groups]
@@ -182,7 +199,7 @@ def eval_outputs(forward, batch: dict, labels: torch.Tensor, task, row_length: i
         rows = [list(range(len(samples)))]
         packed = flatten(samples)
     else:
-        rows = best_fit_decreasing([len(s["input_ids"]) for s in samples], row_length)
+        rows = balanced_rows([len(s["input_ids"]) for s in samples], row_length)
         packed = pack_rows([[samples[i] for i in row] for row in rows], pad_token_id=0)
     with torch.no_grad():
         logits = forward(**{key: value for key, value in packed.items() if key != "labels"}).logits
@@ -212,8 +229,7 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
         if strategy is None:
             sizes, positions = [sum(c) for c in chunks], sum(lengths)
         else:
-            rows = [sum(lengths[i] for i in b)
-                    for b in best_fit_decreasing(lengths, min(row_length or budget, budget))]
+            rows = [sum(lengths[i] for i in b) for b in balanced_rows(lengths, min(row_length or budget, budget))]
             groups = group_rows(rows, budget, len(chunks) if exact else None)
             sizes = [sum(rows[i] for i in g) for g in groups]
             positions = sum(len(g) * max((rows[i] for i in g), default=1) for g in groups)
@@ -315,19 +331,18 @@ def flag_of(config) -> str:
 def packer_for(config, task, model, distributed_type=None, exact: bool = False) -> Packer | None:
     """The ``Packer`` ``--padding_free`` / ``--packing`` ask for (None when neither), after the per-sequence check on
     ``model`` (the unwrapped model, before training). ``distributed_type``: accelerate's ``DistributedType`` (its
-    value is compared by name). ``exact``: a packed window keeps its number of micro-batches (the Trainer backend). Raises ``FinetuneError`` (one line, before anything is written) for a task other
-    than causal LM/SFT, a sharding engine (FSDP reduce-scatters on every micro-batch and DeepSpeed counts its own
-    micro-batches, so a window's micro-batch count must not vary there), or a model that fails the check."""
+    value is compared by name). ``exact``: a packed window keeps its number of micro-batches: asked by the Trainer
+    backend (it counts micro-batches to find the optimizer step), and always under FSDP and DeepSpeed (FSDP
+    gathers and reduce-scatters on every micro-batch, so every process must run as many; DeepSpeed counts its own
+    micro-batches). Raises ``FinetuneError`` (one line, before anything is written) for a task other than causal
+    LM/SFT, or a model that fails the check."""
     if not (config.padding_free or config.packing):
         return None
     flag = flag_of(config)
     if not isinstance(task, CausalLM):
         raise FinetuneError(f"{flag} is for causal LM and SFT recipes; a {task.name} recipe keeps padded "
                             "micro-batches (one label per sample, nothing to pack). Drop the flag.")
-    if str(getattr(distributed_type, "name", distributed_type)) in ("FSDP", "DEEPSPEED"):
-        raise FinetuneError(f"{flag} runs on one process or DDP only, not under {distributed_type.name}: the number "
-                            "of micro-batches per window would differ between processes. Drop the flag or the "
-                            "sharding config.")
+    exact = exact or str(getattr(distributed_type, "name", distributed_type)) in ("FSDP", "DEEPSPEED")
     error = separation_error(model, flag)
     if error:
         raise FinetuneError(error)

@@ -21,6 +21,7 @@ from finetune.argv import take_switch, wants_help
 from finetune.config import parse_config
 from finetune.errors import FinetuneError, reports_errors
 from finetune.packing import budget as packing_budget
+from finetune.packing import row_length
 from finetune.planner import probe_and_choose
 from finetune.planner.plans import valid_plans
 from finetune.planner.probes import Probe, levers
@@ -76,13 +77,16 @@ def render(lever, parts: dict, rows: list[dict]) -> str:
 
 
 def packing_budget_note(config) -> str:
-    """Under ``--packing``: the token budget per packed micro-batch (``packing.budget``: the given
-    ``--max_tokens_per_micro_batch``, else ``--max_length``, one padded row's positions, so the memory probed for
-    m samples of ``--max_length`` tokens bounds it)."""
+    """Under ``--packing``: the positions per packed micro-batch (``packing.budget``: the given
+    ``--max_tokens_per_micro_batch``, else micro-batch m x ``--max_length``, the padded micro-batch's most, so the
+    memory probed for m samples of ``--max_length`` tokens bounds it) and the row length."""
+    rows = f"rows of at most {row_length(config)} tokens"
     if config.max_tokens_per_micro_batch:
-        return f"--packing: {config.max_tokens_per_micro_batch} tokens per micro-batch (--max_tokens_per_micro_batch)"
-    return (f"--packing: {packing_budget(config)} tokens per micro-batch (--max_length, one padded row; "
-            "give --max_tokens_per_micro_batch to change it)")
+        return (f"--packing: {config.max_tokens_per_micro_batch} positions per micro-batch "
+                f"(--max_tokens_per_micro_batch), {rows}")
+    return (f"--packing: {packing_budget(config)} positions per micro-batch (micro-batch {config.per_device_train_batch_size} "
+            f"x --max_length {config.max_length}, the padded micro-batch's most), {rows}; "
+            "give --max_tokens_per_micro_batch to change it")
 
 
 def plan(config, timed: bool) -> int:

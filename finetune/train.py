@@ -124,8 +124,10 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
                 # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
                 # also for a short last window (it syncs when its counter reaches a multiple of N). A packed
                 # window has its own count (any number, differing by process): the counter runs over it alone.
-                if micro_batches is window:
-                    K, accelerator.step = N, N - len(window)
+                # N is set back each window: a packed window before this one may have changed it.
+                if len(micro_batches) == len(window):
+                    K = accelerator.gradient_accumulation_steps = N
+                    accelerator.step = N - len(window)
                 else:
                     K = accelerator.gradient_accumulation_steps = len(micro_batches)
                     accelerator.step = 0

@@ -64,6 +64,8 @@ def test_packed_logits_equal_each_sample_alone(family_dirs, family, attention):
     alone, packed = _alone_and_packed(model, samples)
     for a, p in zip(alone, packed):
         torch.testing.assert_close(p, a, rtol=1e-5, atol=1e-6)
+    # both layouts (one row; two padded rows, as --packing runs them): differences are float rounding
+    assert packing.per_sequence_difference(model, samples) < 1e-5
     assert packing.separation_error(model, "--padding_free") is None
 
 
@@ -125,12 +127,12 @@ def test_row_trains_the_padded_batch_label_tokens(tiny_llama, clm_texts):
     torch.testing.assert_close(loss_row, loss_padded, rtol=1e-5, atol=0)
 
 
-def _padded_and_row_outputs(model, padded, row, autocast: bool, row_transform=None):
+def _padded_and_row_outputs(model, padded, row, dtype, row_transform=None):
     """(each sample's logits in the padded batch, the same in the row, the padded loss, the row loss), fp32 copies;
-    the forwards under CPU bf16 autocast when ``autocast``."""
+    the forwards under CPU autocast to ``dtype`` (None: fp32)."""
     task = CausalLM()
     inputs = {k: v for k, v in row.items() if k != "labels"}
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         logits_padded = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits.float()
         logits_row = model(**(row_transform(inputs) if row_transform else inputs)).logits.float()
         losses = (task.loss_sum(logits_padded, padded["labels"]), task.loss_sum(logits_row, row["labels"]))
@@ -140,26 +142,28 @@ def _padded_and_row_outputs(model, padded, row, autocast: bool, row_transform=No
             [logits_row[0, a:b] for a, b in zip(bounds, bounds[1:])], *losses)
 
 
-def test_bf16_autocast_packed_equals_padded_within_its_rounding(tiny_llama, clm_texts):
-    """bf16 (CPU autocast, as ``--mixed_precision bf16`` runs on a CPU): the row's logits at each sample's positions
-    and its summed loss equal the padded micro-batch's within bf16's own rounding, measured here as the
-    difference between the padded batch in bf16 and in fp32; the negative control (positions not reset) in bf16 is
-    far outside it, so the comparison can fail."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_packed_equals_padded_within_its_rounding(tiny_llama, clm_texts, dtype):
+    """bf16 and fp16 (CPU autocast, as ``--mixed_precision bf16`` runs on a CPU and fp16 on a GPU): the row's
+    logits at each sample's positions and its summed loss equal the padded micro-batch's within the 16-bit type's
+    own rounding, measured here as the difference between the padded batch in 16 bits and in fp32; the negative
+    control (positions not reset) in 16 bits is far outside it, so the comparison can fail."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="sdpa").eval()
     padded, row = _padded_and_row(tiny_llama, clm_texts)
-    fp32_padded, _, fp32_loss, _ = _padded_and_row_outputs(model, padded, row, autocast=False)
-    bf16_padded, bf16_row, bf16_loss_padded, bf16_loss_row = _padded_and_row_outputs(model, padded, row, autocast=True)
+    fp32_padded, _, fp32_loss, _ = _padded_and_row_outputs(model, padded, row, None)
+    bf16_padded, bf16_row, bf16_loss_padded, bf16_loss_row = _padded_and_row_outputs(model, padded, row, dtype)
     scale = max(float(x.abs().max()) for x in fp32_padded)
 
     def worst(a, b):
         return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) / scale
 
     rounding = worst(bf16_padded, fp32_padded)
-    assert 1e-4 < rounding < 5e-2  # bf16 really ran (fp32 agrees to 1e-6), and its error is bf16's
+    floor = {torch.bfloat16: 1e-4, torch.float16: 1e-5}[dtype]  # 8 vs 11 significant bits
+    assert floor < rounding < 5e-2  # 16 bits really ran (fp32 agrees to 1e-6), and its error is theirs
     assert worst(bf16_row, bf16_padded) <= 2 * rounding
     loss_rounding = abs(float(bf16_loss_padded - fp32_loss))
     assert abs(float(bf16_loss_row - bf16_loss_padded)) <= max(2 * loss_rounding, 1e-3 * abs(float(fp32_loss)))
-    _, control_row, _, _ = _padded_and_row_outputs(model, padded, row, autocast=True, row_transform=_positions_not_reset)
+    _, control_row, _, _ = _padded_and_row_outputs(model, padded, row, dtype, row_transform=_positions_not_reset)
     assert worst(control_row, bf16_padded) > 10 * rounding
 
 
@@ -210,6 +214,24 @@ def test_packer_exact_keeps_the_window_micro_batch_count(tiny_llama, clm_texts):
     assert [packing.tokens(r) for r in runs[1:]] == [(0, 1)] * 3
     assert sum(task.count(r["labels"]) for r in runs) == task.count(padded["labels"])
     assert packing.group_rows([5, 9, 7, 3, 8], budget=0, count=2) == [[1, 4, 2], [0, 3]]
+
+
+def test_sharding_engines_pack_exactly(tiny_llama, clm_texts):
+    """Under FSDP and DeepSpeed the packer keeps every window's micro-batch count, so processes whose windows pack
+    into different numbers of rows still run as many micro-batches (FSDP gathers on each); DDP packs into as few
+    as fit."""
+    from types import SimpleNamespace
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    config = SimpleNamespace(padding_free=False, packing=True, packing_strategy="window_bfd", max_length=48,
+                             block_size=None, max_tokens_per_micro_batch=None, per_device_train_batch_size=2)
+    padded, _ = _padded_and_row(tiny_llama, clm_texts, n=8)
+    window = [{k: v[i:i + 2] for k, v in padded.items()} for i in range(0, 8, 2)]
+    for engine, exact in [("FSDP", True), ("DEEPSPEED", True), ("MULTI_CPU", False), ("NO", False)]:
+        pack = packing.packer_for(config, CausalLM(), model, SimpleNamespace(name=engine))
+        assert pack.exact is exact, engine
+        runs = pack(window)
+        assert (len(runs) == len(window)) if exact else (len(runs) < len(window)), (engine, len(runs))
 
 
 def _split(batch):
@@ -273,8 +295,8 @@ def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_lla
 def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
     """DDP on 2 CPU processes through the real CLI: 36 samples, 2 x 2 per process per step (the last step holds
     4 samples and 4 masked repeats), padded vs packed under a 48-token budget, where the processes run different
-    numbers of micro-batches per step (one synchronising backward each): same samples, items, losses and
-    weights."""
+    numbers of micro-batches per step (one synchronising backward each), and packed in the Trainer backend (2
+    micro-batches per step on each process): same samples, items, losses and weights."""
     from helpers import launch
 
     common = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", clm_texts[0],
@@ -283,15 +305,18 @@ def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
               "--eval_strategy", "no", "--max_train_samples", "36", "--per_device_train_batch_size", "2",
               "--gradient_accumulation_steps", "2"]
     outs = {}
-    for name, extra in [("padded", []), ("packed", ["--packing", "True", "--max_tokens_per_micro_batch", "48"])]:
+    for name, extra in [("padded", []), ("packed", ["--packing", "True", "--max_tokens_per_micro_batch", "48"]),
+                        ("trainer-packed", ["--packing", "True", "--backend", "trainer"])]:
         outs[name] = tmp_path / name
         result = launch(common + ["--output_dir", str(outs[name]), *extra], num_processes=2, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
-    padded, packed = train_steps(outs["padded"]), train_steps(outs["packed"])
-    assert [r["samples"] for r in packed] == [r["samples"] for r in padded] == [8, 8, 8, 8, 4]
-    assert [r["trained_tokens"] for r in packed] == [r["trained_tokens"] for r in padded]
-    assert [r["loss"] for r in packed] == pytest.approx([r["loss"] for r in padded], rel=1e-5)
-    assert _relative(load_params(outs["packed"]), load_params(outs["padded"])) < 1e-5
+    padded = train_steps(outs["padded"])
+    for name in ("packed", "trainer-packed"):
+        packed = train_steps(outs[name])
+        assert [r["samples"] for r in packed] == [r["samples"] for r in padded] == [8, 8, 8, 8, 4], name
+        assert [r["trained_tokens"] for r in packed] == [r["trained_tokens"] for r in padded], name
+        assert [r["loss"] for r in packed] == pytest.approx([r["loss"] for r in padded], rel=1e-5), name
+        assert _relative(load_params(outs[name]), load_params(outs["padded"])) < 1e-5, name
 
 
 def test_padding_free_evaluation_gives_the_padded_per_sample_outputs(tiny_llama, clm_texts):
@@ -358,15 +383,35 @@ def test_check_data_packing_line_counts_steps_and_padding():
 
 
 def test_packed_with_lora_and_activation_checkpointing_gives_the_padded_adapter(tmp_path, tiny_llama, clm_texts):
-    """LoRA (r 4) with activation checkpointing: packed 8 x 1 (96-token budget) trains the padded run's adapter
-    (the same per-step losses; adapter weights within 1e-5 of their norm)."""
+    """LoRA (r 4) with activation checkpointing and the chunked loss (16 label tokens per chunk): packed 8 x 1
+    (96-token budget) trains the padded run's adapter (the same per-step losses; adapter weights within 1e-5 of
+    their norm)."""
     from safetensors.torch import load_file
 
     kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], **CLM,
               use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, activation_checkpointing=True,
-              per_device_train_batch_size=8, gradient_accumulation_steps=1)
+              loss_chunk_size=16, per_device_train_batch_size=8, gradient_accumulation_steps=1)
     _, ref = run_in_process(tmp_path, "ref", **kw)
     _, packed = run_in_process(tmp_path, "packed", packing=True, max_tokens_per_micro_batch=96, **kw)
     assert [r["loss"] for r in train_steps(packed)] == pytest.approx([r["loss"] for r in train_steps(ref)], rel=1e-5)
     a, b = load_file(str(packed / "adapter_model.safetensors")), load_file(str(ref / "adapter_model.safetensors"))
     assert _relative(a, b) < 1e-5
+
+
+def test_the_planner_sizes_the_packing_budget_with_the_plan_micro_batch():
+    """The token budget is the micro-batch's lever under --packing: m x --max_length positions for the plan's m
+    (the padded micro-batch's most, which the planner's memory probe measured), or the user's own."""
+    from types import SimpleNamespace
+
+    from finetune.config import parse_config
+    from finetune.plan import packing_budget_note
+    from finetune.planner import packing_budget
+
+    config = parse_config(["--recipe", "bbc-news-clm", "--packing", "True", "--max_length", "64",
+                           "--per_device_train_batch_size", "8"])
+    assert packing_budget(config, SimpleNamespace(per_device_train_batch_size=3)) == 3 * 64
+    assert packing_budget_note(config).startswith("--packing: 512 positions per micro-batch (micro-batch 8 x "
+                                                  "--max_length 64")
+    own = parse_config(["--recipe", "bbc-news-clm", "--packing", "True", "--max_tokens_per_micro_batch", "100"])
+    assert packing_budget(own, SimpleNamespace(per_device_train_batch_size=3)) == 100
+    assert "100 positions per micro-batch (--max_tokens_per_micro_batch)" in packing_budget_note(own)

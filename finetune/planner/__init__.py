@@ -60,7 +60,7 @@ def plan_for(config, recipe) -> BatchPlan | None:
         plan = given_plan(config.per_device_train_batch_size, config.total_batch_size, state.num_processes)
     if state.is_main_process:
         print(f"Batch plan for --total_batch_size {config.total_batch_size}: {plan}"
-              + (f"; --packing budget {packing_budget(config, plan)} tokens per micro-batch" if config.packing else ""))
+              + (f"; --packing budget {packing_budget(config, plan)} positions per micro-batch" if config.packing else ""))
     return plan
 
 
@@ -78,8 +78,8 @@ def apply_plan(config, plan: BatchPlan):
 
 
 def packing_budget(config, plan: BatchPlan) -> int:
-    """``--packing``'s tokens per micro-batch under ``plan`` (``packing.budget`` with the plan's micro-batch; its
-    default, one row of ``--max_length`` tokens, does not depend on the micro-batch)."""
+    """``--packing``'s positions per micro-batch under ``plan`` (``packing.budget`` with the plan's micro-batch: by
+    default m x ``--max_length``, so the memory probed for the plan's micro-batch bounds it)."""
     from finetune.packing import budget
 
     return budget(dataclasses.replace(config, per_device_train_batch_size=plan.per_device_train_batch_size))
