@@ -155,9 +155,11 @@ def child_env(num_threads: int | None = None) -> dict:
 
 
 # Imported once by the fork server of ``--start forkserver`` (the smoke default), so that each run forked from it
-# starts with them loaded: what a run.py run of the accelerate backend imports; no model, no tensor, no data.
-FORKSERVER_PRELOAD = ["torch", "transformers", "accelerate", "datasets", "finetune.config", "finetune.resolve",
-                      "finetune.train"]
+# starts with them loaded: what a run.py run of the accelerate backend imports, with the evaluation metrics' libraries
+# and the smoke's tiny models' classes (BERT, Llama); no model, no tensor, no data.
+FORKSERVER_PRELOAD = ["torch", "transformers", "accelerate", "datasets", "evaluate", "sklearn.metrics",
+                      "transformers.models.bert.modeling_bert", "transformers.models.llama.modeling_llama",
+                      "finetune.config", "finetune.resolve", "finetune.train"]
 _FORKSERVER = None
 
 

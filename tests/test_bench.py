@@ -29,7 +29,7 @@ def run_bench(script: str, *args: str, timeout: int = 300) -> subprocess.Complet
 
 def run_bench_in_process(capsys, script: str, *args: str) -> str:
     """``python bench/SCRIPT ARGS`` run in this process (the script's ``main`` as its ``__main__`` runs it): its
-    stdout, asserting exit 0. For what starts no run (``--dry_run``): an interpreter less to start."""
+    stdout, asserting exit 0. For what starts no run (``--dry_run``, nothing left to run): an interpreter less."""
     import importlib
 
     from benchlib import main_guard
@@ -166,12 +166,12 @@ def test_bench_precision_smoke(tmp_path):
 
 
 @pytest.mark.integration
-def test_bench_precision_skips_a_missing_clm_model(tmp_path):
+def test_bench_precision_skips_a_missing_clm_model(tmp_path, capsys):
     missing = tmp_path / "absent.gguf"
-    result = run_bench("bench_precision.py", "--recipes", "bbc-news-clm", "--clm_model_name_or_path", str(missing),
-                       "--json", str(tmp_path / "p.json"))
-    assert f"bbc-news-clm skipped: its model file {missing} is missing" in result.stdout
-    assert "finetune.fetch smollm2-gguf" in result.stdout
+    out = run_bench_in_process(capsys, "bench_precision.py", "--recipes", "bbc-news-clm", "--clm_model_name_or_path",
+                               str(missing), "--json", str(tmp_path / "p.json"))  # nothing to run: no run starts
+    assert f"bbc-news-clm skipped: its model file {missing} is missing" in out
+    assert "finetune.fetch smollm2-gguf" in out
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["results"]["configs"] == {} and "bbc-news-clm" in data["results"]["skipped"]
 
