@@ -80,9 +80,10 @@ def time_per_sample(runs: list[dict]) -> float | None:
     return bl.median_of([{"t": v} for v in values], "t")
 
 
-def measure_floor(args, model: str | None) -> dict | None:
+def measure_floor(args, model: str | None, workdir) -> dict | None:
     """Time per sample (seconds, median over ``args.repeats`` interleaved runs) of ``bench/raw_loop.py`` at
-    the accumulated and the large-batch configuration, or None for a recipe that is not classification."""
+    the accumulated and the large-batch configuration, or None for a recipe that is not classification.
+    (``--start forkserver``: each forked as the runs are, its output logged in ``workdir``.)"""
     import json
     import subprocess
 
@@ -96,15 +97,24 @@ def measure_floor(args, model: str | None) -> dict | None:
     acc, big, _ = labels(args)
     m, n = args.micro_batch, args.accumulation
     times = {acc: [], big: []}
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         for label, (micro, accum) in ((acc, (m, n)), (big, (m * n, 1))):
             cmd = [sys.executable, str(bl.REPO / "bench" / "raw_loop.py"), "--model", model, "--micro_batch", str(micro),
                    "--accumulation", str(accum), "--samples", str(args.samples), "--max_length", str(max_length)]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=bl.child_env(args.num_threads),
-                                  timeout=args.timeout)
-            if done.returncode != 0:
-                raise bl.BenchError(f"bench/raw_loop.py failed ({label}):\n{done.stderr[-2000:]}")
-            result = json.loads(done.stdout.strip().splitlines()[-1])
+            if args.start == "forkserver":  # smoke: forked like the runs (benchlib.run_script), output in a log
+                log = workdir / f"raw_loop-{label}-r{r + 1}.log"
+                code = bl.run_script(cmd[1:], log, num_threads=args.num_threads, timeout=args.timeout, start=args.start)
+                output = log.read_text(errors="replace")
+                if code != 0:
+                    how = f"timed out after {args.timeout:.0f} s" if code is None else f"exit {code}"
+                    raise bl.BenchError(f"bench/raw_loop.py failed ({label}, {how}):\n{output[-2000:]}")
+                result = json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+            else:
+                done = subprocess.run(cmd, capture_output=True, text=True, env=bl.child_env(args.num_threads),
+                                      timeout=args.timeout)
+                if done.returncode != 0:
+                    raise bl.BenchError(f"bench/raw_loop.py failed ({label}):\n{done.stderr[-2000:]}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
             times[label].append(result["seconds"] / result["samples"])
     return {label: bl.median_of([{"t": t} for t in values], "t") for label, values in times.items()}
 

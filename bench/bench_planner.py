@@ -123,7 +123,8 @@ def run_planner(args, model, budget_mb: int, workdir: Path, tag: str, r: int) ->
     out = workdir / "planner" / f"{tag}-r{r}"
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"[planner] {tag} budget {budget_mb} MiB (repeat {r}) ...", end="", file=sys.stderr, flush=True)
-    bl.run_cli(flags, out, out.with_suffix(".log"), num_threads=args.num_threads, timeout=args.timeout)
+    bl.run_cli(flags, out, out.with_suffix(".log"), num_threads=args.num_threads, timeout=args.timeout,
+               start=args.start)
     parsed = parse_planner_output(out.with_suffix(".log").read_text())
     print(f" chose {parsed['chosen']} in {parsed['planning_seconds']:.1f} s", file=sys.stderr, flush=True)
     return parsed | {"budget_mb": budget_mb}
@@ -142,7 +143,7 @@ def run_all(args, model, workdir: Path) -> tuple[list[bl.Config], dict]:
                                    + (SMOKE_SLACK_MB if args.smoke else 0))
         planner["tight"].append(run_planner(args, model, budgets["tight"], workdir, "tight", r))
         bl.run_interleaved(configs, 1, workdir / f"round{r}", num_threads=args.num_threads, timeout=args.timeout,
-                           keep_outputs=args.keep_outputs, warmup=args.warmup if r == 1 else 0)
+                           keep_outputs=args.keep_outputs, warmup=args.warmup if r == 1 else 0, start=args.start)
     for c in configs:
         for i, run in enumerate(c.runs):
             run["bench_repeat"] = i + 1

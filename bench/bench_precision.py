@@ -221,7 +221,7 @@ def render(args, info: dict, results: dict, skipped: dict[str, str]) -> str:
              f"Recipes {', '.join(args.recipes)}; models: {models}; {args.num_train_epochs:g} epoch(s) over "
              f"{args.max_train_samples} (bbc-news) / {args.clm_max_train_samples} (bbc-news-clm) training samples, "
              f"recipe batch settings{f', max_length {args.max_length}' if args.max_length else ''}; {args.repeats} "
-             "repeat(s) interleaved, medians reported. Each run is a fresh `python finetune/run.py` process.", "",
+             f"repeat(s) interleaved, medians reported. {bl.run_process_text(args)}", "",
              table if rows else "(no configuration ran)", "", *notes]
     return "\n".join(lines)
 

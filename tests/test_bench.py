@@ -27,6 +27,19 @@ def run_bench(script: str, *args: str, timeout: int = 300) -> subprocess.Complet
     return result
 
 
+def run_bench_in_process(capsys, script: str, *args: str) -> str:
+    """``python bench/SCRIPT ARGS`` run in this process (the script's ``main`` as its ``__main__`` runs it): its
+    stdout, asserting exit 0. For what starts no run (``--dry_run``, nothing left to run): an interpreter less."""
+    import importlib
+
+    from benchlib import main_guard
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    capsys.readouterr()
+    assert main_guard(lambda: module.main(list(args))) == 0
+    return capsys.readouterr().out
+
+
 def table_row(stdout: str, first_cell: str) -> list[str]:
     """The cells of the Markdown table row whose first cell is ``first_cell`` (asserts there is one)."""
     for line in stdout.splitlines():
@@ -153,12 +166,12 @@ def test_bench_precision_smoke(tmp_path):
 
 
 @pytest.mark.integration
-def test_bench_precision_skips_a_missing_clm_model(tmp_path):
+def test_bench_precision_skips_a_missing_clm_model(tmp_path, capsys):
     missing = tmp_path / "absent.gguf"
-    result = run_bench("bench_precision.py", "--recipes", "bbc-news-clm", "--clm_model_name_or_path", str(missing),
-                       "--json", str(tmp_path / "p.json"))
-    assert f"bbc-news-clm skipped: its model file {missing} is missing" in result.stdout
-    assert "finetune.fetch smollm2-gguf" in result.stdout
+    out = run_bench_in_process(capsys, "bench_precision.py", "--recipes", "bbc-news-clm", "--clm_model_name_or_path",
+                               str(missing), "--json", str(tmp_path / "p.json"))  # nothing to run: no run starts
+    assert f"bbc-news-clm skipped: its model file {missing} is missing" in out
+    assert "finetune.fetch smollm2-gguf" in out
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["results"]["configs"] == {} and "bbc-news-clm" in data["results"]["skipped"]
 
@@ -190,80 +203,9 @@ def test_bench_speed_options_smoke(tmp_path, tiny_bert):
 
 
 @pytest.mark.integration
-def test_bench_planner_smoke(tmp_path, tiny_bert):
-    """Every exact plan of 4 under checkpointing off/on is run, the planner under a generous and a tight budget;
-    the report names each budget's pick and the fastest plan that fits, with the ratio of their measured times."""
-    js = tmp_path / "planner.json"
-    out = run_bench("bench_planner.py", "--smoke", "--model_name_or_path", tiny_bert, "--json", str(js)).stdout
-    check_header(out)
-    labels = ["4x1", "2x2", "1x4", "4x1 + checkpointing", "2x2 + checkpointing", "1x4 + checkpointing"]
-    for label in labels:
-        cells = table_row(out, label)
-        positive(cells[1]), positive(cells[2])  # s/sample, peak RSS MiB
-    data = json.loads(js.read_text())
-    plans, budgets = data["results"]["plans"], data["results"]["budgets"]
-    assert list(plans) == labels and set(budgets) == {"generous", "tight"}
-    assert budgets["tight"]["budget_mb"] < budgets["generous"]["budget_mb"]
-    assert set(budgets["generous"]["fitting"]) == set(labels)  # everything fits the machine's memory
-    assert budgets["tight"]["fitting"]  # smoke: the tight budget has slack (a tiny model's samples are too small)
-    for name, b in budgets.items():
-        assert b["pick"] in b["fitting"] and b["best"] in b["fitting"] and b["planning_seconds"] > 0
-        assert b["ratio_pick_over_best"] == pytest.approx(plans[b["pick"]]["seconds_per_sample"]
-                                                          / plans[b["best"]]["seconds_per_sample"])
-        assert b["ratio_pick_over_best"] >= 1.0 and isinstance(b["met"], bool)
-        row = table_row(out, name)
-        assert row[2] == ", ".join(b["picks"]) and row[3] == b["best"]
-
-
-def test_bench_planner_verdict_compares_the_pick_with_the_fastest_fitting_plan():
-    """The verdict: the pick against the fastest plan that fits (not one that does not), per round too."""
-    import bench_planner as bp
-    from benchlib import Config
-
-    def config(label, *seconds):
-        return Config(label, [], [{"train_samples_per_second": 1 / s, "peak_memory_bytes": 1} for s in seconds])
-
-    configs = [config("4x1", 0.10, 0.10), config("2x2", 0.20, 0.30), config("1x4", 0.40, 0.40)]
-    rows = {"4x1": {"fits": False}, "2x2": {"fits": True}, "1x4": {"fits": True}}
-    run = {"rows": rows, "budget_mb": 100, "planning_seconds": 1.0}
-    result = bp.summarize(configs, {"tight": [run | {"chosen": "1x4"}, run | {"chosen": "1x4"}]})["budgets"]["tight"]
-    assert result["best"] == "2x2" and result["pick"] == "1x4" and not result["met"]
-    assert result["ratio_pick_over_best"] == pytest.approx(0.40 / 0.25)
-    assert result["ratio_per_round"] == pytest.approx([2.0, 0.40 / 0.30])
-    result = bp.summarize(configs, {"tight": [run | {"chosen": "2x2"}]})["budgets"]["tight"]
-    assert result["met"] and result["ratio_pick_over_best"] == 1.0
-
-
-def test_bench_planner_reads_the_planner_table():
-    """``parse_planner_output`` reads what ``plan_table`` prints (rows, fits, timed seconds, the choice) and says
-    what is missing from an output that lacks it."""
-    import bench_planner as bp
-    from benchlib import BenchError
-    from test_batch_plan import OFF, ON, U_SHAPE, FakeProbe
-
-    from finetune.planner.plans import choose_plan, plan_table
-
-    chosen, candidates = choose_plan(32, 1, {OFF: FakeProbe(4, U_SHAPE), ON: FakeProbe(32, U_SHAPE)})
-    text = ("Memory probe (no checkpointing): 100.0 MiB per sample + 250.5 MiB per step (...); budget 2000 MiB, "
-            f"process holds 1300 MiB\n{plan_table(chosen, candidates)}\nPlanning took 12.5 s (memory probes ...).")
-    parsed = bp.parse_planner_output(text)
-    assert len(parsed["rows"]) == 12 and parsed["planning_seconds"] == 12.5
-    assert parsed["probe_mib"] == {"per_sample": 100.0, "fixed": 250.5, "held": 1300.0}
-    assert parsed["chosen"] == bp.plan_label("checkpointing" if chosen.lever.activation_checkpointing
-                                             else "no checkpointing", chosen.plan.per_device_train_batch_size,
-                                             chosen.plan.gradient_accumulation_steps)
-    assert [label for label, row in parsed["rows"].items() if row["fits"]] == [
-        "4x8", "2x16", "1x32", "32x1 + checkpointing", "16x2 + checkpointing", "8x4 + checkpointing",
-        "4x8 + checkpointing", "2x16 + checkpointing", "1x32 + checkpointing"]
-    assert parsed["rows"]["4x8"]["planner_seconds_per_sample"] == U_SHAPE[4]
-    with pytest.raises(BenchError, match="lacks the CPU memory probe"):
-        bp.parse_planner_output(text.split("\n", 1)[1])
-
-
-@pytest.mark.integration
-def test_full_mode_commands(tmp_path):
+def test_full_mode_commands(capsys):
     """--dry_run prints the full-mode run.py commands: the recipe's model, the sizes and the same samples."""
-    lines = run_bench("bench_accumulation.py", "--dry_run").stdout.splitlines()
+    lines = run_bench_in_process(capsys, "bench_accumulation.py", "--dry_run").splitlines()
     commands = {line.split(":", 1)[0]: line for line in lines if line.startswith(("8x4:", "32x1:", "8x1:"))}
     assert set(commands) == {"8x4", "32x1", "8x1"}
     for label, steps in (("8x4", 12), ("32x1", 12), ("8x1", 48)):
@@ -273,7 +215,7 @@ def test_full_mode_commands(tmp_path):
         assert "--max_train_samples 384" in commands[label] and "--model_name_or_path" not in commands[label]
         assert "--eval_strategy epoch --max_eval_samples 8" in commands[label]
     assert "3 repeat(s)" in lines[-1] and "1 warm-up" in lines[-1]
-    out = run_bench("bench_backends.py", "--dry_run").stdout
+    out = run_bench_in_process(capsys, "bench_backends.py", "--dry_run")
     for backend in ("accelerate", "trainer"):
         assert re.search(rf"^{backend}: .*--per_device_train_batch_size 8 --gradient_accumulation_steps 4 "
                          rf"--mixed_precision no .*--backend {backend}$", out, re.MULTILINE), out

@@ -9,7 +9,7 @@ import json
 import math
 
 import pytest
-from test_bench import check_header, positive, run_bench, table_row
+from test_bench import check_header, positive, run_bench, run_bench_in_process, table_row
 
 BBC = ("32x1", "8x4", "8x4 + checkpointing", "32x1 + checkpointing")
 SMOLLM2 = ("plain", "2x4", "checkpointing", "LoRA", "LoRA + checkpointing")  # + CHUNKED where finetune.chunked_loss exists
@@ -122,8 +122,8 @@ def test_checkpointing_saves_fewer_bytes(smoke):
 
 
 @pytest.mark.integration
-def test_dry_run_lists_the_full_configurations(tiny_llama):
-    out = run_bench("bench_memory.py", "--dry_run", "--suite", "bbc,lora", "--clm_model", tiny_llama).stdout
+def test_dry_run_lists_the_full_configurations(tiny_llama, capsys):
+    out = run_bench_in_process(capsys, "bench_memory.py", "--dry_run", "--suite", "bbc,lora", "--clm_model", tiny_llama)
     specs = {line.split(" (x", 1)[0]: json.loads(line.split(": ", 2)[2]) for line in out.splitlines()
              if line.startswith(("bbc: ", "lora: "))}
     assert set(specs) == {f"bbc: {n}" for n in BBC} | {f"lora: {n}" for n in LORA}
