@@ -12,7 +12,7 @@ from helpers import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && ruff check . && python -m pytest -q -n 2 --dist loadfile'
+TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && ruff check . && python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder'
 
 
 def anchors(page: Path) -> set[str]:
