@@ -335,14 +335,20 @@ def packer_for(config, task, model, distributed_type=None, exact: bool = False) 
     backend (it counts micro-batches to find the optimizer step), and always under FSDP and DeepSpeed (FSDP
     gathers and reduce-scatters on every micro-batch, so every process must run as many; DeepSpeed counts its own
     micro-batches). Raises ``FinetuneError`` (one line, before anything is written) for a task other than causal
-    LM/SFT, or a model that fails the check."""
+    LM/SFT, ``--max_tokens_per_micro_batch`` under FSDP or DeepSpeed (unused there), or a model that fails the
+    check."""
     if not (config.padding_free or config.packing):
         return None
     flag = flag_of(config)
     if not isinstance(task, CausalLM):
         raise FinetuneError(f"{flag} is for causal LM and SFT recipes; a {task.name} recipe keeps padded "
                             "micro-batches (one label per sample, nothing to pack). Drop the flag.")
-    exact = exact or str(getattr(distributed_type, "name", distributed_type)) in ("FSDP", "DEEPSPEED")
+    sharded = str(getattr(distributed_type, "name", distributed_type)) in ("FSDP", "DEEPSPEED")
+    if sharded and config.max_tokens_per_micro_batch is not None:
+        raise FinetuneError(f"--max_tokens_per_micro_batch is not used under {distributed_type.name}: a packed window "
+                            "keeps its N micro-batches there (every process must run as many), of at most m rows of "
+                            "--max_length tokens. Drop the flag.")
+    exact = exact or sharded
     error = separation_error(model, flag)
     if error:
         raise FinetuneError(error)

@@ -232,6 +232,9 @@ def test_sharding_engines_pack_exactly(tiny_llama, clm_texts):
         assert pack.exact is exact, engine
         runs = pack(window)
         assert (len(runs) == len(window)) if exact else (len(runs) < len(window)), (engine, len(runs))
+    with pytest.raises(FinetuneError, match="--max_tokens_per_micro_batch is not used under FSDP"):
+        packing.packer_for(SimpleNamespace(**{**vars(config), "max_tokens_per_micro_batch": 96}), CausalLM(), model,
+                           SimpleNamespace(name="FSDP"))
 
 
 def _split(batch):
