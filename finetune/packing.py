@@ -81,8 +81,8 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
 def balanced_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins of sample indices for packed rows: as few as ``best_fit_decreasing`` makes under ``capacity`` tokens,
     each then as short as it can be: bisection for the least capacity (tokens) at which best fit decreasing still
-    needs no more bins. Rows are right-padded to the longest in their micro-batch, so a window of 1,786 tokens in
-    rows of at most 384 pads 134 positions in five rows of 384 and few in five rows of about 360 (docs/packing.md)."""
+    needs no more bins. Rows are right-padded to the longest in their micro-batch, so rows of nearly equal
+    length pad least (docs/packing.md). ``lengths``: tokens per sample; ``capacity``: tokens per row."""
     bins = best_fit_decreasing(lengths, capacity)
     low, high = max(max(lengths, default=0), -(-sum(lengths) // max(len(bins), 1))), capacity
     while low < high:

@@ -185,6 +185,10 @@ def test_best_fit_decreasing_keeps_every_sample_once_under_the_budget():
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
     assert len(bins) == 5  # 41 tokens: at least 5 bins of 10
     assert packing.best_fit_decreasing([12, 3], 10) == [[0], [1]]  # longer than the budget: alone
+    # balanced: the same 2 rows as best fit decreasing under 16 tokens ({10, 5}, {7, 2}), but 12 + 12
+    rows = packing.balanced_rows([10, 2, 7, 5], 16)
+    assert sorted(i for r in rows for i in r) == [0, 1, 2, 3] and len(packing.best_fit_decreasing([10, 2, 7, 5], 16)) == 2
+    assert sorted(sum([10, 2, 7, 5][i] for i in r) for r in rows) == [12, 12]
 
 
 def test_packer_repacks_only_the_window_samples(tiny_llama, clm_texts):
