@@ -102,17 +102,18 @@ class Rows(dict):
     padding = 0
 
 
-def pack_rows(rows: list[list[dict]], pad_token_id: int) -> Rows:
+def pack_rows(rows: list[list[dict]], pad_token_id: int, device=None) -> Rows:
     """One micro-batch of ``rows`` (each a list of samples: dicts of 1-D ``input_ids`` and ``labels``): each row
     ``flatten``-ed, then right-padded to the longest, shape (len(rows), longest row's tokens). A row's padding
     continues its last sample's ``position_ids`` (so it starts no sequence: no token before it can see it, causal
     attention) with ``pad_token_id`` inputs and ``IGNORE_INDEX`` labels, as right padding is in a padded
     micro-batch. No ``attention_mask`` (transformers separates each row's samples from its ``position_ids``, row
     by row: ``find_packed_sequence_indices``). ``rows == []`` gives an empty micro-batch: one padding position,
-    no item (``Packer(exact=True)`` runs it where a window has fewer rows than micro-batches)."""
+    no item, on ``device`` (``Packer(exact=True)`` runs it where a window has fewer rows than micro-batches)."""
     if not rows:
-        batch = Rows(input_ids=torch.full((1, 1), pad_token_id), position_ids=torch.zeros((1, 1), dtype=torch.long),
-                     labels=torch.full((1, 1), IGNORE_INDEX), use_cache=False)
+        batch = Rows(input_ids=torch.full((1, 1), pad_token_id, device=device),
+                     position_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+                     labels=torch.full((1, 1), IGNORE_INDEX, device=device), use_cache=False)
         batch.padding = 1
         return batch
     flat = [flatten(row) for row in rows]
@@ -177,7 +178,8 @@ class Packer:
                 for b in balanced_rows([len(s["input_ids"]) for s in samples], self.row_length)]
         lengths = [sum(len(s["input_ids"]) for s in row) for row in rows]
         groups = group_rows(lengths, self.budget, len(window) if self.exact else None)
-        return [pack_rows([rows[i] for i in group], self.pad_token_id) for group in groups]
+        device = window[0]["input_ids"].device  # an empty micro-batch has no sample to take it from
+        return [pack_rows([rows[i] for i in group], self.pad_token_id, device) for group in groups]
 
 
 def tokens(batch: dict) -> tuple[int, int]:
