@@ -422,3 +422,13 @@ def test_the_planner_sizes_the_packing_budget_with_the_plan_micro_batch():
     own = parse_config(["--recipe", "bbc-news-clm", "--packing", "True", "--max_tokens_per_micro_batch", "100"])
     assert packing_budget(own, SimpleNamespace(per_device_train_batch_size=3)) == 100
     assert "100 positions per micro-batch (--max_tokens_per_micro_batch)" in packing_budget_note(own)
+
+
+def test_a_token_budget_under_the_trainer_backend_is_refused_with_one_line():
+    """Trainer keeps a window's N micro-batches, so a budget would go unused: one error line names the fix."""
+    from finetune.config import parse_config
+
+    with pytest.raises(FinetuneError, match="--max_tokens_per_micro_batch is for --backend accelerate") as raised:
+        parse_config(["--recipe", "bbc-news-clm", "--packing", "True", "--backend", "trainer",
+                      "--max_tokens_per_micro_batch", "100"]).validate()
+    assert "\n" not in str(raised.value)
