@@ -4,7 +4,8 @@ Each optimizer step's samples are the recipe's seeded order (micro-batch m x acc
 Every mode computes the forward and backward of that step's samples from the same weights (no optimizer
 update, so every mode sees the same model and its per-step loss is comparable): seconds per step, and the
 step's loss (summed token loss / the step's label tokens). Modes, in an ABBA order per step (A B C D E then
-E D C B A), medians over steps and repeats:
+E D C B A). A step's time in a mode is the median of its timings; throughput is the steps' samples (tokens) over
+the sum of their times, so a step with long samples weighs what it costs (a median over steps would drop them):
 
 - ``padded``: our collator's right-padded micro-batches (``tasks.CausalLMCollator`` / ``sft.SFTCollator``);
 - ``padding_free``: each micro-batch one row (``finetune.packing.Packer(None)``, ``--padding_free``);
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    seconds = {m: [] for m in modes}
+    seconds = {m: [] for m in modes}  # per step: the median of its timings in that mode
     losses = {m: [] for m in modes}
     positions = {m: 0 for m in modes}
     counts = {"samples": 0, "input_tokens": 0, "trained_tokens": 0}
@@ -166,14 +167,15 @@ def main(argv=None) -> int:
         counts["samples"] += sum(b["input_ids"].shape[0] for b in window)
         counts["input_tokens"] += sum(int(b["attention_mask"].sum()) for b in window)
         built = {m: micro_batches(m, window, budget, row_length, pad) for m in modes}
-        step_loss = {}
+        step_loss, timings = {}, {m: [] for m in modes}
         for _ in range(args.repeats):
             for m in (*modes, *reversed(modes)):
                 s, loss, pos, items = run_step(model, task, built[m])
-                seconds[m].append(s)
+                timings[m].append(s)
                 print(f"  step {len(losses['padded']) + 1}: {m} {s:.2f} s", file=sys.stderr, flush=True)
                 step_loss.setdefault(m, (loss / items, pos, items))
         for m in modes:
+            seconds[m].append(statistics.median(timings[m]))
             losses[m].append(step_loss[m][0])
             positions[m] += step_loss[m][1]
             micro[m].append(len(built[m]))
@@ -184,9 +186,9 @@ def main(argv=None) -> int:
               "max_length": config.max_length, "budget": budget, "row_length": row_length, "steps": n_steps, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "modes": {}}
     for m in modes:
-        per_step = statistics.median(seconds[m])
+        per_step = sum(seconds[m]) / n_steps
         result["modes"][m] = {
-            "seconds_per_step": per_step, "samples_per_s": counts["samples"] / n_steps / per_step,
+            "seconds_per_step": per_step, "step_seconds": seconds[m], "samples_per_s": counts["samples"] / n_steps / per_step,
             "input_tokens_per_s": counts["input_tokens"] / n_steps / per_step,
             "padded_tokens_per_s": positions[m] / n_steps / per_step,
             "trained_tokens_per_s": counts["trained_tokens"] / n_steps / per_step,
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
     lines = [f"### {config.recipe}: micro-batch {config.per_device_train_batch_size} x {config.gradient_accumulation_steps}, "
              f"--max_length {config.max_length}, packed rows of at most {row_length} tokens, budget {budget} positions, {n_steps} steps x {args.repeats} ABBA repeat(s)",
              format_machine(info), f"- torch threads: {torch.get_num_threads()}", "",
-             "| mode | s/step (median) | samples/s | x padded | input tok/s | computed tok/s | trained tok/s | "
+             "| mode | s/step (mean of per-step medians) | samples/s | x padded | input tok/s | computed tok/s | trained tok/s | "
              "micro-batches/step | padding | per-step losses |", "|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in result["modes"].items():
         lines.append(f"| {m} | {r['seconds_per_step']:.2f} | {r['samples_per_s']:.2f} | {r['samples_per_s'] / base:.2f} | "

@@ -202,6 +202,36 @@ def test_bench_speed_options_smoke(tmp_path, tiny_bert):
     assert data["configs"]["group_by_length"]["runs"][0]["train_padding_fraction"] is not None
 
 
+def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
+    """bench_packing on the tiny Llama, 3 steps of 4 x 2: every mode trains the same tokens (equal per-step
+    losses), packing computes fewer positions than padding, and throughput is samples over the summed per-step
+    times (a median over steps would drop the costly steps of long samples)."""
+    import importlib.util
+
+    modes = ["padded", "padding_free", "packed"]
+    if importlib.util.find_spec("trl") is not None:  # installed beside us for the full benchmark, not in [test]
+        modes += ["trl_padding_free", "trl_bfd"]
+    js = tmp_path / "packing.json"
+    out = run_bench_in_process(capsys, "bench_packing.py", "--steps", "3", "--modes", ",".join(modes), "--out",
+                               str(js), "--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama,
+                               "--train_file", clm_texts[0], "--validation_file", clm_texts[1], "--max_length", "64",
+                               "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")
+    data = json.loads(js.read_text())
+    assert data["steps"] == 3 and list(data["modes"]) == modes
+    padded = data["modes"]["padded"]
+    for mode in modes:
+        r = data["modes"][mode]
+        assert len(r["step_seconds"]) == 3 and r["losses"] == pytest.approx(padded["losses"], rel=1e-4), mode
+        assert r["seconds_per_step"] == pytest.approx(sum(r["step_seconds"]) / 3, rel=1e-3), mode
+        assert r["samples_per_s"] * sum(r["step_seconds"]) == pytest.approx(3 * 4 * 2, rel=1e-3), mode
+        positive(table_row(out, mode)[2])
+    assert padded["padding_fraction"] > 0.2
+    for mode in modes[1:]:
+        assert data["modes"][mode]["padding_fraction"] < padded["padding_fraction"] / 2, mode
+        assert data["modes"][mode]["padded_tokens_per_s"] / data["modes"][mode]["input_tokens_per_s"] < \
+            padded["padded_tokens_per_s"] / padded["input_tokens_per_s"], mode
+
+
 @pytest.mark.integration
 def test_full_mode_commands(capsys):
     """--dry_run prints the full-mode run.py commands: the recipe's model, the sizes and the same samples."""
