@@ -95,13 +95,15 @@ def launch_env(env: dict | None = None) -> dict:
     return {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
 
 
-def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None = None) -> dict:
+def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None = None,
+              sync_log: str | None = None) -> dict:
     """The environment additions that make a launched process inject faults (``tests/faults``): its folder
     first on ``PYTHONPATH`` (before this process's), so its ``sitecustomize`` runs, and the variables it
     reads: ``cpu_fp16``: fp16 on a CPU really runs fp16; ``overflow_steps``: those optimizer steps (1-based)
     overflow; ``save_error``: ``FAULT_SAVE_ERROR`` (e.g. "RuntimeError@rank1@step2": that rank's checkpoint
-    write of that step fails). Pass the result as ``env=`` to ``launch``, ``run_script`` and the like."""
-    from faults.finetune_faults import CPU_FP16_ENV, FAULTS_DIR, OVERFLOW_STEPS_ENV, SAVE_ERROR_ENV
+    write of that step fails); ``sync_log``: a folder where each rank logs which backwards DDP all-reduced in
+    (``install_sync_log``). Pass the result as ``env=`` to ``launch``, ``run_script`` and the like."""
+    from faults.finetune_faults import CPU_FP16_ENV, FAULTS_DIR, OVERFLOW_STEPS_ENV, SAVE_ERROR_ENV, SYNC_LOG_ENV
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (FAULTS_DIR, os.environ.get("PYTHONPATH", "")) if p)}
     if cpu_fp16:
@@ -110,6 +112,8 @@ def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None 
         env[OVERFLOW_STEPS_ENV] = ",".join(str(step) for step in sorted(overflow_steps))
     if save_error:
         env[SAVE_ERROR_ENV] = save_error
+    if sync_log:
+        env[SYNC_LOG_ENV] = sync_log
     return env
 
 

@@ -2,7 +2,7 @@
 to produce on demand, injected from outside the package by wrapping methods of ``accelerate.Accelerator``
 (and, for fp16 in the Trainer backend, one finetune function); ``finetune/`` has no test hook of its own.
 
-Four faults:
+Four faults, and one observer (``FAULT_SYNC_LOG``, ``install_sync_log``: which backwards DDP all-reduced in):
 
 - CPU fp16 (``FAULT_CPU_FP16=1``): an ``Accelerator`` created with ``mixed_precision="fp16"`` on a CPU
   (Accelerate 1.15 leaves it ``native_amp=False`` and ``scaler=None``: it runs fp32) gets what Accelerate
@@ -51,6 +51,7 @@ CPU_FP16_ENV = "FAULT_CPU_FP16"  # "1": fp16 on a CPU really runs fp16
 OVERFLOW_STEPS_ENV = "FAULT_OVERFLOW_STEPS"  # comma-separated optimizer steps (1-based) that overflow
 LEARNING_RATE_ENV = "FAULT_LEARNING_RATE"  # ACCUMULATION:FACTOR: those runs train at FACTOR x the learning rate
 SAVE_ERROR_ENV = "FAULT_SAVE_ERROR"  # TYPE@rankR@stepS: that rank's checkpoint write of step S raises TYPE
+SYNC_LOG_ENV = "FAULT_SYNC_LOG"  # a folder: each rank logs, per backward, whether DDP all-reduced in it
 FAULTS_DIR = os.path.dirname(os.path.abspath(__file__))  # what goes first on a launched process's PYTHONPATH
 
 _STEPS_DONE = "_fault_optimizer_steps_done"  # attribute the overflow wrapper keeps on each Accelerator
@@ -168,6 +169,52 @@ def install_overflow(steps, set_attr=setattr, accelerator_class=None) -> None:
             setattr(self, _STEPS_DONE, done + 1)
         return result
 
+    set_attr(cls, "backward", backward)
+
+
+# ------------------------------------------------------------------------------------------ DDP sync log
+def install_sync_log(folder: str, set_attr=setattr, accelerator_class=None) -> None:
+    """An observer, not a fault: log, per ``Accelerator.backward``, whether DDP all-reduced gradients in it.
+
+    Wraps ``Accelerator.prepare_model`` to register a comm hook on the ``DistributedDataParallel`` it returns
+    (``register_comm_hook``: DDP calls the hook for each gradient bucket it all-reduces, and only then; the hook
+    counts the call and all-reduces as DDP's default does, ``default_hooks.allreduce_hook``), and
+    ``Accelerator.backward`` to append ``{"sync_gradients": the flag before the backward, "all_reduced": whether
+    the hook ran during it}`` to ``FOLDER/rank<RANK>.jsonl``. Both backends backward through the Accelerator
+    (Trainer calls ``self.accelerator.backward``), so both are observed. Processes without DDP log
+    ``all_reduced`` false."""
+    cls = accelerator_class or _accelerator_class()
+    original_prepare, original_backward = cls.prepare_model, cls.backward
+    calls = [0]
+
+    def counting_allreduce(state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        calls[0] += 1
+        return allreduce_hook(state, bucket)
+
+    @functools.wraps(original_prepare)
+    def prepare_model(self, *args, **kwargs):
+        model = original_prepare(self, *args, **kwargs)
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel) and not getattr(model, "_fault_sync_log", False):
+            model.register_comm_hook(None, counting_allreduce)
+            model._fault_sync_log = True
+        return model
+
+    @functools.wraps(original_backward)
+    def backward(self, loss, **kwargs):
+        import json
+
+        before, flag = calls[0], bool(self.sync_gradients)
+        result = original_backward(self, loss, **kwargs)
+        path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps({"sync_gradients": flag, "all_reduced": calls[0] > before}) + "\n")
+        return result
+
+    set_attr(cls, "prepare_model", prepare_model)
     set_attr(cls, "backward", backward)
 
 
@@ -324,6 +371,10 @@ def install_on_import(environ=None, after=after_import) -> None:
         from mutants import mutate
 
         after("finetune.train", lambda module: mutate(module, mutant.strip()))
+    sync_log = environ.get(SYNC_LOG_ENV, "")
+    if sync_log.strip():
+        after("accelerate.accelerator",
+              lambda module: install_sync_log(sync_log.strip(), accelerator_class=module.Accelerator))
     save_error = environ.get(SAVE_ERROR_ENV, "")
     if save_error.strip():
         after("accelerate.checkpointing", lambda module: install_save_error(*parse_save_error(save_error)))

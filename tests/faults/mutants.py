@@ -39,11 +39,20 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(labels).clamp(min=1)")],
 }
 
+# Not a wrong result but wasted communication, for the DDP sync log (``finetune_faults.install_sync_log``) to
+# catch, not verify (its weights are right): every micro-batch all-reduces, as if ``no_sync`` were forgotten
+# (DDP's forward prepares the reducer when ``require_backward_grad_sync`` is set, which ``no_sync`` clears).
+SYNC_MUTANTS: dict[str, list[tuple[str, str]]] = {
+    "sync-every-micro-batch": [('labels = batch.pop("labels")',
+                                'labels = batch.pop("labels"); model.require_backward_grad_sync = True')],
+}
+
 
 def mutated_source(name: str, source: str) -> str:
-    """``source`` (``finetune/train.py``) with mutant ``name``'s lines changed. Raises ``KeyError`` for an
-    unknown mutant, ``ValueError`` when a line to change is not in the source exactly once."""
-    for old, new in MUTANTS[name]:
+    """``source`` (``finetune/train.py``) with mutant ``name``'s lines changed (``MUTANTS`` or ``SYNC_MUTANTS``).
+    Raises ``KeyError`` for an unknown mutant, ``ValueError`` when a line to change is not in the source exactly
+    once."""
+    for old, new in {**MUTANTS, **SYNC_MUTANTS}[name]:
         if source.count(old) != 1:
             raise ValueError(f"mutant {name}: {old!r} occurs {source.count(old)} times in finetune/train.py")
         source = source.replace(old, new)
