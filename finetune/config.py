@@ -194,6 +194,12 @@ class TrainConfig:
         None, "Hub id or local model directory. Default: the recipe's model.",
         step=True, trainer=None,
     )
+    attn_implementation: str | None = flag(
+        None, "The model's attention implementation (TRL's ModelConfig name; transformers' attn_implementation): "
+        "'sdpa', 'eager', 'flash_attention_2', 'flex_attention', ... Default: transformers' choice (sdpa where "
+        "torch has it).",
+        step=False, trainer=None,
+    )
     train_file: str | None = flag(
         None, "Your own training data: CSV or JSON lines with the recipe's text column(s) and `label`.",
         step=True, trainer=None,

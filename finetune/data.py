@@ -94,27 +94,52 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def load_causal_lm(name_or_path: str, disable_dropout: bool = False):
+def load_causal_lm(name_or_path: str, disable_dropout: bool = False, attn_implementation: str | None = None):
     """``AutoModelForCausalLM`` from a hub id, a model directory, or a ``.gguf`` file (de-quantized to
     fp32 by transformers through the ``gguf`` package); ``disable_dropout`` sets every dropout probability of its
     config to 0 before it is built (``finetune.dropout.zero_config_dropout``; ``build_model`` then turns off the
-    built model's dropout, ``finetune.dropout.disable_dropout``). Errors as ``_from_pretrained``; a ``.gguf`` path
-    that does not exist names the command that fetches the default one."""
+    built model's dropout, ``finetune.dropout.disable_dropout``); ``attn_implementation``: set on the loaded model
+    (``set_attention``; None: transformers' default). Errors as ``_from_pretrained`` and ``set_attention``; a
+    ``.gguf`` path that does not exist names the command that fetches the default one."""
     if name_or_path.endswith(".gguf"):
         model, _ = load_gguf_causal_lm(name_or_path)
         if disable_dropout:
             disable_dropout_in_model(model)  # built already: its modules, attributes and config
-        return model
+        return set_attention(model, attn_implementation)
     config = _from_pretrained(AutoConfig, name_or_path)
     if disable_dropout:
         zero_config_dropout(config)
-    return _from_pretrained(AutoModelForCausalLM, name_or_path, config=config)
+    return set_attention(_from_pretrained(AutoModelForCausalLM, name_or_path, config=config), attn_implementation)
 
 
-def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: bool = False):
+def set_attention(model, attn_implementation: str | None):
+    """``model`` with its attention implementation set to ``attn_implementation`` (None: left as loaded), through
+    transformers' ``PreTrainedModel.set_attn_implementation``, which checks the name as ``from_pretrained`` does
+    (transformers 5.24 ``modeling_utils.py``: ``ValueError`` for an unknown name or one the model does not support,
+    line 1872; ``ImportError`` for a kernel that is not installed, line 1558). Raises ``FinetuneError`` (one line)
+    for those, and for a model that cannot switch (transformers only logs a warning then, line 1993)."""
+    if not attn_implementation or getattr(model.config, "_attn_implementation", None) == attn_implementation:
+        return model
+    try:
+        model.set_attn_implementation(attn_implementation)
+    except (ImportError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FinetuneError(f"--attn_implementation {attn_implementation}: transformers cannot use it for "
+                            f"{type(model).__name__} here ({first}). Leave it unset for transformers' default, or "
+                            "name another.") from None
+    if model.config._attn_implementation != attn_implementation:
+        raise FinetuneError(f"--attn_implementation {attn_implementation}: {type(model).__name__} cannot change its "
+                            f"attention implementation (it stays {model.config._attn_implementation!r}). Leave the "
+                            "flag unset.")
+    return model
+
+
+def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: bool = False,
+                    attn_implementation: str | None = None):
     """``AutoModelForSequenceClassification`` with ``len(label_names)`` named outputs (``config.id2label``);
     ``disable_dropout`` sets every dropout probability of the config to 0 (``*dropout*``, ``*_pdrop``, ...:
-    ``finetune.dropout.zero_config_dropout``). Errors as ``_from_pretrained``."""
+    ``finetune.dropout.zero_config_dropout``); ``attn_implementation`` as ``load_causal_lm``'s. Errors as
+    ``_from_pretrained`` and ``set_attention``."""
     config = _from_pretrained(
         AutoConfig,
         name_or_path,
@@ -124,7 +149,8 @@ def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: 
     )
     if disable_dropout:
         zero_config_dropout(config)
-    return _from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config)
+    return set_attention(_from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config),
+                         attn_implementation)
 
 
 # --------------------------------------------------------------------------------------- data files

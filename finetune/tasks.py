@@ -22,7 +22,8 @@ class SequenceClassification:
 
     def load_model(self, config, label_names):
         """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.load_classifier``)."""
-        return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout)
+        return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout,
+                               attn_implementation=config.attn_implementation)
 
     def tokenize(self, raw, tokenizer, config, text_columns):
         """Truncate to ``max_length`` tokens, no padding; columns input_ids, attention_mask, labels."""
@@ -80,7 +81,8 @@ class CausalLM:
 
     def load_model(self, config, label_names=None):
         """``AutoModelForCausalLM`` from a hub id or model directory, or a de-quantized ``.gguf`` file."""
-        return load_causal_lm(config.model_name_or_path, disable_dropout=config.disable_dropout)
+        return load_causal_lm(config.model_name_or_path, disable_dropout=config.disable_dropout,
+                              attn_implementation=config.attn_implementation)
 
     def tokenize(self, raw, tokenizer, config, text_columns):
         """One sample per text (<= ``max_length`` tokens), or ``block_size``-token blocks of the joined texts."""
