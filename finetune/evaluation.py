@@ -32,8 +32,8 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict, pack=None
     """Evaluate on every process, gather per-sample outputs (``gather_for_metrics``, which drops Accelerate's
     padding repeats) and score once with ``task.eval_metrics``: e.g. ``eval_loss`` (per sample, or per token for
     causal LM), the metrics, ``eval_samples``; ``{"eval_samples": 0}`` for an empty set. ``pack``: the run's
-    ``packing.Packer``, if any: each batch then runs padding-free, as one row (``--padding_free``) or in rows of its
-    ``row_length`` (``--packing``), with the same per-sample outputs (``packing.eval_outputs``)."""
+    ``packing.Packer``, if any: each batch then runs padding-free, as one row (``--padding_free``, or a packer that
+    runs one row per micro-batch) or in rows of its ``row_length`` (``--packing``), with the same per-sample outputs (``packing.eval_outputs``)."""
     was_training = model.training
     model.eval()
     parts = []
@@ -43,7 +43,7 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict, pack=None
     for batch in dataloader:
         labels = batch.pop("labels")
         if pack is not None:
-            outputs = packing.eval_outputs(forward, batch, labels, task, pack.row_length)
+            outputs = packing.eval_outputs(forward, batch, labels, task, pack.eval_row_length)
         else:
             outputs = _eval_outputs(forward, batch, labels, task, splittable)
         parts.append([t.cpu() for t in accelerator.gather_for_metrics(outputs)])

@@ -124,11 +124,13 @@ class RunState:
         ``run_config.json``, a resumed run's log cut back to its step)."""
         self.book.open(self.progress.step if self.resume_from is not None else None)
 
-    def announce(self, model, device_type: str, note: str | None = None) -> None:
-        """Print the banner (``reporting.run_banner``), the backend's ``note``, and where a resume continues."""
+    def announce(self, model, device_type: str, *notes: str | None) -> None:
+        """Print the banner (``reporting.run_banner``), the backend's and the packer's ``notes`` (None: nothing to
+        say), and where a resume continues."""
         self.say(run_banner(self.config, self.num_processes, self.plan, self.precision, device_type, model))
-        if note:
-            self.say(note)
+        for note in notes:
+            if note:
+                self.say(note)
         if self.resume_from is not None:
             self.say(f"Resuming from {self.resume_from}: optimizer step {self.progress.step}, epoch "
                      f"{self.progress.epoch}, skipping {self.progress.micro_batches_done} micro-batches of it "

@@ -22,6 +22,8 @@ that cannot keep packed sequences apart is refused by what it computes, not by i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from finetune.errors import FinetuneError
@@ -163,12 +165,20 @@ class Packer:
       ``pack_rows``). ``exact``: exactly as many micro-batches as the window has (Trainer counts its micro-batches
       to find the optimizer step); otherwise as few as fit, a count that may differ between processes.
 
+    ``one_row``: each micro-batch's rows concatenated into one row instead (``flatten``; the same grouping), for an
+    attention implementation that separates packed sequences only in a batch of one row (``flash_attention_2``:
+    ``packer_for`` picks it from the per-sequence check).
+
     Returns a list of padding-free batches (``flatten`` rows or ``Rows``)."""
 
     def __init__(self, strategy: str | None, budget: int | None = None, row_length: int | None = None,
-                 pad_token_id: int = 0, exact: bool = False):
+                 pad_token_id: int = 0, exact: bool = False, one_row: bool = False):
         self.strategy, self.budget, self.pad_token_id, self.exact = strategy, budget, pad_token_id, exact
         self.row_length = min(row_length, budget) if row_length and budget else (row_length or budget)
+        self.one_row = one_row or strategy is None
+        # what the banner adds (the flags' own line is reporting.packing_banner): said when the layout is not the asked one
+        self.note = ("Packing: each micro-batch's rows run as one row: this attention implementation keeps packed "
+                     "sequences apart only in a one-row batch (per-sequence check)") if one_row and strategy else None
 
     def __call__(self, window: list[dict]) -> list[dict]:
         if self.strategy is None:
@@ -179,7 +189,15 @@ class Packer:
         lengths = [sum(len(s["input_ids"]) for s in row) for row in rows]
         groups = group_rows(lengths, self.budget, len(window) if self.exact else None)
         device = window[0]["input_ids"].device  # an empty micro-batch has no sample to take it from
+        if self.one_row:
+            return [flatten([s for i in group for s in rows[i]]) if group else pack_rows([], self.pad_token_id, device)
+                    for group in groups]
         return [pack_rows([rows[i] for i in group], self.pad_token_id, device) for group in groups]
+
+    @property
+    def eval_row_length(self) -> int | None:
+        """The row length ``eval_outputs`` packs evaluation batches into: None (one row) under ``one_row``."""
+        return None if self.one_row else self.row_length
 
 
 def tokens(batch: dict) -> tuple[int, int]:
@@ -247,23 +265,28 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
 
 
 # ------------------------------------------------------------------------------------------ the per-sequence check
-def per_sequence_difference(model, samples: list[torch.Tensor], row_transform=None) -> float:
-    """The largest difference between each sample's logits computed alone and at its positions packed, relative
-    to the largest absolute logit (0 when the model keeps the samples apart exactly), over both layouts packing
-    uses: all ``samples`` in one padding-free row (``flatten``), and a micro-batch of two padded rows, the last
-    sample alone in the second (``pack_rows``). ``samples``: at least two 1-D token-id tensors; ``model``: a
-    transformers causal LM (its mode is restored; no gradients). ``row_transform(inputs) -> inputs``: a change to
-    the packed inputs before the forward (the tests' negative controls: positions not reset, a 2-D mask)."""
+LAYOUTS = ("one_row", "rows")  # the packed layouts: one padding-free row; a micro-batch of right-padded rows
+
+
+def layout_differences(model, samples: list[torch.Tensor], row_transform=None) -> dict[str, float]:
+    """Per layout packing uses, the largest difference between each sample's logits computed alone and at its
+    positions packed, relative to the largest absolute logit (0 when the model keeps the samples apart exactly):
+    ``"one_row"``, all ``samples`` in one padding-free row (``flatten``); ``"rows"``, a micro-batch of two padded
+    rows, the last sample alone in the second (``pack_rows``). ``samples``: at least two 1-D token-id tensors;
+    ``model``: a transformers causal LM (its mode is restored; no gradients). ``row_transform(inputs) -> inputs``:
+    a change to the packed inputs before the forward (the tests' negative controls: positions not reset, a 2-D
+    mask)."""
     device = next(model.parameters()).device
     as_samples = [{"input_ids": s.to(device), "labels": s.to(device)} for s in samples]
-    layouts = [[as_samples], [as_samples[:-1], as_samples[-1:]]]  # rows of samples
+    layouts = {"one_row": [as_samples], "rows": [as_samples[:-1], as_samples[-1:]]}  # rows of samples
     was_training = model.training
     model.eval()
-    worst = 0.0
+    differences = {}
     try:
         with torch.no_grad():
             alone = [model(input_ids=s.unsqueeze(0).to(device), use_cache=False).logits[0].float() for s in samples]
-            for rows in layouts:
+            for layout, rows in layouts.items():
+                worst = 0.0
                 batch = flatten(rows[0]) if len(rows) == 1 else pack_rows(rows, pad_token_id=0)
                 inputs = {key: value for key, value in batch.items() if key != "labels"}
                 if row_transform is not None:
@@ -276,10 +299,17 @@ def per_sequence_difference(model, samples: list[torch.Tensor], row_transform=No
                         a = next(found)
                         worst = max(worst, float((packed[r, start:start + len(a)] - a).abs().max()))
                         start += len(a)
+                differences[layout] = worst
     finally:
         model.train(was_training)
     scale = max(float(a.abs().max()) for a in alone) or 1.0
-    return worst / scale
+    return {layout: worst / scale for layout, worst in differences.items()}
+
+
+def per_sequence_difference(model, samples: list[torch.Tensor], row_transform=None) -> float:
+    """The largest of ``layout_differences`` (same arguments): how far the model is from keeping packed samples
+    apart in every layout packing uses."""
+    return max(layout_differences(model, samples, row_transform).values())
 
 
 def check_samples(vocab_size: int, lengths=(7, 5, 9), seed: int = 0) -> list[torch.Tensor]:
@@ -288,22 +318,41 @@ def check_samples(vocab_size: int, lengths=(7, 5, 9), seed: int = 0) -> list[tor
     return [torch.randint(1, max(vocab_size, 2), (n,), generator=generator) for n in lengths]
 
 
-def separation_error(model, flag: str, tolerance: float | None = None) -> str | None:
-    """Run the per-sequence check (``per_sequence_difference`` on three short random samples) on the user's model
-    as it will train; return None if packed samples match their unpacked logits within ``tolerance`` (relative to
-    the largest logit: 1e-4 for fp32 weights, 2e-2 for 16-bit ones), else the one-line reason ``FinetuneError``
-    gives, naming ``flag`` and the attention implementation."""
-    parameter = next(model.parameters())
-    if tolerance is None:
-        tolerance = 1e-4 if parameter.dtype == torch.float32 else 2e-2
+def _tolerance(model, tolerance: float | None) -> float:
+    """The check's tolerance, relative to the largest logit: ``tolerance``, else 1e-4 for fp32 weights, 2e-2 for
+    16-bit ones."""
+    if tolerance is not None:
+        return tolerance
+    return 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
+
+
+def separated_layouts(model, tolerance: float | None = None) -> tuple[tuple[str, ...], dict[str, float], str | None]:
+    """The per-sequence check (``layout_differences`` on three short random samples) on the user's model as it
+    will train: (the ``LAYOUTS`` whose packed samples match their unpacked logits within ``tolerance``, relative
+    to the largest logit: 1e-4 for fp32 weights, 2e-2 for 16-bit ones; the differences per layout; the exception's
+    ``"Type: message"`` if the model's forward rejects a packed row, else None)."""
+    tolerance = _tolerance(model, tolerance)
+    config = getattr(model, "config", None)
+    try:
+        differences = layout_differences(model, check_samples(int(getattr(config, "vocab_size", 2))))
+    except Exception as err:  # a model whose forward rejects position_ids or a packed row
+        return (), {}, f"{type(err).__name__}: {err}"
+    return tuple(k for k in LAYOUTS if differences[k] <= tolerance), differences, None
+
+
+def separation_error(model, flag: str, tolerance: float | None = None, layouts=LAYOUTS, check=None) -> str | None:
+    """None if the model keeps packed samples apart in every one of ``layouts`` (``separated_layouts``; ``check``:
+    its result, if already computed with this ``tolerance``), else the one-line reason ``FinetuneError`` gives,
+    naming ``flag`` and the attention implementation."""
+    tolerance = _tolerance(model, tolerance)
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None) or "default"
-    try:
-        difference = per_sequence_difference(model, check_samples(int(getattr(config, "vocab_size", 2))))
-    except Exception as err:  # a model whose forward rejects position_ids or a packed row
-        return (f"{flag}: {type(model).__name__} cannot run a padding-free row ({type(err).__name__}: {err}). "
+    passed, differences, failure = check or separated_layouts(model, tolerance)
+    if failure:
+        return (f"{flag}: {type(model).__name__} cannot run a padding-free row ({failure}). "
                 "Train without packing.")
-    if difference > tolerance:
+    if not set(layouts) <= set(passed):
+        difference = max(differences[k] for k in layouts)
         return (f"{flag}: {type(model).__name__} with attn_implementation={attention!r} does not keep packed "
                 f"sequences apart (packed vs alone logits differ by {difference:.2e} of the largest logit, more than "
                 f"{tolerance:.0e}). Use --attn_implementation sdpa or eager, or train without packing.")
@@ -330,15 +379,17 @@ def flag_of(config) -> str:
     return f"--packing --packing_strategy {config.packing_strategy}" if config.packing else "--padding_free"
 
 
-def packer_for(config, task, model, distributed_type=None, exact: bool = False) -> Packer | None:
+def packer_for(config, task, model, distributed_type=None, exact: bool = False, precision: str = "no") -> Packer | None:
     """The ``Packer`` ``--padding_free`` / ``--packing`` ask for (None when neither), after the per-sequence check on
     ``model`` (the unwrapped model, before training). ``distributed_type``: accelerate's ``DistributedType`` (its
     value is compared by name). ``exact``: a packed window keeps its number of micro-batches: asked by the Trainer
     backend (it counts micro-batches to find the optimizer step), and always under FSDP and DeepSpeed (FSDP
     gathers and reduce-scatters on every micro-batch, so every process must run as many; DeepSpeed counts its own
-    micro-batches). Raises ``FinetuneError`` (one line, before anything is written) for a task other than causal
+    micro-batches). ``precision``: the mixed precision that really runs ("no", "fp16", "bf16"): the check runs
+    under that autocast, within that precision's tolerance (``separated_layouts``). Raises ``FinetuneError`` (one line, before anything is written) for a task other than causal
     LM/SFT, ``--max_tokens_per_micro_batch`` under FSDP or DeepSpeed (unused there), or a model that fails the
-    check."""
+    check in the layout it would run (``--padding_free``: one row; ``--packing``: several rows per micro-batch, or
+    one row, ``Packer(one_row=True)``, where only that layout keeps the samples apart)."""
     if not (config.padding_free or config.packing):
         return None
     flag = flag_of(config)
@@ -351,11 +402,20 @@ def packer_for(config, task, model, distributed_type=None, exact: bool = False) 
                             "keeps its N micro-batches there (every process must run as many), of at most m rows of "
                             "--max_length tokens. Drop the flag.")
     exact = exact or sharded
-    error = separation_error(model, flag)
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=half) if half else contextlib.nullcontext():  # as the run computes
+        check = separated_layouts(model, 2e-2 if half else None)
+    # --padding_free runs one row per micro-batch. --packing runs several rows per micro-batch where the attention
+    # keeps them apart, else each micro-batch's rows as one row (flash_attention_2 finds packed sequences only in a
+    # one-row batch: transformers 5.24 modeling_flash_attention_utils.py line 574, _is_packed_sequence).
+    one_row = not config.packing or ("rows" not in check[0] and "one_row" in check[0])
+    error = separation_error(model, flag, 2e-2 if half else None, layouts=("one_row",) if one_row else LAYOUTS,
+                             check=check)
     if error:
         raise FinetuneError(error)
     if not config.packing:
         return Packer(None)
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
     return Packer(config.packing_strategy, budget(config), row_length(config),
-                  pad_token_id=pad if isinstance(pad, int) else 0, exact=exact)
+                  pad_token_id=pad if isinstance(pad, int) else 0, exact=exact, one_row=one_row)

@@ -92,7 +92,8 @@ def setup(config, recipe) -> Setup:
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
     prepared = engine.prepare(config, model, train_dataloader, eval_dataloader)
-    pack = packing.packer_for(config, task, accelerator.unwrap_model(prepared.model), accelerator.distributed_type)
+    pack = packing.packer_for(config, task, accelerator.unwrap_model(prepared.model), accelerator.distributed_type,
+                              precision=precision)
     return Setup(accelerator, engine, prepared.model, tokenizer, prepared.optimizer, prepared.scheduler,
                  prepared.train_dataloader, prepared.eval_dataloader, prepared.plan, precision, task, recipe.METRICS,
                  raw_validation, layout, loss_function(task, config, accelerator), pack)
@@ -186,7 +187,8 @@ class RunState(lifecycle.RunState):
         self.resume(accelerator, self._load)
         self.open()
         accelerator.wait_for_everyone()
-        self.announce(self.built.model, accelerator.device.type, self.built.engine.note)
+        self.announce(self.built.model, accelerator.device.type, self.built.engine.note,
+                      self.built.pack.note if self.built.pack else None)
         if config.report_to != "none":
             # hyperparameters as the trackers accept them (no None), under <output_dir>/runs for TensorBoard
             hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)

@@ -274,8 +274,13 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"))
     check_eval_set(len(datasets["validation"]), config)
-    # the per-sequence check on the model as loaded, before anything is written
-    pack = packing.packer_for(config, task, model, args.distributed_state.distributed_type, exact=True)
+    # the per-sequence check on the model as loaded, before anything is written, on the device Trainer puts it on
+    # (transformers 5.24 trainer.py lines 495-504; under FSDP and DeepSpeed it stays where it was loaded)
+    sharded = args.distributed_state.distributed_type.name in ("FSDP", "DEEPSPEED")
+    if (config.padding_free or config.packing) and not sharded:
+        model = model.to(args.device)
+    pack = packing.packer_for(config, task, model, args.distributed_state.distributed_type, exact=True,
+                              precision=precision_hint)
     processes = args.world_size
     plan = plan_steps(micro_batches_per_process(len(datasets["train"]), config.per_device_train_batch_size, processes),
                       config)
@@ -307,7 +312,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     trainer.args.save_total_limit = None
     run.precision = engine.precision()
     try:
-        run.announce(model, trainer.accelerator.device.type)
+        run.announce(model, trainer.accelerator.device.type, pack.note if pack else None)
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
         return run.finish(engine, model, tokenizer, trainer.accelerator.device, written=trainer.model_wrapped)
     finally:

@@ -241,6 +241,72 @@ def test_sharding_engines_pack_exactly(tiny_llama, clm_texts):
                            SimpleNamespace(name="FSDP"))
 
 
+ONE_ROW_ATTENTION = "test_one_row_packing_attention"  # registered with transformers' AttentionInterface below
+
+
+def _flash_like_attention(module, query, key, value, attention_mask, **kwargs):
+    """What transformers 5.24's ``flash_attention_2`` computes, computed with SDPA so a CPU runs it: a packed row's
+    samples kept apart only in a batch of one row (``modeling_flash_attention_utils.py`` line 855 calls
+    ``_is_packed_sequence``, line 574: ``batch_size != 1`` is not packed), otherwise causal attention over the whole
+    row (``flash_attn_func(causal=True)`` when there is no mask). A name outside ``AttentionMaskInterface`` gets no
+    mask (``masking_utils.py`` line 830, early exit), as ``flash_attention_mask`` gives None without padding."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence
+
+    position_ids, mask = kwargs.get("position_ids"), None
+    if _is_packed_sequence(position_ids, query.shape[0]):
+        sample = torch.cumsum(position_ids[0] == 0, 0)  # which sample each position belongs to
+        causal = torch.ones(len(sample), len(sample), dtype=torch.bool, device=query.device).tril()
+        mask = (causal & (sample[:, None] == sample[None, :]))[None, None]
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, key, value, mask, is_causal=mask is None, **kwargs)
+
+
+@pytest.fixture
+def one_row_attention():
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ONE_ROW_ATTENTION, _flash_like_attention)
+    return ONE_ROW_ATTENTION
+
+
+def test_attention_that_separates_only_one_row_packs_one_row_per_micro_batch(tiny_llama, clm_texts,
+                                                                              one_row_attention):
+    """An attention that keeps packed samples apart only in a one-row batch (flash_attention_2's rule, faked on a
+    CPU) fails the two-row layout and passes the one-row one: --padding_free runs, and --packing runs each
+    micro-batch's rows as one row (said on the banner), with every sample once; with SDPA, several rows."""
+    from types import SimpleNamespace
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation=one_row_attention)
+    differences = packing.layout_differences(model, packing.check_samples(model.config.vocab_size))
+    assert differences["one_row"] < 1e-5 and differences["rows"] > 1e-3  # the fake mixes rows as FA2 would
+    assert packing.separated_layouts(model)[0] == ("one_row",)
+    config = SimpleNamespace(padding_free=False, packing=True, packing_strategy="window_bfd", max_length=48,
+                             block_size=None, max_tokens_per_micro_batch=None, per_device_train_batch_size=4)
+    padded, _ = _padded_and_row(tiny_llama, clm_texts, n=8)
+    window = [{k: v[i:i + 4] for k, v in padded.items()} for i in range(0, 8, 4)]
+    pack = packing.packer_for(config, CausalLM(), model)
+    assert pack.one_row and "one row" in pack.note and pack.eval_row_length is None
+    runs = pack(window)
+    assert all(r["input_ids"].shape[0] == 1 for r in runs) and len(runs) < len(window)
+    assert sorted(s["input_ids"].tolist() for s in unpad_all(runs)) == \
+        sorted(s["input_ids"].tolist() for b in window for s in packing.unpad(b))
+    assert packing.packer_for(SimpleNamespace(**{**vars(config), "packing": False, "padding_free": True}),
+                              CausalLM(), model).one_row
+    sdpa = packing.packer_for(config, CausalLM(), AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32))
+    assert not sdpa.one_row and sdpa.note is None and max(r["input_ids"].shape[0] for r in sdpa(window)) > 1
+
+
+def unpad_all(runs):
+    """The samples of one-row micro-batches, cut where positions restart."""
+    found = []
+    for run in runs:
+        ids, positions = run["input_ids"][0], run["position_ids"][0]
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
+        found += [{"input_ids": ids[a:b]} for a, b in zip(starts, starts[1:])]
+    return found
+
+
 def _split(batch):
     """The samples of a packed micro-batch built with pad_token_id -1: each row cut where positions restart,
     its padding dropped."""
@@ -299,31 +365,129 @@ def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_lla
     assert all(r["padded_tokens"] > r["input_tokens"] for r in reference)
 
 
+def test_packed_run_with_one_row_attention_gives_the_padded_weights(tmp_path, tiny_llama, clm_texts,
+                                                                      one_row_attention, capsys):
+    """--attn_implementation with the flash_attention_2-like fake: the packed run (one row per micro-batch) and its
+    padded reference (SDPA) train the same steps and weights, and the banner says why the rows run as one."""
+    kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], **CLM)
+    _, ref = run_in_process(tmp_path, "ref", per_device_train_batch_size=8, gradient_accumulation_steps=1, **kw)
+    capsys.readouterr()
+    _, out = run_in_process(tmp_path, "packed", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                            packing=True, attn_implementation=one_row_attention, **kw)
+    assert "each micro-batch's rows run as one row" in capsys.readouterr().out
+    steps, reference = train_steps(out), train_steps(ref)
+    assert [r["trained_tokens"] for r in steps] == [r["trained_tokens"] for r in reference]
+    assert all(r["padded_tokens"] == r["input_tokens"] for r in steps)  # one row: no padding computed
+    assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    assert _relative(load_params(out), load_params(ref)) < 1e-5
+
+
+def test_fp16_with_a_grad_scaler_packed_trains_as_padded(tmp_path, tiny_llama, clm_texts, faults):
+    """fp16 autocast with a GradScaler (the CPU fp16 fault: what Accelerate gives a GPU), 5 steps of 8 samples:
+    packed at the default budget (several rows per micro-batch) in the accelerate loop and packed in the Trainer
+    backend (2 x 4) take the padded 8 x 1 run's steps (same samples and items, the same loss scale and no skip)
+    and end closer to its weights than fp16 itself moves them (the padded run in fp32; measured: packed 1.1e-4,
+    fp16 against fp32 2.0e-4, relative norms: a layout change moves fp16 rounding, as any change of attention
+    shapes does), with losses within fp16's rounding."""
+    faults.cpu_fp16()
+    kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], **CLM,
+              mixed_precision="fp16")
+    _, ref = run_in_process(tmp_path, "ref", per_device_train_batch_size=8, gradient_accumulation_steps=1, **kw)
+    _, fp32 = run_in_process(tmp_path, "fp32", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                             **{**kw, "mixed_precision": "no"})
+    floor = _relative(load_params(fp32), load_params(ref))  # what fp16 itself changes
+    reference = train_steps(ref)
+    assert all("loss_scale" in r for r in reference)  # fp16 with a scaler really ran
+    for name, flags in [("packed", dict(per_device_train_batch_size=8, gradient_accumulation_steps=1)),
+                        ("trainer-packed", dict(per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                                                backend="trainer"))]:
+        _, out = run_in_process(tmp_path, name, packing=True, **flags, **kw)
+        steps = train_steps(out)
+        assert [r["trained_tokens"] for r in steps] == [r["trained_tokens"] for r in reference], name
+        assert [(r["loss_scale"], r.get("skipped")) for r in steps] == \
+            [(r["loss_scale"], r.get("skipped")) for r in reference], name
+        assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in reference], rel=2e-3), name
+        assert _relative(load_params(out), load_params(ref)) < floor, (name, floor)
+
+
+def test_an_attention_implementation_transformers_refuses_is_one_line(tmp_path, tiny_llama, clm_texts):
+    with pytest.raises(FinetuneError, match=r"^--attn_implementation no_such_attention: transformers cannot use it"):
+        run_in_process(tmp_path, "bad", model_name_or_path=tiny_llama, train_file=clm_texts[0],
+                       validation_file=clm_texts[1], attn_implementation="no_such_attention", **CLM)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
     """DDP on 2 CPU processes through the real CLI: 36 samples, 2 x 2 per process per step (the last step holds
-    4 samples and 4 masked repeats), padded vs packed under a 48-token budget, where the processes run different
-    numbers of micro-batches per step (one synchronising backward each), and packed in the Trainer backend (2
-    micro-batches per step on each process): same samples, items, losses and weights."""
-    from helpers import launch
+    4 samples and 4 masked repeats), padded, padding-free and packed in both backends, each against the padded
+    B x 1 run (one process, 8 x 1) (packed in the accelerate
+    loop under a 48-token budget, where the processes run different numbers of micro-batches per step; in the
+    Trainer backend 2 micro-batches per step on each process): same samples, items, losses and weights. Each
+    process all-reduces in exactly one backward per optimizer step, its last (DDP's comm hook observed by
+    ``tests/faults`` ``install_sync_log``)."""
+    from helpers import fault_env, launch
 
     common = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", clm_texts[0],
               "--validation_file", clm_texts[1], "--num_train_epochs", "1", "--disable_dropout", "True",
               "--max_length", "64", "--learning_rate", "1e-3", "--seed", "3", "--warmup_steps", "0",
               "--eval_strategy", "no", "--max_train_samples", "36", "--per_device_train_batch_size", "2",
               "--gradient_accumulation_steps", "2"]
-    outs = {}
-    for name, extra in [("padded", []), ("packed", ["--packing", "True", "--max_tokens_per_micro_batch", "48"]),
-                        ("trainer-packed", ["--packing", "True", "--backend", "trainer"])]:
-        outs[name] = tmp_path / name
-        result = launch(common + ["--output_dir", str(outs[name]), *extra], num_processes=2, timeout=900)
+    runs = {"padded": [], "padding-free": ["--padding_free", "True"],
+            "packed": ["--packing", "True", "--max_tokens_per_micro_batch", "48"],
+            "trainer-padding-free": ["--padding_free", "True", "--backend", "trainer"],
+            "trainer-packed": ["--packing", "True", "--backend", "trainer"]}
+    outs, backwards = {}, {}
+    for name, extra in runs.items():
+        outs[name], log = tmp_path / name, tmp_path / f"{name}-syncs"
+        log.mkdir()
+        result = launch(common + ["--output_dir", str(outs[name]), *extra], num_processes=2, timeout=900,
+                        env=fault_env(sync_log=str(log)))
         assert result.returncode == 0, result.stderr[-3000:]
-    padded = train_steps(outs["padded"])
-    for name in ("packed", "trainer-packed"):
+        backwards[name] = [[json.loads(line) for line in (log / f"rank{r}.jsonl").read_text().splitlines()]
+                           for r in (0, 1)]
+        for rank in backwards[name]:  # all-reduced in a backward exactly when it ended an optimizer step
+            assert [b["all_reduced"] for b in rank] == [b["sync_gradients"] for b in rank], name
+            assert sum(b["all_reduced"] for b in rank) == 5 and rank[-1]["all_reduced"], name
+    # the packed windows differ in micro-batch count between the processes (the case one sync each must hold for)
+    assert len(backwards["packed"][0]) != len(backwards["packed"][1]) or \
+        [b["sync_gradients"] for b in backwards["packed"][0]] != [b["sync_gradients"] for b in backwards["packed"][1]]
+    # the padded B x 1 reference: one process, micro-batch 8, no accumulation
+    outs["B x 1"] = tmp_path / "one-process"
+    single = list(common)
+    single[single.index("--per_device_train_batch_size") + 1] = "8"
+    single[single.index("--gradient_accumulation_steps") + 1] = "1"
+    result = launch(single + ["--output_dir", str(outs["B x 1"])], num_processes=1, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    padded = train_steps(outs["B x 1"])
+    for name in runs:
         packed = train_steps(outs[name])
         assert [r["samples"] for r in packed] == [r["samples"] for r in padded] == [8, 8, 8, 8, 4], name
         assert [r["trained_tokens"] for r in packed] == [r["trained_tokens"] for r in padded], name
         assert [r["loss"] for r in packed] == pytest.approx([r["loss"] for r in padded], rel=1e-5), name
-        assert _relative(load_params(outs[name]), load_params(outs["padded"])) < 1e-5, name
+        assert _relative(load_params(outs[name]), load_params(outs["B x 1"])) < 1e-5, name
+
+
+def test_the_sync_log_catches_an_all_reduce_in_every_backward(tmp_path, tiny_llama, clm_texts):
+    """The mutant of the sync check above: a loop that all-reduces in every backward (``no_sync`` defeated; the
+    weights are still right, so only the log can tell) is seen doing so on both processes. Padded micro-batches:
+    where packing gives the processes different micro-batch counts, the mutant deadlocks instead (one process
+    all-reduces more often than the other), which is why one sync per window matters."""
+    from faults.mutants import MUTANT_ENV
+    from helpers import fault_env, launch
+
+    log = tmp_path / "syncs"
+    log.mkdir()
+    args = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", clm_texts[0],
+            "--validation_file", clm_texts[1], "--max_length", "64", "--eval_strategy", "no", "--max_train_samples",
+            "16", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            "--output_dir", str(tmp_path / "out")]
+    result = launch(args, num_processes=2, timeout=900,
+                    env={**fault_env(sync_log=str(log)), MUTANT_ENV: "sync-every-micro-batch"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for r in (0, 1):
+        backwards = [json.loads(line) for line in (log / f"rank{r}.jsonl").read_text().splitlines()]
+        assert sum(b["sync_gradients"] for b in backwards) == 2 < len(backwards)
+        assert all(b["all_reduced"] for b in backwards)
 
 
 def test_padding_free_evaluation_gives_the_padded_per_sample_outputs(tiny_llama, clm_texts):
