@@ -33,7 +33,8 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict, pack=None
     padding repeats) and score once with ``task.eval_metrics``: e.g. ``eval_loss`` (per sample, or per token for
     causal LM), the metrics, ``eval_samples``; ``{"eval_samples": 0}`` for an empty set. ``pack``: the run's
     ``packing.Packer``, if any: each batch then runs padding-free, as one row (``--padding_free``, or a packer that
-    runs one row per micro-batch) or in rows of its ``row_length`` (``--packing``), with the same per-sample outputs (``packing.eval_outputs``)."""
+    runs one row per micro-batch) or in rows of its ``row_length`` (``--packing``), with the same per-sample
+    outputs (``packing.eval_outputs``)."""
     was_training = model.training
     model.eval()
     parts = []
