@@ -404,14 +404,14 @@ def packer_for(config, task, model, distributed_type=None, exact: bool = False, 
     exact = exact or sharded
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     device_type = next(model.parameters()).device.type
+    tolerance = _tolerance(model, 2e-2 if half else None)
     with torch.autocast(device_type, dtype=half) if half else contextlib.nullcontext():  # as the run computes
-        check = separated_layouts(model, 2e-2 if half else None)
+        check = separated_layouts(model, tolerance)
     # --padding_free runs one row per micro-batch. --packing runs several rows per micro-batch where the attention
     # keeps them apart, else each micro-batch's rows as one row (flash_attention_2 finds packed sequences only in a
     # one-row batch: transformers 5.24 modeling_flash_attention_utils.py line 574, _is_packed_sequence).
     one_row = not config.packing or ("rows" not in check[0] and "one_row" in check[0])
-    error = separation_error(model, flag, 2e-2 if half else None, layouts=("one_row",) if one_row else LAYOUTS,
-                             check=check)
+    error = separation_error(model, flag, tolerance, layouts=("one_row",) if one_row else LAYOUTS, check=check)
     if error:
         raise FinetuneError(error)
     if not config.packing:
