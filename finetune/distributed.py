@@ -58,10 +58,11 @@ def reset_state() -> None:
 
 
 def leave() -> None:
-    """End this process's part in a process group it started without training (a finished run): a barrier, then
-    ``destroy_process_group``, so no process exits while a peer still talks to it (gloo aborted one with
-    "terminate called without an active exception", and torchrun's agents then waited at their exit barrier).
-    Nothing without a process group."""
+    """End this process's part in its process group once every process is done (a command that finished, or
+    ``--resume_from_checkpoint auto`` over a finished run): a barrier, then ``destroy_process_group``, so no
+    process exits while a peer still talks to it: a gloo process that exits with its group alive can abort in
+    interpreter teardown ("terminate called without an active exception", exit -6; docs/robustness.md). Nothing
+    without a process group; a second call does nothing."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

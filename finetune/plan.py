@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     timed, rest = take_switch(argv, "--time")
-    return plan(parse_config(rest), timed)
+    code = plan(parse_config(rest), timed)
+    distributed.leave()  # every process finished: leave the process group together, not at interpreter exit
+    return code
 
 
 if __name__ == "__main__":

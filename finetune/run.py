@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from finetune import distributed  # lazy (imported by run() already)
     from finetune.reporting import format_summary
 
+    distributed.leave()  # every process finished: leave the process group together, not at interpreter exit
     if metrics is not None and distributed.is_main_process():
         print(format_summary(metrics, config.output_dir))
     return 0

@@ -921,7 +921,9 @@ def main(argv: list[str] | None = None) -> int:
     if wants_help(argv):
         print(__doc__)
         return 0
-    return verify(*parse(argv))
+    code = verify(*parse(argv))
+    distributed.leave()  # every process finished: leave the process group together, not at interpreter exit
+    return code
 
 
 if __name__ == "__main__":
