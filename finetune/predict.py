@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         from accelerate.utils import gather_object  # lazy: slow import (see the top)
 
         results = gather_object(results)  # one process: unchanged; several: every share, in rank order
+        from finetune.distributed import leave  # lazy: slow import (see the top)
+
+        leave()  # the last collective is done: every process leaves the group before the main one writes
         if not state.is_main_process:
             return 0
         if args.output:
