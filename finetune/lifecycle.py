@@ -231,8 +231,8 @@ class RunState:
     # -------------------------------------------------------------------------------- cleanup
     def finish(self, engine, model, tokenizer, device, written=None) -> dict:
         """After training: the metrics (``reporting.run_metrics``), the model, ``metrics.json`` and the model card
-        (``reporting.write_outputs``: ``written``, the model as the backend holds it, else ``model``), the hub's
-        end of training. Returns the metrics."""
+        (``reporting.write_outputs``: ``written``, the model as the backend holds it, else ``model``). Returns the
+        metrics. The hub's end of training is the caller's (``run.run``), once every process has left the group."""
         progress = self.progress
         progress.train_runtime = self.train_runtime()
         metrics = run_metrics(self.config, progress, self.book.final_eval_results(), plan=self.plan,
@@ -242,8 +242,6 @@ class RunState:
             metrics["resumed_from"] = str(self.resume_from)
         write_outputs(engine, written if written is not None else model, tokenizer, self.config, self.recipe, metrics,
                       writes=self.book.writes)
-        if self.hub is not None:
-            self.hub.at_end(self.output_dir)
         return metrics
 
     def close(self) -> None:

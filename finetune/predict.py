@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         from accelerate.utils import gather_object  # lazy: slow import (see the top)
 
         results = gather_object(results)  # one process: unchanged; several: every share, in rank order
-        from finetune.distributed import leave  # lazy: slow import (see the top)
+        from finetune.distributed import leave  # imported by _process_state already
 
         leave()  # the last collective is done: every process leaves the group before the main one writes
         if not state.is_main_process:

@@ -37,7 +37,8 @@ from finetune.signals import watch_launcher  # noqa: E402
 
 def run(config) -> dict | None:
     """Run a parsed ``config``: resolve it (``resolve.resolve``: validate, process group, output dir, hub, threads,
-    the batch plan applied), then train with its backend (or ``--compare`` both). Returns the metrics (None for
+    the batch plan applied), then train with its backend (or ``--compare`` both), leave the process group
+    (``distributed.leave``) and push the final outputs (``--push_to_hub``). Returns the metrics (None for
     ``--compare``; the finished run's under ``--resume_from_checkpoint auto`` over one). Raises ``FinetuneError``."""
     from finetune.resolve import resolve  # lazy: torch, accelerate, the planner (see the imports above)
 
@@ -53,7 +54,15 @@ def run(config) -> dict | None:
         from finetune import trainer_backend as backend  # lazy: transformers.Trainer, --backend trainer only
     else:
         from finetune import train as backend  # lazy: the accelerate backend
-    return backend.train(resolution.config, resolution.recipe, process_start=PROCESS_START, hub=resolution.hub)
+    metrics = backend.train(resolution.config, resolution.recipe, process_start=PROCESS_START, hub=resolution.hub)
+    from finetune import distributed  # lazy (imported by resolve already)
+
+    # The run's last collective is behind us: every process leaves the group together, not at interpreter exit
+    # (docs/robustness.md), and before the main process's final push, which may outlast --ddp_timeout.
+    distributed.leave()
+    if resolution.hub is not None:
+        resolution.hub.at_end(resolution.config.output_dir)
+    return metrics
 
 
 @reports_errors
@@ -69,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     from finetune import distributed  # lazy (imported by run() already)
     from finetune.reporting import format_summary
 
-    distributed.leave()  # every process finished: leave the process group together, not at interpreter exit
     if metrics is not None and distributed.is_main_process():
         print(format_summary(metrics, config.output_dir))
     return 0

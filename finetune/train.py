@@ -109,7 +109,8 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
     loss or gradient (fp32/bf16) or too many fp16 skips in a row, and ``FinetuneError`` for a checkpoint
     that cannot be resumed or written. ``build(config, recipe) -> Setup``: ``setup`` unless given
     (``finetune.verify`` wraps it to observe a run, or to vary its data order or loss for its controls).
-    ``hub``: a ``finetune.hub.HubPush`` (``--push_to_hub``, main process) told of each checkpoint and of the end.
+    ``hub``: a ``finetune.hub.HubPush`` (``--push_to_hub``, main process) told of each checkpoint (the
+    final push is ``run.run``'s).
     """
     built = (build or setup)(config, recipe)
     accelerator, model, optimizer, scheduler, task = built.accelerator, built.model, built.optimizer, built.scheduler, built.task
@@ -208,7 +209,11 @@ class RunState(lifecycle.RunState):
             self.progress_bar.close()
         self.close()
         if self.trackers:
-            self.accelerator.end_training()
+            # Accelerator.end_training without its destroy_process_group (accelerate 1.15 accelerator.py:3429-3449
+            # end_training: each tracker's finish(), then PartialState.destroy_process_group with no barrier):
+            # the processes leave the group together afterwards (run.run, distributed.leave)
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
             self.trackers = False
 
     def _load(self, path: Path, loaded) -> None:
@@ -299,6 +304,7 @@ class RunState(lifecycle.RunState):
         if stop_votes > 0:
             path = self.save("stopped by signal", push=False)  # the process ends now: no upload to wait for
             signum = stop.signum or signal.SIGTERM
+            distributed.leave()  # every process stops here (the vote was all-reduced): leave the group together
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} after optimizer step {step}; "
                                   f"checkpoint: {path}. Resume with:\n    {self.resume_command()}", signum)
         if book.evaluate_after_step(step):

@@ -52,47 +52,60 @@ def test_leave_without_a_process_group_does_nothing():
     assert not dist.is_initialized()
 
 
-def _entries():
-    from finetune import plan, run, verify
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+@pytest.mark.parametrize("push", [False, True])
+def test_a_run_leaves_the_group_after_training_and_before_the_final_push(monkeypatch, backend, push):
+    """``run.run``: the backend trains (its last collective: the final save), every process leaves the group,
+    then the main process pushes (``--push_to_hub``: may outlast ``--ddp_timeout``, so no peer may wait for it
+    at a barrier)."""
+    import importlib
 
-    return {  # each launched command's main: (module, the name of the work it calls, its argv)
-        "train": (run, "run", ["--recipe", "bbc-news"]),
-        "verify": (verify, "verify", ["--recipe", "bbc-news"]),
-        "plan": (plan, "plan", ["--recipe", "bbc-news"]),
-    }
+    from finetune import distributed, resolve, run
+    from finetune.config import parse_config
+
+    calls = []
+
+    class Hub:
+        def at_end(self, output_dir):
+            calls.append(("push", output_dir))
+
+    config = parse_config(["--recipe", "bbc-news", "--output_dir", "out", "--backend", backend])
+    monkeypatch.setattr(resolve, "resolve", lambda config: resolve.Resolution(config, None, hub=Hub() if push else None))
+    module = importlib.import_module("finetune.train" if backend == "accelerate" else "finetune.trainer_backend")
+    monkeypatch.setattr(module, "train", lambda *a, **k: calls.append("train") or {"optimizer_steps": 1})
+    monkeypatch.setattr(distributed, "leave", lambda: calls.append("leave"))
+    assert run.run(config) == {"optimizer_steps": 1}
+    assert calls == ["train", "leave", *([("push", "out")] if push else [])]
 
 
-@pytest.mark.parametrize("command", ["train", "verify", "plan"])
-def test_each_launched_command_leaves_the_group_after_its_work(monkeypatch, command):
+@pytest.mark.parametrize("command", ["verify", "plan"])
+def test_verify_and_plan_leave_the_group_after_their_work(monkeypatch, command):
+    import importlib
+
     from finetune import distributed
 
-    module, work, argv = _entries()[command]
+    module = importlib.import_module(f"finetune.{command}")
     calls = []
-    result = None if command == "train" else 1  # train's run returns metrics (None: nothing to print)
-
-    def fake_work(*args, **kwargs):
-        calls.append("work")
-        return result
-
-    monkeypatch.setattr(module, work, fake_work)
+    monkeypatch.setattr(module, command, lambda *a, **k: calls.append("work") or 1)
     if command == "verify":
         monkeypatch.setattr(module, "parse", lambda argv: (argv, 1))
     monkeypatch.setattr(distributed, "leave", lambda: calls.append("leave"))
-    code = module.main(argv)
+    assert module.main(["--recipe", "bbc-news"]) == 1  # the work's exit code is kept
     assert calls == ["work", "leave"]
-    assert code == (0 if command == "train" else 1)  # the work's exit code is kept
 
 
-def test_a_refused_command_does_not_wait_at_the_barrier(monkeypatch, capsys):
-    """A ``FinetuneError`` (one ``error:`` line) ends the command without ``leave``: a process that refuses
-    while its peers went on must not wait at a barrier they never reach."""
-    from finetune import distributed, run
+def test_a_run_that_fails_does_not_wait_at_the_barrier(monkeypatch, capsys):
+    """A ``FinetuneError`` from the backend (one ``error:`` line) ends the run without ``leave``: a failing
+    process must not block at a barrier its peers may never reach."""
+    from finetune import distributed, resolve, run
+    from finetune import train as backend
     from finetune.errors import FinetuneError
 
-    def refuse(config):
-        raise FinetuneError("refused")
+    def fail(*args, **kwargs):
+        raise FinetuneError("writing checkpoint step_00000001 failed")
 
-    monkeypatch.setattr(run, "run", refuse)
-    monkeypatch.setattr(distributed, "leave", lambda: pytest.fail("leave after a refusal"))
+    monkeypatch.setattr(resolve, "resolve", lambda config: resolve.Resolution(config, None))
+    monkeypatch.setattr(backend, "train", fail)
+    monkeypatch.setattr(distributed, "leave", lambda: pytest.fail("leave after a failure"))
     assert run.main(["--recipe", "bbc-news"]) == 2
-    assert "error: refused" in capsys.readouterr().err
+    assert "error: writing checkpoint step_00000001 failed" in capsys.readouterr().err

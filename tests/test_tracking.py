@@ -6,9 +6,14 @@ import pytest
 from helpers import run_in_process, train_steps
 
 
-def test_tensorboard_event_files_hold_loss_and_eval(tmp_path, tiny_bert):
+def test_tensorboard_event_files_hold_loss_and_eval(tmp_path, tiny_bert, monkeypatch):
+    """... and the trackers end without ``Accelerator.end_training``'s ``destroy_process_group`` (no barrier: a
+    process would leave while a peer still writes; ``run.run`` leaves the group with every process)."""
+    from accelerate.state import PartialState
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    destroyed = []
+    monkeypatch.setattr(PartialState, "destroy_process_group", lambda self, group=None: destroyed.append(group))
     metrics, out = run_in_process(tmp_path, "tb", model_name_or_path=tiny_bert, report_to="tensorboard",
                                   max_train_samples=24, max_eval_samples=8, per_device_train_batch_size=4,
                                   gradient_accumulation_steps=2, num_train_epochs=2, max_length=32)
@@ -27,6 +32,7 @@ def test_tensorboard_event_files_hold_loss_and_eval(tmp_path, tiny_bert):
     assert "train/grad_norm" in scalars and "train/samples_per_second" in scalars
     assert scalars["eval/accuracy"][-1] == (metrics["optimizer_steps"], pytest.approx(metrics["eval_accuracy"]))
     assert len(scalars["eval/loss"]) == 2  # after each epoch
+    assert destroyed == []
 
 
 def test_missing_tracker_package_is_a_clear_error(tmp_path, tiny_bert):
