@@ -233,6 +233,16 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
 
 
 @pytest.mark.integration
+def test_gloo_teardown_smoke():
+    """One trial per way (two 2-process torchrun launches): both ways counted, and leave() let its launch end."""
+    out = run_bench("gloo_teardown.py", "--trials", "1", "--delay", "0.2", timeout=120).stdout
+    counts = dict(re.findall(r"^(without|with) leave\(\): (\d+ of 1 launches failed, \d+ with the teardown abort)$",
+                             out, re.M))
+    assert set(counts) == {"without", "with"}, out
+    assert counts["with"] == "0 of 1 launches failed, 0 with the teardown abort"
+
+
+@pytest.mark.integration
 def test_full_mode_commands(capsys):
     """--dry_run prints the full-mode run.py commands: the recipe's model, the sizes and the same samples."""
     lines = run_bench_in_process(capsys, "bench_accumulation.py", "--dry_run").splitlines()
