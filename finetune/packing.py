@@ -379,6 +379,12 @@ def flag_of(config) -> str:
     return f"--packing --packing_strategy {config.packing_strategy}" if config.packing else "--padding_free"
 
 
+def is_sharded(distributed_type) -> bool:
+    """Whether accelerate's ``DistributedType`` (or its name) is FSDP or DeepSpeed, where a packed window keeps its
+    micro-batch count and the model stays where it was loaded until the engine shards it."""
+    return str(getattr(distributed_type, "name", distributed_type)) in ("FSDP", "DEEPSPEED")
+
+
 def packer_for(config, task, model, distributed_type=None, exact: bool = False, precision: str = "no") -> Packer | None:
     """The ``Packer`` ``--padding_free`` / ``--packing`` ask for (None when neither), after the per-sequence check on
     ``model`` (the unwrapped model, before training). ``distributed_type``: accelerate's ``DistributedType`` (its
@@ -396,7 +402,7 @@ def packer_for(config, task, model, distributed_type=None, exact: bool = False, 
     if not isinstance(task, CausalLM):
         raise FinetuneError(f"{flag} is for causal LM and SFT recipes; a {task.name} recipe keeps padded "
                             "micro-batches (one label per sample, nothing to pack). Drop the flag.")
-    sharded = str(getattr(distributed_type, "name", distributed_type)) in ("FSDP", "DEEPSPEED")
+    sharded = is_sharded(distributed_type)
     if sharded and config.max_tokens_per_micro_batch is not None:
         raise FinetuneError(f"--max_tokens_per_micro_batch is not used under {distributed_type.name}: a packed window "
                             "keeps its N micro-batches there (every process must run as many), of at most m rows of "

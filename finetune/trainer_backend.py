@@ -276,8 +276,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     check_eval_set(len(datasets["validation"]), config)
     # the per-sequence check on the model as loaded, before anything is written, on the device Trainer puts it on
     # (transformers 5.24 trainer.py lines 495-504; under FSDP and DeepSpeed it stays where it was loaded)
-    sharded = args.distributed_state.distributed_type.name in ("FSDP", "DEEPSPEED")
-    if (config.padding_free or config.packing) and not sharded:
+    if (config.padding_free or config.packing) and not packing.is_sharded(args.distributed_state.distributed_type):
         model = model.to(args.device)
     pack = packing.packer_for(config, task, model, args.distributed_state.distributed_type, exact=True,
                               precision=precision_hint)

@@ -7,18 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port
 
 
 def _leave_late_or_early(rank: int, port: int, folder: str) -> None:
@@ -38,7 +32,7 @@ def _leave_late_or_early(rank: int, port: int, folder: str) -> None:
 
 
 def test_leave_waits_for_every_process_then_ends_the_group(tmp_path):
-    mp.spawn(_leave_late_or_early, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_leave_late_or_early, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert not any(r["initialized"] for r in ranks)  # the group is destroyed on both
     assert ranks[1]["left"] >= ranks[0]["arrived"]  # rank 1 waited for the late rank 0 (no barrier: ~1 s early)
