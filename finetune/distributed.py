@@ -19,6 +19,8 @@ Process state: ``process_state`` is the one place Accelerate's ``PartialState`` 
 
 from __future__ import annotations
 
+import gc
+import importlib
 import math
 import os
 import uuid
@@ -45,6 +47,11 @@ def process_state(cpu: bool = False, timeout_seconds: int | None = None) -> Part
     tests' gloo ranks) or ``cpu`` is True. The only place the package constructs one. ``timeout_seconds``:
     the collective timeout (``--ddp_timeout``), effective only where this call starts the process group."""
     kwargs = {} if timeout_seconds is None else {"timeout": timedelta(seconds=timeout_seconds)}
+    # torch.distributed.nn before the group starts: imported after (the first DistributedDataParallel imports it,
+    # through torch._dynamo and FSDP's modules), its functions take the group's handle as a default argument
+    # (``group=group.WORLD``, torch/distributed/nn/functional.py) and own the group for the life of the process.
+    if torch.distributed.is_available() and not torch.distributed.is_initialized():
+        importlib.import_module("torch.distributed.nn")
     return PartialState(cpu=cpu or parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
 
 
@@ -58,12 +65,13 @@ def reset_state() -> None:
 
 
 def leave() -> None:
-    """End this process's part in its process group once every process is done (a command that finished, or
-    ``--resume_from_checkpoint auto`` over a finished run): a barrier, then ``destroy_process_group``, so no
-    process exits while a peer still talks to it: a gloo process that exits with its group alive can abort in
-    interpreter teardown ("terminate called without an active exception", exit -6; docs/robustness.md). Nothing
-    without a process group; a second call does nothing."""
+    """End this process's part in its process group once every process is done (a command that finished, a run
+    stopped by a signal, or ``--resume_from_checkpoint auto`` over a finished run), after dropping its
+    ``DistributedDataParallel`` models: ``gc.collect``, a barrier, then ``destroy_process_group``, which then
+    releases the group's last owner and joins gloo's threads here. Why: docs/robustness.md#leaving-the-process-group.
+    Nothing without a process group; a second call does nothing."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()  # a model in a reference cycle goes now, while the group's Python handles still own the group
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # before the slow imports: stop with the launcher (s
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize inside forked workers
 
 from finetune.config import parse_config  # noqa: E402 - after the path set-up above
-from finetune.errors import reports_errors  # noqa: E402
+from finetune.errors import TrainingStopped, reports_errors  # noqa: E402
 from finetune.recipes import list_recipes  # noqa: E402
 from finetune.signals import watch_launcher  # noqa: E402
 
@@ -54,12 +54,22 @@ def run(config) -> dict | None:
         from finetune import trainer_backend as backend  # lazy: transformers.Trainer, --backend trainer only
     else:
         from finetune import train as backend  # lazy: the accelerate backend
-    metrics = backend.train(resolution.config, resolution.recipe, process_start=PROCESS_START, hub=resolution.hub)
     from finetune import distributed  # lazy (imported by resolve already)
 
+    try:
+        metrics = backend.train(resolution.config, resolution.recipe, process_start=PROCESS_START, hub=resolution.hub)
+    except TrainingStopped as err:  # a signal: every process stopped at the same step, after its checkpoint
+        # without its traceback (nor a chained exception's): the frames that hold the model go before leave()
+        stopped = err.with_traceback(None)
+        stopped.__context__ = stopped.__cause__ = None
+    else:
+        stopped = None
     # The run's last collective is behind us: every process leaves the group together, not at interpreter exit
-    # (docs/robustness.md), and before the main process's final push, which may outlast --ddp_timeout.
+    # (docs/robustness.md#leaving-the-process-group), and before the main process's final push, which may
+    # outlast --ddp_timeout.
     distributed.leave()
+    if stopped is not None:
+        raise stopped
     if resolution.hub is not None:
         resolution.hub.at_end(resolution.config.output_dir)
     return metrics

@@ -304,7 +304,7 @@ class RunState(lifecycle.RunState):
         if stop_votes > 0:
             path = self.save("stopped by signal", push=False)  # the process ends now: no upload to wait for
             signum = stop.signum or signal.SIGTERM
-            distributed.leave()  # every process stops here (the vote was all-reduced): leave the group together
+            # every process raises here, at the same step (the vote was all-reduced); run.run leaves the group
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} after optimizer step {step}; "
                                   f"checkpoint: {path}. Resume with:\n    {self.resume_command()}", signum)
         if book.evaluate_after_step(step):

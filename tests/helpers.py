@@ -96,14 +96,23 @@ def launch_env(env: dict | None = None) -> dict:
 
 
 def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None = None,
-              sync_log: str | None = None) -> dict:
+              sync_log: str | None = None, leave_log: str | None = None) -> dict:
     """The environment additions that make a launched process inject faults (``tests/faults``): its folder
     first on ``PYTHONPATH`` (before this process's), so its ``sitecustomize`` runs, and the variables it
     reads: ``cpu_fp16``: fp16 on a CPU really runs fp16; ``overflow_steps``: those optimizer steps (1-based)
     overflow; ``save_error``: ``FAULT_SAVE_ERROR`` (e.g. "RuntimeError@rank1@step2": that rank's checkpoint
     write of that step fails); ``sync_log``: a folder where each rank logs which backwards DDP all-reduced in
-    (``install_sync_log``). Pass the result as ``env=`` to ``launch``, ``run_script`` and the like."""
-    from faults.finetune_faults import CPU_FP16_ENV, FAULTS_DIR, OVERFLOW_STEPS_ENV, SAVE_ERROR_ENV, SYNC_LOG_ENV
+    (``install_sync_log``); ``leave_log``: a folder where each rank records whether ``distributed.leave``
+    ended its process group (``install_leave_log``; ``leave_records`` reads them). Pass the result as ``env=``
+    to ``launch``, ``run_script`` and the like."""
+    from faults.finetune_faults import (
+        CPU_FP16_ENV,
+        FAULTS_DIR,
+        LEAVE_LOG_ENV,
+        OVERFLOW_STEPS_ENV,
+        SAVE_ERROR_ENV,
+        SYNC_LOG_ENV,
+    )
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (FAULTS_DIR, os.environ.get("PYTHONPATH", "")) if p)}
     if cpu_fp16:
@@ -114,7 +123,14 @@ def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None 
         env[SAVE_ERROR_ENV] = save_error
     if sync_log:
         env[SYNC_LOG_ENV] = sync_log
+    if leave_log:
+        env[LEAVE_LOG_ENV] = leave_log
     return env
+
+
+def leave_records(folder: Path) -> list[dict]:
+    """The ``install_leave_log`` records in ``folder``, rank by rank, in call order."""
+    return [json.loads(path.read_text()) for path in sorted(Path(folder).glob("leave-rank*-*.json"))]
 
 
 def launch(args: list[str], num_processes: int = 1, timeout: int = 600, env: dict | None = None,
@@ -139,14 +155,16 @@ def machine_cpus(rank: int, machines: int) -> set[int]:
     return set(cpus[rank::machines]) if len(cpus) >= machines else {cpus[rank % len(cpus)]}
 
 
-def start_launch(args: list[str], logs: Path, num_processes: int = 1, machine: tuple[int, int, int] | None = None):
+def start_launch(args: list[str], logs: Path, num_processes: int = 1, machine: tuple[int, int, int] | None = None,
+                 env: dict | None = None):
     """Start ``accelerate launch finetune/run.py ARGS`` (see ``launch_command``) in the background, its stdout
     and stderr going to ``logs``.out and ``logs``.err (files, not pipes: a full pipe would stall a run nobody
-    reads). A ``machine`` runs on its own share of this host's CPUs (``machine_cpus``). Returns the ``Popen``."""
+    reads), with ``env`` added to its environment. A ``machine`` runs on its own share of this host's CPUs
+    (``machine_cpus``). Returns the ``Popen``."""
     cpus = machine_cpus(machine[0], machine[1]) if machine and hasattr(os, "sched_setaffinity") else None
     with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:
         return subprocess.Popen(launch_command(args, num_processes, machine), stdout=out, stderr=err,
-                                env=launch_env(), cwd=REPO,
+                                env=launch_env(env), cwd=REPO,
                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
 

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from helpers import launch, load_params, start_launch, train_steps
+from helpers import fault_env, launch, leave_records, load_params, start_launch, train_steps
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,10 @@ def test_sigterm_to_two_process_launcher_checkpoints_within_torchrun_grace(tmp_p
     reference = one_process_reference(shared_runs, tiny_bert)
 
     out = tmp_path / "stopped"
-    launcher = start_launch([*args, "--output_dir", str(out)], tmp_path / "stopped", num_processes=2)
+    leaves = tmp_path / "leaves"
+    leaves.mkdir()
+    launcher = start_launch([*args, "--output_dir", str(out)], tmp_path / "stopped", num_processes=2,
+                            env=fault_env(leave_log=str(leaves)))
     try:
         wait_for_steps(out, 2, launcher, timeout=240)
         signalled = time.monotonic()
@@ -146,6 +149,9 @@ def test_sigterm_to_two_process_launcher_checkpoints_within_torchrun_grace(tmp_p
     # both workers ended by themselves through TrainingStopped (exit code 143), none killed by torchrun
     assert stderr.count(f"error: stopped by SIGTERM after optimizer step {stopped_at}; checkpoint: {out}") == 2
     assert "Unable to shutdown process" not in stderr and "SIGKILL" not in stderr
+    # each ended its process group in leave(), the stopped run's model dropped first (a model alive there joins
+    # gloo's threads later with the GIL held: the hang that once made this launch outlast torchrun's 30 s)
+    assert leave_records(leaves) == [{"group_started": True, "handle_alive": False}] * 2
 
     resumed = launch([*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"], num_processes=2,
                      timeout=300)

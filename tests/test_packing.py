@@ -424,8 +424,9 @@ def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
     loop under a 48-token budget, where the processes run different numbers of micro-batches per step; in the
     Trainer backend 2 micro-batches per step on each process): same samples, items, losses and weights. Each
     process all-reduces in exactly one backward per optimizer step, its last (DDP's comm hook observed by
-    ``tests/faults`` ``install_sync_log``)."""
-    from helpers import fault_env, launch
+    ``tests/faults`` ``install_sync_log``), and ends the process group in ``distributed.leave``
+    (``install_leave_log``)."""
+    from helpers import fault_env, launch, leave_records
 
     common = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", clm_texts[0],
               "--validation_file", clm_texts[1], "--num_train_epochs", "1", "--disable_dropout", "True",
@@ -441,8 +442,10 @@ def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
         outs[name], log = tmp_path / name, tmp_path / f"{name}-syncs"
         log.mkdir()
         result = launch(common + ["--output_dir", str(outs[name]), *extra], num_processes=2, timeout=900,
-                        env=fault_env(sync_log=str(log)))
+                        env=fault_env(sync_log=str(log), leave_log=str(log)))
         assert result.returncode == 0, result.stderr[-3000:]
+        # each process left the group once, its last owner gone with it (the model freed first: run.run)
+        assert leave_records(log) == [{"group_started": True, "handle_alive": False}] * 2, name
         backwards[name] = [[json.loads(line) for line in (log / f"rank{r}.jsonl").read_text().splitlines()]
                            for r in (0, 1)]
         for rank in backwards[name]:  # all-reduced in a backward exactly when it ended an optimizer step

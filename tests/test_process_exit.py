@@ -1,7 +1,8 @@
 """How a launched command's processes end: every process leaves the process group together
-(``distributed.leave``: a barrier, then ``destroy_process_group``) once its work is done, so none exits with its
-gloo group alive while a peer is still busy (which can abort it in interpreter teardown, exit -6:
-docs/robustness.md)."""
+(``distributed.leave``: ``gc.collect``, a barrier, then ``destroy_process_group``) once its work is done and its
+models are dropped, so none exits with its gloo group alive while a peer is still busy (which can abort it in
+interpreter teardown, exit -6), and the group's gloo threads are joined inside ``leave`` (a model still alive would
+join them later with the GIL held, which can hang: docs/robustness.md#leaving-the-process-group)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,50 @@ def test_leave_waits_for_every_process_then_ends_the_group(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert not any(r["initialized"] for r in ranks)  # the group is destroyed on both
     assert ranks[1]["left"] >= ranks[0]["arrived"]  # rank 1 waited for the late rank 0 (no barrier: ~1 s early)
+
+
+def _leave_with_a_model_in_a_cycle(rank: int, port: int, folder: str) -> None:
+    """A DDP model trained one step, then dropped into an unreachable reference cycle; an object gather as the last
+    collective (its tensors are Python's: a gloo worker needs the GIL to free them). Writes whether ``leave`` ended
+    the group's Python handle (then its C++ group, and its gloo worker threads, went with it)."""
+    import gc
+    import weakref
+
+    import torch
+    from accelerate.utils import gather_object
+
+    from finetune import distributed
+
+    gc.disable()  # no collection by chance: leave() must do it
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", ACCELERATE_USE_CPU="1")
+    distributed.process_state()  # the product's way in: it starts the gloo group
+    import torch.distributed.nn  # noqa: F401 - as the first DDP would: no-op when process_state imported it already
+    handle = weakref.ref(dist.group.WORLD)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    cycle = {"model": model}
+    cycle["self"] = cycle  # reachable from nothing once the names below go: only gc.collect frees it
+    del model, cycle
+    gathered = gather_object([rank])
+    distributed.leave()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump({"gathered": gathered, "initialized": dist.is_initialized(), "handle_alive": handle() is not None},
+                  f)
+
+
+def test_leave_ends_the_group_when_the_model_sits_in_a_reference_cycle(tmp_path):
+    """A model's DistributedDataParallel ``Reducer`` owns the group from C++ and frees it with the GIL held: if it
+    outlives ``leave``, gloo's threads are joined at its release, and a worker that still needs the GIL hangs the
+    process (CI: torchrun's SIGKILL 30 s after a stop). ``leave`` frees the cycle first, so the group's last owner is
+    its Python handle, released in ``destroy_process_group``. Without ``gc.collect`` in ``leave``, or with
+    ``torch.distributed.nn`` first imported after the group started (its functions would hold the handle as a
+    default argument), the handle outlives ``leave`` and this fails."""
+    mp.spawn(_leave_with_a_model_in_a_cycle, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["gathered"] for r in ranks] == [[0, 1], [0, 1]]
+    assert [r["initialized"] for r in ranks] == [False, False]
+    assert [r["handle_alive"] for r in ranks] == [False, False]
 
 
 def test_leave_without_a_process_group_does_nothing():
@@ -86,6 +131,52 @@ def test_verify_and_plan_leave_the_group_after_their_work(monkeypatch, command):
     monkeypatch.setattr(distributed, "leave", lambda: calls.append("leave"))
     assert module.main(["--recipe", "bbc-news"]) == 1  # the work's exit code is kept
     assert calls == ["work", "leave"]
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_a_stopped_run_leaves_the_group_once_its_frames_are_gone(monkeypatch, capsys, push):
+    """A signal stops every process at the same step (``TrainingStopped``, after the checkpoint): ``run.run`` drops
+    the exception's traceback, and with it the training frames that hold the model, then leaves the group, and
+    the stop ends the command (exit 143) with no final push. Leaving with the traceback alive would keep the model
+    (test above), and this fails."""
+    import gc
+    import weakref
+
+    from finetune import distributed, resolve, run
+    from finetune import train as backend
+    from finetune.errors import TrainingStopped
+
+    class Model:  # stands for the prepared model the training frames hold
+        pass
+
+    calls, model = [], []
+
+    class Hub:
+        def at_end(self, output_dir):
+            calls.append("push")
+
+    def stopped(*args, **kwargs):
+        frame_model = Model()
+        model.append(weakref.ref(frame_model))
+        calls.append("train")
+        raise TrainingStopped("stopped by SIGTERM after optimizer step 3; checkpoint: out/checkpoints/step_00000003",
+                              15)
+
+    def leave():
+        calls.append("leave")
+        assert model[0]() is None, "leave() while the stopped run's frames still hold its model"
+
+    gc.disable()  # the frames must go by reference counting, not by a collection that happens to run
+    try:
+        monkeypatch.setattr(resolve, "resolve", lambda config: resolve.Resolution(config, None,
+                                                                                   hub=Hub() if push else None))
+        monkeypatch.setattr(backend, "train", stopped)
+        monkeypatch.setattr(distributed, "leave", leave)
+        assert run.main(["--recipe", "bbc-news"]) == 143
+    finally:
+        gc.enable()
+    assert calls == ["train", "leave"]
+    assert "error: stopped by SIGTERM after optimizer step 3" in capsys.readouterr().err
 
 
 def test_a_run_that_fails_does_not_wait_at_the_barrier(monkeypatch, capsys):

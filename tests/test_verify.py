@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from faults.finetune_faults import install_learning_rate
-from helpers import REPO, launch
+from helpers import REPO, fault_env, launch, leave_records
 from tiny_models import build_tiny_chat_llama, build_tiny_moe, write_variable_length_texts
 
 from finetune import verify
@@ -100,13 +100,18 @@ def test_every_shipped_recipe_verifies_exact_on_both_engines(tmp_path, recipe, t
 @pytest.mark.parametrize("recipe", ["bbc-news", "bbc-news-clm"])
 def test_two_processes_verify_exact_through_the_launcher(tmp_path, recipe, tiny_bert, tiny_llama):
     """Before the Trainer backend multiplied its loss by the number of processes, its gradients were half the
-    accelerate engine's on two processes, and this test failed on the engine rows."""
+    accelerate engine's on two processes, and this test failed on the engine rows. Each process ends the process
+    group in ``distributed.leave`` (``tests/faults`` ``install_leave_log``)."""
     out = tmp_path / "verify"
     model = tiny_bert if recipe == "bbc-news" else tiny_llama
+    leaves = tmp_path / "leaves"
+    leaves.mkdir()
     result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, "--output_dir", str(out)],
-                    num_processes=2, module="finetune.verify")
+                    num_processes=2, module="finetune.verify", env=fault_env(leave_log=str(leaves)))
     report = json.loads((out / "verify.json").read_text())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # after all its in-process runs, each process ended the group in leave(): no run's model outlived it
+    assert leave_records(leaves) == [{"group_started": True, "handle_alive": False}] * 2
     assert_exact(0, report)
     assert report["processes"] == 2 and report["effective_batch"] == 8 and report["engine"] == "DDP"
     assert "Verdict: exact" in result.stdout

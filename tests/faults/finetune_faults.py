@@ -52,6 +52,7 @@ OVERFLOW_STEPS_ENV = "FAULT_OVERFLOW_STEPS"  # comma-separated optimizer steps (
 LEARNING_RATE_ENV = "FAULT_LEARNING_RATE"  # ACCUMULATION:FACTOR: those runs train at FACTOR x the learning rate
 SAVE_ERROR_ENV = "FAULT_SAVE_ERROR"  # TYPE@rankR@stepS: that rank's checkpoint write of step S raises TYPE
 SYNC_LOG_ENV = "FAULT_SYNC_LOG"  # a folder: each rank logs, per backward, whether DDP all-reduced in it
+LEAVE_LOG_ENV = "FAULT_LEAVE_LOG"  # a folder: each rank records whether leave() ended its process group's handle
 FAULTS_DIR = os.path.dirname(os.path.abspath(__file__))  # what goes first on a launched process's PYTHONPATH
 
 _STEPS_DONE = "_fault_optimizer_steps_done"  # attribute the overflow wrapper keeps on each Accelerator
@@ -218,6 +219,35 @@ def install_sync_log(folder: str, set_attr=setattr, accelerator_class=None) -> N
     set_attr(cls, "backward", backward)
 
 
+def install_leave_log(folder: str, set_attr=setattr, distributed_module=None) -> None:
+    """An observer, not a fault: wrap ``finetune.distributed.leave`` so that each call writes, after the real one,
+    ``FOLDER/leave-rank<RANK>-<n>.json``: ``{"group_started": whether a process group was up, "handle_alive":
+    whether its Python handle (``torch.distributed.group.WORLD``, held through a weak reference) outlived the
+    call}``. A dead handle means nothing else held the group: ``destroy_process_group`` released its last owner,
+    so gloo's worker threads were joined inside ``leave`` (docs/robustness.md#leaving-the-process-group)."""
+    import importlib
+    import json
+    import weakref
+
+    module = distributed_module or importlib.import_module("finetune.distributed")
+    original = module.leave
+    calls = [0]
+
+    @functools.wraps(original)
+    def leave():
+        import torch.distributed as dist
+
+        started = dist.is_available() and dist.is_initialized()
+        handle = weakref.ref(dist.group.WORLD) if started else None
+        original()
+        calls[0] += 1
+        path = os.path.join(folder, f"leave-rank{os.environ.get('RANK', '0')}-{calls[0]}.json")
+        with open(path, "w") as f:
+            json.dump({"group_started": started, "handle_alive": handle is not None and handle() is not None}, f)
+
+    set_attr(module, "leave", leave)
+
+
 # ------------------------------------------------------------------------------------------ failing checkpoint write
 def _save_error(kind: str):
     """An exception of ``kind`` with the message the real writer gives on a full disk (measured on a full
@@ -375,6 +405,9 @@ def install_on_import(environ=None, after=after_import) -> None:
     if sync_log.strip():
         after("accelerate.accelerator",
               lambda module: install_sync_log(sync_log.strip(), accelerator_class=module.Accelerator))
+    leave_log = environ.get(LEAVE_LOG_ENV, "")
+    if leave_log.strip():
+        after("finetune.distributed", lambda module: install_leave_log(leave_log.strip(), distributed_module=module))
     save_error = environ.get(SAVE_ERROR_ENV, "")
     if save_error.strip():
         after("accelerate.checkpointing", lambda module: install_save_error(*parse_save_error(save_error)))
