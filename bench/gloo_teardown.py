@@ -2,10 +2,12 @@
 
 Each trial launches ``torchrun --nproc_per_node 2`` on a small DDP script (3 backwards of a Linear through
 ``DistributedDataParallel``); rank 0 then sleeps ``--delay`` seconds, as it does while it writes the final
-model, and rank 1 is done. ``without``: both processes return with the group alive; ``with``: both call
-``finetune.distributed.leave()`` (a barrier, then ``destroy_process_group``) first; both import it. The two ways
-alternate (ABBA). Printed: per way, the launches that failed, and (counted apart) the launches whose output holds
-"terminate called without an active exception". Run: ``python bench/gloo_teardown.py --trials 40``. Figures: docs/robustness.md.
+model, and rank 1 is done. ``without``: both processes return with the group alive; ``with``: both drop the model
+and call ``finetune.distributed.leave()`` (``gc.collect``, a barrier, then ``destroy_process_group``) first; both
+import it, and ``torch.distributed.nn`` before the group starts, as ``distributed.process_state`` does. The two
+ways alternate (ABBA). Printed: per way, the launches that failed, and (counted apart) the launches whose output holds
+"terminate called without an active exception". Run: ``python bench/gloo_teardown.py --trials 40``.
+Figures: docs/robustness.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os, sys, time
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from finetune.distributed import leave  # in both ways: they differ in the call only
+import torch.distributed.nn  # before the group starts, as distributed.process_state does
 dist.init_process_group("gloo")
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
 for _ in range(3):
@@ -29,6 +32,7 @@ for _ in range(3):
 if dist.get_rank() == 0:
     time.sleep(float(sys.argv[2]))
 if sys.argv[3] == "with":
+    del model  # leave() after the model is dropped, as the commands do (docs/robustness.md#leaving-the-process-group)
     leave()
 """
 

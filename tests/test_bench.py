@@ -243,6 +243,16 @@ def test_gloo_teardown_smoke():
 
 
 @pytest.mark.integration
+def test_stop_under_load_smoke():
+    """One 2-process launch stopped by SIGTERM after its second step: both workers stopped themselves (exit 143
+    after their checkpoint) and the launch ended well within torchrun's 30 s grace."""
+    out = run_bench("stop_under_load.py", "--smoke", timeout=300).stdout
+    ended = re.search(r"^trial 1/1: ended ([\d.]+) s after SIGTERM \(2 of 2 workers stopped themselves\)$", out, re.M)
+    assert ended and float(ended.group(1)) < 25, out
+    assert re.search(r"^0 of 1 launches hung \(> 25 s after SIGTERM\) with 0 busy processes;", out, re.M), out
+
+
+@pytest.mark.integration
 def test_full_mode_commands(capsys):
     """--dry_run prints the full-mode run.py commands: the recipe's model, the sizes and the same samples."""
     lines = run_bench_in_process(capsys, "bench_accumulation.py", "--dry_run").splitlines()
