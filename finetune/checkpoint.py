@@ -71,11 +71,13 @@ def checkpoints_dir(output_dir) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def step_meaning(config, num_processes: int) -> dict:
+def step_meaning(config, num_processes: int, training_set: dict | None = None) -> dict:
     """The settings that define a step (``STEP_MEANING``) plus the effective batch and its split
-    (``elastic.batch_meaning``)."""
+    (``elastic.batch_meaning``) and the training set the run is bound to (``training_set``:
+    ``data.training_set_identity``, with the held-out flags: ``elastic.data_meaning``)."""
     meaning = {name: getattr(config, name) for name in STEP_MEANING}
     meaning.update(elastic.batch_meaning(config, num_processes))
+    meaning.update(elastic.data_meaning(config, training_set))
     return meaning
 
 
@@ -280,16 +282,22 @@ def read_state(path: Path) -> RunProgress:
                             "(--resume_from_checkpoint PATH) or start again.") from None
 
 
-def check_compatible(state: RunProgress, meaning: dict, path: Path, allow: bool) -> None:
-    """Refuse to resume when a setting of ``STEP_MEANING`` or the effective batch B differs from the
-    checkpoint's (``elastic.check_batch``: its own error), naming each difference; ``allow``
-    (``--ignore_checkpoint_mismatch``) overrides. Another split of the same B is no difference."""
+def check_compatible(state: RunProgress, meaning: dict, path: Path, allow: bool) -> list[str]:
+    """Refuse to resume when the training set (``elastic.check_training_set``), the effective batch B
+    (``elastic.check_batch``) or a setting of ``STEP_MEANING`` differs from the checkpoint's, each with an error
+    naming what changed; ``allow`` (``--ignore_checkpoint_mismatch``) overrides. Another split of the same B is no
+    difference. Returns what ``allow`` let through ("training set: ...", "name: checkpoint X, now Y"), [] for
+    none. Raises ``FinetuneError``."""
+    data_change = elastic.check_training_set(state.step_meaning, meaning, path, allow)
     elastic.check_batch(state.step_meaning, meaning, path, allow)
     differences = elastic.step_differences(state.step_meaning, meaning)
     if differences and not allow:
         raise FinetuneError(
             f"cannot resume from {path}: these settings change what a step means: {'; '.join(differences)}. "
             "Resume with the checkpoint's settings, or pass --ignore_checkpoint_mismatch to continue anyway.")
+    before, now = elastic.effective_batch(state.step_meaning), elastic.effective_batch(meaning)
+    batch = [f"effective batch: checkpoint B = {before}, now B = {now}"] if before not in (None, now) else []
+    return [f"training set: {data_change}"] * (data_change is not None) + batch + differences
 
 
 def checkpoint_path(output_dir, step: int, backend: str = "accelerate") -> Path:

@@ -70,11 +70,62 @@ def check_batch(saved: dict, meaning: dict, path, allow: bool) -> None:
         "start a fresh run in another --output_dir.")
 
 
+# The training set in a checkpoint's step meaning: its identity (``data.training_set_identity``: samples and an
+# order-independent fingerprint of the tokenized rows) and the flags that decide which rows are held out for
+# validation instead of trained on. A resume is bound to it (``training_set_change``).
+DATA = "training_set"
+HELD_OUT_FLAGS = ("validation_file", "dataset_test_split")
+
+
+def data_meaning(config, identity: dict | None) -> dict:
+    """The step meaning's ``DATA`` entry for a run on the training set ``identity``
+    (``data.training_set_identity``), with the held-out flags of ``config``; {} where the identity is unknown."""
+    if identity is None:
+        return {}
+    return {DATA: {**identity, **{name: getattr(config, name, None) for name in HELD_OUT_FLAGS}}}
+
+
+def training_set_change(saved: dict, meaning: dict) -> str | None:
+    """How this launch's training set differs from the one checkpoint ``saved`` was trained on, as "25 training
+    samples, 20 in the checkpoint's run (--validation_file: checkpoint None, now 'dev.csv')", or None where it
+    is the same (equal sample counts and fingerprints) or the checkpoint predates the record (before round 5)."""
+    before, now = saved.get(DATA), meaning.get(DATA)
+    if not before or not now or (before["samples"], before["fingerprint"]) == (now["samples"], now["fingerprint"]):
+        return None
+    if before["samples"] != now["samples"]:
+        what = f"{now['samples']} training samples, {before['samples']} in the checkpoint's run"
+    else:
+        what = (f"{now['samples']} training samples as in the checkpoint's run, but other ones (fingerprint "
+                f"{now['fingerprint']}, checkpoint {before['fingerprint']})")
+    flags = [f"--{name}: checkpoint {before.get(name)!r}, now {now.get(name)!r}" for name in HELD_OUT_FLAGS
+             if before.get(name) != now.get(name)]
+    source = [f"--{name} {meaning[name]!r}" for name in ("train_file", "dataset_name") if meaning.get(name)]
+    if flags:
+        return f"{what} ({'; '.join(flags)}: another split of rows held out for validation)"
+    return f"{what} (the data of {source[0] if source else 'the recipe'} changed)"
+
+
+def check_training_set(saved: dict, meaning: dict, path, allow: bool) -> str | None:
+    """Refuse a resume on another training set (``training_set_change``): its steps would train other samples,
+    the epoch's position would skip or repeat rows, and the schedule, sized in optimizer steps from the set's
+    size, would be re-sized mid-run. Raises ``FinetuneError`` naming the change and the fix; with ``allow``
+    (``--ignore_checkpoint_mismatch``) returns the change for the banner instead. None: the same training set."""
+    change = training_set_change(saved, meaning)
+    if change is None or allow:
+        return change
+    raise FinetuneError(
+        f"cannot resume from {path}: this launch trains on another training set: {change}. Resume with the "
+        "checkpoint's data and flags, start a fresh run in another --output_dir, or pass "
+        "--ignore_checkpoint_mismatch to continue on the new data (the schedule is re-sized, and samples of the "
+        "current epoch are trained twice or not at all).")
+
+
 def step_differences(saved: dict, meaning: dict) -> list[str]:
     """The settings of ``meaning`` (a step's meaning now) that differ from ``saved`` (the checkpoint's), as
-    "name: checkpoint X, now Y", leaving out the split (``SPLIT_FIELDS``) and B (``check_batch`` judges them)."""
+    "name: checkpoint X, now Y", leaving out the split (``SPLIT_FIELDS``), B (``check_batch`` judges them) and the training set
+    (``check_training_set``)."""
     return [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in meaning.items()
-            if k not in SPLIT_FIELDS and k != TOTAL and saved.get(k) != v]
+            if k not in SPLIT_FIELDS and k not in (TOTAL, DATA) and saved.get(k) != v]
 
 
 def samples_done(progress, saved: dict) -> int:

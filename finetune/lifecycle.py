@@ -19,11 +19,13 @@ import torch
 from finetune import checkpoint as ckpt
 from finetune import distributed, elastic, packing
 from finetune.bookkeeping import Bookkeeping, empty_window_error
+from finetune.data import training_set_identity
 from finetune.errors import FinetuneError
 from finetune.evaluation import evaluate, generation_eval, write_generations
 from finetune.preemption import SaveBudget
 from finetune.progress import RunProgress
 from finetune.reporting import run_banner, run_metrics, write_outputs
+from finetune.steps import micro_batches_per_process, plan_steps
 from finetune.tasks import CausalLM
 
 
@@ -65,21 +67,25 @@ class RunState:
     ``layout``: the ``distributed.StorageLayout`` (who writes the run's files); ``precision``: "no", "fp16" or
     "bf16" as it runs; ``say``: prints on the main process only; ``main``: this is the main process; ``hub``: a
     ``finetune.hub.HubPush`` or None; ``process_start``: ``time.time()`` when the process started (for
-    ``metrics.json``); ``raw_validation``: the validation split before tokenizing (generation evaluates it)."""
+    ``metrics.json``); ``raw_validation``: the validation split before tokenizing (generation evaluates it);
+    ``train_dataset``: the tokenized training set (a ``datasets.Dataset``) that the run and its checkpoints are
+    bound to (``data.training_set_identity``; None: not recorded)."""
 
     def __init__(self, config, recipe, *, backend: str, plan, num_processes: int, task, layout, precision: str, say,
-                 main: bool, raw_validation=None, hub=None, process_start: float | None = None):
+                 main: bool, raw_validation=None, hub=None, process_start: float | None = None, train_dataset=None):
         self.config, self.recipe, self.backend, self.plan = config, recipe, backend, plan
         self.num_processes, self.task, self.layout, self.precision = num_processes, task, layout, precision
         self.say, self.raw_validation, self.hub, self.process_start = say, raw_validation, hub, process_start
         self.output_dir = Path(config.output_dir)
-        self.meaning = ckpt.step_meaning(config, num_processes)
+        identity = training_set_identity(train_dataset) if train_dataset is not None else None
+        self.meaning = ckpt.step_meaning(config, num_processes, identity)
         self.book = Bookkeeping(config, plan, RunProgress(num_processes=num_processes, step_meaning=self.meaning),
                                 writes=layout.writes, say=say, counts_tokens=isinstance(task, CausalLM))
         # will a stop signal's step and checkpoint fit the grace before SIGKILL? (the main process says)
         self.budget = SaveBudget(config.preemption_grace_seconds, say, active=main)
         self.resume_from: Path | None = None
         self.resume_notes: list[str] = []  # what a resume on another split of B changed (banner lines)
+        self.overridden: list[str] = []  # what --ignore_checkpoint_mismatch let through on resume (banner lines)
         self.runtime_before, self.train_start, self.samples_at_start = 0.0, time.perf_counter(), 0
         self.step_mark = time.perf_counter()  # when the optimizer step (or the save) in progress began
 
@@ -111,13 +117,30 @@ class RunState:
 
     def _restore(self, path: Path, load) -> None:
         loaded = ckpt.read_state(path)
-        ckpt.check_compatible(loaded, self.meaning, path, self.config.ignore_checkpoint_mismatch)
+        overridden = ckpt.check_compatible(loaded, self.meaning, path, self.config.ignore_checkpoint_mismatch)
+        self.overridden = [self._override_note(overridden, loaded)] if overridden else []
         if self.backend == "trainer":  # Trainer's skip and length groups are sized per process: no re-split
             elastic.refuse_trainer_split_change(loaded.step_meaning, self.meaning, path)  # also under the flag
         if load is not None:
             load(path, loaded)  # the backend's own state; it may move ``loaded``'s position (finetune.elastic)
         loaded.step_meaning = self.meaning
         self.book.progress = loaded
+
+    def _override_note(self, overridden: list[str], loaded) -> str:
+        """The banner's warning for a resume that ``--ignore_checkpoint_mismatch`` let through despite
+        ``overridden`` (``checkpoint.check_compatible``): what changed and what it does to the run."""
+        before = loaded.step_meaning.get(elastic.DATA) or {}
+        effects = []
+        if elastic.DATA in self.meaning and before.get("samples") not in (None, self.meaning[elastic.DATA]["samples"]):
+            m, processes = self.config.per_device_train_batch_size, self.num_processes
+            old = plan_steps(micro_batches_per_process(before["samples"], m, processes), self.config)
+            effects.append(f"the schedule is re-sized from {old.max_steps} to {self.plan.max_steps} optimizer steps "
+                           f"({old.steps_per_epoch} -> {self.plan.steps_per_epoch} per epoch)")
+        if any(note.startswith("training set") for note in overridden):
+            effects.append(f"the epoch resumes at sample {loaded.samples_done} of the new set's order, so samples "
+                           "of this epoch are trained twice or not at all")
+        return (f"warning: resuming despite --ignore_checkpoint_mismatch: {'; '.join(overridden)}"
+                + (f". So {'; '.join(effects)}." if effects else "."))
 
     def open(self) -> None:
         """Prepare ``--output_dir`` (``Bookkeeping.open``: cleared for a fresh ``--overwrite_output_dir`` run,
@@ -132,10 +155,11 @@ class RunState:
             if note:
                 self.say(note)
         if self.resume_from is not None:
+            order = "(same data order)" if not self.overridden else "(the data order is not the checkpoint's run's)"
             self.say(f"Resuming from {self.resume_from}: optimizer step {self.progress.step}, epoch "
                      f"{self.progress.epoch}, skipping {self.progress.micro_batches_done} micro-batches of it "
-                     "(same data order).")
-            for note in self.resume_notes:
+                     f"{order}.")
+            for note in self.overridden + self.resume_notes:
                 self.say(note)
 
     def begin_training(self, model) -> None:

@@ -53,6 +53,7 @@ class Setup:
     layout: distributed.StorageLayout  # who writes the run's files (one process, or one per machine)
     micro_batch_loss: object  # (model, batch, labels) -> the summed loss tensor: loss.loss_function
     pack: object = None  # --padding_free/--packing: window -> the micro-batches it runs (packing.Packer), else None
+    train_dataset: object = None  # the tokenized training set (a datasets.Dataset): what the run is bound to
 
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses."""
@@ -96,7 +97,7 @@ def setup(config, recipe) -> Setup:
                               precision=precision)
     return Setup(accelerator, engine, prepared.model, tokenizer, prepared.optimizer, prepared.scheduler,
                  prepared.train_dataloader, prepared.eval_dataloader, prepared.plan, precision, task, recipe.METRICS,
-                 raw_validation, layout, loss_function(task, config, accelerator), pack)
+                 raw_validation, layout, loss_function(task, config, accelerator), pack, datasets["train"])
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -176,7 +177,7 @@ class RunState(lifecycle.RunState):
         super().__init__(config, recipe, backend="accelerate", plan=built.plan, num_processes=accelerator.num_processes,
                          task=built.task, layout=built.layout, precision=built.precision, say=accelerator.print,
                          main=accelerator.is_main_process, raw_validation=built.raw_validation, hub=hub,
-                         process_start=process_start)
+                         process_start=process_start, train_dataset=built.train_dataset)
         self.built, self.accelerator = built, accelerator
         self.logging_steps = max(self.plan.steps(config.logging_steps), 1)
         self.progress_bar = None

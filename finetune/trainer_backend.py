@@ -285,7 +285,8 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
                       config)
     run = RunState(config, recipe, backend="trainer", plan=plan, num_processes=processes, task=task, layout=layout,
                    precision=precision_hint, say=print if state.is_main_process else lambda text: None,
-                   main=state.is_main_process, raw_validation=raw_validation, hub=hub, process_start=process_start)
+                   main=state.is_main_process, raw_validation=raw_validation, hub=hub, process_start=process_start,
+                   train_dataset=datasets["train"])
     resume_from = run.resume(state)  # Trainer loads the model, optimizer, schedule and RNG in Trainer.train
     run.open()  # a resumed run's log is cut back to its step
     state.wait_for_everyone()
