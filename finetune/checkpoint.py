@@ -19,7 +19,7 @@ from accelerate.utils import gather_object
 
 from finetune import distributed, elastic
 from finetune.config import fields_with
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, together
 from finetune.progress import RunProgress
 
 MARKER = "COMPLETE"
@@ -499,8 +499,9 @@ def _agree(accelerator, failure: _Failure, final: Path, tmp: Path, writes: bool)
         where = " on " + "; ".join(f"rank {r['rank']} ({r['text']})" for r in failed)
     else:
         where = f" ({failed[0]['text']})"
-    raise FinetuneError(f"writing checkpoint {final.name} failed{where}; the previous checkpoints are intact. Free "
-                        "disk space (or choose another --output_dir) and resume with --resume_from_checkpoint latest.")
+    raise together(FinetuneError(f"writing checkpoint {final.name} failed{where}; the previous checkpoints are intact. "
+                                 "Free disk space (or choose another --output_dir) and resume with "
+                                 "--resume_from_checkpoint latest."))
 
 
 def _clear_leftovers(root: Path) -> None:
@@ -700,7 +701,7 @@ def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate
         caught = FinetuneError(f"no complete checkpoint under {checkpoints_dir(output_dir)}")
     failed = distributed.group_outcomes(outcomes, "error")
     if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
-        raise caught  # the same on every process: as on one process
+        raise together(caught)  # the same on every process: as on one process
     parts = [f"{distributed.describe(where, machines)} would resume from {name}" for name, where in distributed.group_outcomes(outcomes, "name").items()]
     parts += [f"{distributed.describe(where, machines)} cannot: {message}" for message, where in failed.items()]
     newest = max((o["step"] for o in outcomes if o["step"] is not None), default=None)
@@ -716,5 +717,5 @@ def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate
         fixes.append(f"resume every machine from step {max(common)}, which all hold: --resume_from_checkpoint "
                      f"<its --output_dir>/checkpoints/{checkpoint_path('', max(common)).name}")
     fix = (", or ".join(fixes) + ".") if fixes else "start the run again without --resume_from_checkpoint."
-    raise FinetuneError(f"--resume_from_checkpoint {spec}: every process must resume from the same checkpoint, "
-                        f"but {'; '.join(parts)}. To fix it, {fix}")
+    raise together(FinetuneError(f"--resume_from_checkpoint {spec}: every process must resume from the same "
+                                 f"checkpoint, but {'; '.join(parts)}. To fix it, {fix}"))

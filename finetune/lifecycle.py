@@ -217,7 +217,10 @@ class RunState:
         self.progress.train_runtime = self.train_runtime()
         final = ckpt.checkpoint_path(self.output_dir, self.progress.step, self.backend)
         barrier()  # every process's random state is in the folder
-        if writes:
+
+        def commit() -> None:
+            if not writes:
+                return
             try:
                 ckpt.commit_staged(staged, final, self.progress)
             except OSError as err:
@@ -225,7 +228,10 @@ class RunState:
                                     "intact. Free disk space (or choose another --output_dir) and resume with "
                                     "--resume_from_checkpoint latest.") from None
             ckpt.prune(self.output_dir, final, self.progress.best_step, self.config.save_total_limit, self.backend)
-        barrier()
+
+        # the writer's outcome, agreed: a failed commit stops every process together (not the writer alone, its
+        # peers at a barrier)
+        distributed.agree(commit)
         return final
 
     # -------------------------------------------------------------------------------- cleanup
