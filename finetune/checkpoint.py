@@ -299,9 +299,9 @@ def checkpoint_path(output_dir, step: int, backend: str = "accelerate") -> Path:
 
 
 def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limit: int | None,
-                    model=None, tokenizer=None, layout=None) -> Path:
+                    model=None, tokenizer=None, layout=None, held=frozenset()) -> Path:
     """Write ``state.step``'s checkpoint atomically, then prune to ``save_total_limit`` (oldest complete first,
-    never the new or the best one); returns its path. Collective: every process calls it. With ``model`` and
+    never the new or the best one, nor one in ``held``: see ``prune``); returns its path. Collective: every process calls it. With ``model`` and
     ``tokenizer`` it is also a ``from_pretrained`` directory. ``layout`` (``distributed.StorageLayout``; None: global
     rank 0 writes): ``per_machine`` gives each machine a complete copy (docs/design-notes.md#checkpoint).
 
@@ -334,23 +334,25 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
         failure.run("committing", lambda: _commit(tmp, final, state.step))
     _agree(accelerator, failure, final, tmp, writes)
     if writes:
-        prune(output_dir, final, state.best_step, save_total_limit)
+        prune(output_dir, final, state.best_step, save_total_limit, held=held)
     return final
 
 
 def prune(output_dir, newest: Path, best_step: int | None, save_total_limit: int | None,
-          backend: str = "accelerate") -> None:
+          backend: str = "accelerate", held=frozenset()) -> None:
     """Keep at most ``save_total_limit`` complete checkpoints of ``backend``: delete the oldest complete ones,
     never ``newest`` (just completed) nor ``best_step``'s; incomplete ones are left (a resume skips them, a save of
-    their step replaces them). Each is renamed to ``.deleting-<name>`` before its files go, so a kill mid-way never
-    leaves a named folder with part of its files. None or 0: keep every one."""
+    their step replaces them). ``held``: resolved paths an upload still reads (``hub.HubPush.held``): left for a
+    later prune. Each is renamed to ``.deleting-<name>`` before its files go, so a kill mid-way never leaves a named
+    folder with part of its files. None or 0: keep every one."""
     if not save_total_limit:
         return
     root = checkpoints_dir(output_dir)
     keep = {newest, checkpoint_path(output_dir, best_step, backend) if best_step is not None else newest}
     complete = [p for p in list_checkpoints(output_dir, backend) if is_complete(p) and p not in keep]
     for old in complete[: max(len(complete) + 1 - save_total_limit, 0)]:
-        _remove(old, root / f".deleting-{old.name}")
+        if old.resolve() not in held:
+            _remove(old, root / f".deleting-{old.name}")
 
 
 def seal_checkpoint(path: Path, state: RunProgress) -> None:

@@ -344,7 +344,8 @@ class RunState(lifecycle.RunState):
         self.progress.train_runtime = self.train_runtime()
         start = time.perf_counter()
         path = ckpt.save_checkpoint(self.accelerator, self.output_dir, self.progress, self.config.save_total_limit,
-                                    model=self.built.model, tokenizer=self.built.tokenizer, layout=self.built.layout)
+                                    model=self.built.model, tokenizer=self.built.tokenizer, layout=self.built.layout,
+                                    held=self.held_by_uploads())
         self.saved(path, time.perf_counter() - start, reason, push)
         return path
 
