@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune.errors import FinetuneError, NumericalError
+from finetune.errors import FinetuneError, NumericalError, together
 from finetune.output import clear_output_dir
 from finetune.progress import RunProgress
 from finetune.steps import StepPlan
@@ -22,10 +22,11 @@ from finetune.steps import StepPlan
 
 def empty_window_error(samples: int) -> FinetuneError:
     """The error for an accumulation window whose ``samples`` hold no trained item (no label token): its loss
-    would divide by zero."""
-    return FinetuneError(f"an accumulation window of {samples} samples has no trained tokens (every label is "
-                         "masked: texts of one token, or --max_length too small to keep a target). Raise "
-                         "--max_length (>= 2 for causal LM) or remove such samples (finetune check-data).")
+    would divide by zero. Marked ``every_rank``: both backends count the window's items over every process first."""
+    return together(FinetuneError(
+        f"an accumulation window of {samples} samples has no trained tokens (every label is masked: texts of one "
+        "token, or --max_length too small to keep a target). Raise --max_length (>= 2 for causal LM) or remove such "
+        "samples (finetune check-data)."))
 
 
 def grad_norm_value(grad_norm) -> float | None:
@@ -165,10 +166,12 @@ class Bookkeeping:
         record.update(extra)
         self.log.write(record)
         if progress.consecutive_skipped > self.config.max_skipped_steps:
-            raise NumericalError(
+            # every process: a skip follows the all-reduced gradients' overflow
+            raise together(NumericalError(
                 f"fp16 loss scaling skipped {progress.consecutive_skipped} optimizer steps in a row (up to step "
                 f"{progress.step}): the loss or gradients overflow fp16. Nothing after the last checkpoint was saved. "
-                "Use --mixed_precision bf16 or no, or lower --learning_rate; raise --max_skipped_steps to tolerate more.")
+                "Use --mixed_precision bf16 or no, or lower --learning_rate; raise --max_skipped_steps to tolerate "
+                "more."))
         return record
 
     def record_evaluation(self, results: dict, seconds: float, checkpointed: bool) -> None:

@@ -19,7 +19,7 @@ from accelerate.utils import gather_object
 
 from finetune import distributed, elastic
 from finetune.config import fields_with
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, together
 from finetune.progress import RunProgress
 
 MARKER = "COMPLETE"
@@ -307,9 +307,9 @@ def checkpoint_path(output_dir, step: int, backend: str = "accelerate") -> Path:
 
 
 def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limit: int | None,
-                    model=None, tokenizer=None, layout=None) -> Path:
+                    model=None, tokenizer=None, layout=None, held=frozenset()) -> Path:
     """Write ``state.step``'s checkpoint atomically, then prune to ``save_total_limit`` (oldest complete first,
-    never the new or the best one); returns its path. Collective: every process calls it. With ``model`` and
+    never the new or the best one, nor one in ``held``: see ``prune``); returns its path. Collective: every process calls it. With ``model`` and
     ``tokenizer`` it is also a ``from_pretrained`` directory. ``layout`` (``distributed.StorageLayout``; None: global
     rank 0 writes): ``per_machine`` gives each machine a complete copy (docs/design-notes.md#checkpoint).
 
@@ -342,23 +342,25 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
         failure.run("committing", lambda: _commit(tmp, final, state.step))
     _agree(accelerator, failure, final, tmp, writes)
     if writes:
-        prune(output_dir, final, state.best_step, save_total_limit)
+        prune(output_dir, final, state.best_step, save_total_limit, held=held)
     return final
 
 
 def prune(output_dir, newest: Path, best_step: int | None, save_total_limit: int | None,
-          backend: str = "accelerate") -> None:
+          backend: str = "accelerate", held=frozenset()) -> None:
     """Keep at most ``save_total_limit`` complete checkpoints of ``backend``: delete the oldest complete ones,
     never ``newest`` (just completed) nor ``best_step``'s; incomplete ones are left (a resume skips them, a save of
-    their step replaces them). Each is renamed to ``.deleting-<name>`` before its files go, so a kill mid-way never
-    leaves a named folder with part of its files. None or 0: keep every one."""
+    their step replaces them). ``held``: resolved paths an upload still reads (``hub.HubPush.held``): left for a
+    later prune. Each is renamed to ``.deleting-<name>`` before its files go, so a kill mid-way never leaves a named
+    folder with part of its files. None or 0: keep every one."""
     if not save_total_limit:
         return
     root = checkpoints_dir(output_dir)
     keep = {newest, checkpoint_path(output_dir, best_step, backend) if best_step is not None else newest}
     complete = [p for p in list_checkpoints(output_dir, backend) if is_complete(p) and p not in keep]
     for old in complete[: max(len(complete) + 1 - save_total_limit, 0)]:
-        _remove(old, root / f".deleting-{old.name}")
+        if old.resolve() not in held:
+            _remove(old, root / f".deleting-{old.name}")
 
 
 def seal_checkpoint(path: Path, state: RunProgress) -> None:
@@ -507,8 +509,9 @@ def _agree(accelerator, failure: _Failure, final: Path, tmp: Path, writes: bool)
         where = " on " + "; ".join(f"rank {r['rank']} ({r['text']})" for r in failed)
     else:
         where = f" ({failed[0]['text']})"
-    raise FinetuneError(f"writing checkpoint {final.name} failed{where}; the previous checkpoints are intact. Free "
-                        "disk space (or choose another --output_dir) and resume with --resume_from_checkpoint latest.")
+    raise together(FinetuneError(f"writing checkpoint {final.name} failed{where}; the previous checkpoints are intact. "
+                                 "Free disk space (or choose another --output_dir) and resume with "
+                                 "--resume_from_checkpoint latest."))
 
 
 def _clear_leftovers(root: Path) -> None:
@@ -708,7 +711,7 @@ def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate
         caught = FinetuneError(f"no complete checkpoint under {checkpoints_dir(output_dir)}")
     failed = distributed.group_outcomes(outcomes, "error")
     if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
-        raise caught  # the same on every process: as on one process
+        raise together(caught)  # the same on every process: as on one process
     parts = [f"{distributed.describe(where, machines)} would resume from {name}" for name, where in distributed.group_outcomes(outcomes, "name").items()]
     parts += [f"{distributed.describe(where, machines)} cannot: {message}" for message, where in failed.items()]
     newest = max((o["step"] for o in outcomes if o["step"] is not None), default=None)
@@ -724,5 +727,5 @@ def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate
         fixes.append(f"resume every machine from step {max(common)}, which all hold: --resume_from_checkpoint "
                      f"<its --output_dir>/checkpoints/{checkpoint_path('', max(common)).name}")
     fix = (", or ".join(fixes) + ".") if fixes else "start the run again without --resume_from_checkpoint."
-    raise FinetuneError(f"--resume_from_checkpoint {spec}: every process must resume from the same checkpoint, "
-                        f"but {'; '.join(parts)}. To fix it, {fix}")
+    raise together(FinetuneError(f"--resume_from_checkpoint {spec}: every process must resume from the same "
+                                 f"checkpoint, but {'; '.join(parts)}. To fix it, {fix}"))

@@ -27,18 +27,19 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from accelerate import PartialState
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import gather_object, parse_flag_from_env
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, together
 
 # The prefix of every write probe the package leaves in an output directory (``output.check_output_dir``'s, the
 # storage layout's here, the save-speed probe's): no rank mistakes one for content, and no upload takes one.
 WRITE_PROBE = ".write_test"
+T = TypeVar("T")
 
 
 def process_state(cpu: bool = False, timeout_seconds: int | None = None) -> PartialState:
@@ -74,6 +75,24 @@ def leave() -> None:
         gc.collect()  # a model in a reference cycle goes now, while the group's Python handles still own the group
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def leaving_together(work: Callable[[], T]) -> T:
+    """``work()``'s value; if it raises a ``FinetuneError`` that every process raises together (``every_rank``: a
+    numerical error, a failed checkpoint write, an empty window, an agreed check), leave the process group first
+    (``leave``, as a finished command does), then raise it. Its traceback and chained exceptions are dropped before
+    ``leave``: their frames may hold the model, whose DDP ``Reducer`` must not outlive the group's Python handle
+    (docs/robustness.md#leaving-the-process-group). Any other exception is raised as it is, without a barrier:
+    this process may be failing alone. A command that returns leaves the group itself."""
+    try:
+        return work()
+    except FinetuneError as err:
+        if not err.every_rank:
+            raise
+        failed = err.with_traceback(None)
+    failed.__context__ = failed.__cause__ = None
+    leave()
+    raise failed
 
 
 def distributed_state():
@@ -211,18 +230,18 @@ def agree(check, state=None):
         return outcome["value"]
     caught = outcome["error"]
     if state is None or state.num_processes <= 1:
-        raise caught
+        raise together(caught)
     error = None if caught is None else str(caught)
     outcomes = gather_object([{"machine": machine_index(state), "rank": state.process_index, "error": error}])
     failed = group_outcomes(outcomes, "error")
     if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
-        raise caught
+        raise together(caught)
     machines = num_machines(state)
     text = " / ".join(f"on {describe(where, machines)}: {message}" for message, where in failed.items())
     fine = [(o["machine"], o["rank"]) for o in outcomes if o["error"] is None]
     if fine:
         text += f" ({describe(fine, machines)} had no error, but the run needs every process: all stop.)"
-    raise FinetuneError(text) from None
+    raise together(FinetuneError(text)) from None
 
 
 @dataclass(frozen=True)

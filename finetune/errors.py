@@ -11,6 +11,10 @@ class FinetuneError(Exception):
     """A problem with the user's input or environment; ``reports_errors`` prints ``error: <message>`` (name and fix)."""
 
     exit_code = 2  # like argparse
+    # Raised on every process at the same point (agreed on, or decided by a collective's result): the command
+    # leaves the process group before it exits (``distributed.leaving_together``). False: it may be this process's
+    # alone, which must not wait at a barrier its peers may never reach.
+    every_rank = False
 
 
 class HubUnreachableError(FinetuneError):
@@ -24,11 +28,19 @@ class TrainingStopped(FinetuneError):
         super().__init__(message)
         self.exit_code = 128 + signum  # as a shell reports a signalled process
 
+    every_rank = True  # the stop vote is all-reduced: every process stops at the same step
+
 
 class NumericalError(FinetuneError):
     """A non-finite loss or gradient, or too many fp16 overflow skips in a row; the last good checkpoint is kept."""
 
     exit_code = 3
+
+
+def together(err: FinetuneError) -> FinetuneError:
+    """``err``, marked as raised on every process at the same point (``FinetuneError.every_rank``); for ``raise``."""
+    err.every_rank = True
+    return err
 
 
 def reports_errors(main: Callable[..., int]) -> Callable[..., int]:

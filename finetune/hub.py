@@ -5,6 +5,13 @@ with ``exist_ok=True``; ``_push_from_checkpoint`` uploads the model after each s
 skips a save while the previous push is still running; ``push_to_hub`` waits for those, then uploads the output
 directory without its checkpoints, "End of training").
 
+Unlike Trainer, a save during a running push is queued, not skipped: the newest checkpoint always reaches the Hub
+(``--hub_strategy checkpoint``: ``last-checkpoint/``). An upload queued but not started is superseded by the next
+save's to the same place (the root's model files, ``last-checkpoint/``; never an ``all_checkpoints`` folder), so at
+most one runs and one waits. A checkpoint an upload still reads is not pruned (``held``, given to
+``checkpoint.prune``): ``--save_total_limit`` pruned it under a running upload ("... is not a directory"); the
+prune it missed runs again once the uploads are done (``at_end``: ``prune_later``).
+
 Both backends call one ``HubPush`` at the same two points: ``after_save`` once a checkpoint is complete (the Trainer
 backend through its ``HubCallback``), ``at_end`` once the final model, ``metrics.json`` and the model card are
 written. Only the main process (``RANK`` 0) pushes.
@@ -19,7 +26,9 @@ import json
 import sys
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError
@@ -123,16 +132,31 @@ def prepare(config, api: HfApi | None = None, timeout_s: float = WHOAMI_TIMEOUT_
     return HubPush(api, repo_id, config)
 
 
+@dataclass
+class Job:
+    """One background job on HfApi's one-worker pool: ``future``; ``folder``: the checkpoint folder it reads (None
+    for ``create_repo``); ``step``: that checkpoint's optimizer step; ``supersedable``: a newer checkpoint's upload
+    to the same place replaces it while it has not started."""
+
+    future: Future
+    folder: Path | None = None
+    step: int | None = None
+    supersedable: bool = False
+
+
 class HubPush:
     """One run's uploads to ``repo_id`` (main process only): ``after_save`` per ``hub_strategy``, ``at_end``.
-    ``pending``: the uploads still running in the background (``concurrent.futures.Future``), oldest first."""
+    ``pending``: the background jobs (``Job``) not yet reaped, oldest first. ``prune_later``: the last save's
+    ``checkpoint.prune`` (set by ``lifecycle.RunState.saved``), run again by ``at_end`` once no upload holds a
+    checkpoint."""
 
     def __init__(self, api: HfApi, repo_id: str, config):
         self.api, self.repo_id, self.config = api, repo_id, config
         self.strategy = config.hub_strategy
-        self.pending: list[Future] = []
+        self.pending: list[Job] = []
         self.failures: list[str] = []  # one line per failed upload, as warned
         self.repo_queued = False
+        self.prune_later: Callable[[], None] | None = None
 
     def _warn(self, what: str, err: BaseException, after: str = "training goes on") -> None:
         line = (f"warning: {what} to the Hub ({self.repo_id}) failed ({type(err).__name__}: "
@@ -145,45 +169,57 @@ class HubPush:
         """``create_repo(exist_ok=True)`` (Trainer's ``init_hf_repo``), queued ahead of the first upload on HfApi's
         one-worker pool (``HfApi.run_as_future``: jobs run in order), so it never blocks the training."""
         if not self.repo_queued:
-            self.pending.append(self.api.run_as_future(self.api.create_repo, self.repo_id,
-                                                       private=self.config.hub_private_repo, exist_ok=True))
+            self.pending.append(Job(self.api.run_as_future(self.api.create_repo, self.repo_id,
+                                                           private=self.config.hub_private_repo, exist_ok=True)))
             self.repo_queued = True
 
     def _reap(self) -> None:
-        """Warn once for each finished background job that failed; keep the running ones."""
+        """Warn once for each finished background job that failed; keep the others."""
         running = []
         for job in self.pending:
-            if not job.done():
+            if not job.future.done():
                 running.append(job)
-            elif job.exception() is not None:
-                self._warn("a background upload", job.exception())
+            elif not job.future.cancelled() and job.future.exception() is not None:
+                self._warn("a background upload", job.future.exception())
         self.pending = running
+
+    def held(self) -> set[Path]:
+        """The checkpoint folders (resolved paths) that a queued or running upload still reads: not to be pruned."""
+        return {job.folder.resolve() for job in self.pending if job.folder is not None and not job.future.done()}
+
+    def _supersede(self, step: int) -> None:
+        """Cancel the supersedable uploads that have not started (``Future.cancel``: False once running): step
+        ``step``'s upload to the same place follows. Says which steps' uploads it replaced."""
+        replaced = sorted({job.step for job in self.pending if job.supersedable and job.future.cancel()})
+        self.pending = [job for job in self.pending if not job.future.cancelled()]
+        if replaced:
+            tqdm.write(f"hub: step {', '.join(map(str, replaced))}'s upload to {self.repo_id} had not started; step "
+                       f"{step}'s replaces it.")
 
     def after_save(self, checkpoint, step: int) -> None:
         """After checkpoint ``checkpoint`` (a complete folder) of optimizer step ``step``: with ``every_save`` and
         after, upload its model files to the repository's root in the background (``run_as_future=True``); with
         ``checkpoint`` also the whole folder to ``last-checkpoint/`` (``all_checkpoints``: to a folder of its own
-        name). Skipped, as Trainer skips it, while the previous push is still running. Never raises."""
+        name). Queued behind a running push (not skipped, as Trainer does); an older upload to the root or
+        ``last-checkpoint/`` that has not started is cancelled (``_supersede``). Never raises."""
         if self.strategy == "end":
             return
         self._reap()
-        if self.pending:
-            tqdm.write(f"hub: the previous push to {self.repo_id} is still running; not pushing step {step}'s "
-                       "checkpoint (as Trainer without hub_always_push).")
-            return
+        self._supersede(step)
         checkpoint = Path(checkpoint)
         message = f"Training in progress, step {step}"
         ignore = TRAINING_STATE + (["model.safetensors"] if (checkpoint / "adapter_config.json").is_file() else [])
         try:
             self._queue_repo()
-            self.pending.append(self.api.upload_folder(
+            self.pending.append(Job(self.api.upload_folder(
                 repo_id=self.repo_id, folder_path=str(checkpoint), commit_message=message,
-                allow_patterns=list(MODEL_FILES), ignore_patterns=ignore, run_as_future=True))
+                allow_patterns=list(MODEL_FILES), ignore_patterns=ignore, run_as_future=True), checkpoint, step, True))
             if self.strategy in ("checkpoint", "all_checkpoints"):
                 folder = "last-checkpoint" if self.strategy == "checkpoint" else checkpoint.name
-                self.pending.append(self.api.upload_folder(
+                self.pending.append(Job(self.api.upload_folder(
                     repo_id=self.repo_id, folder_path=str(checkpoint), path_in_repo=folder,
-                    commit_message=message + ", checkpoint", run_as_future=True))
+                    commit_message=message + ", checkpoint", run_as_future=True), checkpoint, step,
+                    self.strategy == "checkpoint"))
         except Exception as err:  # noqa: BLE001 - an upload never stops the training
             self._warn(f"pushing step {step}'s checkpoint", err)
 
@@ -204,15 +240,21 @@ class HubPush:
                        "is pushed as the run wrote it.", file=sys.stderr)
 
     def at_end(self, output_dir) -> str | None:
-        """After the final outputs: wait for the background uploads, write the model card with the repository in
+        """After the final outputs: wait for the background uploads, prune the checkpoints they held
+        (``prune_later``), write the model card with the repository in
         its usage snippets, then upload ``output_dir`` without its checkpoints (``END_IGNORE``), "End of training",
         and print where it went. Returns the commit URL, or None after a failure (warned). Never raises."""
         for job in self.pending:
             try:
-                job.result()
+                job.future.result()
             except Exception as err:  # noqa: BLE001
                 self._warn("a background upload", err, after="the run is finished")
         self.pending = []
+        if self.prune_later is not None:  # --save_total_limit, now that no upload holds a checkpoint
+            try:
+                self.prune_later()
+            except OSError as err:
+                tqdm.write(f"warning: pruning the checkpoints after the uploads failed ({err}).", file=sys.stderr)
         self._point_card_at_the_hub(Path(output_dir))
         try:
             if not self.repo_queued:

@@ -10,6 +10,7 @@ docs/lifecycle.md.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,13 +225,21 @@ class RunState:
         return self.runtime_before + time.perf_counter() - self.train_start - self.book.eval_runtime
 
     def saved(self, path: Path, seconds: float, reason: str | None = None, push: bool = True) -> None:
-        """After checkpoint ``path`` is complete: its time (``SaveBudget.saved``); ``reason``: say so; ``push``:
-        hand it to ``--push_to_hub`` (``HubPush.after_save``)."""
+        """After checkpoint ``path`` is complete: its time (``SaveBudget.saved``, ``seconds``); ``reason``: say so;
+        ``push``: hand it to ``--push_to_hub`` (``HubPush.after_save``), which also gets this save's prune to run
+        again after its uploads (``HubPush.prune_later``)."""
         if reason is not None:
             self.say(f"checkpoint ({reason}): {path}")
         self.budget.saved(seconds)
+        if self.hub is not None:  # the prune this save ran, again once no upload holds a checkpoint (at_end)
+            self.hub.prune_later = functools.partial(ckpt.prune, self.output_dir, path, self.progress.best_step,
+                                                     self.config.save_total_limit, self.backend)
         if push and self.hub is not None:
             self.hub.after_save(path, self.progress.step)
+
+    def held_by_uploads(self) -> set[Path]:
+        """The checkpoints a ``--push_to_hub`` upload still reads (``HubPush.held``), which pruning leaves."""
+        return self.hub.held() if self.hub is not None else set()
 
     def commit_trainer_checkpoint(self, staged: Path, writes: bool, barrier) -> Path:
         """Make the Trainer checkpoint ``staged`` (``checkpoint-<step>`` in ``checkpoint.trainer_staging``) of the
@@ -241,15 +250,22 @@ class RunState:
         self.progress.train_runtime = self.train_runtime()
         final = ckpt.checkpoint_path(self.output_dir, self.progress.step, self.backend)
         barrier()  # every process's random state is in the folder
-        if writes:
+
+        def commit() -> None:
+            if not writes:
+                return
             try:
                 ckpt.commit_staged(staged, final, self.progress)
             except OSError as err:
                 raise FinetuneError(f"writing checkpoint {final.name} failed ({err}); the previous checkpoints are "
                                     "intact. Free disk space (or choose another --output_dir) and resume with "
                                     "--resume_from_checkpoint latest.") from None
-            ckpt.prune(self.output_dir, final, self.progress.best_step, self.config.save_total_limit, self.backend)
-        barrier()
+            ckpt.prune(self.output_dir, final, self.progress.best_step, self.config.save_total_limit, self.backend,
+                       held=self.held_by_uploads())
+
+        # the writer's outcome, agreed: a failed commit stops every process together (not the writer alone, its
+        # peers at a barrier)
+        distributed.agree(commit)
         return final
 
     # -------------------------------------------------------------------------------- cleanup

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     timed, rest = take_switch(argv, "--time")
-    code = plan(parse_config(rest), timed)
+    code = distributed.leaving_together(lambda: plan(parse_config(rest), timed))  # an agreed error leaves first
     distributed.leave()  # every process finished: leave the process group together, not at interpreter exit
     return code
 

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # before the slow imports: stop with the launcher (s
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize inside forked workers
 
 from finetune.config import parse_config  # noqa: E402 - after the path set-up above
-from finetune.errors import TrainingStopped, reports_errors  # noqa: E402
+from finetune.errors import reports_errors  # noqa: E402
 from finetune.recipes import list_recipes  # noqa: E402
 from finetune.signals import watch_launcher  # noqa: E402
 
@@ -39,10 +39,13 @@ def run(config) -> dict | None:
     """Run a parsed ``config``: resolve it (``resolve.resolve``: validate, process group, output dir, hub, threads,
     the batch plan applied), then train with its backend (or ``--compare`` both), leave the process group
     (``distributed.leave``) and push the final outputs (``--push_to_hub``). Returns the metrics (None for
-    ``--compare``; the finished run's under ``--resume_from_checkpoint auto`` over one). Raises ``FinetuneError``."""
-    from finetune.resolve import resolve  # lazy: torch, accelerate, the planner (see the imports above)
+    ``--compare``; the finished run's under ``--resume_from_checkpoint auto`` over one). Raises ``FinetuneError``;
+    one that every process raised together (``every_rank``: a signal's stop, a numerical error, a failed
+    checkpoint write, an agreed check) after leaving the group (``distributed.leaving_together``)."""
+    from finetune import distributed  # lazy: torch, accelerate, the planner (see the imports above)
+    from finetune.resolve import resolve
 
-    resolution = resolve(config)
+    resolution = distributed.leaving_together(lambda: resolve(config))
     if resolution.finished is not None:
         return resolution.finished
     if resolution.config.compare:  # the alias of `finetune compare`
@@ -54,22 +57,15 @@ def run(config) -> dict | None:
         from finetune import trainer_backend as backend  # lazy: transformers.Trainer, --backend trainer only
     else:
         from finetune import train as backend  # lazy: the accelerate backend
-    from finetune import distributed  # lazy (imported by resolve already)
 
-    try:
-        metrics = backend.train(resolution.config, resolution.recipe, process_start=PROCESS_START, hub=resolution.hub)
-    except TrainingStopped as err:  # a signal: every process stopped at the same step, after its checkpoint
-        # without its traceback (nor a chained exception's): the frames that hold the model go before leave()
-        stopped = err.with_traceback(None)
-        stopped.__context__ = stopped.__cause__ = None
-    else:
-        stopped = None
+    # An error every process raised together leaves the group first (without its traceback, nor a chained
+    # exception's: the frames that hold the model go before leave()); one raised alone does not wait at a barrier.
+    metrics = distributed.leaving_together(lambda: backend.train(resolution.config, resolution.recipe,
+                                                                 process_start=PROCESS_START, hub=resolution.hub))
     # The run's last collective is behind us: every process leaves the group together, not at interpreter exit
     # (docs/robustness.md#leaving-the-process-group), and before the main process's final push, which may
     # outlast --ddp_timeout.
     distributed.leave()
-    if stopped is not None:
-        raise stopped
     if resolution.hub is not None:
         resolution.hub.at_end(resolution.config.output_dir)
     return metrics

@@ -21,7 +21,7 @@ from finetune import distributed, elastic, lifecycle, packing
 from finetune.builders import build_components, get_task
 from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
-from finetune.errors import FinetuneError, NumericalError, TrainingStopped
+from finetune.errors import FinetuneError, NumericalError, TrainingStopped, together
 from finetune.evaluation import check_eval_set
 from finetune.lifecycle import WindowCounts, count_window
 from finetune.loss import loss_function
@@ -268,11 +268,12 @@ class RunState(lifecycle.RunState):
         if self.built.precision == "fp16" or grad_norm is None or torch.isfinite(torch.as_tensor(grad_norm)).item():
             return
         first = self.progress.micro_batches_done
-        raise NumericalError(
+        # every process: the norm is of the all-reduced gradients
+        raise together(NumericalError(
             f"non-finite loss or gradient at optimizer step {self.progress.step + 1} (epoch {self.progress.epoch}, "
             f"micro-batches {first}-{first + micro_batches - 1} of the epoch, per process): grad norm "
             f"{float(grad_norm)}. Nothing after the last checkpoint was saved. Lower --learning_rate, set "
-            "--max_grad_norm, or check those samples; resume with --resume_from_checkpoint latest.")
+            "--max_grad_norm, or check those samples; resume with --resume_from_checkpoint latest."))
 
     # -------------------------------------------------------------------------------- after each step
     def end_step(self, window_loss, counts: WindowCounts, micro_batches: int, learning_rate: float, grad_norm,
@@ -344,7 +345,8 @@ class RunState(lifecycle.RunState):
         self.progress.train_runtime = self.train_runtime()
         start = time.perf_counter()
         path = ckpt.save_checkpoint(self.accelerator, self.output_dir, self.progress, self.config.save_total_limit,
-                                    model=self.built.model, tokenizer=self.built.tokenizer, layout=self.built.layout)
+                                    model=self.built.model, tokenizer=self.built.tokenizer, layout=self.built.layout,
+                                    held=self.held_by_uploads())
         self.saved(path, time.perf_counter() - start, reason, push)
         return path
 

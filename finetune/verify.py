@@ -37,7 +37,7 @@ from finetune.config import check_settings, parse_config
 from finetune.data import load_tokenizer
 from finetune.elastic import SAMPLE_IDS
 from finetune.engine import engine_for
-from finetune.errors import FinetuneError, NumericalError, reports_errors
+from finetune.errors import FinetuneError, NumericalError, reports_errors, together
 from finetune.resolve import resolve
 
 DEFAULT_STEPS = 3
@@ -658,6 +658,14 @@ def _control_margin(row: dict, tolerance: dict, gradients: bool) -> float | None
     return None if value is None else value / tolerance["weights"]
 
 
+def _no_way_ran(outcomes: list[Outcome]) -> FinetuneError | None:
+    """The error when neither the reference nor a split ran (each way's error listed), else None."""
+    if any(o.error is None and o.way.role in ("reference", "split") for o in outcomes):
+        return None
+    return FinetuneError("verify: no way of the effective batch ran: "
+                         + "; ".join(f"{o.way.label}: {o.error}" for o in outcomes if o.way.role not in FLOOR_ROLES)[:2000])
+
+
 def compare(outcomes: list[Outcome], steps: int, model_notes: dict) -> dict:  # noqa: C901 - over the budget; to split
     """The table and the verdict from every way's ``Outcome`` (each already ``measured`` against the reference,
     or measured here): tolerances from the floor ways, each way's departures, the control's margin, the premises
@@ -665,8 +673,7 @@ def compare(outcomes: list[Outcome], steps: int, model_notes: dict) -> dict:  # 
     ran = [o for o in outcomes if o.error is None]
     reference = next((o for o in ran if o.way.role in ("reference", "split")), None)
     if reference is None:
-        raise FinetuneError("verify: no way of the effective batch ran: "
-                            + "; ".join(f"{o.way.label}: {o.error}" for o in outcomes if o.way.role not in FLOOR_ROLES)[:2000])
+        raise _no_way_ran(outcomes)
     for o in ran:
         if o is not reference and o.measured is None:
             o.measured = _measure(o, reference)
@@ -866,6 +873,10 @@ def verify(config, steps: int) -> int:  # noqa: C901 - over the budget; to split
                 outcome.measured, outcome.gradients = _measure(outcome, reference), None
         outcomes.append(outcome)
     report = None
+    # the outcomes' errors are every process's: whether a reference ran is decided on each, so all stop together
+    if agree(float(_no_way_ran(outcomes) is not None)):
+        raise together(_no_way_ran(outcomes) or FinetuneError("verify: no way of the effective batch ran on another "
+                                                              "process; its errors are in " + str(root / "logs")))
     if keep:
         notes = next((o.notes for o in outcomes if o.notes), {})
         report = compare(outcomes, steps, notes)
@@ -921,7 +932,8 @@ def main(argv: list[str] | None = None) -> int:
     if wants_help(argv):
         print(__doc__)
         return 0
-    code = verify(*parse(argv))
+    # an error every process raises together leaves the group first (distributed.leaving_together)
+    code = distributed.leaving_together(lambda: verify(*parse(argv)))
     distributed.leave()  # every process finished: leave the process group together, not at interpreter exit
     return code
 

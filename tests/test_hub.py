@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -133,23 +134,33 @@ def test_end_strategy_uploads_only_at_the_end(tmp_path, online):
     assert [m for m, _ in api.calls] == ["whoami", "create_repo", "upload_folder"]
 
 
-def test_a_save_during_a_running_push_is_skipped_as_trainer_skips_it(tmp_path, online, capsys):
+def test_a_save_during_a_running_push_is_queued_not_skipped(tmp_path, online, capsys):
+    """Unlike Trainer (which skips it), a save during a running push is queued: ``all_checkpoints`` keeps every
+    checkpoint's own folder; only the root's model files of a save whose upload had not started are superseded."""
     gate = threading.Event()
     api = FakeHfApi(gate=gate)
     push = hub.prepare(config_for(tmp_path, "--hub_strategy", "all_checkpoints"), api=api)
     out = tmp_path / "my-run"
     push.after_save(_checkpoint(out, "step_00000001"), 1)
-    push.after_save(_checkpoint(out, "step_00000002"), 2)  # the first is still uploading
-    assert "not pushing step 2's checkpoint" in capsys.readouterr().out
+    while not push.pending[1].future.running():  # step 1's root upload has started (and waits at the gate)
+        time.sleep(0.01)
+    push.after_save(_checkpoint(out, "step_00000002"), 2)
+    push.after_save(_checkpoint(out, "step_00000003"), 3)  # step 2's root upload had not started: superseded
+    printed = capsys.readouterr().out
+    assert "not pushing" not in printed and "step 2's upload to tester/my-run had not started" in printed
+    assert push.held() == {(out / "checkpoints" / f"step_0000000{n}").resolve() for n in (1, 2, 3)}
     gate.set()
     push.at_end(out)
     uploads = api.uploads()
     assert [(u["path_in_repo"], u["commit_message"]) for u in uploads] == [
         ("", "Training in progress, step 1"), ("step_00000001", "Training in progress, step 1, checkpoint"),
+        ("step_00000002", "Training in progress, step 2, checkpoint"),
+        ("", "Training in progress, step 3"), ("step_00000003", "Training in progress, step 3, checkpoint"),
         ("", "End of training")]
-    assert all(u["thread"] != threading.current_thread().name for u in uploads[:2])  # in the background
-    assert uploads[2]["thread"] == threading.current_thread().name  # the end waits: Trainer's blocking push
+    assert all(u["thread"] != threading.current_thread().name for u in uploads[:5])  # in the background
+    assert uploads[5]["thread"] == threading.current_thread().name  # the end waits: Trainer's blocking push
     assert uploads[1]["files"][0].startswith("step_00000001/")
+    assert push.failures == [] and push.held() == set()
 
 
 # ------------------------------------------------------------------------------------------ real runs
@@ -246,3 +257,34 @@ def test_other_ranks_check_offline_and_token_alike_and_ask_the_hub_nothing(tmp_p
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(FinetuneError, match="offline mode is on"):
         hub.prepare(config_for(tmp_path), api=api)
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_a_slow_upload_under_save_total_limit_loses_nothing(tmp_path, tiny_bert, fake_api, monkeypatch, capsys,
+                                                           backend):
+    """``--save_total_limit 1``, a checkpoint after each of 5 steps, and a Hub that uploads nothing until the
+    training is over (every upload waits at a gate opened by ``at_end``): the checkpoint under a running upload is
+    not pruned (it was: "... is not a directory", and every later push skipped), each later save is queued (an
+    older one not started is superseded), no upload fails, ``last-checkpoint/`` holds the newest checkpoint, and
+    once the uploads are done the limit holds again: one checkpoint left."""
+    gate = threading.Event()
+    fake_api.gate = gate
+    at_end = hub.HubPush.at_end
+    monkeypatch.setattr(hub.HubPush, "at_end", lambda self, output_dir: gate.set() or at_end(self, output_dir))
+    metrics, out = run_in_process(tmp_path, f"slow-{backend}", model_name_or_path=tiny_bert, backend=backend,
+                                  max_train_samples=40, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                  max_steps=5, max_length=32, eval_strategy="no", save_steps=1, save_total_limit=1,
+                                  push_to_hub=True, hub_strategy="checkpoint")
+    assert metrics["optimizer_steps"] == 5
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")] == []
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith("."))
+    newest = "step_00000004" if backend == "accelerate" else "checkpoint-5"  # the accelerate loop's last is the end's
+    assert kept == [newest]
+    uploads = fake_api.uploads()  # each one recorded is one that found its folder
+    assert Path(uploads[0]["folder_path"]).name != newest  # an older one's, running while later ones were saved
+    assert [u["commit_message"] for u in uploads[-3:]] == [f"Training in progress, step {newest[-1]}",
+                                                          f"Training in progress, step {newest[-1]}, checkpoint",
+                                                          "End of training"]
+    last = uploads[-2]
+    assert last["path_in_repo"] == "last-checkpoint" and Path(last["folder_path"]).name == newest
+    assert set(last["files"]) == {f"last-checkpoint/{name}" for name in _files(out / "checkpoints" / newest)}

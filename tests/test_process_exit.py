@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -194,3 +195,111 @@ def test_a_run_that_fails_does_not_wait_at_the_barrier(monkeypatch, capsys):
     monkeypatch.setattr(distributed, "leave", lambda: pytest.fail("leave after a failure"))
     assert run.main(["--recipe", "bbc-news"]) == 2
     assert "error: writing checkpoint step_00000001 failed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ errors on every rank
+@pytest.mark.parametrize("fault, code, message", [
+    ({"overflow_steps": {2}}, 3, "non-finite loss or gradient at optimizer step 2"),
+    ({"save_error": "RuntimeError@rank1@step1"}, 2, "writing checkpoint step_00000001 failed on rank 1"),
+])
+def test_an_error_on_every_rank_leaves_the_group_on_every_rank(tmp_path, tiny_bert, fault, code, message):
+    """2 gloo processes, the accelerate backend: a non-finite gradient at step 2 (``FAULT_OVERFLOW_STEPS``: the
+    numerical error, exit 3, decided on the all-reduced gradients) or rank 1's failed checkpoint write at step 1
+    (``FAULT_SAVE_ERROR``: agreed, exit 2) stops both processes at the same point; each leaves the process group
+    in ``distributed.leave`` with its last owner gone (``install_leave_log``), as a finished run does, instead of
+    exiting with the group alive (which can abort a process whose peer is still busy, exit -6)."""
+    from helpers import fault_env, launch, leave_records
+
+    log = tmp_path / "leave"
+    log.mkdir()
+    args = ["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir", str(tmp_path / "run"),
+            "--max_steps", "3", "--eval_strategy", "no", "--max_train_samples", "16", "--max_length", "32",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--save_steps", "1"]
+    result = launch(args, num_processes=2, timeout=300, env=fault_env(leave_log=str(log), **fault))
+    assert result.returncode == 1, result.stderr[-3000:]  # the launcher's code for a failed worker
+    # torchrun's report names each failed worker's own exit code: both the error's, none aborted (-6)
+    assert sorted(re.findall(r"exitcode\s+: (-?\d+) \(pid", result.stderr)) == [str(code)] * 2, result.stderr[-3000:]
+    assert result.stderr.count(f"error: {message}") == 2, result.stderr[-3000:]  # each rank's line (may interleave)
+    assert leave_records(log) == [{"group_started": True, "handle_alive": False}] * 2
+
+
+@pytest.mark.parametrize("every_rank", [True, False])
+def test_run_leaves_the_group_before_an_error_every_rank_raised_and_not_before_its_own(monkeypatch, capsys,
+                                                                                       every_rank):
+    """``run.run``: an error marked ``every_rank`` (``errors.together``) leaves the group first, its frames gone
+    (the model they hold must not outlive the group's handle); an unmarked one (this process's alone) does not."""
+    import gc
+    import weakref
+
+    from finetune import distributed, resolve, run
+    from finetune import train as backend
+    from finetune.errors import NumericalError, together
+
+    class Model:
+        pass
+
+    calls, model = [], []
+
+    def fail(*args, **kwargs):
+        frame_model = Model()
+        model.append(weakref.ref(frame_model))
+        calls.append("train")
+        err = NumericalError("non-finite loss or gradient at optimizer step 2")
+        raise together(err) if every_rank else err
+
+    def leave():
+        calls.append("leave")
+        assert model[0]() is None, "leave() while the failed run's frames still hold its model"
+
+    gc.disable()
+    try:
+        monkeypatch.setattr(resolve, "resolve", lambda config: resolve.Resolution(config, None))
+        monkeypatch.setattr(backend, "train", fail)
+        monkeypatch.setattr(distributed, "leave", leave)
+        assert run.main(["--recipe", "bbc-news"]) == 3
+    finally:
+        gc.enable()
+    assert calls == (["train", "leave"] if every_rank else ["train"])
+    assert "error: non-finite loss or gradient at optimizer step 2" in capsys.readouterr().err
+
+
+def test_an_agreed_check_in_resolve_leaves_the_group(monkeypatch, capsys):
+    """An error of ``resolve`` agreed over the processes (``distributed.agree``: after the group started) leaves
+    it too; the agreed errors, the empty window and the failed checkpoint commit are marked ``every_rank``."""
+    from finetune import distributed, resolve, run
+    from finetune.bookkeeping import empty_window_error
+    from finetune.errors import FinetuneError
+
+    def agreed(config):
+        return distributed.agree(lambda: (_ for _ in ()).throw(FinetuneError("--output_dir out holds another run")))
+
+    calls = []
+    monkeypatch.setattr(resolve, "resolve", agreed)
+    monkeypatch.setattr(distributed, "leave", lambda: calls.append("leave"))
+    assert run.main(["--recipe", "bbc-news"]) == 2
+    assert calls == ["leave"]
+    assert "error: --output_dir out holds another run" in capsys.readouterr().err
+    assert empty_window_error(4).every_rank and not FinetuneError("alone").every_rank
+
+
+@pytest.mark.parametrize("command", ["verify", "plan"])
+def test_verify_and_plan_leave_the_group_before_an_error_every_rank_raised(monkeypatch, capsys, command):
+    import importlib
+
+    from finetune import distributed
+    from finetune.errors import FinetuneError, together
+
+    module = importlib.import_module(f"finetune.{command}")
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append("work")
+        raise together(FinetuneError("verify: no way of the effective batch ran"))
+
+    monkeypatch.setattr(module, command, fail)
+    if command == "verify":
+        monkeypatch.setattr(module, "parse", lambda argv: (argv, 1))
+    monkeypatch.setattr(distributed, "leave", lambda: calls.append("leave"))
+    assert module.main(["--recipe", "bbc-news"]) == 2
+    assert calls == ["work", "leave"]
+    assert "error: verify: no way of the effective batch ran" in capsys.readouterr().err
