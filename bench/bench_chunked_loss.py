@@ -1,7 +1,7 @@
 """Chunked vs plain causal-LM loss: memory and time of the loss alone (forward + backward), in process.
 
 The loss is what follows the final norm: ``lm_head`` (weight vocab x hidden) and the summed next-token
-cross-entropy. Plain: ``CausalLM().loss_sum(lm_head(hidden), labels)`` (full logits). Chunked:
+cross-entropy. Plain: ``CausalLM().loss_from_logits(lm_head(hidden), labels)`` (full logits). Chunked:
 ``chunked_causal_lm_loss_sum(hidden, lm_head, labels, chunk_size, method=...)``. Defaults: SmolLM2-135M's
 shapes (hidden 576, vocab 49152), micro-batch 8 x 512 tokens, every token a label token (4088 after the
 shift), fp32 on the CPU.
@@ -88,7 +88,7 @@ def build_inputs(args):
 def make_configs(args, hidden, head, labels) -> dict:
     """name -> a function computing the summed loss (not yet back-propagated)."""
     task = CausalLM()
-    configs = {"plain": lambda: task.loss_sum(head(hidden), labels)}
+    configs = {"plain": lambda: task.loss_from_logits(head(hidden), labels)}
     for method, size in args.configs:
         configs[f"{method} {size}"] = (
             lambda method=method, size=size: chunked_causal_lm_loss_sum(hidden, head, labels, size, method=method))

@@ -181,7 +181,7 @@ def run_worker(spec: dict) -> dict:
                 head = model.get_output_embeddings()
             loss_sum = loss_fn(hidden, head, labels, spec["chunk_size"])
         else:
-            loss_sum = task.loss_sum(model(**batch).logits, labels)
+            loss_sum = task.loss_from_logits(model(**batch).logits, labels)
         return loss_sum / items_per_step
 
     # 1. the planner's measurement: bytes saved for backward by one micro-batch's forward

@@ -118,11 +118,11 @@ def run_step(model, task, batches: list[dict]) -> tuple[float, float, int, int]:
         if "attention_mask" not in inputs:
             inputs["use_cache"] = False
         logits = model(**inputs).logits
-        loss = task.loss_sum(logits, batch["labels"])
+        loss = task.loss_from_logits(logits, batch["labels"])
         loss.backward()
         total += float(loss.detach())
         positions += batch["input_ids"].numel()
-        items += int(task.count(batch["labels"]))
+        items += int(task.count_labels(batch["labels"]))
     sync()
     return time.perf_counter() - start, total, positions, items
 

@@ -16,8 +16,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from finetune.data import (
     LABEL_COLUMN,
     check_max_length,
-    load_conversation_files,
-    load_data_files,
     load_named_dataset,
     load_tokenizer,
 )
@@ -25,18 +23,7 @@ from finetune.distributed import is_main_process
 from finetune.dropout import disable_dropout
 from finetune.errors import FinetuneError
 from finetune.lora import apply_lora
-from finetune.sft import SFT_TASK, check_conversation_rows
-from finetune.tasks import CausalLM, SequenceClassification
-
-# A recipe's TASK -> the task object (finetune.tasks, finetune.sft)
-TASKS = {task.name: task for task in (SequenceClassification(), CausalLM(), SFT_TASK)}
-
-
-def get_task(name: str):
-    """The task object for a recipe's ``TASK``. Raises ``KeyError`` naming the known tasks."""
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    return TASKS[name]
+from finetune.tasks import get_task  # noqa: F401 - the commands ask builders for a recipe's task
 
 
 def build_datasets(recipe, config, tokenizer, task):
@@ -56,18 +43,15 @@ def raw_datasets(recipe, config, task, check: bool = True):
     Raises the loaders' ``FinetuneError``s."""
     if config.dataset_name:
         raw = load_named_dataset(config.dataset_name, config.dataset_config, config.dataset_train_split,
-                                 config.dataset_test_split, recipe.TEXT_COLUMNS, task.name, config.cache_dir)
-    elif config.train_file and task.name == "sft":
-        raw = load_conversation_files(config.train_file, config.validation_file, config.cache_dir)
+                                 config.dataset_test_split, recipe.TEXT_COLUMNS, config.cache_dir,
+                                 class_labels=task.class_labels, conversations=task.chat)
     elif config.train_file:
-        needs_label = task.name == "sequence-classification"
-        raw = load_data_files(config.train_file, config.validation_file, recipe.TEXT_COLUMNS, config.cache_dir,
-                              with_labels=needs_label)
+        raw = task.load_files(config.train_file, config.validation_file, recipe.TEXT_COLUMNS, config.cache_dir)
     else:
         raw = recipe.load_raw_datasets(config)
-    if task.name == "sft" and check:
+    if check:
         for split in raw.values():
-            check_conversation_rows(split)
+            task.check_rows(split)
     if config.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(config.max_train_samples, len(raw["train"]))))
     if config.max_eval_samples is not None:
@@ -141,7 +125,7 @@ def build_model(config, task, label_names=None, pad_token_id=None, recipe=None):
         enable_activation_checkpointing(model, config)
     if config.use_peft:
         try:
-            model = apply_lora(model, config, task.name)
+            model = apply_lora(model, config, task.peft_task_type)
         except ValueError as err:  # e.g. target modules the model does not have
             raise FinetuneError(f"--use_peft: {err} Check --lora_target_modules against the model's module "
                                 "names (or leave it unset for peft's default).") from None

@@ -33,7 +33,6 @@ from finetune.packing import flag_of, packing_summary, row_length
 from finetune.recipes import load_recipe
 from finetune.sampling import EpochSeededLengthGroupedSampler
 from finetune.sft import check_conversation_rows, require_chat_template
-from finetune.tasks import IGNORE_INDEX
 
 FATAL = ("between the splits", "empty completion", "nothing trained", "end-of-turn token not trained")
 
@@ -76,16 +75,6 @@ def empty_completion(row: dict) -> bool:
     messages = completion if isinstance(completion, list) else row.get("messages") or []
     return any(isinstance(m, dict) and m.get("role") == "assistant" and not str(m.get("content") or "").strip()
                for m in messages)
-
-
-def trained_positions(task, row: dict) -> list[bool] | None:
-    """Which input tokens the loss trains: causal LM every token but the first (shifted labels), SFT where
-    ``labels`` is not ``IGNORE_INDEX``; None for classification (the label is trained)."""
-    if task.name == "sequence-classification":
-        return None
-    if task.name == "sft":
-        return [label != IGNORE_INDEX for label in row["labels"]]
-    return [False] + [True] * (len(row["input_ids"]) - 1)
 
 
 def render(tokenizer, ids: list[int], trained: list[bool] | None, colour: bool) -> str:
@@ -163,11 +152,11 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]
     recipe = load_recipe(config.recipe)
     task = get_task(recipe.TASK)
     tokenizer = load_tokenizer(config.model_name_or_path)
-    if task.name == "sft":
+    if task.chat:
         require_chat_template(tokenizer)
     raw = raw_datasets(recipe, config, task, check=False)
     empty = {}
-    if task.name == "sft":  # found and set aside: the encoder refuses them, and the rest is still worth a look
+    if task.chat:  # found and set aside: the encoder refuses them, and the rest is still worth a look
         for split in ("train", "validation"):
             empty[split] = [i for i, r in enumerate(raw[split]) if empty_completion(r)]
             raw[split] = raw[split].filter(lambda r: not empty_completion(r))
@@ -186,14 +175,14 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]
     lines.append("\nSamples (trained tokens " + ("in green" if colour else "in [[...]]") + "):")
     for i in range(min(samples, len(train))):
         row = train[i]
-        label = f"  label: {raw['train'].features['label'].names[row['labels']]}" if task.name == \
-            "sequence-classification" and hasattr(raw["train"].features.get("label"), "names") else ""
-        text = render(tokenizer, row["input_ids"], trained_positions(task, row), colour)
+        label = f"  label: {raw['train'].features['label'].names[row['labels']]}" if task.class_labels and \
+            hasattr(raw["train"].features.get("label"), "names") else ""
+        text = render(tokenizer, row["input_ids"], task.trained_positions(row), colour)
         lines.append(f"--- sample {i}{label}\n{text if len(text) <= 600 else text[:300] + ' ... ' + text[-300:]}")
     lengths = [len(ids) for ids in train["input_ids"]]
     limit = config.block_size or config.max_length
     lines.append(f"\nLengths (tokens): {percentiles(lengths)}")
-    if task.name != "sft" and not config.block_size:
+    if not task.chat and not config.block_size:
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # "longer than the maximum sequence length": what is measured
         full = [len(ids) for ids in tokenizer(*[list(raw["train"][c]) for c in recipe.TEXT_COLUMNS])["input_ids"]]
@@ -204,26 +193,26 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]
     else:
         at_limit = sum(length >= limit for length in lengths)
         lines.append(f"At the limit of {limit} tokens: {at_limit} of {len(lengths)} ({at_limit / max(len(lengths), 1):.1%})"
-                     + (" (prompts are cut to fit; completions never)" if task.name == "sft" else ""))
+                     + (" (prompts are cut to fit; completions never)" if task.chat else ""))
     global_batch = config.per_device_train_batch_size * config.gradient_accumulation_steps
     lines.append(f"Padding at micro-batch {config.per_device_train_batch_size} ({config.train_sampling_strategy}): "
                  f"{padding_fraction(lengths, config.per_device_train_batch_size, config.train_sampling_strategy, global_batch, config.seed):.1%} of positions")
     if config.padding_free or config.packing:
         lines.append(packing_line(config, lengths, global_batch))
     problems = []
-    if task.name == "sequence-classification":
+    if task.class_labels:
         names = getattr(raw["train"].features.get("label"), "names", None)
         for split in ("train", "validation"):
             counts = Counter(raw[split]["label"])
             shown = ", ".join(f"{names[k] if names else k} {v}" for k, v in sorted(counts.items()))
             lines.append(f"Labels ({split}): {shown}")
     else:
-        trained = [sum(mask) for mask in (trained_positions(task, r) for r in train)]
+        trained = [sum(mask) for mask in (task.trained_positions(r) for r in train)]
         lines.append(f"Trained tokens per sample: {percentiles(trained)}")
         problems.append(("nothing trained", sum(t == 0 for t in trained)))
-    if task.name == "sft":
+    if task.chat:
         stops = stop_ids(tokenizer, config.model_name_or_path)
-        untrained = sum(not any(t in stops for t, m in zip(r["input_ids"], trained_positions(task, r)) if m)
+        untrained = sum(not any(t in stops for t, m in zip(r["input_ids"], task.trained_positions(r)) if m)
                         for r in train)
         problems.append(("end-of-turn token not trained", untrained))
         problems.append(("empty completion", sum(len(rows) for rows in empty.values())))

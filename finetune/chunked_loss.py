@@ -26,7 +26,7 @@ METHODS = ("fused", "recompute", "checkpoint")
 def chunked_causal_lm_loss_sum(hidden_states: torch.Tensor, lm_head, labels: torch.Tensor,  # noqa: C901 - over the budget; to split
                                chunk_size: int = DEFAULT_CHUNK_SIZE, *, method: str | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy over label tokens: a 0-d fp32 tensor in nats (0 with zero gradients if
-    there are none), equal to float rounding, gradients included, to ``CausalLM().loss_sum(lm_head(hidden_states),
+    there are none), equal to float rounding, gradients included, to ``CausalLM().loss_from_logits(lm_head(hidden_states),
     labels)`` without the (batch, seq, vocab) logits.
 
     ``hidden_states``: (batch, seq, hidden), the input of ``lm_head`` (after the final norm). ``lm_head``: a

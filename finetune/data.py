@@ -18,6 +18,7 @@ from finetune.errors import FinetuneError, HubUnreachableError
 from finetune.gguf_model import load_gguf_causal_lm, load_gguf_tokenizer
 
 LABEL_COLUMN = "label"
+IGNORE_INDEX = -100  # label value that the loss skips (padding, repeated rows, the prompt where masked)
 ROW_COLUMN = "__row__"  # where a raw row came from ("train.csv line 7"): errors about a row name it
 
 
@@ -308,11 +309,12 @@ def _class_labels(ds, where: str):
 
 
 def load_named_dataset(name: str, config_name: str | None, train_split: str, test_split: str, text_columns,  # noqa: C901 - over the budget; to split
-                       task_name: str, cache_dir=None):
+                       cache_dir=None, *, class_labels: bool, conversations: bool):
     """``--dataset_name`` (TRL's flags): a ``save_to_disk`` folder (``dataset_dict.json``/``state.json``) through
     ``datasets.load_from_disk``, else ``datasets.load_dataset`` (a local data folder, or a Hub name, which needs
     the Hub). Returns a DatasetDict (``train``, ``validation``) as ``load_data_files`` does: classification gets a
-    ``ClassLabel`` ``label`` (a ClassLabel's names kept), SFT keeps its prompt/completion or messages; without
+    ``ClassLabel`` ``label`` (``class_labels``: a ClassLabel's names kept), conversations (``conversations``: the
+    task's ``chat``) keep their prompt/completion or messages; without
     ``test_split``, 20% of the train split is held out (stratified for classification, seed 42). Raises
     ``FinetuneError`` for a missing split or column (listing what the dataset has) or an unreadable dataset, and
     ``HubUnreachableError`` offline for a Hub name."""
@@ -339,13 +341,13 @@ def load_named_dataset(name: str, config_name: str | None, train_split: str, tes
                             "Pass --dataset_train_split.")
     where = f"--dataset_name {name} (split {train_split!r})"
     train = loaded[train_split]
-    if task_name == "sft":
+    if conversations:
         if not ({"prompt", "completion"} <= set(train.column_names) or "messages" in train.column_names):
             raise FinetuneError(f"{where} has columns {', '.join(train.column_names)}; instruction data needs "
                                 "prompt + completion, or messages (TRL's dataset formats).")
         needed = None
     else:
-        needed = [*text_columns, *([LABEL_COLUMN] if task_name == "sequence-classification" else [])]
+        needed = [*text_columns, *([LABEL_COLUMN] if class_labels else [])]
         missing = [c for c in needed if c not in train.column_names]
         if missing:
             raise FinetuneError(f"{where} lacks column(s) {', '.join(missing)} (it has {', '.join(train.column_names)})."
@@ -358,9 +360,9 @@ def load_named_dataset(name: str, config_name: str | None, train_split: str, tes
         names = [f"--dataset_name {name} split {split!r} row {i}" for i in range(len(ds))]
         if needed:
             ds = ds.select_columns(needed)
-            check_rows(ds, names, text_columns, task_name == "sequence-classification")
+            check_rows(ds, names, text_columns, class_labels)
         splits[key] = ds.add_column(ROW_COLUMN, names)
-    if task_name == "sequence-classification":
+    if class_labels:
         splits["train"] = _class_labels(splits["train"], where)
         if splits["validation"] is not None:
             names = splits["train"].features[LABEL_COLUMN].names
@@ -370,7 +372,7 @@ def load_named_dataset(name: str, config_name: str | None, train_split: str, tes
                     LABEL_COLUMN, datasets.ClassLabel(names=names))
             splits["validation"] = validation
     if splits["validation"] is None:
-        stratify = task_name == "sequence-classification"
+        stratify = class_labels
         counts = Counter(splits["train"][LABEL_COLUMN]) if stratify else None
         label_counts = ({n: counts[i] for i, n in enumerate(splits["train"].features[LABEL_COLUMN].names)}
                         if stratify else None)

@@ -14,6 +14,7 @@ from finetune import packing
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.sft import generate_completions, prompt_and_reference, score_completions
+from finetune.tasks import split_labels
 
 GENERATIONS_FILE = "generations.jsonl"  # in the output dir: generated completions beside the references
 
@@ -42,11 +43,11 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict, pack=None
     splittable = engine.eval_may_split_batch  # no collective inside the forward
     forward = engine.eval_model(model)
     for batch in dataloader:
-        labels = batch.pop("labels")
         if pack is not None:
-            outputs = packing.eval_outputs(forward, batch, labels, task, pack.eval_row_length)
+            inputs, labels = split_labels(batch)
+            outputs = packing.eval_outputs(forward, inputs, labels, task, pack.eval_row_length)
         else:
-            outputs = _eval_outputs(forward, batch, labels, task, splittable)
+            outputs = _eval_outputs(forward, batch, task, splittable)
         parts.append([t.cpu() for t in accelerator.gather_for_metrics(outputs)])
     model.train(was_training)
     if not parts:
@@ -54,21 +55,22 @@ def evaluate(accelerator, model, dataloader, task, metric_specs: dict, pack=None
     return task.eval_metrics([torch.cat(columns) for columns in zip(*parts)], metric_specs)
 
 
-def _eval_outputs(model, batch: dict, labels, task, splittable: bool) -> tuple:
-    """The task's per-sample outputs for one batch; on out-of-memory (``should_reduce_batch_size``) a
-    ``splittable`` batch is retried in halves, recursively. The training micro-batch never changes."""
+def _eval_outputs(model, batch: dict, task, splittable: bool) -> tuple:
+    """The task's per-sample outputs for one batch (``task.eval_outputs``); on out-of-memory
+    (``should_reduce_batch_size``) a ``splittable`` batch is retried in halves, recursively. The training
+    micro-batch never changes."""
     try:
         with torch.no_grad():
-            return task.eval_outputs(model(**batch).logits, labels)
+            return task.eval_outputs(model, batch)
     except Exception as err:  # noqa: BLE001 - OOM types differ by backend
-        size = labels.shape[0]
+        size = task.samples(batch)
         if not splittable or not should_reduce_batch_size(err) or size == 1:
             raise
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     half = size // 2
-    first = _eval_outputs(model, {k: v[:half] for k, v in batch.items()}, labels[:half], task, splittable)
-    second = _eval_outputs(model, {k: v[half:] for k, v in batch.items()}, labels[half:], task, splittable)
+    first = _eval_outputs(model, {k: v[:half] for k, v in batch.items()}, task, splittable)
+    second = _eval_outputs(model, {k: v[half:] for k, v in batch.items()}, task, splittable)
     return tuple(torch.cat([a, b]) for a, b in zip(first, second))
 
 

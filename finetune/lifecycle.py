@@ -27,7 +27,6 @@ from finetune.preemption import SaveBudget
 from finetune.progress import RunProgress
 from finetune.reporting import run_banner, run_metrics, write_outputs
 from finetune.steps import micro_batches_per_process, plan_steps
-from finetune.tasks import CausalLM
 
 
 @dataclass
@@ -53,8 +52,8 @@ def count_window(window: list[dict], task, accelerator, repeats: int = 0, run: l
     device = accelerator.device
     sample_ids = elastic.window_ids_hash(window, accelerator)
     input_tokens, positions = map(sum, zip(*(packing.tokens(b) for b in (run or window)), strict=True))
-    local = torch.stack([sum(task.count(b["labels"]) for b in window),
-                         torch.tensor(sum(b["labels"].shape[0] for b in window) - repeats, device=device),
+    local = torch.stack([sum(task.count(b) for b in window),
+                         torch.tensor(sum(task.samples(b) for b in window) - repeats, device=device),
                          torch.tensor(input_tokens, device=device), torch.tensor(positions, device=device)])
     items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
     if items == 0:
@@ -81,7 +80,7 @@ class RunState:
         identity = training_set_identity(train_dataset) if train_dataset is not None else None
         self.meaning = ckpt.step_meaning(config, num_processes, identity)
         self.book = Bookkeeping(config, plan, RunProgress(num_processes=num_processes, step_meaning=self.meaning),
-                                writes=layout.writes, say=say, counts_tokens=isinstance(task, CausalLM))
+                                writes=layout.writes, say=say, counts_tokens=task.counts_tokens)
         # will a stop signal's step and checkpoint fit the grace before SIGKILL? (the main process says)
         self.budget = SaveBudget(config.preemption_grace_seconds, say, active=main)
         self.resume_from: Path | None = None

@@ -18,8 +18,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 BASE_DIR = "base_model"  # a GGUF base, de-quantized once, where the adapter config can point to it
 
 
-def lora_config(config, task_name: str) -> LoraConfig:
-    """The ``peft.LoraConfig`` of the LoRA flags: ``SEQ_CLS`` for classification, else ``CAUSAL_LM``."""
+def lora_config(config, task_type: str) -> LoraConfig:
+    """The ``peft.LoraConfig`` of the LoRA flags for peft's ``TaskType`` named ``task_type`` (the task's
+    ``peft_task_type``: ``SEQ_CLS``, ``CAUSAL_LM``)."""
     from peft import LoraConfig, TaskType  # lazy: see the top
 
     targets = config.lora_target_modules
@@ -27,14 +28,14 @@ def lora_config(config, task_name: str) -> LoraConfig:
         targets = [name.strip() for name in targets.split(",") if name.strip()]
     return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=targets or None,
-                      task_type=TaskType.SEQ_CLS if task_name == "sequence-classification" else TaskType.CAUSAL_LM)
+                      task_type=TaskType[task_type])
 
 
-def apply_lora(model, config, task_name: str) -> PeftModel:
+def apply_lora(model, config, task_type: str) -> PeftModel:
     """``peft.get_peft_model`` with ``lora_config``; peft's ``ValueError`` for target modules the model lacks."""
     from peft import get_peft_model  # lazy: see the top
 
-    return get_peft_model(model, lora_config(config, task_name))
+    return get_peft_model(model, lora_config(config, task_type))
 
 
 def is_peft_model(model) -> bool:

@@ -26,8 +26,8 @@ import contextlib
 
 import torch
 
+from finetune.data import IGNORE_INDEX
 from finetune.errors import FinetuneError
-from finetune.tasks import IGNORE_INDEX, CausalLM
 
 STRATEGIES = ("window_bfd",)  # --packing_strategy values
 
@@ -209,7 +209,8 @@ def tokens(batch: dict) -> tuple[int, int]:
 
 
 def eval_outputs(forward, batch: dict, labels: torch.Tensor, task, row_length: int | None = None) -> tuple[torch.Tensor, ...]:
-    """``task.eval_outputs`` for a padded evaluation batch (``labels`` popped) computed padding-free: its samples in
+    """``task.eval_from_logits`` (a packing task's per-sample outputs from logits) for a padded evaluation batch
+    (``labels`` popped) computed padding-free: its samples in
     one row (``row_length`` None), or packed best-fit-decreasing into rows of at most ``row_length`` tokens, one
     micro-batch (``pack_rows``). Each sample's logits are cut back out and scored as a batch of one; the
     per-sample tensors are concatenated in the batch's row order, as the padded path gives them. ``forward``: the
@@ -228,7 +229,8 @@ def eval_outputs(forward, batch: dict, labels: torch.Tensor, task, row_length: i
         start = 0
         for i in row:
             n = len(samples[i]["input_ids"])
-            parts[i] = task.eval_outputs(logits[r, start:start + n].unsqueeze(0), samples[i]["labels"].unsqueeze(0))
+            parts[i] = task.eval_from_logits(logits[r, start:start + n].unsqueeze(0),
+                                             samples[i]["labels"].unsqueeze(0))
             start += n
     return tuple(torch.cat(columns) for columns in zip(*(parts[i] for i in range(len(samples))), strict=True))
 
@@ -399,7 +401,7 @@ def packer_for(config, task, model, distributed_type=None, exact: bool = False, 
     if not (config.padding_free or config.packing):
         return None
     flag = flag_of(config)
-    if not isinstance(task, CausalLM):
+    if not task.packs:
         raise FinetuneError(f"{flag} is for causal LM and SFT recipes; a {task.name} recipe keeps padded "
                             "micro-batches (one label per sample, nothing to pack). Drop the flag.")
     sharded = is_sharded(distributed_type)

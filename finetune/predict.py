@@ -76,14 +76,16 @@ def _run_max_length(path: Path) -> int:
 
 
 def _trained_on_chats(path: Path) -> bool:
-    """Whether the run that wrote ``path`` was instruction tuning (its recipe's ``TASK`` is "sft"): its model
+    """Whether the run that wrote ``path`` was trained on conversations (its recipe's task's ``chat``): its model
     answers prompts rendered with the chat template, not raw text."""
     recipe = _run_config(path).get("recipe")
     if not isinstance(recipe, str):
         return False
+    from finetune.tasks import get_task  # imports transformers: see the note at the top
+
     try:
-        return load_recipe(recipe).TASK == "sft"
-    except (FinetuneError, OSError, ImportError, SyntaxError):
+        return get_task(load_recipe(recipe).TASK).chat
+    except (FinetuneError, OSError, ImportError, SyntaxError, KeyError):
         return False
 
 

@@ -6,17 +6,15 @@ completion. Rationale, and the differences from TRL and torchtune: see docs/desi
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Sequence
 
 import datasets
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from finetune.data import ROW_COLUMN
+from finetune.data import IGNORE_INDEX, ROW_COLUMN
 from finetune.errors import FinetuneError
 from finetune.metrics import load_metric
-from finetune.tasks import IGNORE_INDEX, CausalLM
 
 FORMATS = ("prompt-completion", "messages")
 _NO_TEMPLATE_FIX = ("use an instruction-tuned (chat) model whose tokenizer has a chat template, such as the default "
@@ -309,65 +307,6 @@ def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering co
     return rows.map(encode, batched=True, with_indices=True, remove_columns=columns, desc=desc)
 
 
-# ------------------------------------------------------------------------------------------- the task
-
-class SFTCollator:
-    """Right-pads ``input_ids`` (pad token) and ``labels`` (``IGNORE_INDEX``) to the micro-batch's longest
-    sequence, rounded up to ``pad_to_multiple_of``; right padding keeps positions batch-independent."""
-
-    def __init__(self, tokenizer, pad_to_multiple_of: int | None = None):
-        # the pad id's value is irrelevant (masked out of attention and loss); 0 if the tokenizer has none
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.pad_to_multiple_of = pad_to_multiple_of
-
-    def __call__(self, features: list[dict]) -> dict:
-        """``features``: [{"input_ids": [int] * n_i, "labels": [int] * n_i}, ...] -> int64 tensors of
-        shape (batch, seq): input_ids, attention_mask, labels."""
-        length = max((len(f["input_ids"]) for f in features), default=0)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        input_ids = torch.full((len(features), length), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(features), length), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((len(features), length), dtype=torch.long)
-        for i, f in enumerate(features):
-            n = len(f["input_ids"])
-            if len(f["labels"]) != n:
-                raise ValueError(f"feature {i}: {n} input_ids but {len(f['labels'])} labels")
-            input_ids[i, :n] = torch.tensor(f["input_ids"], dtype=torch.long)
-            labels[i, :n] = torch.tensor(f["labels"], dtype=torch.long)
-            attention_mask[i, :n] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-class InstructionCausalLM(CausalLM):
-    """The causal-LM task on completion-only labels: items = trained completion tokens. Generation metrics
-    (ROUGE-L, exact match) come from ``generation_metrics``, which needs the raw prompts."""
-
-    name = "sft"
-
-    def tokenize(self, raw, tokenizer, config, text_columns=None):
-        """Every split of ``raw`` through ``rows_to_features`` (``text_columns`` unused)."""
-        return datasets.DatasetDict({split: rows_to_features(ds, tokenizer, config.max_length,
-                                                             desc=f"Rendering conversations ({split})")
-                                     for split, ds in raw.items()})
-
-    def collator(self, tokenizer, pad_to_multiple_of):
-        """``SFTCollator``: right padding, labels padded with ``IGNORE_INDEX``."""
-        return SFTCollator(tokenizer, pad_to_multiple_of)
-
-    def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict | None = None) -> dict:
-        """``eval_loss`` (nats per completion token), ``eval_perplexity``, ``eval_tokens``, ``eval_samples`` from
-        the gathered (loss sum, label tokens) per sample; NaN loss and 0 counts for an empty set."""
-        if not gathered or not len(gathered[0]):
-            return {"eval_loss": float("nan"), "eval_perplexity": float("nan"), "eval_tokens": 0, "eval_samples": 0}
-        loss_sums, counts = gathered[0], gathered[1]
-        tokens = int(counts.sum().item())
-        loss = loss_sums.sum().item() / tokens if tokens else float("nan")
-        perplexity = float("nan") if math.isnan(loss) else math.exp(loss) if loss < 700 else float("inf")
-        return {"eval_loss": loss, "eval_perplexity": perplexity, "eval_tokens": tokens, "eval_samples": len(counts)}
-
-
-SFT_TASK = InstructionCausalLM()
 
 
 # ------------------------------------------------------------------------------------------ generation

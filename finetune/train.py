@@ -51,7 +51,7 @@ class Setup:
     metric_specs: dict
     raw_validation: object  # the validation split before tokenizing (generation evaluates it)
     layout: distributed.StorageLayout  # who writes the run's files (one process, or one per machine)
-    micro_batch_loss: object  # (model, batch, labels) -> the summed loss tensor: loss.loss_function
+    micro_batch_loss: object  # (model, batch) -> the loss summed over the batch's items: loss.loss_function
     pack: object = None  # --padding_free/--packing: window -> the micro-batches it runs (packing.Packer), else None
     train_dataset: object = None  # the tokenized training set (a datasets.Dataset): what the run is bound to
 
@@ -140,8 +140,7 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
                 learning_rate = built.learning_rate()
                 for batch in micro_batches:
                     with accelerator.accumulate(model):
-                        labels = batch.pop("labels")
-                        loss_sum = built.micro_batch_loss(model, batch, labels)  # forward; summed over its items
+                        loss_sum = built.micro_batch_loss(model, batch)  # forward; summed over its items
                         # accelerator.backward divides by K (its gradient_accumulation_steps) and DDP averages over
                         # P processes: undo both, so the summed gradient is sum(per-item gradients) / items in the
                         # window.

@@ -113,12 +113,10 @@ class FinetuneTrainer(Trainer):
         return str(ckpt.trainer_staging(Path(self.args.output_dir).parent))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The micro-batch's loss: ``micro_batch_loss(model, inputs, labels)`` / the window's items."""
+        """The micro-batch's loss: ``micro_batch_loss(model, inputs)`` / the window's items."""
         if return_outputs:  # Trainer's own prediction path (unused here: evaluation is evaluate())
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        loss = self.account(self.micro_batch_loss(model, inputs, labels), labels, num_items_in_batch)
+        loss = self.account(self.micro_batch_loss(model, dict(inputs)), dict(inputs), num_items_in_batch)
         if num_items_in_batch is not None and torch.is_grad_enabled():
             # num_items_in_batch counts every process's items and DDP averages the gradients over the processes:
             # undo the average, as Trainer.compute_loss does (transformers 5.23 trainer.py, "loss *= loss_scale");
@@ -145,15 +143,16 @@ class BookkeepingCallback(TrainerCallback):
         """Trainer's ``compute_loss_func``: the micro-batch's summed loss (the task's: samples or label tokens)
         divided by the window's item count ``num_items_in_batch`` (all processes, counted by the task:
         ``FinetuneTrainer.get_batch_samples``), or by the batch's own items when there is no window."""
-        return self.account(self.task.loss_sum(outputs.logits, labels), labels, num_items_in_batch)
+        return self.account(self.task.loss_from_logits(outputs.logits, labels), {"labels": labels},
+                            num_items_in_batch)
 
-    def account(self, loss_sum, labels, num_items_in_batch=None):
-        """The loss Trainer back-propagates for a micro-batch whose summed loss is ``loss_sum``: divided by the
-        window's items ``num_items_in_batch``; the window's loss is summed for the log."""
+    def account(self, loss_sum, batch: dict, num_items_in_batch=None):
+        """The loss Trainer back-propagates for the micro-batch ``batch`` whose summed loss is ``loss_sum``: divided
+        by the window's items ``num_items_in_batch``; the window's loss is summed for the log."""
         if num_items_in_batch is None or not torch.is_grad_enabled():  # evaluation (Trainer passes a count there too)
-            return loss_sum / self.task.count(labels).clamp(min=1)
+            return loss_sum / self.task.count(batch).clamp(min=1)
         if int(num_items_in_batch) == 0:  # counted over every process: all raise alike
-            raise empty_window_error(labels.shape[0])
+            raise empty_window_error(self.task.samples(batch))
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
         self.micro_batches += 1
         return loss_sum / num_items_in_batch

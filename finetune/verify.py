@@ -39,6 +39,7 @@ from finetune.elastic import SAMPLE_IDS
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError, NumericalError, reports_errors, together
 from finetune.resolve import resolve
+from finetune.tasks import split_labels
 
 DEFAULT_STEPS = 3
 # The smallest tolerance: 16 units in the last place of fp32 (relative), for ways whose floors are bit-identical.
@@ -216,12 +217,12 @@ def _in_chunks(sizes: tuple):
     def vary(built):
         loss = built.micro_batch_loss
 
-        def chunked(model, batch, labels):
+        def chunked(model, batch):
             total, first, turn = None, 0, 0
-            while first < labels.shape[0]:
+            while first < batch["labels"].shape[0]:
                 rows, turn = sizes[turn % len(sizes)], turn + 1
                 part = {k: v[first:first + rows] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
-                value = loss(model, part, labels[first:first + rows])
+                value = loss(model, part)
                 total, first = (value if total is None else total + value), first + rows
             return total
 
@@ -241,8 +242,8 @@ class _FirstMicroBatchTwice:
     def vary(self, built):
         loss = built.micro_batch_loss
 
-        def wrong(model, batch, labels):
-            value = loss(model, batch, labels)
+        def wrong(model, batch):
+            value = loss(model, batch)
             first = self.calls % self.micro_batches == 0
             self.calls += 1
             return value * 2 if first else value
@@ -328,21 +329,20 @@ def determinism(built, micro_batch: int) -> dict:
     loader = built.train_dataloader
     rows = [loader.dataset[i] for i in range(min(micro_batch, len(loader.dataset)))]
     batch = {k: v.to(accelerator.device) for k, v in loader.collate_fn(rows).items()}
-    labels = batch.pop("labels")
     model.train()
     grads = []
     context = model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         with context():
-            built.micro_batch_loss(model, batch, labels).float().backward()
+            built.micro_batch_loss(model, batch).float().backward()
         grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
     model.zero_grad(set_to_none=True)
     names = [n for n in grads[0] if n in grads[1]]
     difference = _norm(grads[0][n] - grads[1][n] for n in names) / max(_norm(grads[0][n] for n in names), 1e-30)
     if not math.isfinite(difference):
         difference = float("inf")
-    return {"difference": difference, "modules": _random_modules(model, batch) if difference > 0 else []}
+    return {"difference": difference, "modules": _random_modules(model, split_labels(batch)[0]) if difference > 0 else []}
 
 
 def _random_modules(model, batch) -> list[str]:

@@ -15,8 +15,8 @@ from tiny_models import build_tiny_moe
 from transformers import AutoModelForCausalLM
 
 from finetune.config import parse_config
-from finetune.loss import auxiliary_loss_sum, loss_function
-from finetune.tasks import CausalLM
+from finetune.loss import loss_function
+from finetune.tasks import CausalLM, auxiliary_loss_sum
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +39,10 @@ def test_one_micro_batch_trains_the_models_own_loss(mixtral, chunk):
     task = CausalLM()
     loss = loss_function(task, config, Accelerator(cpu=True))
     inputs, labels = batch()
-    ours = loss(mixtral, dict(inputs), labels) / task.count(labels)
+    ours = loss(mixtral, {**inputs, "labels": labels}) / task.count_labels(labels)
     own = mixtral(**inputs, labels=labels).loss  # transformers: CE (mean over label tokens) + coef x aux_loss
     assert float(ours.detach()) == pytest.approx(float(own.detach()), rel=1e-5)
-    without = task.loss_sum(mixtral(**inputs).logits, labels) / task.count(labels)
+    without = task.loss_from_logits(mixtral(**inputs).logits, labels) / task.count_labels(labels)
     assert abs(float(ours.detach()) - float(without.detach())) > 1e-3  # the auxiliary term is really in it (coef 0.1)
 
 
@@ -50,10 +50,11 @@ def test_each_micro_batch_term_is_weighted_by_its_items(mixtral):
     task = CausalLM()
     inputs, labels = batch()
     outputs = mixtral(**inputs)
-    term = auxiliary_loss_sum(outputs, mixtral, task, labels)
-    assert float(term.detach()) == pytest.approx(0.1 * float(outputs.aux_loss.detach()) * float(task.count(labels)), rel=1e-6)
+    term = auxiliary_loss_sum(outputs, mixtral, task.count_labels(labels))
+    items = float(task.count_labels(labels))
+    assert float(term.detach()) == pytest.approx(0.1 * float(outputs.aux_loss.detach()) * items, rel=1e-6)
     no_aux = types.SimpleNamespace(aux_loss=None)
-    assert auxiliary_loss_sum(no_aux, mixtral, task, labels) is None
+    assert auxiliary_loss_sum(no_aux, mixtral, task.count_labels(labels)) is None
 
 
 def test_deepspeed_engine_reads_the_fp32_master_weights(monkeypatch):

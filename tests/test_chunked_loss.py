@@ -55,7 +55,7 @@ def loss_and_grads(model, compute):
 
 def plain(model, batch):
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return CausalLM().loss_sum(model(**inputs).logits, batch["labels"])
+    return CausalLM().loss_from_logits(model(**inputs).logits, batch["labels"])
 
 
 def chunked(model, batch, chunk_size=7, method=None):
@@ -80,7 +80,7 @@ def assert_same(reference, result, rtol=1e-5, atol_frac=1e-6):
 def test_matches_plain_path_tied(method, chunk_size):
     model, batch = tiny_llama(), make_batch()
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert int(CausalLM().count(batch["labels"])) == 37  # prime: 5 and 16 do not divide it; 1000 exceeds it
+    assert int(CausalLM().count_labels(batch["labels"])) == 37  # prime: 5 and 16 do not divide it; 1000 exceeds it
     reference = loss_and_grads(model, lambda: plain(model, batch))
     result = loss_and_grads(model, lambda: chunked(model, batch, chunk_size, method))
     assert "model.embed_tokens.weight" in result[1]  # the tied weight: embedding + head gradients summed
@@ -104,9 +104,9 @@ def test_matches_plain_path_untied_with_bias(method):
         (loss * 0.37).backward()
         return loss.detach(), {name: p.grad.clone() for name, p in params.items() if p.grad is not None}
 
-    reference = run(lambda: CausalLM().loss_sum(head(hidden), labels))
+    reference = run(lambda: CausalLM().loss_from_logits(head(hidden), labels))
     assert_same(reference, run(lambda: chunked_causal_lm_loss_sum(hidden, head, labels, 6, method=method)))
-    no_bias = run(lambda: CausalLM().loss_sum(hidden @ head.weight.T, labels))
+    no_bias = run(lambda: CausalLM().loss_from_logits(hidden @ head.weight.T, labels))
     assert_same(no_bias, run(lambda: chunked_causal_lm_loss_sum(hidden, head.weight, labels, 6, method=method)))
 
 
@@ -200,7 +200,7 @@ def test_saves_far_less_for_backward_at_a_large_vocabulary():
     head = torch.nn.Linear(hidden_size, vocab, bias=False)
     labels = torch.randint(0, vocab, (8, 512))
     logprob_bytes = 8 * 511 * vocab * 4
-    plain_bytes = saved_tensor_bytes(lambda: CausalLM().loss_sum(head(hidden), labels))
+    plain_bytes = saved_tensor_bytes(lambda: CausalLM().loss_from_logits(head(hidden), labels))
     assert plain_bytes >= logprob_bytes
     weight_bytes = vocab * hidden_size * 4
     for method in ("fused", "recompute"):
@@ -383,7 +383,7 @@ def test_fp16_weight_gradient_does_not_overflow(method):
             loss_of().backward()
         return head.weight.grad.clone()
 
-    plain_grad = weight_grad(lambda: CausalLM().loss_sum(head(hidden), labels) / tokens)
+    plain_grad = weight_grad(lambda: CausalLM().loss_from_logits(head(hidden), labels) / tokens)
     chunked_grad = weight_grad(lambda: chunked_causal_lm_loss_sum(hidden, head, labels, 2048, method=method) / tokens)
     assert torch.isfinite(plain_grad).all() and plain_grad.abs().max() * tokens > 65504
     assert torch.isfinite(chunked_grad).all()

@@ -31,7 +31,7 @@ def test_collator_pads_right_and_masks_padding_only():
     assert batch["input_ids"][0].tolist()[:3] == [5, 6, 7]
     assert batch["labels"][0].tolist() == [5, 6, 7] + [IGNORE_INDEX] * 5
     assert batch["labels"][1].tolist()[:5] == [5, pad, 9, 10, 11]  # masked by attention_mask, not by id
-    assert CausalLM().count(batch["labels"]).item() == 2 + 4
+    assert CausalLM().count_labels(batch["labels"]).item() == 2 + 4
 
 
 def test_window_loss_is_the_token_mean_and_mean_of_means_is_not(tiny_llama, clm_texts):
@@ -60,13 +60,13 @@ def test_window_loss_is_the_token_mean_and_mean_of_means_is_not(tiny_llama, clm_
 
     full = collate(features)
     micro = [collate(features[i:i + 2]) for i in range(0, 8, 2)]
-    counts = [task.count(b["labels"]).item() for b in micro]
+    counts = [task.count_labels(b["labels"]).item() for b in micro]
     assert len(set(counts)) > 1  # the micro-batches really hold different numbers of tokens
     total = sum(counts)
 
-    g_full = grads(lambda: task.loss_sum(*logits_labels(full)) / task.count(full["labels"]))
-    g_exact = grads(lambda: sum(task.loss_sum(*logits_labels(b)) for b in micro) / total)
-    g_naive = grads(lambda: sum(task.loss_sum(*logits_labels(b)) / c for b, c in zip(micro, counts)) / 4)
+    g_full = grads(lambda: task.loss_from_logits(*logits_labels(full)) / task.count_labels(full["labels"]))
+    g_exact = grads(lambda: sum(task.loss_from_logits(*logits_labels(b)) for b in micro) / total)
+    g_naive = grads(lambda: sum(task.loss_from_logits(*logits_labels(b)) / c for b, c in zip(micro, counts)) / 4)
     torch.testing.assert_close(g_exact, g_full, rtol=1e-5, atol=1e-7)
     relative = ((g_naive - g_full).norm() / g_full.norm()).item()
     assert relative > 1e-2, relative
@@ -127,4 +127,4 @@ def test_a_window_with_no_trained_token_is_a_clear_error():
     callback = BookkeepingCallback.__new__(BookkeepingCallback)
     callback.task = CausalLM()
     with pytest.raises(FinetuneError, match="no trained tokens"):
-        callback.account(torch.tensor(0.0, requires_grad=True), batch["labels"], torch.tensor(0))
+        callback.account(torch.tensor(0.0, requires_grad=True), batch, torch.tensor(0))

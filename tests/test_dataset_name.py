@@ -74,7 +74,7 @@ def test_a_hub_name_offline_fails_fast(monkeypatch):
 
     start = time.perf_counter()
     with pytest.raises(FinetuneError, match="--dataset_name someone/news must be downloaded from the Hugging Face Hub"):
-        load_named_dataset("someone/news", None, "train", "test", ("text",), "sequence-classification")
+        load_named_dataset("someone/news", None, "train", "test", ("text",), class_labels=True, conversations=False)
     assert time.perf_counter() - start < 20
 
 
@@ -82,4 +82,4 @@ def test_a_missing_local_folder_is_named(tmp_path):
     from finetune.data import load_named_dataset
 
     with pytest.raises(FinetuneError, match="--dataset_name ./nope: no such folder"):
-        load_named_dataset("./nope", None, "train", "test", ("text",), "sequence-classification")
+        load_named_dataset("./nope", None, "train", "test", ("text",), class_labels=True, conversations=False)

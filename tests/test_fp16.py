@@ -77,7 +77,7 @@ def overflow_on(monkeypatch, micro_batches) -> None:
     overflow fp16: their summed loss is multiplied by ``OVERFLOW``."""
     from finetune.tasks import SequenceClassification
 
-    original = SequenceClassification.loss_sum
+    original = SequenceClassification.loss_from_logits
     calls = {"n": 0}
 
     def loss_sum(self, logits, labels):
@@ -88,7 +88,7 @@ def overflow_on(monkeypatch, micro_batches) -> None:
                 return loss * OVERFLOW
         return loss
 
-    monkeypatch.setattr(SequenceClassification, "loss_sum", loss_sum)
+    monkeypatch.setattr(SequenceClassification, "loss_from_logits", loss_sum)
 
 
 def record_weights(monkeypatch, backend: str = "accelerate") -> list[dict]:

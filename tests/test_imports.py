@@ -33,7 +33,7 @@ stage("default run")
 import finetune.compare, finetune.lora, finetune.metrics, finetune.trainer_backend
 finetune.compare.pyplot()
 finetune.lora.lora_config(type("C", (), dict(lora_target_modules=None, lora_r=2, lora_alpha=4, lora_dropout=0.0)),
-                          "causal-lm")
+                          "CAUSAL_LM")
 finetune.metrics.load_metric("accuracy")
 stage("lazy paths taken")
 print(json.dumps(seen))

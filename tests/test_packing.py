@@ -119,11 +119,11 @@ def test_row_trains_the_padded_batch_label_tokens(tiny_llama, clm_texts):
     starts = row["position_ids"][0] == 0
     assert (row["labels"][0][starts] == IGNORE_INDEX).all() and "attention_mask" not in row
     assert row["input_ids"].numel() == padded["attention_mask"].sum() < padded["input_ids"].numel()
-    assert task.count(row["labels"]) == task.count(padded["labels"])
+    assert task.count_labels(row["labels"]) == task.count_labels(padded["labels"])
     with torch.no_grad():
-        loss_padded = task.loss_sum(model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits,
+        loss_padded = task.loss_from_logits(model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits,
                                     padded["labels"])
-        loss_row = task.loss_sum(model(**{k: v for k, v in row.items() if k != "labels"}).logits, row["labels"])
+        loss_row = task.loss_from_logits(model(**{k: v for k, v in row.items() if k != "labels"}).logits, row["labels"])
     torch.testing.assert_close(loss_row, loss_padded, rtol=1e-5, atol=0)
 
 
@@ -135,7 +135,7 @@ def _padded_and_row_outputs(model, padded, row, dtype, row_transform=None):
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         logits_padded = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits.float()
         logits_row = model(**(row_transform(inputs) if row_transform else inputs)).logits.float()
-        losses = (task.loss_sum(logits_padded, padded["labels"]), task.loss_sum(logits_row, row["labels"]))
+        losses = (task.loss_from_logits(logits_padded, padded["labels"]), task.loss_from_logits(logits_row, row["labels"]))
     lengths = padded["attention_mask"].sum(dim=1).tolist()
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
     return ([logits_padded[i, :n] for i, n in enumerate(lengths)],
@@ -173,8 +173,8 @@ def test_first_label_not_masked_is_caught(tiny_llama, clm_texts):
     task = CausalLM()
     padded, row = _padded_and_row(tiny_llama, clm_texts)
     unmasked = torch.cat([s["input_ids"] for s in packing.unpad(padded)]).unsqueeze(0)
-    assert task.count(unmasked) == task.count(padded["labels"]) + (len(packing.unpad(padded)) - 1)
-    assert task.count(unmasked) != task.count(row["labels"])
+    assert task.count_labels(unmasked) == task.count_labels(padded["labels"]) + (len(packing.unpad(padded)) - 1)
+    assert task.count_labels(unmasked) != task.count_labels(row["labels"])
 
 
 # ------------------------------------------------------------------------------------------ packing
@@ -201,7 +201,7 @@ def test_packer_repacks_only_the_window_samples(tiny_llama, clm_texts):
         runs = packing.Packer("window_bfd", budget, row_length=row, pad_token_id=-1)(window)
         assert all(r["input_ids"].numel() <= budget for r in runs) and max(len(r["input_ids"]) for r in runs) == rows
         assert sum(packing.tokens(r)[0] for r in runs) == int(padded["attention_mask"].sum())
-        assert sum(task.count(r["labels"]) for r in runs) == task.count(padded["labels"])
+        assert sum(task.count_labels(r["labels"]) for r in runs) == task.count_labels(padded["labels"])
         assert sorted(tuple(s["input_ids"].tolist()) for r in runs for s in _split(r)) == \
             sorted(tuple(s["input_ids"].tolist()) for s in packing.unpad(padded))
 
@@ -216,7 +216,7 @@ def test_packer_exact_keeps_the_window_micro_batch_count(tiny_llama, clm_texts):
     runs = packing.Packer("window_bfd", 8 * width, row_length=8 * width, exact=True)(window)  # one row of all 8
     assert len(runs) == 4 and [len(r["input_ids"]) for r in runs] == [1, 1, 1, 1]
     assert [packing.tokens(r) for r in runs[1:]] == [(0, 1)] * 3
-    assert sum(task.count(r["labels"]) for r in runs) == task.count(padded["labels"])
+    assert sum(task.count_labels(r["labels"]) for r in runs) == task.count_labels(padded["labels"])
     assert packing.group_rows([5, 9, 7, 3, 8], budget=0, count=2) == [[1, 4, 2], [0, 3]]
 
 
@@ -500,7 +500,7 @@ def test_padding_free_evaluation_gives_the_padded_per_sample_outputs(tiny_llama,
     padded, _ = _padded_and_row(tiny_llama, clm_texts)
     labels = padded.pop("labels")
     with torch.no_grad():
-        reference = task.eval_outputs(model(**padded).logits, labels)
+        reference = task.eval_from_logits(model(**padded).logits, labels)
     longest = int(padded["attention_mask"].sum(dim=1).max())
     for row_length in (None, longest, 2 * longest):  # one row; one sample per row; rows of several
         outputs = packing.eval_outputs(model, padded, labels, task, row_length)

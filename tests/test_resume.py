@@ -143,7 +143,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, tiny_
 
     from finetune.tasks import SequenceClassification
 
-    original = SequenceClassification.loss_sum
+    original = SequenceClassification.loss_from_logits
     calls = {"n": 0}
 
     def poisoned(self, logits, labels):
@@ -155,7 +155,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, tiny_
     # the good run's final files: the failed run below must leave them as they are (it writes no model)
     finished = {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
                 for name in ("model.safetensors", "metrics.json")}
-    monkeypatch.setattr(SequenceClassification, "loss_sum", poisoned)
+    monkeypatch.setattr(SequenceClassification, "loss_from_logits", poisoned)
     with pytest.raises(NumericalError, match="optimizer step 5 .*micro-batches 12-14"):
         run_in_process(tmp_path, "nan", model_name_or_path=tiny_bert, checkpointing_steps=2, overwrite_output_dir=True,
                        **{**RUN, "num_train_epochs": 1})

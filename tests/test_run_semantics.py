@@ -178,14 +178,14 @@ def test_log_and_trackers_are_closed_when_training_raises(tmp_path, tiny_bert, m
     TensorBoard writer was closed (its events file holds step 1)."""
     from finetune.tasks import SequenceClassification
 
-    original, calls = SequenceClassification.loss_sum, {"n": 0}
+    original, calls = SequenceClassification.loss_from_logits, {"n": 0}
 
     def loss_sum(self, logits, labels):
         calls["n"] += 1
         loss = original(self, logits, labels)
         return loss * float("nan") if calls["n"] > 2 else loss  # micro-batches 3+: step 2
 
-    monkeypatch.setattr(SequenceClassification, "loss_sum", loss_sum)
+    monkeypatch.setattr(SequenceClassification, "loss_from_logits", loss_sum)
     from finetune.errors import NumericalError
 
     with pytest.raises(NumericalError, match="optimizer step 2"):

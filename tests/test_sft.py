@@ -14,13 +14,13 @@ from tiny_models import build_tiny_chat_llama
 from finetune.errors import FinetuneError
 from finetune.sft import (
     IGNORE_INDEX,
-    SFT_TASK,
     encode_conversation,
     encode_messages,
     generate_completions,
     generation_metrics,
     rows_to_features,
 )
+from finetune.tasks import SFT_TASK
 
 ARTICLE = ("Shares in the bank rose after the market opened on Monday. " * 3
            + "The film won three awards at the ceremony in London. " * 20 + "THE FINAL SENTENCE IS HERE.")
@@ -95,11 +95,11 @@ def test_count_is_the_completion_tokens(tok):
                 for i, h in enumerate(headlines)]
     batch = SFT_TASK.collator(tok, pad_to_multiple_of=None)(features)
     expected = sum(len(tok(h, add_special_tokens=False)["input_ids"]) + 1 for h in headlines)  # + <|im_end|>
-    assert int(SFT_TASK.count(batch["labels"])) == expected
+    assert int(SFT_TASK.count(batch)) == expected
     vocab = len(tok)
     uniform = torch.zeros(*batch["labels"].shape, vocab)  # every token costs log(vocab)
-    assert SFT_TASK.loss_sum(uniform, batch["labels"]).item() == pytest.approx(expected * math.log(vocab), rel=1e-5)
-    loss_sums, counts = SFT_TASK.eval_outputs(uniform, batch["labels"])
+    assert SFT_TASK.loss_from_logits(uniform, batch["labels"]).item() == pytest.approx(expected * math.log(vocab), rel=1e-5)
+    loss_sums, counts = SFT_TASK.eval_from_logits(uniform, batch["labels"])
     metrics = SFT_TASK.eval_metrics([loss_sums, counts], {"rouge": {}})
     assert metrics["eval_tokens"] == expected and metrics["eval_loss"] == pytest.approx(math.log(vocab), rel=1e-5)
     assert metrics["eval_perplexity"] == pytest.approx(vocab, rel=1e-4)

@@ -78,7 +78,7 @@ def test_completion_only_accumulation_is_exact(tmp_path, chat_llama, sft_files):
     from finetune.builders import build_datasets, get_task
     from finetune.config import parse_config
     from finetune.recipes import load_recipe
-    from finetune.sft import SFTCollator
+    from finetune.tasks import SFTCollator
 
     config = parse_config(["--recipe", "bbc-headlines", "--model_name_or_path", chat_llama, "--train_file",
                            sft_files[0], "--validation_file", sft_files[1], "--max_length", "96"])

@@ -28,7 +28,6 @@ from finetune.engine import build_optimizer
 from finetune.errors import FinetuneError
 from finetune.loss import loss_function
 from finetune.planner.plans import Lever, estimate_fits_from_memory
-from finetune.tasks import CausalLM
 
 
 def saved_storages(run_step: Callable[[], "object"]) -> tuple[dict[int, int], "object"]:
@@ -121,7 +120,7 @@ class Probe:
 
     def __init__(self, config, recipe, device, lever: Lever, held: int | None = None):
         task = get_task(recipe.TASK)
-        label_names = ["a", "b"] if task.name == "sequence-classification" else None
+        label_names = task.probe_label_names
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         self.device, self.task, self.lever = device, task, lever
         self.model = build_model(config, task, label_names, recipe=recipe).to(device)
@@ -168,10 +167,9 @@ class Probe:
 
     def step(self, m: int):
         """The summed loss of a worst-case micro-batch of ``m`` samples (forward only; the caller backs it)."""
-        ids = torch.randint(0, self.vocab, (m, self.length), device=self.device)
-        labels = ids if isinstance(self.task, CausalLM) else torch.zeros(m, dtype=torch.long, device=self.device)
+        batch = self.task.probe_batch(m, self.length, self.vocab, self.device)
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
-            return self.loss_sum(self.model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
+            return self.loss_sum(self.model, batch)
 
     def seconds_per_sample(self, m: int, min_seconds: float = 1.0, max_passes: int = 3) -> float:
         """Seconds per sample of forward + backward at micro-batch ``m``: after one untimed warm-up pass, the
@@ -214,7 +212,7 @@ def levers(config, recipe, device) -> list[Lever]:
     ``--activation_checkpointing`` was given), times, for causal LM, the plain and the chunked loss (only the
     given one when ``--loss_chunk_size`` was set)."""
     checkpointing = [True] if config.activation_checkpointing else [False, True]
-    if isinstance(get_task(recipe.TASK), CausalLM):
+    if get_task(recipe.TASK).chunked_loss:
         chunks = [config.loss_chunk_size] if config.loss_chunk_size is not None else [0, DEFAULT_CHUNK_SIZE]
     else:
         chunks = [None]

@@ -34,17 +34,18 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     "partial-under": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (len(window) / N)")],
     "partial-over": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (N / len(window))")],
     "drop-processes": [(CORRECT, "scaled = loss_sum * (K / counts.items)")],
-    "own-items": [(COUNT, COUNT + "; own_items = sum(task.count(b['labels']) for b in window)"),
+    "own-items": [(COUNT, COUNT + "; own_items = sum(task.count(b) for b in window)"),
                   (CORRECT, "scaled = loss_sum * (K / own_items)")],
-    "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(labels).clamp(min=1)")],
+    "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(batch).clamp(min=1)")],
 }
 
 # Not a wrong result but wasted communication, for the DDP sync log (``finetune_faults.install_sync_log``) to
 # catch, not verify (its weights are right): every micro-batch all-reduces, as if ``no_sync`` were forgotten
 # (DDP's forward prepares the reducer when ``require_backward_grad_sync`` is set, which ``no_sync`` clears).
 SYNC_MUTANTS: dict[str, list[tuple[str, str]]] = {
-    "sync-every-micro-batch": [('labels = batch.pop("labels")',
-                                'labels = batch.pop("labels"); model.require_backward_grad_sync = True')],
+    "sync-every-micro-batch": [("loss_sum = built.micro_batch_loss(model, batch)",
+                                "model.require_backward_grad_sync = True; "
+                                "loss_sum = built.micro_batch_loss(model, batch)")],
 }
 
 

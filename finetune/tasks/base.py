@@ -1,0 +1,88 @@
+"""The task seam: a training style is one ``Task`` (docs/contributing.md#add-a-task). Everything that differs
+between training styles is asked of the task: its data (files, row checks, tokenization, collation), its forward
+and summed loss over a micro-batch (``loss_sum(model, batch)``), the items the loop divides by (``count``), its
+evaluation, and capability facts (``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``,
+``peft_task_type``). No module outside ``finetune/tasks/`` branches on a task's name or class."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from finetune.data import IGNORE_INDEX  # noqa: F401 - the label value every loss skips; re-exported here
+
+
+class Task(Protocol):
+    """What a training style provides. Units: a micro-batch is a dict of tensors ``(batch, ...)`` holding
+    ``labels``; items are what the loss is a mean over (samples, label tokens, pairs); counts are 0-d tensors."""
+
+    name: str  # a recipe's TASK
+    counts_tokens: bool  # items are label tokens (the log counts trained tokens)
+    packs: bool  # --packing/--padding_free may pack its samples (finetune.packing)
+    chunked_loss: bool  # --loss_chunk_size may compute its loss in chunks (finetune.chunked_loss)
+    chat: bool  # rows are conversations rendered with the chat template (TRL's formats)
+    class_labels: bool  # one class label per sample (stratified hold-out, label names, label counts)
+    peft_task_type: str  # peft's ``TaskType`` name for LoRA
+    probe_label_names: list[str] | None  # label names of the planner's probe model
+
+    def load_model(self, config, label_names): ...
+
+    def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir):
+        """``--train_file``/``--validation_file`` as a ``DatasetDict`` (train, validation)."""
+
+    def check_rows(self, split) -> None:
+        """Raise ``FinetuneError`` naming the first row of ``split`` that cannot be trained on."""
+
+    def tokenize(self, raw, tokenizer, config, text_columns): ...
+
+    def collator(self, tokenizer, pad_to_multiple_of): ...
+
+    def count(self, batch: dict) -> torch.Tensor:
+        """The micro-batch's items (a 0-d int tensor); rows masked as repeats count 0."""
+
+    def samples(self, batch: dict) -> int:
+        """The micro-batch's samples (rows of its ``labels``)."""
+
+    def loss_sum(self, model, batch: dict) -> torch.Tensor:
+        """Forward ``batch`` through ``model`` and return the loss summed over its items (0-d)."""
+
+    def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
+        """Per-sample tensors to gather (no gradients)."""
+
+    def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict: ...
+
+    def trained_positions(self, row: dict) -> list[bool] | None:
+        """Which input tokens of a tokenized row the loss trains; None where a label, not a token, is trained."""
+
+    def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
+        """A worst-case micro-batch of ``micro_batch`` rows of ``length`` tokens for the planner's probes."""
+
+
+def split_labels(batch: dict) -> tuple[dict, torch.Tensor]:
+    """``batch`` without its ``labels`` (a new dict: the model's inputs), and the labels."""
+    inputs = dict(batch)
+    return inputs, inputs.pop("labels")
+
+
+def auxiliary_loss_sum(outputs, model, items: torch.Tensor):
+    """A mixture-of-experts model's router load-balancing loss for this micro-batch, weighted by its ``items``:
+    ``router_aux_loss_coef x aux_loss x items`` (a 0-d tensor), or None where the model returns no ``aux_loss``
+    (transformers computes it when the config's ``output_router_logits`` is set) or its coefficient is 0. The
+    loop divides by the window's items, so each micro-batch's term counts by its share of the window's items;
+    with one micro-batch this is the model's own ``loss = CE + coef x aux_loss`` (transformers 5.23
+    ``modeling_mixtral.py`` ``MixtralForCausalLM.forward``)."""
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is None:
+        return None
+    inner = model
+    while hasattr(inner, "module"):  # DDP, accelerate's wrappers
+        inner = inner.module
+    coefficient = float(getattr(getattr(inner, "config", None), "router_aux_loss_coef", 0.0) or 0.0)
+    return coefficient * aux * items if coefficient else None
+
+
+def with_auxiliary(loss_sum: torch.Tensor, outputs, model, items: torch.Tensor) -> torch.Tensor:
+    """``loss_sum`` plus the model's ``auxiliary_loss_sum``, if any."""
+    auxiliary = auxiliary_loss_sum(outputs, model, items)
+    return loss_sum if auxiliary is None else loss_sum + auxiliary

@@ -1,0 +1,94 @@
+"""Sequence classification: one label per text. Items = samples (docs/design-notes.md#tasks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DataCollatorWithPadding
+
+from finetune.data import IGNORE_INDEX, load_classifier, load_data_files, tokenize_datasets
+from finetune.metrics import load_metric
+from finetune.tasks.base import split_labels, with_auxiliary
+
+
+class SequenceClassification:
+    """One label per text. Items = samples. Metrics: the recipe's (accuracy, F1, ...) and eval_loss."""
+
+    name = "sequence-classification"
+    counts_tokens = False
+    packs = False  # one label per sample: nothing to pack
+    chunked_loss = False
+    chat = False
+    class_labels = True
+    peft_task_type = "SEQ_CLS"
+    probe_label_names = ["a", "b"]
+
+    def load_model(self, config, label_names):
+        """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.load_classifier``)."""
+        return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout,
+                               attn_implementation=config.attn_implementation)
+
+    def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir=None):
+        """CSV or JSON-lines files with the text column(s) and ``label`` (``data.load_data_files``)."""
+        return load_data_files(train_file, validation_file, text_columns, cache_dir, with_labels=True)
+
+    def check_rows(self, split) -> None:
+        """Rows are checked as they are loaded (``data.check_rows``)."""
+
+    def tokenize(self, raw, tokenizer, config, text_columns):
+        """Truncate to ``max_length`` tokens, no padding; columns input_ids, attention_mask, labels."""
+        return tokenize_datasets(raw, tokenizer, text_columns, config.max_length)
+
+    def collator(self, tokenizer, pad_to_multiple_of):
+        """Dynamic padding per micro-batch."""
+        return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+
+    def count_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Items among ``labels`` (batch,): samples, less those labelled ``IGNORE_INDEX`` (rows that repeat a
+        sample at an epoch's end: ``sampling.mask_repeats``). Returns a 0-d int tensor."""
+        return (labels != IGNORE_INDEX).sum()
+
+    def count(self, batch: dict) -> torch.Tensor:
+        """Items in a micro-batch: ``count_labels`` of its ``labels``."""
+        return self.count_labels(batch["labels"])
+
+    def samples(self, batch: dict) -> int:
+        """Rows of the micro-batch."""
+        return batch["labels"].shape[0]
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy (fp32), ``IGNORE_INDEX`` rows skipped. ``logits``: (batch, num_labels);
+        ``labels``: (batch,)."""
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def loss_sum(self, model, batch: dict) -> torch.Tensor:
+        """Forward, then ``loss_from_logits`` plus a mixture-of-experts model's auxiliary loss (0-d)."""
+        inputs, labels = split_labels(batch)
+        outputs = model(**inputs)
+        return with_auxiliary(self.loss_from_logits(outputs.logits, labels), outputs, model,
+                              self.count_labels(labels))
+
+    def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
+        """Per-sample tensors to gather: (loss (batch,), prediction (batch,), label (batch,))."""
+        inputs, labels = split_labels(batch)
+        logits = model(**inputs).logits
+        return F.cross_entropy(logits.float(), labels, reduction="none"), logits.argmax(dim=-1), labels
+
+    def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict:
+        """``eval_loss`` (mean per sample), ``eval_samples``, and each metric of ``metric_specs`` (name -> kwargs)."""
+        losses, predictions, labels = gathered
+        results = {"eval_loss": losses.mean().item() if len(losses) else float("nan"), "eval_samples": len(labels)}
+        for name, kwargs in metric_specs.items():
+            computed = load_metric(name).compute(predictions=predictions.tolist(), references=labels.tolist(), **kwargs)
+            results.update({f"eval_{k}": v for k, v in computed.items()})
+        return results
+
+    def trained_positions(self, row: dict) -> None:
+        """None: the label is trained, not a token."""
+        return None
+
+    def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
+        """Random token ids (micro_batch, length), a full attention mask, label 0 per row."""
+        ids = torch.randint(0, vocab, (micro_batch, length), device=device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.zeros(micro_batch, dtype=torch.long, device=device)}

@@ -1,0 +1,88 @@
+"""Instruction tuning (SFT): TRL-format conversations rendered with the chat template (``finetune.sft``),
+completion-only labels; the causal-LM task on them. Items = trained completion tokens."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import torch
+
+from finetune.data import IGNORE_INDEX, load_conversation_files
+from finetune.sft import check_conversation_rows, rows_to_features
+from finetune.tasks.causal_lm import CausalLM
+
+
+class SFTCollator:
+    """Right-pads ``input_ids`` (pad token) and ``labels`` (``IGNORE_INDEX``) to the micro-batch's longest
+    sequence, rounded up to ``pad_to_multiple_of``; right padding keeps positions batch-independent."""
+
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None = None):
+        # the pad id's value is irrelevant (masked out of attention and loss); 0 if the tokenizer has none
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: list[dict]) -> dict:
+        """``features``: [{"input_ids": [int] * n_i, "labels": [int] * n_i}, ...] -> int64 tensors of
+        shape (batch, seq): input_ids, attention_mask, labels."""
+        length = max((len(f["input_ids"]) for f in features), default=0)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(features), length), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(features), length), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(features), length), dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            if len(f["labels"]) != n:
+                raise ValueError(f"feature {i}: {n} input_ids but {len(f['labels'])} labels")
+            input_ids[i, :n] = torch.tensor(f["input_ids"], dtype=torch.long)
+            labels[i, :n] = torch.tensor(f["labels"], dtype=torch.long)
+            attention_mask[i, :n] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class InstructionCausalLM(CausalLM):
+    """The causal-LM task on completion-only labels: items = trained completion tokens. Generation metrics
+    (ROUGE-L, exact match) come from ``generation_metrics``, which needs the raw prompts."""
+
+    name = "sft"
+    chat = True
+
+    def load_files(self, train_file: str, validation_file: str | None, text_columns=None, cache_dir=None):
+        """JSON-lines files in TRL's ``prompt``/``completion`` or ``messages`` format
+        (``data.load_conversation_files``; ``text_columns`` unused)."""
+        return load_conversation_files(train_file, validation_file, cache_dir)
+
+    def check_rows(self, split) -> None:
+        """Raise ``FinetuneError`` naming the first row that is in neither TRL format
+        (``sft.check_conversation_rows``)."""
+        check_conversation_rows(split)
+
+    def tokenize(self, raw, tokenizer, config, text_columns=None):
+        """Every split of ``raw`` through ``rows_to_features`` (``text_columns`` unused)."""
+        return datasets.DatasetDict({split: rows_to_features(ds, tokenizer, config.max_length,
+                                                             desc=f"Rendering conversations ({split})")
+                                     for split, ds in raw.items()})
+
+    def collator(self, tokenizer, pad_to_multiple_of):
+        """``SFTCollator``: right padding, labels padded with ``IGNORE_INDEX``."""
+        return SFTCollator(tokenizer, pad_to_multiple_of)
+
+    def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict | None = None) -> dict:
+        """``eval_loss`` (nats per completion token), ``eval_perplexity``, ``eval_tokens``, ``eval_samples`` from
+        the gathered (loss sum, label tokens) per sample; NaN loss and 0 counts for an empty set."""
+        if not gathered or not len(gathered[0]):
+            return {"eval_loss": float("nan"), "eval_perplexity": float("nan"), "eval_tokens": 0, "eval_samples": 0}
+        loss_sums, counts = gathered[0], gathered[1]
+        tokens = int(counts.sum().item())
+        loss = loss_sums.sum().item() / tokens if tokens else float("nan")
+        perplexity = float("nan") if math.isnan(loss) else math.exp(loss) if loss < 700 else float("inf")
+        return {"eval_loss": loss, "eval_perplexity": perplexity, "eval_tokens": tokens, "eval_samples": len(counts)}
+
+
+    def trained_positions(self, row: dict) -> list[bool]:
+        """Where ``labels`` is not ``IGNORE_INDEX``: the completion and its end-of-turn token."""
+        return [label != IGNORE_INDEX for label in row["labels"]]
+
+
+SFT_TASK = InstructionCausalLM()
