@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from pathlib import Path
 
 import torch
 
@@ -196,74 +195,6 @@ def reseed(seed: int, step: int) -> None:
     from accelerate.utils import set_seed
 
     set_seed(seed + step, device_specific=True)
-
-
-# Accelerate 1.15's FSDP checkpoint files (``utils/constants.py`` lines 24 and 48: OPTIMIZER_NAME, FSDP_MODEL_NAME;
-# ``utils/fsdp_utils.py`` save_fsdp_model lines 154-191, save_fsdp_optimizer lines 330-358), model and optimizer 0
-FSDP_LAYOUTS = {
-    "sharded": ("pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"),  # SHARDED_STATE_DICT through DCP
-    "full": ("pytorch_model_fsdp.bin", "optimizer.bin"),  # FULL_STATE_DICT: whole tensors, written by rank 0
-}
-
-
-def fsdp_layout(path) -> str | None:
-    """Which of ``FSDP_LAYOUTS`` checkpoint directory ``path`` holds ("sharded": torch distributed checkpoint
-    directories with their global ``.metadata``; "full": whole state dicts), or None: per-rank files
-    (``pytorch_model_fsdp_rank{i}.bin``, ``..._0_rank{i}.bin``: LOCAL_STATE_DICT, or SHARDED_STATE_DICT saved with
-    ``use_dcp=False``), or no FSDP state at all."""
-    return next((kind for kind, files in FSDP_LAYOUTS.items() if all((Path(path) / f).is_file() for f in files)),
-                None)
-
-
-def refuse_sharded(engine_name: str, saved: dict, meaning: dict, path, fsdp_version: int | None = None) -> str | None:
-    """Refuse resuming a sharding engine's checkpoint (directory ``path``) on another process count where its
-    state cannot be resharded; return the banner's line where it is (FSDP2), else None.
-
-    - **FSDP2** (``fsdp_version`` 2), **sharded** (``fsdp_layout``: the default, accelerate 1.15
-      ``utils/dataclasses.py`` lines 2047-2051): ``Accelerator.save_state``/``load_state`` call
-      ``save_fsdp_model``/``load_fsdp_model`` and ``..._optimizer`` with ``use_dcp=True`` (``accelerator.py`` lines
-      3701, 3720, 3849, 3883; ``utils/fsdp_utils.py`` lines 173-185 and 261-278, 340-352 and 403-425): torch
-      distributed checkpoint. Its ``.metadata`` holds each tensor's global shape and saved chunks; on load each
-      rank asks for the chunks of its own ``DTensor`` shards (torch 2.13 ``distributed/checkpoint/default_planner.py``
-      ``create_default_local_load_plan`` lines 477-516, ``planner_helpers.py`` ``create_read_items_for_chunk_list``
-      line 254), so another world size reads other slices: the library reshards.
-    - **FSDP2, full**: whole tensors in one file; ``set_model_state_dict``/``set_optimizer_state_dict`` with
-      ``full_state_dict`` broadcast or distribute them onto this mesh (torch ``distributed/checkpoint/state_dict.py``
-      lines 608-617 and 1160-1163).
-      Both are shown exact from 2 gloo processes onto 1 by ``tests/test_elastic_fsdp.py`` (Accelerate's own save
-      and load functions, ``fully_shard`` on a CPU mesh).
-    - **Refused**: per-rank files (``fsdp_layout`` None: LOCAL_STATE_DICT, or ``use_dcp=False``; each file is one
-      rank's slice of a mesh of the checkpoint's size); FSDP1 (``FullyShardedDataParallel``: not measured; its
-      2-process full-state save ended in SIGSEGV on a CPU here); DeepSpeed ZeRO, which partitions its optimizer
-      states per rank and needs DeepSpeed's conversion to a universal checkpoint first.
-
-    Raises ``FinetuneError`` (one line naming the fix); returns None for the plain/DDP engine or the same process
-    count."""
-    if engine_name == "plain" or not processes_changed(saved, meaning):
-        return None
-    before, now = saved.get("num_processes"), meaning["num_processes"]
-    if engine_name == "DeepSpeed":
-        raise FinetuneError(
-            f"cannot resume a DeepSpeed checkpoint written by {before} processes on {now}: ZeRO partitions the "
-            f"optimizer states per rank. Resume on {before} processes (the micro-batch and accumulation may change, "
-            "B must not); DeepSpeed's own way across process counts is its universal checkpoint (python "
-            "deepspeed/checkpoint/ds_to_universal.py --input_folder CKPT/pytorch_model --output_folder OUT), which "
-            "finetune does not load yet.")
-    layout = fsdp_layout(path) if engine_name == "FSDP" and fsdp_version == 2 else None
-    if layout == "sharded":
-        return (f"FSDP2: the sharded state of {before} processes (torch distributed checkpoint) is resharded onto "
-                f"{now} on load")
-    if layout == "full":
-        return f"FSDP2: the full state dict written by {before} processes is sharded onto {now} on load"
-    why = ("its FSDP state is neither a torch distributed checkpoint (pytorch_model_fsdp_0/.metadata) nor whole "
-           "files (pytorch_model_fsdp.bin): files saved per rank hold one rank's slice each"
-           if engine_name == "FSDP" and fsdp_version == 2 else
-           "resharding FSDP1 (FullyShardedDataParallel) states onto another process count is not verified in "
-           "this version")
-    raise FinetuneError(
-        f"cannot resume an {engine_name} checkpoint written by {before} processes on {now}: {why}. Resume on "
-        f"{before} processes (the micro-batch and accumulation may change, B must not), or start a fresh run; "
-        "FSDP2 checkpoints with fsdp_state_dict_type SHARDED_STATE_DICT (the default) resume on any process count.")
 
 
 def refuse_trainer_split_change(saved: dict, meaning: dict, path) -> None:

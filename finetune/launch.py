@@ -19,7 +19,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from finetune.argv import take_values
 from finetune.config import TrainConfig, check_grace_seconds
-from finetune.engine import launcher_spawns_processes
 from finetune.errors import FinetuneError
 from finetune.launch_configs import resolve_config_flag
 
@@ -32,6 +31,11 @@ GRACE_FLAG = "--preemption_grace_seconds"
 # passes only the torchrun arguments its own parser shares, accelerate/utils/launch.py _filter_args).
 SHUTDOWN_TIMEOUT_ENV = ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT")
 
+
+def launcher_spawns_processes(args) -> bool:
+    """Whether Accelerate's ``launch_command`` would start processes through torchrun or DeepSpeed's launcher
+    for parsed launcher ``args`` (accelerate 1.15 ``commands/launch.py``), rather than its simple launcher."""
+    return not args.cpu and any((args.use_deepspeed, args.use_fsdp, args.use_megatron_lm, args.multi_gpu, args.tpu))
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(Accelerate launcher flags, training flags): a flag ``accelerate launch`` knows and ``TrainConfig`` does not

@@ -381,21 +381,15 @@ def flag_of(config) -> str:
     return f"--packing --packing_strategy {config.packing_strategy}" if config.packing else "--padding_free"
 
 
-def is_sharded(distributed_type) -> bool:
-    """Whether accelerate's ``DistributedType`` (or its name) is FSDP or DeepSpeed, where a packed window keeps its
-    micro-batch count and the model stays where it was loaded until the engine shards it."""
-    return str(getattr(distributed_type, "name", distributed_type)) in ("FSDP", "DEEPSPEED")
-
-
-def packer_for(config, task, model, distributed_type=None, exact: bool = False, precision: str = "no") -> Packer | None:
+def packer_for(config, task, model, engine=None, exact: bool = False, precision: str = "no") -> Packer | None:
     """The ``Packer`` ``--padding_free`` / ``--packing`` ask for (None when neither), after the per-sequence check on
-    ``model`` (the unwrapped model, before training). ``distributed_type``: accelerate's ``DistributedType`` (its
-    value is compared by name). ``exact``: a packed window keeps its number of micro-batches: asked by the Trainer
-    backend (it counts micro-batches to find the optimizer step), and always under FSDP and DeepSpeed (FSDP
-    gathers and reduce-scatters on every micro-batch, so every process must run as many; DeepSpeed counts its own
-    micro-batches). ``precision``: the mixed precision that really runs ("no", "fp16", "bf16"): the check runs
+    ``model`` (the unwrapped model, before training). ``engine``: the run's engine (``finetune.engine``, an instance
+    or its class; None: plain). ``exact``: a packed window keeps its number of micro-batches: asked by the Trainer
+    backend (it counts micro-batches to find the optimizer step), and always under an engine whose processes run
+    windows in lockstep (``lockstep_windows``: FSDP gathers and reduce-scatters on every micro-batch, so every
+    process must run as many; DeepSpeed counts its own micro-batches). ``precision``: the mixed precision that really runs ("no", "fp16", "bf16"): the check runs
     under that autocast, within that precision's tolerance (``separated_layouts``). Raises ``FinetuneError`` (one line, before anything is written) for a task other than causal
-    LM/SFT, ``--max_tokens_per_micro_batch`` under FSDP or DeepSpeed (unused there), or a model that fails the
+    LM/SFT, ``--max_tokens_per_micro_batch`` under such an engine (unused there), or a model that fails the
     check in the layout it would run (``--padding_free``: one row; ``--packing``: several rows per micro-batch, or
     one row, ``Packer(one_row=True)``, where only that layout keeps the samples apart)."""
     if not (config.padding_free or config.packing):
@@ -404,9 +398,9 @@ def packer_for(config, task, model, distributed_type=None, exact: bool = False, 
     if not task.packs:
         raise FinetuneError(f"{flag} is for causal LM and SFT recipes; a {task.name} recipe keeps padded "
                             "micro-batches (one label per sample, nothing to pack). Drop the flag.")
-    sharded = is_sharded(distributed_type)
+    sharded = engine is not None and engine.lockstep_windows
     if sharded and config.max_tokens_per_micro_batch is not None:
-        raise FinetuneError(f"--max_tokens_per_micro_batch is not used under {distributed_type.name}: a packed window "
+        raise FinetuneError(f"--max_tokens_per_micro_batch is not used under {engine.name}: a packed window "
                             "keeps its N micro-batches there (every process must run as many), of at most m rows of "
                             "--max_length tokens. Drop the flag.")
     exact = exact or sharded

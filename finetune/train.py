@@ -93,7 +93,7 @@ def setup(config, recipe) -> Setup:
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
     prepared = engine.prepare(config, model, train_dataloader, eval_dataloader)
-    pack = packing.packer_for(config, task, accelerator.unwrap_model(prepared.model), accelerator.distributed_type,
+    pack = packing.packer_for(config, task, accelerator.unwrap_model(prepared.model), engine,
                               precision=precision)
     return Setup(accelerator, engine, prepared.model, tokenizer, prepared.optimizer, prepared.scheduler,
                  prepared.train_dataloader, prepared.eval_dataloader, prepared.plan, precision, task, recipe.METRICS,
@@ -221,8 +221,7 @@ class RunState(lifecycle.RunState):
         moved to this launch's split of B (``elastic.resume_position``: the same samples of the seeded order)."""
         saved = loaded.step_meaning
         engine = self.built.engine
-        resharded = elastic.refuse_sharded(engine.name, saved, self.meaning, path,
-                                           getattr(engine, "fsdp_version", None))  # None: not FSDP
+        resharded = engine.resume_on_another_count(saved, self.meaning, path)
         loaded.samples_done, loaded.micro_batches_done = elastic.resume_position(
             loaded, saved, self.meaning, len(self.built.train_dataloader.dataset))
         self.resume_notes = [note for note in (elastic.resume_change(saved, self.meaning), resharded) if note]

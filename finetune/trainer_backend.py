@@ -18,7 +18,7 @@ from finetune import checkpoint as ckpt
 from finetune import distributed, packing
 from finetune.bookkeeping import empty_window_error
 from finetune.builders import build_components, get_task
-from finetune.engine import engine_for
+from finetune.engine import engine_class, engine_for
 from finetune.evaluation import check_eval_set
 from finetune.lifecycle import RunState, WindowCounts, count_window
 from finetune.loss import loss_function
@@ -275,9 +275,10 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     check_eval_set(len(datasets["validation"]), config)
     # the per-sequence check on the model as loaded, before anything is written, on the device Trainer puts it on
     # (transformers 5.24 trainer.py lines 495-504; under FSDP and DeepSpeed it stays where it was loaded)
-    if (config.padding_free or config.packing) and not packing.is_sharded(args.distributed_state.distributed_type):
+    engine_kind = engine_class(args.distributed_state.distributed_type)  # its facts; Trainer builds the Accelerator
+    if (config.padding_free or config.packing) and not engine_kind.shards_weights:
         model = model.to(args.device)
-    pack = packing.packer_for(config, task, model, args.distributed_state.distributed_type, exact=True,
+    pack = packing.packer_for(config, task, model, engine_kind, exact=True,
                               precision=precision_hint)
     processes = args.world_size
     plan = plan_steps(micro_batches_per_process(len(datasets["train"]), config.per_device_train_batch_size, processes),

@@ -323,7 +323,7 @@ def determinism(built, micro_batch: int) -> dict:
     Returns {"difference": ‖g₁ − g₂‖ / ‖g₁‖ over the whole model, "modules": the modules whose output differs
     between two forward passes of the same input (dropout left on, ...)}; difference None where it cannot run
     here (a sharding engine steps inside its backward). Every process calls it."""
-    if built.engine.name != "plain":
+    if not built.engine.local_backward:
         return {"difference": None, "modules": []}
     model, accelerator = built.model, built.accelerator
     loader = built.train_dataloader
@@ -774,7 +774,7 @@ def _model_notes(built) -> dict:
     batchnorm = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     auxiliary = bool(getattr(model.config, "output_router_logits", False)) and bool(
         getattr(model.config, "router_aux_loss_coef", 0.0))
-    engine = built.engine.name if built.engine.name != "plain" or built.accelerator.num_processes == 1 else "DDP"
+    engine = built.engine.label(built.accelerator.num_processes)
     return {"batchnorm_modules": batchnorm, "auxiliary_loss": auxiliary, "precision": built.precision,
             "engine": engine}
 

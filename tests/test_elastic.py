@@ -122,12 +122,20 @@ def test_repeated_rows_lose_their_ids():
 
 def test_refusals_name_the_fix():
     two, one = _meaning(2, 2, 2), _meaning(2, 4, 1)
+    from accelerate.utils import DistributedType
+
+    from finetune.engine import engine_for
+
+    def engine(kind):  # an accelerator stand-in: Accelerate's FSDP plugin defaults to FSDP1
+        return engine_for(SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=None)))
+
     with pytest.raises(FinetuneError, match="ds_to_universal.py.*Resume on 2 processes|Resume on 2 processes.*ds_to_univ"):
-        elastic.refuse_sharded("DeepSpeed", two, one, "ckpt")
+        engine(DistributedType.DEEPSPEED).resume_on_another_count(two, one, "ckpt")
     with pytest.raises(FinetuneError, match="FSDP checkpoint written by 2 processes on 1.*Resume on 2 processes"):
-        elastic.refuse_sharded("FSDP", two, one, "ckpt")  # FSDP1, or no resharding layout: tests/test_elastic_fsdp.py
-    elastic.refuse_sharded("FSDP", _meaning(2, 2, 2), _meaning(1, 4, 2), "ckpt")  # same P, another split: allowed
-    elastic.refuse_sharded("plain", two, one, "ckpt")
+        engine(DistributedType.FSDP).resume_on_another_count(two, one, "ckpt")  # FSDP1: tests/test_elastic_fsdp.py
+    fsdp = engine(DistributedType.FSDP)
+    assert fsdp.resume_on_another_count(_meaning(2, 2, 2), _meaning(1, 4, 2), "ckpt") is None  # same P: allowed
+    assert engine(DistributedType.MULTI_CPU).resume_on_another_count(two, one, "ckpt") is None
     with pytest.raises(FinetuneError, match=r"--backend trainer on another split \(2 x 2 x 2 processes -> 2 x 4 x 1 "
                                             r"process\).*--backend accelerate"):
         elastic.refuse_trainer_split_change(two, one, "ckpt")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from finetune import elastic, train
+from finetune.engine.fsdp import fsdp_layout
 from finetune.errors import FinetuneError
 
 KINDS = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
@@ -105,8 +106,8 @@ def test_fsdp2_state_saved_by_2_processes_loads_exactly_on_1(tmp_path):
 
     port = 29400 + (os.getpid() % 250) * 2
     mp.spawn(_fsdp2_worker, args=(2, port, str(tmp_path), True), nprocs=2, join=True)
-    assert elastic.fsdp_layout(tmp_path / "SHARDED_STATE_DICT") == "sharded"
-    assert elastic.fsdp_layout(tmp_path / "FULL_STATE_DICT") == "full"
+    assert fsdp_layout(tmp_path / "SHARDED_STATE_DICT") == "sharded"
+    assert fsdp_layout(tmp_path / "FULL_STATE_DICT") == "full"
     mp.spawn(_fsdp2_worker, args=(1, port + 1, str(tmp_path), False), nprocs=1, join=True)
     reference = _flat(torch.load(tmp_path / "reference.pt", weights_only=False)["reference"])
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
@@ -144,7 +145,13 @@ def _run_state(engine_name: str, fsdp_version: int | None, processes: int, loads
     """A stand-in for ``train.RunState`` holding what ``RunState._load`` reads: its engine, the launch's step
     meaning, the training set's length, the seed, and an accelerator whose ``load_state`` records the directory
     (``Accelerator.load_state`` would call ``load_fsdp_model``/``load_fsdp_optimizer`` on it, lines 3849, 3883)."""
-    engine = SimpleNamespace(name=engine_name, fsdp_version=fsdp_version)
+    from accelerate.utils import DistributedType
+
+    from finetune.engine import engine_for
+
+    kind = {"FSDP": DistributedType.FSDP, "DeepSpeed": DistributedType.DEEPSPEED}[engine_name]
+    plugin = SimpleNamespace(fsdp_version=fsdp_version)  # Accelerate's plugin holds it (its default: 1)
+    engine = engine_for(SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin)))
     return SimpleNamespace(built=SimpleNamespace(engine=engine, train_dataloader=SimpleNamespace(dataset=range(40))),
                            meaning=_meaning(processes), config=SimpleNamespace(seed=1),
                            accelerator=SimpleNamespace(load_state=loads.append))
@@ -190,7 +197,8 @@ def test_checkpoints_that_cannot_reshard_are_refused_before_loading(tmp_path, en
 
 
 def test_the_fsdp_engine_reads_its_version_from_accelerates_plugin():
-    """``FsdpEngine.fsdp_version``, which ``RunState._load`` passes on: the plugin's (Accelerate's default 1)."""
+    """``FsdpEngine.fsdp_version``, which its ``resume_on_another_count`` reads: the plugin's (Accelerate's
+    default 1)."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     from finetune.engine import engine_for

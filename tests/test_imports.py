@@ -20,7 +20,7 @@ LAZY = ("matplotlib", "peft", "evaluate", "transformers.trainer")
 # above it would pass for a misspelt module name.
 PROBE = """
 import json, sys
-watched = ("torch", "matplotlib", "peft", "evaluate", "transformers.trainer")
+watched = ("torch", "matplotlib", "peft", "evaluate", "transformers.trainer", "finetune.engine")
 seen = {}
 def stage(name):
     seen[name] = sorted(m for m in watched if m in sys.modules)
@@ -46,6 +46,6 @@ def test_a_default_run_imports_only_what_it_uses():
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.splitlines()[-1])
     assert seen["entry point"] == []  # `python -m finetune.run --list_recipes` / `--help`: no torch
-    assert seen["launcher"] == ["torch"]  # `finetune train`: Accelerate's launcher, no model code
-    assert seen["default run"] == ["torch"]
+    assert seen["launcher"] == ["torch"]  # `finetune train`: Accelerate's launcher, no model code, no engine
+    assert seen["default run"] == ["finetune.engine", "torch"]
     assert [m for m in seen["lazy paths taken"] if m in LAZY] == sorted(LAZY)

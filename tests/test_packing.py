@@ -231,14 +231,18 @@ def test_sharding_engines_pack_exactly(tiny_llama, clm_texts):
                              block_size=None, max_tokens_per_micro_batch=None, per_device_train_batch_size=2)
     padded, _ = _padded_and_row(tiny_llama, clm_texts, n=8)
     window = [{k: v[i:i + 2] for k, v in padded.items()} for i in range(0, 8, 2)]
+    from accelerate.utils import DistributedType
+
+    from finetune.engine import engine_class
+
     for engine, exact in [("FSDP", True), ("DEEPSPEED", True), ("MULTI_CPU", False), ("NO", False)]:
-        pack = packing.packer_for(config, CausalLM(), model, SimpleNamespace(name=engine))
+        pack = packing.packer_for(config, CausalLM(), model, engine_class(DistributedType[engine]))
         assert pack.exact is exact, engine
         runs = pack(window)
         assert (len(runs) == len(window)) if exact else (len(runs) < len(window)), (engine, len(runs))
     with pytest.raises(FinetuneError, match="--max_tokens_per_micro_batch is not used under FSDP"):
         packing.packer_for(SimpleNamespace(**{**vars(config), "max_tokens_per_micro_batch": 96}), CausalLM(), model,
-                           SimpleNamespace(name="FSDP"))
+                           engine_class(DistributedType.FSDP))
 
 
 ONE_ROW_ATTENTION = "test_one_row_packing_attention"  # registered with transformers' AttentionInterface below

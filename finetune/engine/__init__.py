@@ -21,20 +21,25 @@ from finetune.engine.plain import PlainEngine, build_optimizer, parameter_groups
 from finetune.errors import FinetuneError
 from finetune.precision import check_precision_supported
 
-__all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_for", "make_accelerator", "build_optimizer",
-           "parameter_groups", "parameter_counts", "parameter_sizes", "parameter_shape", "launcher_spawns_processes"]
+__all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_class", "engine_for", "make_accelerator", "build_optimizer",
+           "parameter_groups", "parameter_counts", "parameter_sizes", "parameter_shape"]
 
 _TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
 
 
+def engine_class(distributed_type) -> type[PlainEngine]:
+    """The engine class for Accelerate's ``distributed_type`` (its class facts, such as ``lockstep_windows``, are
+    there before any Accelerator is: the Trainer backend asks before Trainer builds one)."""
+    if distributed_type == DistributedType.DEEPSPEED:
+        return DeepSpeedEngine
+    if distributed_type == DistributedType.FSDP:
+        return FsdpEngine
+    return PlainEngine
+
+
 def engine_for(accelerator) -> PlainEngine:
     """The engine for ``accelerator`` (anything with ``distributed_type``; a stand-in without one is plain)."""
-    kind = getattr(accelerator, "distributed_type", DistributedType.NO)
-    if kind == DistributedType.DEEPSPEED:
-        return DeepSpeedEngine(accelerator)
-    if kind == DistributedType.FSDP:
-        return FsdpEngine(accelerator)
-    return PlainEngine(accelerator)
+    return engine_class(getattr(accelerator, "distributed_type", DistributedType.NO))(accelerator)
 
 
 def parameter_sizes(model) -> list[tuple[object, int, bool]]:
@@ -96,10 +101,4 @@ def make_accelerator(config) -> Accelerator:
             raise FinetuneError(f"--mixed_precision bf16 is not supported on this device ({err}). "
                                 "Use --mixed_precision fp16 (GPU) or no.") from None
         raise
-
-
-def launcher_spawns_processes(args) -> bool:
-    """Whether Accelerate's ``launch_command`` would start processes through torchrun or DeepSpeed's launcher
-    for parsed launcher ``args`` (accelerate 1.15 ``commands/launch.py``), rather than its simple launcher."""
-    return not args.cpu and any((args.use_deepspeed, args.use_fsdp, args.use_megatron_lm, args.multi_gpu, args.tpu))
 

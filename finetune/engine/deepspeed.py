@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 
+from finetune.elastic import processes_changed
 from finetune.engine.plain import PlainEngine, Prepared, build_optimizer, parameter_groups
 from finetune.errors import FinetuneError
 from finetune.steps import micro_batches_per_process, plan_steps
@@ -30,6 +31,22 @@ class DeepSpeedEngine(PlainEngine):
     name = "DeepSpeed"
     generation_synced = True  # ZeRO-3 gathers partitions in every forward: ranks generate in lockstep
     eval_may_split_batch = False  # ZeRO-3 gathers partitions inside the forward
+    lockstep_windows = True  # its backward reduces (and steps) inside: every process runs as many
+    local_backward = False
+    shards_weights = True
+
+    def resume_on_another_count(self, saved: dict, meaning: dict, path) -> str | None:
+        """Refused on another process count: ZeRO partitions the optimizer states per rank, and DeepSpeed's way
+        across counts is its universal checkpoint, which finetune does not load yet. Raises ``FinetuneError``."""
+        if not processes_changed(saved, meaning):
+            return None
+        before, now = saved.get("num_processes"), meaning["num_processes"]
+        raise FinetuneError(
+            f"cannot resume a DeepSpeed checkpoint written by {before} processes on {now}: ZeRO partitions the "
+            f"optimizer states per rank. Resume on {before} processes (the micro-batch and accumulation may change, "
+            "B must not); DeepSpeed's own way across process counts is its universal checkpoint (python "
+            "deepspeed/checkpoint/ds_to_universal.py --input_folder CKPT/pytorch_model --output_folder OUT), which "
+            "finetune does not load yet.")
 
     @property
     def ds_config(self) -> dict:

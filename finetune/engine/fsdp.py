@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import torch
 from accelerate.state import GradientState
 from accelerate.utils import GradientAccumulationPlugin
 from torch.distributed import fsdp
 
+from finetune.elastic import processes_changed
 from finetune.engine.plain import PlainEngine
 from finetune.errors import FinetuneError
 
@@ -60,6 +62,24 @@ def reduce_in_fp32(plugin) -> bool:
     return True
 
 
+# Accelerate 1.15's FSDP checkpoint files (``utils/constants.py`` lines 24 and 48: OPTIMIZER_NAME, FSDP_MODEL_NAME;
+# ``utils/fsdp_utils.py`` save_fsdp_model lines 154-191, save_fsdp_optimizer lines 330-358), model and optimizer 0
+FSDP_LAYOUTS = {
+    "sharded": ("pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"),  # SHARDED_STATE_DICT through DCP
+    "full": ("pytorch_model_fsdp.bin", "optimizer.bin"),  # FULL_STATE_DICT: whole tensors, written by rank 0
+}
+
+
+def fsdp_layout(path) -> str | None:
+    """Which of ``FSDP_LAYOUTS`` checkpoint directory ``path`` holds ("sharded": torch distributed checkpoint
+    directories with their global ``.metadata``; "full": whole state dicts), or None: per-rank files
+    (``pytorch_model_fsdp_rank{i}.bin``, ``..._0_rank{i}.bin``: LOCAL_STATE_DICT, or SHARDED_STATE_DICT saved with
+    ``use_dcp=False``), or no FSDP state at all."""
+    return next((kind for kind, files in FSDP_LAYOUTS.items() if all((Path(path) / f).is_file() for f in files)),
+                None)
+
+
+
 class FsdpEngine(PlainEngine):
     """FSDP through Accelerate's plugin (from the launcher's config), synchronised on every micro-batch so that
     each rank keeps only its gradient shard while accumulating (see docs/design-notes.md#engine)."""
@@ -68,6 +88,48 @@ class FsdpEngine(PlainEngine):
     sync_each_batch = True  # no_sync would keep full gradients for N-1 micro-batches (accelerate PR 2531)
     generation_synced = True  # every forward all-gathers: ranks generate in lockstep
     eval_may_split_batch = False  # all-gathers run inside every forward: a rank retrying alone would hang
+    lockstep_windows = True  # all-gathers in every forward, reduce-scatters in every backward
+    local_backward = False
+    shards_weights = True
+
+    def resume_on_another_count(self, saved: dict, meaning: dict, path) -> str | None:
+        """Resume on another process count where torch reshards the state; else refuse.
+
+        - **FSDP2** (``fsdp_version`` 2), **sharded** (``fsdp_layout``: the default, accelerate 1.15
+          ``utils/dataclasses.py`` lines 2047-2051): ``Accelerator.save_state``/``load_state`` call
+          ``save_fsdp_model``/``load_fsdp_model`` and ``..._optimizer`` with ``use_dcp=True`` (``accelerator.py``
+          lines 3701, 3720, 3849, 3883; ``utils/fsdp_utils.py`` lines 173-185 and 261-278, 340-352 and 403-425):
+          torch distributed checkpoint. Its ``.metadata`` holds each tensor's global shape and saved chunks; on
+          load each rank asks for the chunks of its own ``DTensor`` shards (torch 2.13
+          ``distributed/checkpoint/default_planner.py`` ``create_default_local_load_plan`` lines 477-516,
+          ``planner_helpers.py`` ``create_read_items_for_chunk_list`` line 254), so another world size reads other
+          slices: the library reshards.
+        - **FSDP2, full**: whole tensors in one file; ``set_model_state_dict``/``set_optimizer_state_dict`` with
+          ``full_state_dict`` broadcast or distribute them onto this mesh (torch
+          ``distributed/checkpoint/state_dict.py`` lines 608-617 and 1160-1163). Both are shown exact from 2 gloo
+          processes onto 1 by ``tests/test_elastic_fsdp.py``.
+        - **Refused**: per-rank files (``fsdp_layout`` None: LOCAL_STATE_DICT, or ``use_dcp=False``; each file is
+          one rank's slice of a mesh of the checkpoint's size); FSDP1 (``FullyShardedDataParallel``: not measured;
+          its 2-process full-state save ended in SIGSEGV on a CPU here)."""
+        if not processes_changed(saved, meaning):
+            return None
+        before, now = saved.get("num_processes"), meaning["num_processes"]
+        layout = fsdp_layout(path) if self.fsdp_version == 2 else None
+        if layout == "sharded":
+            return (f"FSDP2: the sharded state of {before} processes (torch distributed checkpoint) is resharded onto "
+                    f"{now} on load")
+        if layout == "full":
+            return f"FSDP2: the full state dict written by {before} processes is sharded onto {now} on load"
+        why = ("its FSDP state is neither a torch distributed checkpoint (pytorch_model_fsdp_0/.metadata) nor whole "
+               "files (pytorch_model_fsdp.bin): files saved per rank hold one rank's slice each"
+               if self.fsdp_version == 2 else
+               "resharding FSDP1 (FullyShardedDataParallel) states onto another process count is not verified in "
+               "this version")
+        raise FinetuneError(
+            f"cannot resume an FSDP checkpoint written by {before} processes on {now}: {why}. Resume on "
+            f"{before} processes (the micro-batch and accumulation may change, B must not), or start a fresh run; "
+            "FSDP2 checkpoints with fsdp_state_dict_type SHARDED_STATE_DICT (the default) resume on any process "
+            "count.")
 
     @property
     def fsdp_version(self) -> int:

@@ -15,8 +15,7 @@ from finetune.precision import effective_mixed_precision
 from finetune.steps import StepPlan, plan_steps
 
 # transformers' get_scheduler is imported where a schedule is built: its module (transformers.optimization) imports
-# transformers.trainer_utils, which imports peft, seconds that `finetune train`'s launcher process (it imports the
-# engine seam for `launcher_spawns_processes`) and the batch planner's probes do not need.
+# transformers.trainer_utils, which imports peft, seconds that the batch planner's probes do not need.
 
 
 def parameter_groups(model, config, shape=lambda param: param.shape) -> list[dict]:
@@ -61,6 +60,23 @@ class PlainEngine:
     sync_each_batch = False  # gradients synchronised on every micro-batch of a window (FSDP) or on its last
     generation_synced = False  # the weights are whole on every rank: each generates alone
     eval_may_split_batch = True  # no collective inside the forward: a rank may retry half a batch alone
+    # every process must run as many micro-batches in a window (a collective in each forward or backward): a
+    # packed window keeps its N micro-batches (finetune.packing), or processes would wait on each other forever
+    lockstep_windows = False
+    local_backward = True  # a backward runs on one process alone, no collective inside (verify's determinism check)
+    shards_weights = False  # the engine places and shards the model itself (Trainer leaves it where it was loaded)
+
+    @classmethod
+    def label(cls, num_processes: int) -> str:
+        """What reports call the engine on ``num_processes`` processes: "plain", "DDP", "FSDP", "DeepSpeed"."""
+        return "DDP" if cls.name == "plain" and num_processes > 1 else cls.name
+
+    def resume_on_another_count(self, saved: dict, meaning: dict, path) -> str | None:
+        """Whether this engine's checkpoint at ``path``, written under step meaning ``saved``, resumes on this
+        launch's process count (``meaning``): the banner's line where the state is resharded, None where nothing
+        is to say (whole weights and optimizer state on every rank: any process count). Raises
+        ``FinetuneError`` (one line naming the fix) where it cannot."""
+        return None
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
