@@ -1,7 +1,8 @@
 """Parsing: flags (and a ``--config`` file) into a ``TrainConfig``, with ``transformers.HfArgumentParser``.
 
-Precedence: dataclass default < recipe ``DEFAULTS`` < ``--config`` file < command-line flag. An unknown or misspelt
-flag or file key is one ``FinetuneError`` naming the nearest known one.
+Precedence: dataclass default < recipe ``DEFAULTS`` < ``--config`` file < command-line flag. ``--help`` lists the
+flags under one heading per section (``SECTIONS``, in that order). An unknown or misspelt flag or file key is one
+``FinetuneError`` naming the nearest known one.
 """
 
 from __future__ import annotations
@@ -12,20 +13,35 @@ import difflib
 import sys
 import types
 from pathlib import Path
+from typing import get_type_hints
 
 import yaml
 from transformers import HfArgumentParser
 
 from finetune.argv import given
 from finetune.config.flags import ROLES
-from finetune.config.train_config import DERIVED_FIELDS, TrainConfig, roles
+from finetune.config.train_config import DERIVED_FIELDS, SECTIONS, TrainConfig, roles
 from finetune.errors import FinetuneError
 from finetune.recipes import load_recipe
 
 
 class _FlagParser(HfArgumentParser):
-    """``HfArgumentParser`` without the ``DERIVED_FIELDS``: no flag for them (their defaults still reach the
-    dataclass, which ``parse_args_into_dataclasses`` builds from every init field)."""
+    """``HfArgumentParser`` over ``TrainConfig`` with each section's flags under its own heading (``SECTIONS``, in
+    that order, so ``--help`` reads by section), and without the ``DERIVED_FIELDS``: no flag for them (their
+    defaults still reach the dataclass, which ``parse_args_into_dataclasses`` builds from every init field)."""
+
+    def _add_dataclass_arguments(self, dtype) -> None:
+        # HfArgumentParser's own puts all of a dataclass's flags in one group; the rest is as it does it
+        groups = {}
+        for heading, section in SECTIONS.items():
+            about = " ".join(section.__doc__.split()).replace("``", "")  # the docstring, as plain text
+            group = self.add_argument_group(heading, description=about)
+            groups.update(dict.fromkeys((f.name for f in dataclasses.fields(section)), group))
+        type_hints = get_type_hints(dtype)
+        for field in dataclasses.fields(dtype):
+            if field.init:
+                field.type = type_hints[field.name]
+                self._parse_dataclass_field(groups.get(field.name, self), field)
 
     @staticmethod
     def _parse_dataclass_field(parser, field: dataclasses.Field) -> None:
