@@ -60,7 +60,7 @@ _LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", TRAINER_STAGIN
 # the others wait in (a hang), and every process must raise the same FinetuneError.
 
 # Settings that change what one optimizer step means, or which samples it sees: resuming under a change
-# of any of them would not continue the same run. Each field declares it (``step=True``, finetune/config.py). The
+# of any of them would not continue the same run. Each field declares it (``step=True``, finetune/config/). The
 # effective batch B is one too (``elastic.batch_meaning``); how it is split (micro-batch, accumulation, processes)
 # is not: a resume may re-split it (finetune.elastic).
 STEP_MEANING = fields_with(step=True)

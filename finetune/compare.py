@@ -19,7 +19,7 @@ from finetune.resolve import resolve
 
 BACKENDS = ("accelerate", "trainer")
 # the batch plan is resolved once here, so both backends get the same explicit micro-batch and accumulation:
-# the fields declared ``compare_passes=False`` (finetune/config.py) are not passed
+# the fields declared ``compare_passes=False`` (finetune/config/) are not passed
 _NOT_PASSED = frozenset(fields_with(compare_passes=False))
 
 
