@@ -31,8 +31,8 @@ from finetune.errors import FinetuneError
 from finetune.packing import budget as packing_budget
 from finetune.packing import flag_of, packing_summary, row_length
 from finetune.recipes import load_recipe
-from finetune.sampling import EpochSeededLengthGroupedSampler
 from finetune.sft import check_conversation_rows, require_chat_template
+from finetune.window import EpochSeededLengthGroupedSampler
 
 FATAL = ("between the splits", "empty completion", "nothing trained", "end-of-turn token not trained")
 

@@ -1,5 +1,5 @@
-"""Side-by-side comparison of the two backends: ``finetune compare --recipe NAME`` (``main``; ``finetune train
---compare True`` is its alias), each in a fresh subprocess, one after the other. Writes ``accelerate/``, ``trainer/``, ``comparison.json``/``.md`` and
+"""Side-by-side comparison of the two backends: ``finetune compare --recipe NAME`` (``main``), each in a fresh
+subprocess, one after the other. Writes ``accelerate/``, ``trainer/``, ``comparison.json``/``.md`` and
 ``loss_curves.png`` into ``--output_dir``. See docs/design-notes.md#compare."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 from finetune import distributed
-from finetune.bookkeeping import read_log
 from finetune.config import config_argv, fields_with, parse_config, reproduce_command
 from finetune.errors import FinetuneError, reports_errors
 from finetune.recipes import load_recipe
 from finetune.resolve import resolve
+from finetune.run_log import read_log
 
 BACKENDS = ("accelerate", "trainer")
 # the batch plan is resolved once here, so both backends get the same explicit micro-batch and accumulation:
@@ -139,8 +139,8 @@ def compare(config) -> dict:
     """Run both backends with ``config``, write the comparison into ``config.output_dir`` and return the summary
     (``comparison.json``). Raises ``FinetuneError`` under several processes, or when a backend's run fails."""
     if distributed.world_size() > 1:
-        raise FinetuneError("--compare launches each backend itself in a single process; run it with "
-                            "`finetune compare ...` or a 1-process `accelerate launch`.")
+        raise FinetuneError("finetune compare launches each backend itself in a single process; run it with "
+                            "`finetune compare ...` or a 1-process `accelerate launch -m finetune.compare`.")
     pyplot()  # without matplotlib, refused before any work
     recipe = load_recipe(config.recipe)
     out = Path(config.output_dir)

@@ -6,7 +6,7 @@ i mod P (accelerate 1.15 ``data_loader.py`` ``BatchSamplerShard._iter_with_no_sp
 of N micro-batches per process covers the order's positions [w x B, (w + 1) x B) whatever (m, N, P) splits
 B = m x N x P; the order itself depends on the seed and the epoch only (``SeedableRandomSampler``: data_seed +
 epoch, ``data_loader.py`` lines 85-103) or, under ``group_by_length``, on B too
-(``sampling.EpochSeededLengthGroupedSampler``). A checkpoint is taken on a step boundary, so the samples of its
+(``window.EpochSeededLengthGroupedSampler``). A checkpoint is taken on a step boundary, so the samples of its
 epoch consumed are a multiple of B, and the micro-batches per process to skip on the new plan,
 consumed / (m' x P'), are whole. This is Megatron-LM's ``consumed_samples`` (``MegatronPretrainingSampler``).
 

@@ -1,10 +1,9 @@
 """The run lifecycle both backends drive, in torchtune's setup / train / cleanup shape: ``RunState`` owns the run's
-counters (``progress.RunProgress``), its records and cadence (``bookkeeping.Bookkeeping``: ``log.jsonl``, best
-model, early stopping), the resume (one checkpoint format for both backends, checked alike and agreed on by every
+counters (``progress.RunProgress``), its records and cadence (``log.jsonl`` through ``run_log``, the evaluation
+and save cadence, the best model, early stopping, fp16 skips), the resume (one checkpoint format for both backends, checked alike and agreed on by every
 process), evaluation with generation and the rule of which evaluated model is kept, the step and save timers
-(``preemption.SaveBudget``), the banner and the final outputs. The accelerate backend (``finetune.train``) adds
-its loop's own questions around it; the Trainer backend (``finetune.trainer_backend``) forwards Trainer's events
-to it from a thin callback. Units: optimizer steps, samples and tokens over all processes, seconds. See
+(``preemption.SaveBudget``), the banner and the final outputs. Both backends hold one: the accelerate backend's ``train.Loop``
+asks it around the visible loop, the Trainer backend's thin callback forwards Trainer's events to it. Units: optimizer steps, samples and tokens over all processes, seconds. See
 docs/lifecycle.md.
 """
 
@@ -12,58 +11,24 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from finetune import checkpoint as ckpt
-from finetune import distributed, elastic, packing
-from finetune.bookkeeping import Bookkeeping, empty_window_error
+from finetune import distributed, elastic
 from finetune.data import training_set_identity
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, NumericalError, together
 from finetune.evaluation import evaluate, generation_eval, write_generations
+from finetune.output import clear_output_dir
 from finetune.preemption import SaveBudget
 from finetune.progress import RunProgress
 from finetune.reporting import run_banner, run_metrics, write_outputs
-from finetune.steps import micro_batches_per_process, plan_steps
-
-
-@dataclass
-class WindowCounts:
-    """An accumulation window's sizes, summed over all processes: loss ``items`` (samples, or label tokens
-    for causal LM), ``samples``, non-padding ``input_tokens`` and ``padded_tokens`` (input positions)."""
-
-    items: float
-    samples: int
-    input_tokens: int
-    padded_tokens: int
-    sample_ids: str | None = None  # the hash of the window's sample ids over all processes (elastic.window_ids_hash)
-
-
-def count_window(window: list[dict], task, accelerator, repeats: int = 0, run: list[dict] | None = None) -> WindowCounts:
-    """The window's ``WindowCounts`` over all processes, known before any backward: one all-reduce (a
-    sync point) per window. ``repeats``: this process's rows that repeat samples at the epoch's end
-    (``sampling.repeated_rows``), not counted. ``run``: the micro-batches actually computed when packing
-    rebuilt the window (``packing.Packer``): tokens are counted on them, items and samples on ``window`` (equal
-    either way: packing masks only labels the shift never trains). Both backends count their windows here. Raises ``FinetuneError``
-    (on every process alike) for a window with no item. Takes the sample ids out of the batches where they carry
-    them (``elastic.window_ids_hash``: a second all-reduce)."""
-    device = accelerator.device
-    sample_ids = elastic.window_ids_hash(window, accelerator)
-    input_tokens, positions = map(sum, zip(*(packing.tokens(b) for b in (run or window)), strict=True))
-    local = torch.stack([sum(task.count(b) for b in window),
-                         torch.tensor(sum(task.samples(b) for b in window) - repeats, device=device),
-                         torch.tensor(input_tokens, device=device), torch.tensor(positions, device=device)])
-    items, samples, input_tokens, padded = accelerator.reduce(local, "sum").tolist()
-    if items == 0:
-        raise empty_window_error(int(samples))
-    return WindowCounts(items, int(samples), int(input_tokens), int(padded), sample_ids)
+from finetune.run_log import LOG_FILE, JsonlLog, grad_norm_value, restore_log
+from finetune.window import micro_batches_per_process, plan_steps
 
 
 class RunState:
     """One run, whichever backend trains it. ``backend``: "accelerate" or "trainer" (whose checkpoints it resumes:
-    ``checkpoint.list_checkpoints``); ``plan``: the ``steps.StepPlan``; ``task``: the recipe's task;
+    ``checkpoint.list_checkpoints``); ``plan``: the ``window.StepPlan``; ``task``: the recipe's task;
     ``layout``: the ``distributed.StorageLayout`` (who writes the run's files); ``precision``: "no", "fp16" or
     "bf16" as it runs; ``say``: prints on the main process only; ``main``: this is the main process; ``hub``: a
     ``finetune.hub.HubPush`` or None; ``process_start``: ``time.time()`` when the process started (for
@@ -79,8 +44,14 @@ class RunState:
         self.output_dir = Path(config.output_dir)
         identity = training_set_identity(train_dataset) if train_dataset is not None else None
         self.meaning = ckpt.step_meaning(config, num_processes, identity)
-        self.book = Bookkeeping(config, plan, RunProgress(num_processes=num_processes, step_meaning=self.meaning),
-                                writes=layout.writes, say=say, counts_tokens=task.counts_tokens)
+        self.progress = RunProgress(num_processes=num_processes, step_meaning=self.meaning)  # what a checkpoint holds
+        self.writes = layout.writes  # this process writes --output_dir
+        self.counts_tokens = task.counts_tokens  # loss items are label tokens (causal LM), recorded as such
+        self.warm = False  # the first optimizer step of this start (compile, allocator warm-up) is not timed
+        self.eval_steps, self.save_steps = plan.steps(config.eval_steps), plan.steps(config.save_steps)
+        self.eval_results, self.best_eval_results, self.eval_runtime, self.last_eval_step = {}, {}, 0.0, None
+        self.stopping_early = False
+        self.log: JsonlLog | None = None
         # will a stop signal's step and checkpoint fit the grace before SIGKILL? (the main process says)
         self.budget = SaveBudget(config.preemption_grace_seconds, say, active=main)
         self.resume_from: Path | None = None
@@ -88,11 +59,6 @@ class RunState:
         self.overridden: list[str] = []  # what --ignore_checkpoint_mismatch let through on resume (banner lines)
         self.runtime_before, self.train_start, self.samples_at_start = 0.0, time.perf_counter(), 0
         self.step_mark = time.perf_counter()  # when the optimizer step (or the save) in progress began
-
-    @property
-    def progress(self) -> RunProgress:
-        """The counters a checkpoint holds."""
-        return self.book.progress
 
     # -------------------------------------------------------------------------------- setup
     def resume(self, state, load=None) -> Path | None:
@@ -124,7 +90,7 @@ class RunState:
         if load is not None:
             load(path, loaded)  # the backend's own state; it may move ``loaded``'s position (finetune.elastic)
         loaded.step_meaning = self.meaning
-        self.book.progress = loaded
+        self.progress = loaded
 
     def _override_note(self, overridden: list[str], loaded) -> str:
         """The banner's warning for a resume that ``--ignore_checkpoint_mismatch`` let through despite
@@ -143,9 +109,17 @@ class RunState:
                 + (f". So {'; '.join(effects)}." if effects else "."))
 
     def open(self) -> None:
-        """Prepare ``--output_dir`` (``Bookkeeping.open``: cleared for a fresh ``--overwrite_output_dir`` run,
-        ``run_config.json``, a resumed run's log cut back to its step)."""
-        self.book.open(self.progress.step if self.resume_from is not None else None)
+        """Prepare ``--output_dir``: cleared for a fresh ``--overwrite_output_dir`` run, ``run_config.json``, a
+        resumed run's ``log.jsonl`` cut back to its step and appended to (``run_log``)."""
+        resume_step = self.progress.step if self.resume_from is not None else None
+        if self.writes:
+            if self.config.overwrite_output_dir and resume_step is None:
+                clear_output_dir(self.output_dir)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "run_config.json").write_text(self.config.to_json() + "\n")
+            if resume_step is not None:
+                restore_log(self.output_dir / LOG_FILE, resume_step)
+        self.log = JsonlLog(self.output_dir / LOG_FILE, self.writes, append=resume_step is not None)
 
     def announce(self, model, device_type: str, *notes: str | None) -> None:
         """Print the banner (``reporting.run_banner``), the backend's and the packer's ``notes`` (None: nothing to
@@ -184,9 +158,69 @@ class RunState:
         """Seconds since ``mark()``."""
         return time.perf_counter() - self.step_mark
 
-    def record_step(self, **counts) -> dict:
-        """``Bookkeeping.record_step``: count the optimizer step and write its ``log.jsonl`` record."""
-        return self.book.record_step(**counts)
+    # -------------------------------------------------------------------------------- cadence
+    def evaluate_after_step(self, step: int) -> bool:
+        """``--eval_strategy steps``: evaluate after optimizer step ``step``."""
+        return self.config.eval_strategy == "steps" and step % self.eval_steps == 0
+
+    def save_after_step(self, step: int) -> bool:
+        """``--save_strategy steps``: checkpoint after ``step`` (not the last, nor after early stopping)."""
+        return (self.config.save_strategy == "steps" and step % self.save_steps == 0 and step < self.plan.max_steps
+                and not self.stopping_early)
+
+    def evaluate_at_epoch_end(self, step: int, last: bool) -> bool:
+        """Evaluate at the end of an epoch: ``--eval_strategy epoch``, or with "steps" the final model once."""
+        strategy = self.config.eval_strategy
+        return strategy == "epoch" or (strategy == "steps" and last and self.last_eval_step != step)
+
+    def record_step(self, *, loss: float, samples: int, items: float, micro_batches: int, learning_rate: float | None,
+                    grad_norm, loss_scale: float | None, skipped: bool, input_tokens: int | None = None,
+                    padded_tokens: int | None = None, seconds: float | None = None, **extra) -> dict:
+        """Count one optimizer step and return its ``log.jsonl`` record (``loss``: mean per item over the window;
+        ``samples``, ``items`` over all processes; ``input_tokens`` without padding, ``padded_tokens`` with it;
+        ``seconds`` the step's duration, evaluation and checkpoints excluded). The record's throughput: padded,
+        input and trained tokens (the loss's items, causal LM) per second; the first step of each start is marked
+        ``warmup`` and left out of the run's figures. Raises ``NumericalError`` past ``--max_skipped_steps`` skips."""
+        progress = self.progress
+        progress.record_step(loss, skipped)
+        progress.samples_seen += samples
+        trained = int(items) if self.counts_tokens else 0
+        progress.input_tokens_seen += input_tokens or 0
+        progress.padded_tokens_seen += padded_tokens or 0
+        progress.tokens_seen += trained
+        record = {"step": progress.step, "epoch": round(self.plan.epoch_fraction(progress.step), 4), "loss": loss,
+                  "learning_rate": learning_rate, "grad_norm": grad_norm_value(grad_norm), "samples": samples,
+                  "micro_batches": micro_batches}
+        counts = {"padded_tokens": padded_tokens, "input_tokens": input_tokens,
+                  "trained_tokens": trained if self.counts_tokens else None}
+        record.update({k: v for k, v in counts.items() if v is not None})
+        if seconds is not None and seconds > 0:
+            record["step_seconds"] = round(seconds, 6)
+            record.update({f"{k}_per_second": round(v / seconds, 3) for k, v in counts.items() if v is not None})
+            if self.warm:
+                progress.timed_steps += 1
+                progress.timed_seconds += seconds
+                progress.timed_samples += samples
+                progress.timed_padded_tokens += padded_tokens or 0
+                progress.timed_input_tokens += input_tokens or 0
+                progress.timed_trained_tokens += trained
+            else:
+                record["warmup"] = True
+            self.warm = True
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale  # fp16: after this step's GradScaler update (halved by a skip)
+        if skipped:
+            record["skipped"] = True
+        record.update(extra)
+        self.log.write(record)
+        if progress.consecutive_skipped > self.config.max_skipped_steps:
+            # every process: a skip follows the all-reduced gradients' overflow
+            raise together(NumericalError(
+                f"fp16 loss scaling skipped {progress.consecutive_skipped} optimizer steps in a row (up to step "
+                f"{progress.step}): the loss or gradients overflow fp16. Nothing after the last checkpoint was saved. "
+                "Use --mixed_precision bf16 or no, or lower --learning_rate; raise --max_skipped_steps to tolerate "
+                "more."))
+        return record
 
     def model_kept(self, step: int, at_epoch_end: bool) -> bool:
         """Whether the model evaluated after optimizer step ``step`` is kept, so that it can be the best model: a
@@ -197,31 +231,61 @@ class RunState:
             return True
         if at_epoch_end:
             return self.config.save_strategy == "epoch"
-        return self.config.save_strategy == "steps" and step > 0 and step % self.book.save_steps == 0
+        return self.config.save_strategy == "steps" and step > 0 and step % self.save_steps == 0
 
     def evaluate(self, accelerator, model, dataloader, tokenizer, at_epoch_end: bool, pack=None) -> dict:
         """Evaluate ``model`` now (``evaluation.evaluate``: loss and metrics, padding-free as ``pack`` packs, if given;
-        then generation for SFT recipes, its predictions written beside the log); record it (``Bookkeeping.record_evaluation``, the model kept per
+        then generation for SFT recipes, its predictions written beside the log); record it (``_record_evaluation``, the model kept per
         ``model_kept``). Returns the results. Raises ``FinetuneError`` as ``record_evaluation`` does."""
         start = time.perf_counter()
         results = evaluate(accelerator, model, dataloader, self.task, self.recipe.METRICS, pack=pack)
         generated, predictions = generation_eval(accelerator, model, tokenizer, self.raw_validation, self.recipe,
                                                  self.config)
         results.update(generated)
-        if predictions and self.book.writes:
+        if predictions and self.writes:
             write_generations(self.output_dir, self.raw_validation, predictions)
         step = self.progress.step
-        self.book.record_evaluation(results, time.perf_counter() - start, self.model_kept(step, at_epoch_end))
+        self._record_evaluation(results, time.perf_counter() - start, self.model_kept(step, at_epoch_end))
         return results
+
+    def _record_evaluation(self, results: dict, seconds: float, checkpointed: bool) -> None:
+        """Log an evaluation (``seconds``, kept out of ``train_runtime``), track early stopping and the best
+        model: the best evaluation whose model is ``checkpointed``. Raises ``FinetuneError`` when
+        ``--metric_for_best_model`` is not among ``results``."""
+        step, config = self.progress.step, self.config
+        self.eval_runtime += seconds
+        self.eval_results, self.last_eval_step = results, step
+        epoch = self.plan.epoch_fraction(step)
+        self.log.write({"step": step, "epoch": round(epoch, 4), **results})
+        self.say(f"eval at step {step} (epoch {epoch:.2f}): " + ", ".join(
+            f"{k}={v:.4f}" for k, v in results.items() if isinstance(v, float)))
+        if config.metric_for_best_model is None:
+            return
+        if config.best_metric_key not in results:
+            raise FinetuneError(f"--metric_for_best_model {config.metric_for_best_model!r}: the evaluation has no "
+                                f"{config.best_metric_key!r} (it has {', '.join(sorted(results))}).")
+        if self.progress.record_evaluation(results[config.best_metric_key], config.greater_is_better, checkpointed):
+            self.best_eval_results = results
+        patience = config.early_stopping_patience
+        if patience and self.progress.evals_without_improvement >= patience:
+            self.stopping_early = True
+            self.say(f"early stopping: {config.best_metric_key} has not improved for {patience} evaluation(s); "
+                     f"best {self.progress.best_metric:.4f} at step {self.progress.best_step}.")
+
+    def final_eval_results(self) -> dict:
+        """The evaluation ``metrics.json`` reports: the best under ``--load_best_model_at_end``, else the last."""
+        if self.config.load_best_model_at_end and self.best_eval_results:
+            return self.best_eval_results
+        return self.eval_results
 
     @property
     def new_best(self) -> bool:
         """Whether the last evaluation is the new best model."""
-        return self.progress.best_step == self.progress.step and self.book.best_eval_results is self.book.eval_results
+        return self.progress.best_step == self.progress.step and self.best_eval_results is self.eval_results
 
     def train_runtime(self) -> float:
         """Seconds of training over every start of the run, evaluations excluded."""
-        return self.runtime_before + time.perf_counter() - self.train_start - self.book.eval_runtime
+        return self.runtime_before + time.perf_counter() - self.train_start - self.eval_runtime
 
     def saved(self, path: Path, seconds: float, reason: str | None = None, push: bool = True) -> None:
         """After checkpoint ``path`` is complete: its time (``SaveBudget.saved``, ``seconds``); ``reason``: say so;
@@ -274,15 +338,16 @@ class RunState:
         metrics. The hub's end of training is the caller's (``run.run``), once every process has left the group."""
         progress = self.progress
         progress.train_runtime = self.train_runtime()
-        metrics = run_metrics(self.config, progress, self.book.final_eval_results(), plan=self.plan,
+        metrics = run_metrics(self.config, progress, self.final_eval_results(), plan=self.plan,
                               num_processes=self.num_processes, precision=self.precision, device=device, model=model,
-                              eval_runtime=self.book.eval_runtime, process_start=self.process_start)
+                              eval_runtime=self.eval_runtime, process_start=self.process_start)
         if self.resume_from is not None:
             metrics["resumed_from"] = str(self.resume_from)
         write_outputs(engine, written if written is not None else model, tokenizer, self.config, self.recipe, metrics,
-                      writes=self.book.writes)
+                      writes=self.writes)
         return metrics
 
     def close(self) -> None:
         """Close ``log.jsonl`` (idempotent): whatever ended the run."""
-        self.book.close()
+        if self.log is not None:
+            self.log.close()

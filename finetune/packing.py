@@ -36,7 +36,7 @@ STRATEGIES = ("window_bfd",)  # --packing_strategy values
 def unpad(batch: dict) -> list[dict]:
     """The samples of a right-padded micro-batch (``tasks.CausalLMCollator``, ``sft.SFTCollator``): one dict per row
     with 1-D ``input_ids`` and ``labels`` of the row's real length (``attention_mask.sum()`` tokens). Rows whose
-    labels are all ``IGNORE_INDEX`` (an epoch's repeated rows: ``sampling.mask_repeats``) are kept: every row is
+    labels are all ``IGNORE_INDEX`` (an epoch's repeated rows: ``window.mask_repeats``) are kept: every row is
     a forward pass in the padded run too."""
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     return [{"input_ids": batch["input_ids"][i, :n], "labels": batch["labels"][i, :n]}
@@ -198,14 +198,6 @@ class Packer:
     def eval_row_length(self) -> int | None:
         """The row length ``eval_outputs`` packs evaluation batches into: None (one row) under ``one_row``."""
         return None if self.one_row else self.row_length
-
-
-def tokens(batch: dict) -> tuple[int, int]:
-    """(input tokens, computed positions) of a micro-batch: the ``attention_mask``'s ones and its size for a padded
-    batch; ``input_ids.numel()`` less its ``padding`` (``Rows``), and ``input_ids.numel()``, for a padding-free one."""
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
-    return batch["input_ids"].numel() - getattr(batch, "padding", 0), batch["input_ids"].numel()
 
 
 def eval_outputs(forward, batch: dict, labels: torch.Tensor, task, row_length: int | None = None) -> tuple[torch.Tensor, ...]:

@@ -34,7 +34,7 @@ def packing_banner(config) -> str:
 
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
     """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
-    processes, in samples), the optimizer steps (``plan``: a ``steps.StepPlan``), and the precision
+    processes, in samples), the optimizer steps (``plan``: a ``window.StepPlan``), and the precision
     that really runs, with a plain note when it is not the one requested (fp16 on a CPU); under
     ``--disable_dropout``, whether ``model`` really has no dropout left (``dropout.dropout_left``)."""
     n = config.gradient_accumulation_steps
@@ -133,7 +133,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
     label tokens, 0 for classification; ``input_tokens_seen``, non-padding inputs; ``padded_tokens_seen``,
     input positions with padding, 0 where the backend cannot see its batches; ``step_loss_total`` over optimizer
     steps of each step's mean loss; ``train_runtime`` seconds, evaluation excluded). ``plan``: the
-    ``steps.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
+    ``window.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
     token counts, rates and FLOP/s as ``throughput`` gives them.
     """
     trainable_parameters, num_parameters = parameter_counts(model)

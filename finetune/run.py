@@ -26,33 +26,32 @@ if __name__ == "__main__":  # before the slow imports: stop with the launcher (s
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we never tokenize inside forked workers
 
 from finetune.config import parse_config  # noqa: E402 - after the path set-up above
-from finetune.errors import reports_errors  # noqa: E402
+from finetune.errors import FinetuneError, reports_errors  # noqa: E402
 from finetune.recipes import list_recipes  # noqa: E402
 from finetune.signals import watch_launcher  # noqa: E402
 
 # The rest is imported where it is used (docs/contributing.md#imports): `--help`, `--list_recipes` and a flag
-# refused while parsing need none of it, and a run imports its own backend only (the Trainer backend, the
-# `--compare` alias and their libraries cost a launched process seconds it does not use).
+# refused while parsing need none of it, and a run imports its own backend only (the Trainer backend and its
+# libraries cost a launched process seconds it does not use).
 
 
 def run(config) -> dict | None:
     """Run a parsed ``config``: resolve it (``resolve.resolve``: validate, process group, output dir, hub, threads,
-    the batch plan applied), then train with its backend (or ``--compare`` both), leave the process group
-    (``distributed.leave``) and push the final outputs (``--push_to_hub``). Returns the metrics (None for
-    ``--compare``; the finished run's under ``--resume_from_checkpoint auto`` over one). Raises ``FinetuneError``;
+    the batch plan applied), then train with its backend, leave the process group (``distributed.leave``) and
+    push the final outputs (``--push_to_hub``). Returns the metrics (the finished run's under
+    ``--resume_from_checkpoint auto`` over one). Raises ``FinetuneError`` (``--compare``: one line naming
+    ``finetune compare``, the one way to compare the backends);
     one that every process raised together (``every_rank``: a signal's stop, a numerical error, a failed
     checkpoint write, an agreed check) after leaving the group (``distributed.leaving_together``)."""
+    if config.compare:
+        raise FinetuneError("--compare is its own command: run `finetune compare` with the same flags (it trains "
+                            "both backends, each in a process of its own, and writes the comparison).")
     from finetune import distributed  # lazy: torch, accelerate, the planner (see the imports above)
     from finetune.resolve import resolve
 
     resolution = distributed.leaving_together(lambda: resolve(config))
     if resolution.finished is not None:
         return resolution.finished
-    if resolution.config.compare:  # the alias of `finetune compare`
-        from finetune.compare import compare  # lazy: matplotlib, the alias only
-
-        compare(resolution.config)
-        return None
     if config.backend == "trainer":
         from finetune import trainer_backend as backend  # lazy: transformers.Trainer, --backend trainer only
     else:

@@ -23,13 +23,20 @@ from finetune.config import config_argv, reproduce_command
 from finetune.engine import PlainEngine, engine_for, make_accelerator
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped, together
 from finetune.evaluation import check_eval_set
-from finetune.lifecycle import WindowCounts, count_window
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
-from finetune.sampling import EpochSeededLengthGroupedSampler, iter_windows, mask_repeats, window_repeats
 from finetune.signals import GracefulStop
-from finetune.steps import StepPlan
 from finetune.tasks import IGNORE_INDEX
+from finetune.window import (
+    EpochSeededLengthGroupedSampler,
+    StepPlan,
+    WindowCounts,
+    align_sync_counter,
+    count_window,
+    iter_windows,
+    mask_repeats,
+    window_repeats,
+)
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -117,23 +124,16 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
     accelerator, model, optimizer, scheduler, task = built.accelerator, built.model, built.optimizer, built.scheduler, built.task
     N, P = config.gradient_accumulation_steps, accelerator.num_processes
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-    with RunState(built, config, recipe, process_start, hub) as run, GracefulStop() as stop:
+    with Loop(built, config, recipe, process_start, hub) as run, GracefulStop() as stop:
         model.train()
         while not run.done:
             for window in iter_windows(run.epoch_batches(), N):
                 # the micro-batches to compute: the window, or its own samples repacked (finetune.packing)
                 micro_batches = built.pack(window) if built.pack else window
                 counts = count_window(window, task, accelerator, run.repeats(len(window)), micro_batches)
-                # Align Accelerate's micro-batch counter so the window's last micro-batch is the sync step,
-                # also for a short last window (it syncs when its counter reaches a multiple of N). A packed
-                # window has its own count (any number, differing by process): the counter runs over it alone.
-                # N is set back each window: a packed window before this one may have changed it.
-                if len(micro_batches) == len(window):
-                    K = accelerator.gradient_accumulation_steps = N
-                    accelerator.step = N - len(window)
-                else:
-                    K = accelerator.gradient_accumulation_steps = len(micro_batches)
-                    accelerator.step = 0
+                # the window's last micro-batch is the sync step (a short or packed window too); K: what
+                # accelerator.backward will divide each loss by
+                K = align_sync_counter(accelerator, window, micro_batches, N)
                 window_loss = torch.zeros((), device=accelerator.device)
                 # Read before any backward: an engine may run the optimizer (and its own schedule's) step
                 # inside the last one.
@@ -165,30 +165,38 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
 
 
 # ------------------------------------------------------------------------------------------ around the loop
-class RunState(lifecycle.RunState):
-    """The run lifecycle (``lifecycle.RunState``: counters, log, resume, evaluation, timers, final outputs) plus
-    what this loop asks of it: the epoch's batches, guards, the step's reduction and signals, checkpoints,
-    trackers and the progress bar. A context manager: whatever ends the loop (success, an error, a signal), the
-    progress bar, the log and the trackers are closed."""
+class Loop:
+    """What the visible loop asks around each step: the epoch's batches, guards, the step's reduction and signals,
+    checkpoints, trackers and the progress bar. It holds the run lifecycle (``self.run``, a ``lifecycle.RunState``:
+    counters, log, resume, evaluation, timers, final outputs) as the Trainer backend's callback does. A context
+    manager: setup on entry (resume, output directory, banner, trackers), cleanup on exit whatever ends the loop
+    (success, an error, a signal): the progress bar, the log and the trackers are closed."""
 
     def __init__(self, built: Setup, config, recipe, process_start: float | None, hub=None):
         accelerator = built.accelerator
-        super().__init__(config, recipe, backend="accelerate", plan=built.plan, num_processes=accelerator.num_processes,
-                         task=built.task, layout=built.layout, precision=built.precision, say=accelerator.print,
-                         main=accelerator.is_main_process, raw_validation=built.raw_validation, hub=hub,
-                         process_start=process_start, train_dataset=built.train_dataset)
+        self.run = lifecycle.RunState(
+            config, recipe, backend="accelerate", plan=built.plan, num_processes=accelerator.num_processes,
+            task=built.task, layout=built.layout, precision=built.precision, say=accelerator.print,
+            main=accelerator.is_main_process, raw_validation=built.raw_validation, hub=hub,
+            process_start=process_start, train_dataset=built.train_dataset)
+        self.config, self.plan = config, built.plan
         self.built, self.accelerator = built, accelerator
         self.logging_steps = max(self.plan.steps(config.logging_steps), 1)
         self.progress_bar = None
         self.trackers = False
 
-    # -------------------------------------------------------------------------------- start and end
-    def __enter__(self) -> "RunState":
+    @property
+    def progress(self):
+        """The run's counters (``lifecycle.RunState.progress``: what a checkpoint holds)."""
+        return self.run.progress
+
+    # -------------------------------------------------------------------------------- setup and cleanup
+    def __enter__(self) -> "Loop":
         config, accelerator = self.config, self.accelerator
-        self.resume(accelerator, self._load)
-        self.open()
+        self.run.resume(accelerator, self._load)
+        self.run.open()
         accelerator.wait_for_everyone()
-        self.announce(self.built.model, accelerator.device.type, self.built.engine.note,
+        self.run.announce(self.built.model, accelerator.device.type, self.built.engine.note,
                       self.built.pack.note if self.built.pack else None)
         if config.report_to != "none":
             # hyperparameters as the trackers accept them (no None), under <output_dir>/runs for TensorBoard
@@ -198,16 +206,16 @@ class RunState(lifecycle.RunState):
             self.trackers = True
         self.progress_bar = tqdm(total=self.plan.max_steps, initial=self.progress.step, desc="Training", unit="step",
                                  disable=not accelerator.is_local_main_process)
-        self.begin_training(self.built.model)
+        self.run.begin_training(self.built.model)
         if config.eval_on_start and self.progress.step == 0:
             self.evaluate(at_epoch_end=False)
-        self.mark()
+        self.run.mark()
         return self
 
     def __exit__(self, *exc) -> None:
         if self.progress_bar is not None:
             self.progress_bar.close()
-        self.close()
+        self.run.close()
         if self.trackers:
             # Accelerator.end_training without its destroy_process_group (accelerate 1.15 accelerator.py:3429-3449
             # end_training: each tracker's finish(), then PartialState.destroy_process_group with no barrier):
@@ -221,25 +229,25 @@ class RunState(lifecycle.RunState):
         moved to this launch's split of B (``elastic.resume_position``: the same samples of the seeded order)."""
         saved = loaded.step_meaning
         engine = self.built.engine
-        resharded = engine.resume_on_another_count(saved, self.meaning, path)
+        resharded = engine.resume_on_another_count(saved, self.run.meaning, path)
         loaded.samples_done, loaded.micro_batches_done = elastic.resume_position(
-            loaded, saved, self.meaning, len(self.built.train_dataloader.dataset))
-        self.resume_notes = [note for note in (elastic.resume_change(saved, self.meaning), resharded) if note]
+            loaded, saved, self.run.meaning, len(self.built.train_dataloader.dataset))
+        self.run.resume_notes = [note for note in (elastic.resume_change(saved, self.run.meaning), resharded) if note]
         try:
             self.accelerator.load_state(str(path))
         except Exception as err:  # torch/safetensors raise many types for damaged files
             raise FinetuneError(f"checkpoint {path} is corrupt and cannot be loaded ({type(err).__name__}: {err}). "
                                 "Resume from another checkpoint (--resume_from_checkpoint PATH).") from None
-        if elastic.processes_changed(saved, self.meaning):  # the checkpoint's per-process generators do not fit
+        if elastic.processes_changed(saved, self.run.meaning):  # the checkpoint's per-process generators do not fit
             elastic.reseed(self.config.seed, loaded.step)
-            self.resume_notes.append(elastic.RNG_NOTE)
+            self.run.resume_notes.append(elastic.RNG_NOTE)
 
     # -------------------------------------------------------------------------------- the loop's questions
     @property
     def done(self) -> bool:
         """Whether training is over: the last optimizer step or epoch is done, or early stopping fired."""
         return (self.progress.step >= self.plan.max_steps or self.progress.epoch >= self.plan.num_epochs
-                or self.book.stopping_early)
+                or self.run.stopping_early)
 
     def epoch_batches(self):
         """The current epoch's micro-batches: the seeded order of this epoch, minus those a resumed run has
@@ -253,7 +261,7 @@ class RunState(lifecycle.RunState):
                             self.accelerator.process_index, len(dataloader.dataset), IGNORE_INDEX)
 
     def repeats(self, micro_batches: int) -> int:
-        """This process's repeated rows (``sampling.repeated_rows``) in the window of ``micro_batches``
+        """This process's repeated rows (``window.repeated_rows``) in the window of ``micro_batches``
         micro-batches that starts at the epoch's ``micro_batches_done``."""
         return window_repeats(self.progress.micro_batches_done, micro_batches, self.config.per_device_train_batch_size,
                               self.accelerator.num_processes, self.accelerator.process_index,
@@ -276,10 +284,10 @@ class RunState(lifecycle.RunState):
     # -------------------------------------------------------------------------------- after each step
     def end_step(self, window_loss, counts: WindowCounts, micro_batches: int, learning_rate: float, grad_norm,
                  skipped: bool, stop: "GracefulStop") -> None:
-        """Account for the optimizer step just taken (``Bookkeeping.record_step``), trackers and progress; then
+        """Account for the optimizer step just taken (``lifecycle.RunState.record_step``), trackers and progress; then
         a signal, and the evaluation and checkpoint cadence."""
-        accelerator, book = self.accelerator, self.book
-        seconds = self.step_seconds()
+        accelerator, run = self.accelerator, self.run
+        seconds = self.run.step_seconds()
         # One reduction per optimizer step: the window's loss, and whether any process was signalled (every
         # process must stop at the same step).
         loss_total, stop_votes = accelerator.reduce(
@@ -288,16 +296,16 @@ class RunState(lifecycle.RunState):
         loss = loss_total / counts.items
         self.progress.micro_batches_done += micro_batches
         self.progress.samples_done += micro_batches * self.config.per_device_train_batch_size * accelerator.num_processes
-        record = self.record_step(loss=loss, samples=counts.samples, items=counts.items, micro_batches=micro_batches,
+        record = self.run.record_step(loss=loss, samples=counts.samples, items=counts.items, micro_batches=micro_batches,
                                   learning_rate=learning_rate, grad_norm=grad_norm, loss_scale=loss_scale(accelerator),
                                   skipped=skipped, input_tokens=counts.input_tokens, padded_tokens=counts.padded_tokens,
                                   seconds=seconds, **({"sample_ids": counts.sample_ids} if counts.sample_ids else {}))
         step = self.progress.step
         self.progress_bar.update(1)
         if step % self.logging_steps == 0:
-            elapsed = max(time.perf_counter() - self.train_start - book.eval_runtime, 1e-9)
+            elapsed = max(time.perf_counter() - run.train_start - run.eval_runtime, 1e-9)
             values = {"train/loss": loss, "train/learning_rate": learning_rate, "train/grad_norm": record["grad_norm"],
-                      "train/samples_per_second": (self.progress.samples_seen - self.samples_at_start) / elapsed,
+                      "train/samples_per_second": (self.progress.samples_seen - run.samples_at_start) / elapsed,
                       "train/epoch": record["epoch"]}
             accelerator.log({k: v for k, v in values.items() if v is not None}, step=step)
             self.progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
@@ -307,31 +315,31 @@ class RunState(lifecycle.RunState):
             # every process raises here, at the same step (the vote was all-reduced); run.run leaves the group
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} after optimizer step {step}; "
                                   f"checkpoint: {path}. Resume with:\n    {self.resume_command()}", signum)
-        if book.evaluate_after_step(step):
+        if run.evaluate_after_step(step):
             self.evaluate(at_epoch_end=False)
-        if book.save_after_step(step):
-            self.save(f"every {book.save_steps} steps")
-        self.mark()
+        if run.save_after_step(step):
+            self.save(f"every {run.save_steps} steps")
+        self.run.mark()
 
     def end_epoch(self) -> None:
         """After an epoch (or the last, partial one): evaluate per ``--eval_strategy``, then move to the next
         epoch and checkpoint per ``--save_strategy``."""
-        last = self.progress.step >= self.plan.max_steps or self.book.stopping_early
-        if self.book.evaluate_at_epoch_end(self.progress.step, last):
+        last = self.progress.step >= self.plan.max_steps or self.run.stopping_early
+        if self.run.evaluate_at_epoch_end(self.progress.step, last):
             self.evaluate(at_epoch_end=True)
-        if last or self.book.stopping_early:  # early stopping at this evaluation ends the run here
+        if last or self.run.stopping_early:  # early stopping at this evaluation ends the run here
             return
         self.progress.epoch, self.progress.micro_batches_done, self.progress.samples_done = self.progress.epoch + 1, 0, 0
         if self.config.save_strategy == "epoch":
             self.save("end of epoch")
-        self.mark()
+        self.run.mark()
 
     # -------------------------------------------------------------------------------- evaluation, checkpoints
     def evaluate(self, at_epoch_end: bool) -> None:
         """Evaluate now (``lifecycle.RunState.evaluate``; padding-free under --padding_free/--packing) and tell the
         trackers."""
         built = self.built
-        results = super().evaluate(self.accelerator, built.model, built.eval_dataloader, built.tokenizer, at_epoch_end,
+        results = self.run.evaluate(self.accelerator, built.model, built.eval_dataloader, built.tokenizer, at_epoch_end,
                                    pack=built.pack)
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()},
@@ -340,18 +348,18 @@ class RunState(lifecycle.RunState):
     def save(self, reason: str, push: bool = True) -> Path:
         """Write a checkpoint of the state after the current optimizer step (collective); ``push``: then hand it
         to ``--push_to_hub`` (``HubPush.after_save``: in the background, per ``--hub_strategy``)."""
-        self.progress.train_runtime = self.train_runtime()
+        self.progress.train_runtime = self.run.train_runtime()
         start = time.perf_counter()
-        path = ckpt.save_checkpoint(self.accelerator, self.output_dir, self.progress, self.config.save_total_limit,
+        path = ckpt.save_checkpoint(self.accelerator, self.run.output_dir, self.progress, self.config.save_total_limit,
                                     model=self.built.model, tokenizer=self.built.tokenizer, layout=self.built.layout,
-                                    held=self.held_by_uploads())
-        self.saved(path, time.perf_counter() - start, reason, push)
+                                    held=self.run.held_by_uploads())
+        self.run.saved(path, time.perf_counter() - start, reason, push)
         return path
 
     def resume_command(self) -> str:
         """The command that continues this run from its newest checkpoint (on several machines: the one for
         this machine, run on each with its own ``--machine_rank``)."""
-        argv = config_argv(self.config, self.recipe, exclude={"resume_from_checkpoint"})
+        argv = config_argv(self.config, self.run.recipe, exclude={"resume_from_checkpoint"})
         if "--output_dir" not in argv:
             argv += ["--output_dir", str(self.config.output_dir)]
         return reproduce_command(argv + ["--resume_from_checkpoint", "latest"],
@@ -363,8 +371,8 @@ class RunState(lifecycle.RunState):
         return the metrics."""
         progress, accelerator = self.progress, self.accelerator
         if self.config.load_best_model_at_end and progress.best_step is not None and progress.best_step != progress.step:
-            best = ckpt.checkpoint_path(self.output_dir, progress.best_step)
+            best = ckpt.checkpoint_path(self.run.output_dir, progress.best_step)
             accelerator.print(f"loading the best model: step {progress.best_step} ({self.config.best_metric_key} "
                               f"{progress.best_metric:.4f}) from {best}")
             accelerator.load_state(str(best))
-        return super().finish(self.built.engine, self.built.model, self.built.tokenizer, accelerator.device)
+        return self.run.finish(self.built.engine, self.built.model, self.built.tokenizer, accelerator.device)

@@ -16,16 +16,22 @@ from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArg
 
 from finetune import checkpoint as ckpt
 from finetune import distributed, packing
-from finetune.bookkeeping import empty_window_error
 from finetune.builders import build_components, get_task
 from finetune.engine import engine_class, engine_for
 from finetune.evaluation import check_eval_set
-from finetune.lifecycle import RunState, WindowCounts, count_window
+from finetune.lifecycle import RunState
 from finetune.loss import loss_function
 from finetune.precision import loss_scale, optimizer_step_skipped
-from finetune.sampling import mask_repeats, window_repeats
-from finetune.steps import micro_batches_per_process, plan_steps
 from finetune.tasks import IGNORE_INDEX
+from finetune.window import (
+    WindowCounts,
+    count_window,
+    empty_window_error,
+    mask_repeats,
+    micro_batches_per_process,
+    plan_steps,
+    window_repeats,
+)
 
 
 def training_arguments(config, output_dir: str | None = None) -> TrainingArguments:
@@ -59,7 +65,7 @@ class FinetuneTrainer(Trainer):
     """``Trainer`` whose loss is the accelerate backend's (``loss.loss_function``), accounted by
     ``BookkeepingCallback.account`` (Trainer also gets its ``compute_loss_func``, so it neither divides by N nor
     skips averaging ``num_items_in_batch`` over devices), and whose window counts are the accelerate backend's
-    (``lifecycle.count_window``, in ``get_batch_samples``)."""
+    (``window.count_window``, in ``get_batch_samples``)."""
 
     def __init__(self, account, task, steps_per_epoch: int, begin_window, **kwargs):
         super().__init__(**kwargs)
@@ -70,9 +76,9 @@ class FinetuneTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The window's micro-batches (up to ``num_batches``, fewer at the end of an epoch) and its items over
-        all processes as the accelerate backend counts them (``lifecycle.count_window``, which also counts its
+        all processes as the accelerate backend counts them (``window.count_window``, which also counts its
         samples and tokens, handed to ``begin_window``), a 0-d tensor on ``device`` (None for an empty window):
-        rows that repeat samples at the epoch's end (``sampling.mask_repeats``) get ``IGNORE_INDEX`` labels, and
+        rows that repeat samples at the epoch's end (``window.mask_repeats``) get ``IGNORE_INDEX`` labels, and
         the items are the task's own count (``task.count``: a classifier's samples, a causal LM's shifted label
         tokens).
 
@@ -158,7 +164,7 @@ class BookkeepingCallback(TrainerCallback):
         return loss_sum / num_items_in_batch
 
     def begin_window(self, counts: WindowCounts) -> None:
-        """A window begins: its counts over all processes (``lifecycle.count_window``)."""
+        """A window begins: its counts over all processes (``window.count_window``)."""
         self.window = counts
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -203,13 +209,13 @@ class BookkeepingCallback(TrainerCallback):
         pending, self.pending = self.pending, None
         self.run.record_step(**pending, learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
                              trainer_logged_loss=logs["loss"])
-        if self.run.book.evaluate_after_step(state.global_step):
+        if self.run.evaluate_after_step(state.global_step):
             self.evaluate(state, control, at_epoch_end=False)
         self.run.mark()  # Trainer saves after logging (_maybe_log_save_evaluate), then on_save
 
     def on_epoch_end(self, args, state, control, **kwargs):
         last = state.global_step >= state.max_steps or control.should_training_stop
-        if self.run.book.evaluate_at_epoch_end(state.global_step, last):
+        if self.run.evaluate_at_epoch_end(state.global_step, last):
             self.evaluate(state, control, at_epoch_end=True)
 
     def on_save(self, args, state, control, **kwargs):
@@ -239,7 +245,7 @@ class BookkeepingCallback(TrainerCallback):
         if run.new_best:
             state.best_metric, state.best_global_step = run.progress.best_metric, step
             self._point_at_best(state)
-        if run.book.stopping_early:
+        if run.stopping_early:
             control.should_training_stop = True
 
 

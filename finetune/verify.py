@@ -31,7 +31,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from finetune import distributed, trainer_backend
 from finetune import train as accelerate_backend
 from finetune.argv import given, take_values, wants_help
-from finetune.bookkeeping import read_log
 from finetune.builders import build_datasets, get_task, raw_datasets
 from finetune.config import check_settings, parse_config
 from finetune.data import load_tokenizer
@@ -39,6 +38,7 @@ from finetune.elastic import SAMPLE_IDS
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError, NumericalError, reports_errors, together
 from finetune.resolve import resolve
+from finetune.run_log import read_log
 from finetune.tasks import split_labels
 
 DEFAULT_STEPS = 3

@@ -117,8 +117,8 @@ def test_a_window_with_no_trained_token_is_a_clear_error():
 
     from finetune.errors import FinetuneError
     from finetune.tasks import CausalLM
-    from finetune.train import count_window
     from finetune.trainer_backend import BookkeepingCallback
+    from finetune.window import count_window
 
     batch = {"labels": torch.full((2, 5), -100), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
     accelerator = SimpleNamespace(device=torch.device("cpu"), reduce=lambda tensor, op: tensor)

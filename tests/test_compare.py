@@ -12,10 +12,10 @@ pytestmark = pytest.mark.integration
 
 def test_compare_writes_report_json_and_plot(tmp_path, tiny_bert):
     out = tmp_path / "cmp"
-    result = launch(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir", str(out), "--compare",
+    result = launch(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir", str(out),
                      "--max_train_samples", "22", "--max_eval_samples", "8", "--per_device_train_batch_size", "2",
                      "--gradient_accumulation_steps", "4", "--num_train_epochs", "2", "--disable_dropout",
-                     "--max_length", "32", "--learning_rate", "2e-3", "--warmup_steps", "1"])
+                     "--max_length", "32", "--learning_rate", "2e-3", "--warmup_steps", "1"], module="finetune.compare")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "comparison.json").read_text())
     assert set(summary["backends"]) == {"accelerate", "trainer"}
@@ -45,3 +45,14 @@ def test_compare_writes_report_json_and_plot(tmp_path, tiny_bert):
     blue = sum(1 for r, g, b in pixels if b > 150 and r < 80 and g < 150)
     orange = sum(1 for r, g, b in pixels if r > 200 and 100 < g < 170 and b < 60)
     assert blue > 100 and orange > 50
+
+
+def test_finetune_train_refuses_compare_naming_the_command(tmp_path, capsys):
+    """``finetune compare`` is the one way to compare: the training entry point has no alias for it (one ``error:``
+    line naming the command, nothing written)."""
+    from test_small_train_file import run_main
+
+    result = run_main(["--recipe", "bbc-news", "--output_dir", str(tmp_path / "out"), "--compare", "True"], capsys)
+    assert result.returncode == 2
+    assert "error: --compare is its own command: run `finetune compare` with the same flags" in result.stderr
+    assert not (tmp_path / "out").exists()

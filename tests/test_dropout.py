@@ -124,7 +124,7 @@ def test_a_dropout_it_cannot_turn_off_is_refused(gpt2_dir):
 
 def test_the_banner_says_dropout_is_off_only_when_it_is(gpt2_dir):
     from finetune.reporting import run_banner
-    from finetune.steps import StepPlan
+    from finetune.window import StepPlan
 
     config = parse_config(["--recipe", "bbc-news-clm", "--model_name_or_path", str(gpt2_dir), "--disable_dropout"])
     plan = StepPlan(steps_per_epoch=2, micro_batches_per_epoch=4, max_steps=2, num_epochs=1)

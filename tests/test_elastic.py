@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from finetune import elastic
 from finetune.checkpoint import RunProgress, check_compatible
 from finetune.errors import FinetuneError
-from finetune.sampling import mask_repeats, repeated_rows
+from finetune.window import mask_repeats, repeated_rows
 
 
 def _meaning(m, n, p, **rest):
@@ -62,7 +62,7 @@ def test_resume_position_counts_samples_in_the_new_plan():
 def _steps(order, m, n, p, skip=0, steps=None):
     """Each optimizer step's sample ids over every process, as Accelerate's sharded sampler deals ``order`` to
     ``p`` processes in micro-batches of ``m`` (``even_batches``: the last ones completed from the start, then
-    dropped as ``sampling.repeated_rows`` says; one process is not sharded: accelerate 1.15 ``data_loader.py``
+    dropped as ``window.repeated_rows`` says; one process is not sharded: accelerate 1.15 ``data_loader.py``
     ``prepare_data_loader``, ``if num_processes != 1``) and a window takes ``n`` of each process's; ``skip``:
     micro-batches per process skipped first (``skip_first_batches``' ``SkipBatchSampler``)."""
     per_process = []

@@ -142,7 +142,7 @@ def _checkpoint(path, layout: str):
 
 
 def _run_state(engine_name: str, fsdp_version: int | None, processes: int, loads: list):
-    """A stand-in for ``train.RunState`` holding what ``RunState._load`` reads: its engine, the launch's step
+    """A stand-in for ``train.Loop`` holding what ``Loop._load`` reads: its engine, the launch's step
     meaning, the training set's length, the seed, and an accelerator whose ``load_state`` records the directory
     (``Accelerator.load_state`` would call ``load_fsdp_model``/``load_fsdp_optimizer`` on it, lines 3849, 3883)."""
     from accelerate.utils import DistributedType
@@ -153,13 +153,13 @@ def _run_state(engine_name: str, fsdp_version: int | None, processes: int, loads
     plugin = SimpleNamespace(fsdp_version=fsdp_version)  # Accelerate's plugin holds it (its default: 1)
     engine = engine_for(SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin)))
     return SimpleNamespace(built=SimpleNamespace(engine=engine, train_dataloader=SimpleNamespace(dataset=range(40))),
-                           meaning=_meaning(processes), config=SimpleNamespace(seed=1),
-                           accelerator=SimpleNamespace(load_state=loads.append))
+                           run=SimpleNamespace(meaning=_meaning(processes), resume_notes=[]),
+                           config=SimpleNamespace(seed=1), accelerator=SimpleNamespace(load_state=loads.append))
 
 
 @pytest.mark.parametrize("layout", ["sharded", "full"])
 def test_the_resume_loads_an_fsdp2_checkpoint_on_another_process_count(tmp_path, layout, monkeypatch):
-    """2 processes -> 1: ``RunState._load`` lets Accelerate's ``load_state`` run (the resharding load), moves the
+    """2 processes -> 1: ``Loop._load`` lets Accelerate's ``load_state`` run (the resharding load), moves the
     position to the new split, and the banner says what changed, the resharding and the re-seeding."""
     from finetune.checkpoint import RunProgress
 
@@ -167,14 +167,14 @@ def test_the_resume_loads_an_fsdp2_checkpoint_on_another_process_count(tmp_path,
     path, loads = _checkpoint(tmp_path / "step_00000002", layout), []
     state = _run_state("FSDP", 2, 1, loads)
     progress = RunProgress(step=2, micro_batches_done=4, samples_done=16, step_meaning=_meaning(2))
-    train.RunState._load(state, path, progress)
+    train.Loop._load(state, path, progress)
     assert loads == [str(path)] and (progress.samples_done, progress.micro_batches_done) == (16, 8)
-    assert state.resume_notes[0] == "resumed on 1 process from a run on 2: micro-batch 2 x 2 -> 2 x 4 (B = 8 " \
+    assert state.run.resume_notes[0] == "resumed on 1 process from a run on 2: micro-batch 2 x 2 -> 2 x 4 (B = 8 " \
                                     "samples per step)"
-    assert state.resume_notes[1] == {
+    assert state.run.resume_notes[1] == {
         "sharded": "FSDP2: the sharded state of 2 processes (torch distributed checkpoint) is resharded onto 1 on load",
         "full": "FSDP2: the full state dict written by 2 processes is sharded onto 1 on load"}[layout]
-    assert state.resume_notes[2] == elastic.RNG_NOTE
+    assert state.run.resume_notes[2] == elastic.RNG_NOTE
 
 
 @pytest.mark.parametrize("engine, version, layout, why", [
@@ -190,9 +190,9 @@ def test_checkpoints_that_cannot_reshard_are_refused_before_loading(tmp_path, en
     path, loads = _checkpoint(tmp_path / "step_00000002", layout), []
     progress = RunProgress(step=2, micro_batches_done=4, samples_done=16, step_meaning=_meaning(2))
     with pytest.raises(FinetuneError, match="written by 2 processes on 1: .*Resume on 2 processes") as err:
-        train.RunState._load(_run_state(engine, version, 1, loads), path, progress)
+        train.Loop._load(_run_state(engine, version, 1, loads), path, progress)
     assert why in str(err.value) and "\n" not in str(err.value) and loads == []
-    train.RunState._load(_run_state(engine, version, 2, loads), path, progress)  # same count: loads
+    train.Loop._load(_run_state(engine, version, 2, loads), path, progress)  # same count: loads
     assert loads == [str(path)]
 
 

@@ -101,7 +101,7 @@ def record_weights(monkeypatch, backend: str = "accelerate") -> list[dict]:
     if backend == "accelerate":
         import finetune.train as engine
 
-        setup, end_step = engine.setup, engine.RunState.end_step
+        setup, end_step = engine.setup, engine.Loop.end_step
 
         def recording_setup(*args, **kwargs):
             s = setup(*args, **kwargs)
@@ -113,7 +113,7 @@ def record_weights(monkeypatch, backend: str = "accelerate") -> list[dict]:
             return end_step(self, *args, **kwargs)
 
         monkeypatch.setattr(engine, "setup", recording_setup)
-        monkeypatch.setattr(engine.RunState, "end_step", recording_end_step)
+        monkeypatch.setattr(engine.Loop, "end_step", recording_end_step)
     else:
         from finetune.trainer_backend import BookkeepingCallback
 

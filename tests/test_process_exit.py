@@ -267,8 +267,8 @@ def test_an_agreed_check_in_resolve_leaves_the_group(monkeypatch, capsys):
     """An error of ``resolve`` agreed over the processes (``distributed.agree``: after the group started) leaves
     it too; the agreed errors, the empty window and the failed checkpoint commit are marked ``every_rank``."""
     from finetune import distributed, resolve, run
-    from finetune.bookkeeping import empty_window_error
     from finetune.errors import FinetuneError
+    from finetune.window import empty_window_error
 
     def agreed(config):
         return distributed.agree(lambda: (_ for _ in ()).throw(FinetuneError("--output_dir out holds another run")))

@@ -15,7 +15,6 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from finetune.bookkeeping import grad_norm_value
 from finetune.engine import DeepSpeedEngine, engine_for, make_accelerator, parameter_counts
 from finetune.engine.deepspeed import (
     deepspeed_config_updates,
@@ -24,6 +23,7 @@ from finetune.engine.deepspeed import (
     deepspeed_precision,
 )
 from finetune.errors import FinetuneError
+from finetune.run_log import grad_norm_value
 
 FLAGS = dict(max_grad_norm=0.5, micro_batch=8, accumulation_steps=4)
 
@@ -276,12 +276,12 @@ def test_grad_norm_values():
 
 def _run_state(precision: str):
     from finetune.checkpoint import RunProgress
-    from finetune.train import RunState
+    from finetune.train import Loop
 
-    run = RunState.__new__(RunState)
-    run.built = SimpleNamespace(precision=precision)
-    run.book = SimpleNamespace(progress=RunProgress())
-    return run
+    loop = Loop.__new__(Loop)
+    loop.built = SimpleNamespace(precision=precision)
+    loop.run = SimpleNamespace(progress=RunProgress())
+    return loop
 
 
 def test_check_finite_takes_deepspeeds_float_and_none():
@@ -305,7 +305,7 @@ def test_deepspeed_schedule_plan_matches_accelerates_sharding():
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from finetune.steps import micro_batches_per_process
+    from finetune.window import micro_batches_per_process
 
     for samples, micro, processes in [(100, 8, 3), (96, 8, 3), (7, 8, 2), (1780, 8, 4)]:
         batches = BatchSampler(SequentialSampler(range(samples)), micro, drop_last=False)

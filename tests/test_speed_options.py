@@ -32,7 +32,7 @@ def test_mfu_formula_and_named_peaks():
 def test_length_grouped_sampler_is_a_seeded_permutation_sorted_within_mega_batches():
     from accelerate.data_loader import SeedableRandomSampler
 
-    from finetune.sampling import EpochSeededLengthGroupedSampler
+    from finetune.window import EpochSeededLengthGroupedSampler
 
     lengths = [(i * 37) % 101 + 1 for i in range(400)]
     sampler = EpochSeededLengthGroupedSampler(8, lengths, seed=5)

@@ -35,7 +35,8 @@ class RunArguments:
         step=False, trainer=None, compare_passes=False, verify="accelerate",
     )
     compare: bool = flag(
-        False, "Run both backends with the same settings and write comparison.md/json/png.",
+        False, "Set by `finetune compare` (both backends with the same settings, comparison.md/json/png); a "
+        "training run refuses it, naming `finetune compare`.",
         step=False, trainer=None, compare_passes=False, verify=False,
     )
     resume_from_checkpoint: str | None = flag(

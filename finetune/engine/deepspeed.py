@@ -12,7 +12,7 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from finetune.elastic import processes_changed
 from finetune.engine.plain import PlainEngine, Prepared, build_optimizer, parameter_groups
 from finetune.errors import FinetuneError
-from finetune.steps import micro_batches_per_process, plan_steps
+from finetune.window import micro_batches_per_process, plan_steps
 
 
 def parameter_numel(param) -> int:

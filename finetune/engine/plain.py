@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from finetune.errors import FinetuneError
 from finetune.lora import is_peft_model, save_adapter, save_pretrained_here
 from finetune.precision import effective_mixed_precision
-from finetune.steps import StepPlan, plan_steps
+from finetune.window import StepPlan, plan_steps
 
 # transformers' get_scheduler is imported where a schedule is built: its module (transformers.optimization) imports
 # transformers.trainer_utils, which imports peft, seconds that the batch planner's probes do not need.

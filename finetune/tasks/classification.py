@@ -45,7 +45,7 @@ class SequenceClassification:
 
     def count_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Items among ``labels`` (batch,): samples, less those labelled ``IGNORE_INDEX`` (rows that repeat a
-        sample at an epoch's end: ``sampling.mask_repeats``). Returns a 0-d int tensor."""
+        sample at an epoch's end: ``window.mask_repeats``). Returns a 0-d int tensor."""
         return (labels != IGNORE_INDEX).sum()
 
     def count(self, batch: dict) -> torch.Tensor:
