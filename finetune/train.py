@@ -35,6 +35,7 @@ from finetune.window import (
     count_window,
     iter_windows,
     mask_repeats,
+    plan_steps,
     window_repeats,
 )
 
@@ -99,7 +100,7 @@ def setup(config, recipe) -> Setup:
                                   **order, **{**loader_options, "collate_fn": elastic.with_sample_ids(collator)})
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
-    prepared = engine.prepare(config, model, train_dataloader, eval_dataloader)
+    prepared = engine.prepare(config, model, train_dataloader, eval_dataloader, lambda n: plan_steps(n, config))
     pack = packing.packer_for(config, task, accelerator.unwrap_model(prepared.model), engine,
                               precision=precision)
     return Setup(accelerator, engine, prepared.model, tokenizer, prepared.optimizer, prepared.scheduler,
@@ -229,7 +230,8 @@ class Loop:
         moved to this launch's split of B (``elastic.resume_position``: the same samples of the seeded order)."""
         saved = loaded.step_meaning
         engine = self.built.engine
-        resharded = engine.resume_on_another_count(saved, self.run.meaning, path)
+        resharded = (engine.resume_on_another_count(saved["num_processes"], self.run.meaning["num_processes"], path)
+                     if elastic.processes_changed(saved, self.run.meaning) else None)
         loaded.samples_done, loaded.micro_batches_done = elastic.resume_position(
             loaded, saved, self.run.meaning, len(self.built.train_dataloader.dataset))
         self.run.resume_notes = [note for note in (elastic.resume_change(saved, self.run.meaning), resharded) if note]

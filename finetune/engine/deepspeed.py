@@ -9,10 +9,8 @@ from collections.abc import Mapping
 
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 
-from finetune.elastic import processes_changed
 from finetune.engine.plain import PlainEngine, Prepared, build_optimizer, parameter_groups
 from finetune.errors import FinetuneError
-from finetune.window import micro_batches_per_process, plan_steps
 
 
 def parameter_numel(param) -> int:
@@ -35,12 +33,9 @@ class DeepSpeedEngine(PlainEngine):
     local_backward = False
     shards_weights = True
 
-    def resume_on_another_count(self, saved: dict, meaning: dict, path) -> str | None:
+    def resume_on_another_count(self, before: int, now: int, path) -> str | None:
         """Refused on another process count: ZeRO partitions the optimizer states per rank, and DeepSpeed's way
         across counts is its universal checkpoint, which finetune does not load yet. Raises ``FinetuneError``."""
-        if not processes_changed(saved, meaning):
-            return None
-        before, now = saved.get("num_processes"), meaning["num_processes"]
         raise FinetuneError(
             f"cannot resume a DeepSpeed checkpoint written by {before} processes on {now}: ZeRO partitions the "
             f"optimizer states per rank. Resume on {before} processes (the micro-batch and accumulation may change, "
@@ -71,14 +66,16 @@ class DeepSpeedEngine(PlainEngine):
         """``deepspeed_precision`` of the config: DeepSpeed casts the model, autocast would report fp32."""
         return deepspeed_precision(self.ds_config)
 
-    def prepare(self, config, model, train_dataloader, eval_dataloader) -> Prepared:
+    def prepare(self, config, model, train_dataloader, eval_dataloader, plan_for) -> Prepared:
         """One ``accelerator.prepare`` (``deepspeed.initialize``), the schedule sized from each process's
-        micro-batches. Raises ``RuntimeError`` if the engine runs other settings than asked."""
+        micro-batches (``plan_for``, as ``PlainEngine.prepare``), known before the dataloader is prepared. Raises
+        ``RuntimeError`` if the engine runs other settings than asked."""
         from transformers import get_scheduler  # lazy: as in engine/plain.py (it imports peft)
 
         accelerator, ds_config = self.accelerator, self.ds_config
-        plan = plan_steps(micro_batches_per_process(len(train_dataloader.dataset), config.per_device_train_batch_size,
-                                                    accelerator.num_processes), config)
+        # micro-batches per process as Accelerate's sharded dataloader will yield them (window.micro_batches_per_process)
+        rounds = math.ceil(len(train_dataloader.dataset) / config.per_device_train_batch_size)
+        plan = plan_for(math.ceil(rounds / accelerator.num_processes))
         warmup = plan.steps(config.warmup_steps)
 
         def make_schedule(optimizer):

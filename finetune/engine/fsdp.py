@@ -11,7 +11,6 @@ from accelerate.state import GradientState
 from accelerate.utils import GradientAccumulationPlugin
 from torch.distributed import fsdp
 
-from finetune.elastic import processes_changed
 from finetune.engine.plain import PlainEngine
 from finetune.errors import FinetuneError
 
@@ -92,7 +91,7 @@ class FsdpEngine(PlainEngine):
     local_backward = False
     shards_weights = True
 
-    def resume_on_another_count(self, saved: dict, meaning: dict, path) -> str | None:
+    def resume_on_another_count(self, before: int, now: int, path) -> str | None:
         """Resume on another process count where torch reshards the state; else refuse.
 
         - **FSDP2** (``fsdp_version`` 2), **sharded** (``fsdp_layout``: the default, accelerate 1.15
@@ -111,9 +110,6 @@ class FsdpEngine(PlainEngine):
         - **Refused**: per-rank files (``fsdp_layout`` None: LOCAL_STATE_DICT, or ``use_dcp=False``; each file is
           one rank's slice of a mesh of the checkpoint's size); FSDP1 (``FullyShardedDataParallel``: not measured;
           its 2-process full-state save ended in SIGSEGV on a CPU here)."""
-        if not processes_changed(saved, meaning):
-            return None
-        before, now = saved.get("num_processes"), meaning["num_processes"]
         layout = fsdp_layout(path) if self.fsdp_version == 2 else None
         if layout == "sharded":
             return (f"FSDP2: the sharded state of {before} processes (torch distributed checkpoint) is resharded onto "

@@ -12,7 +12,6 @@ from torch.nn.parallel import DistributedDataParallel
 from finetune.errors import FinetuneError
 from finetune.lora import is_peft_model, save_adapter, save_pretrained_here
 from finetune.precision import effective_mixed_precision
-from finetune.window import StepPlan, plan_steps
 
 # transformers' get_scheduler is imported where a schedule is built: its module (transformers.optimization) imports
 # transformers.trainer_utils, which imports peft, seconds that the batch planner's probes do not need.
@@ -37,14 +36,14 @@ def build_optimizer(model, config, groups: list[dict] | None = None) -> torch.op
 
 @dataclass
 class Prepared:
-    """What ``Engine.prepare`` returns: the prepared objects and the run's ``StepPlan``."""
+    """What ``Engine.prepare`` returns: the prepared objects and the run's ``window.StepPlan``."""
 
     model: object
     optimizer: object
     scheduler: object
     train_dataloader: object
     eval_dataloader: object
-    plan: StepPlan
+    plan: object  # window.StepPlan: the run's length in optimizer steps
 
 
 def _whole(tensor):
@@ -71,9 +70,9 @@ class PlainEngine:
         """What reports call the engine on ``num_processes`` processes: "plain", "DDP", "FSDP", "DeepSpeed"."""
         return "DDP" if cls.name == "plain" and num_processes > 1 else cls.name
 
-    def resume_on_another_count(self, saved: dict, meaning: dict, path) -> str | None:
-        """Whether this engine's checkpoint at ``path``, written under step meaning ``saved``, resumes on this
-        launch's process count (``meaning``): the banner's line where the state is resharded, None where nothing
+    def resume_on_another_count(self, before: int, now: int, path) -> str | None:
+        """Whether this engine's checkpoint at ``path``, written by ``before`` processes, resumes on ``now`` (the
+        caller asks only where they differ): the banner's line where the state is resharded, None where nothing
         is to say (whole weights and optimizer state on every rank: any process count). Raises
         ``FinetuneError`` (one line naming the fix) where it cannot."""
         return None
@@ -94,15 +93,17 @@ class PlainEngine:
         """The precision the run trains in ("fp16", "bf16" or "no"), measured under autocast."""
         return effective_mixed_precision(self.accelerator)
 
-    def prepare(self, config, model, train_dataloader, eval_dataloader) -> Prepared:
-        """``accelerator.prepare`` model, AdamW and dataloaders; the schedule sized in optimizer steps."""
+    def prepare(self, config, model, train_dataloader, eval_dataloader, plan_for) -> Prepared:
+        """``accelerator.prepare`` model, AdamW and dataloaders; the schedule sized in optimizer steps by
+        ``plan_for(micro_batches_per_epoch)`` (the backend's ``window.plan_steps`` for its config: micro-batches
+        per process, as the prepared dataloader yields them)."""
         from transformers import get_scheduler  # lazy: see the top
 
         accelerator = self.accelerator
         optimizer = build_optimizer(model, config)
         model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
             model, optimizer, train_dataloader, eval_dataloader)
-        plan = plan_steps(len(train_dataloader), config)
+        plan = plan_for(len(train_dataloader))
         # not prepared: Accelerate's wrapper would step it once per process per call
         scheduler = get_scheduler(config.lr_scheduler_type, optimizer.optimizer, num_warmup_steps=plan.steps(config.warmup_steps),
                                   num_training_steps=plan.max_steps)
