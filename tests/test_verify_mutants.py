@@ -51,6 +51,28 @@ def test_a_wrong_engine_on_one_process_is_caught(tmp_path, monkeypatch, tiny_ber
         assert "step 2's gradients differ" in split["verdict"]
 
 
+@pytest.mark.parametrize("mutant, recipe, precision", [("micro-batch-1%", "bbc-news-clm", "bf16"),
+                                                        ("last-window-1.5%", "bbc-news", "no")])
+def test_a_small_mis_weighting_is_caught(tmp_path, monkeypatch, tiny_llama, tiny_bert, clm_texts, mutant, recipe,
+                                        precision):
+    """Issue 36: in bf16 a 1% mis-weighting of each window's first micro-batch hid under a tolerance of 10 x the
+    floor (gradients 5.8e-3 against 1.7e-2), and a 1.5% one of a short last window passed as exact. The sizes
+    verify's small controls claim (the threshold line) must be caught: exit 1, the splits named."""
+    install_mutant(mutant, monkeypatch.setattr)
+    model = tiny_bert if recipe == "bbc-news" else tiny_llama
+    data = [] if recipe == "bbc-news" else ["--train_file", clm_texts[0], "--validation_file", clm_texts[1],
+                                            "--max_length", "96"]
+    code, report = run_verify(tmp_path, "--recipe", recipe, "--model_name_or_path", model, *data,
+                              "--mixed_precision", precision)
+    assert_caught(code, report, mutant)
+    assert "1 x 4" in report["not_exact"]  # the split with a first micro-batch of its own, and a short last window
+    if mutant.startswith("last-window"):  # full windows are right: only the short last one departs
+        assert all(r["verdict"] == "exact" for r in rows(report, "engine") if r["micro_batch"] == 4)
+        split = next(r for r in rows(report, "split") if r["way"] == "1 x 4")
+        assert split["gradient_steps"]["1"] <= report["tolerance"]["gradients"]
+        assert "step 2's gradients differ" in split["verdict"]
+
+
 @pytest.mark.parametrize("mutant, recipe", [("drop-processes", "bbc-news"), ("own-items", "bbc-news-clm")])
 def test_a_wrong_engine_on_two_processes_is_caught(tmp_path, tiny_bert, tiny_llama, clm_texts, mutant, recipe):
     """DDP's average not undone: every accelerate way shares it, and only the Trainer rows' gradients show it
