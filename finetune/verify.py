@@ -5,9 +5,12 @@ the large batch trains.
 
 From the same initial weights and sample order, K optimizer steps (default 3) of one effective batch B run in
 several ways, one after the other in the same launch: B x 1 per process (the reference), the reference with each
-window's samples reordered (the noise floor), accumulation splits m x N, a positive control with a deliberately
-wrong normalisation, and the Trainer backend. Compared: step 1's gradients, the per-step losses, the final weights
-(as a fraction of the distance trained). Exit 0: exact; 1: not exact, or inconclusive; 2: bad input. Writes
+window's samples reordered and in chunks (the noise floor), accumulation splits m x N, a positive control with a
+deliberately wrong normalisation, calibrated small controls (one micro-batch per window weighted 1.01, the last
+window 1.015: the verdict states the smallest mis-weighting they were caught at), the Trainer backend, and with
+``--packing``/``--padding_free`` the packed way on both backends. Compared: every step's gradients, the per-step
+losses, the loss after the last update, the final weights (as a fraction of the distance trained). Exit 0: exact;
+1: not exact, or inconclusive; 2: bad input. Writes
 ``verify.json`` and ``verify.md`` to ``--output_dir`` (default ``outputs/<recipe>-verify``). How it decides:
 docs/verify.md.
 """
