@@ -6,6 +6,12 @@ differ from the clean engine in a setting (the average over processes, or a proc
 is *equivalent* there, and shown so.
 
     python bench/verify_mutants.py [--settings NAME,...] [--mutants NAME,...] [--markdown docs/verify-mutants.md]
+                                   [--smoke]
+
+The small mutants (1% on the first micro-batch of each window, 1.5% on a short last window) are at the sizes
+verify's calibrated small controls claim to detect; the table's last rows give, per setting, the threshold the
+clean run printed (the smallest mis-weighting its small controls were caught at) and how far its correct ways
+stood from the noise floor (the evidence for ``verify.FLOOR_FACTOR``).
 
 Each verify runs through the real launcher (``accelerate launch --module finetune.verify``) on tiny models
 built from configs (``tests/tiny_models.py``), with ``tests/faults`` first on ``PYTHONPATH`` and
@@ -38,6 +44,8 @@ SETTINGS = {
     "clm fp32 P1": ("llama", "bbc-news-clm", 1, ["--mixed_precision", "no"], {}),
     "clm bf16 P1": ("llama", "bbc-news-clm", 1, ["--mixed_precision", "bf16"], {}),
     "clm fp16 P1": ("llama", "bbc-news-clm", 1, ["--mixed_precision", "fp16"], {"FAULT_CPU_FP16": "1"}),
+    "clm fp16 P2": ("llama", "bbc-news-clm", 2, ["--mixed_precision", "fp16"], {"FAULT_CPU_FP16": "1"}),
+    "MoE bf16 P1": ("moe", "bbc-news-clm", 1, ["--mixed_precision", "bf16"], {}),
     "clm LoRA P1": ("llama", "bbc-news-clm", 1, ["--mixed_precision", "no", "--use_peft", "--lora_r", "4"], {}),
     "MoE fp32 P1": ("moe", "bbc-news-clm", 1, ["--mixed_precision", "no"], {}),
     "cls fp32 P2": ("bert", "bbc-news", 2, ["--mixed_precision", "no"], {}),
@@ -84,14 +92,25 @@ def run_one(setting: str, mutant: str | None, models: dict, root: Path) -> dict:
     report = json.loads((out / "verify.json").read_text()) if (out / "verify.json").is_file() else {}
     return {"setting": setting, "mutant": mutant or "clean", "exit": result.returncode,
             "verdict": report.get("verdict"), "not_exact": report.get("not_exact", []), "seconds": round(seconds, 1),
+            "threshold": threshold(report), "split_over_floor": report.get("split_over_floor"),
             "error": None if report else (result.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
+def threshold(report: dict) -> str:
+    """The smallest mis-weightings verify's small controls were caught at, as it printed them: "1% / 1.5%" (a
+    micro-batch / the last window), with ">X%" where even the largest size tried was not caught."""
+    cells = []
+    for d in report.get("detects") or []:
+        cells.append(f"{100 * d['threshold']:g}%" if d["threshold"] is not None
+                     else f">{100 * d['tried'][-1]['size']:g}%")
+    return " / ".join(cells) or "-"
 
 
 def outcome(row: dict) -> str:
     """The table's cell: caught (exit 1 naming a way), exact (the clean engine), or what went wrong."""
     if row["mutant"] == "clean":
         return "exact" if row["exit"] == 0 and row["verdict"] == "exact" else f"FAILED ({row['verdict'] or row['error']})"
-    if row["exit"] == 1 and row["verdict"] == "not exact" and row["not_exact"]:
+    if row["exit"] == 1 and row["verdict"] in ("not exact", "inconclusive") and row["not_exact"]:
         return "caught: " + ", ".join(row["not_exact"])
     return f"MISSED ({row['verdict'] or row['error']}, exit {row['exit']})"
 
@@ -107,6 +126,12 @@ def table(rows: list[dict], settings: list[str], mutants: list[str]) -> str:
             row.append("equivalent (P = 1)" if r is None and mutant in EQUIVALENT_ON_ONE_PROCESS
                        else "-" if r is None else outcome(r).split(":")[0])
         lines.append(f"| {mutant} | " + " | ".join(row) + " |")
+    clean = [cells.get(("clean", setting)) for setting in settings]
+    lines.append("| threshold printed (micro-batch / last window) | "
+                 + " | ".join(r["threshold"] if r else "-" for r in clean) + " |")
+    lines.append("| correct ways / noise floor (max) | "
+                 + " | ".join(f"{r['split_over_floor']:.2f}" if r and r.get("split_over_floor") is not None else "-"
+                              for r in clean) + " |")
     return "\n".join(lines)
 
 
@@ -116,8 +141,12 @@ def main(argv=None) -> int:
     parser.add_argument("--mutants", default=",".join(MUTANTS), help="comma-separated mutants (default: all)")
     parser.add_argument("--markdown", help="write the table, the machine and the timings to this file")
     parser.add_argument("--work_dir", help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--smoke", action="store_true", help="one setting (cls fp32 P1), the clean engine and the "
+                        "small last-window mutant only: a check that the campaign runs")
     args = parser.parse_args(argv)
-    settings, mutants = args.settings.split(","), args.mutants.split(",")
+    settings, mutants = args.settings.split(","), [m for m in args.mutants.split(",") if m]
+    if args.smoke:  # one setting, the clean engine and one small mutant: that the campaign and its table run
+        settings, mutants = ["cls fp32 P1"], ["last-window-1.5%"]
     unknown = [s for s in settings if s not in SETTINGS] + [m for m in mutants if m not in MUTANTS]
     if unknown:
         parser.error(f"unknown setting or mutant: {', '.join(unknown)}")
@@ -142,9 +171,9 @@ def main(argv=None) -> int:
             f"on this machine:\n\n{machine}\n\nEach cell: `finetune verify` (2 optimizer steps of B = 4 per process, the last window half "
             "full) on that setting with that engine; *caught* = exit 1 naming the way(s) not exact, *exact* = exit 0. "
             "How verify decides: [verify.md](verify.md).\n\n" + text + "\n\n<details><summary>Every run</summary>\n\n"
-            "| setting | engine | exit | ways not exact | s |\n| --- | --- | --- | --- | --- |\n"
+            "| setting | engine | exit | ways not exact | threshold printed | s |\n| --- | --- | --- | --- | --- | --- |\n"
             + "\n".join(f"| {r['setting']} | {r['mutant']} | {r['exit']} | {', '.join(r['not_exact']) or '-'} | "
-                        f"{r['seconds']} |" for r in rows) + "\n\n</details>\n")
+                        f"{r['threshold']} | {r['seconds']} |" for r in rows) + "\n\n</details>\n")
     return 1 if bad else 0
 
 

@@ -233,6 +233,16 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
 
 
 @pytest.mark.integration
+def test_verify_mutants_smoke(tmp_path):
+    """bench/verify_mutants.py --smoke: the clean engine exact with the threshold it printed (1% / 1.5%), and the
+    small last-window mutant (1.5%) caught, in the table."""
+    result = run_bench("verify_mutants.py", "--smoke", "--work_dir", str(tmp_path), timeout=600)
+    lines = result.stdout.splitlines()
+    assert "| clean | exact |" in lines and "| last-window-1.5% | caught |" in lines, result.stdout[-2000:]
+    assert "| threshold printed (micro-batch / last window) | 1% / 1.5% |" in lines
+    assert "2 verify runs" in result.stdout and "0 missed or failed" in result.stdout
+
+
 def test_gloo_teardown_smoke():
     """One trial per way (two 2-process torchrun launches): both ways counted, and leave() let its launch end."""
     out = run_bench("gloo_teardown.py", "--trials", "1", "--delay", "0.2", timeout=120).stdout

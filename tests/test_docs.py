@@ -67,3 +67,13 @@ def test_the_readme_is_short_and_keeps_the_ci_test_command():
     assert lines[marker + 1] == f"    {TEST_COMMAND}"
     for page in ("contributing.md", "flags.md", "recipes.md", "resume.md", "multi-node.md"):
         assert f"(docs/{page})" in "\n".join(lines), page
+
+
+def test_the_readme_shows_the_verify_threshold_line():
+    """The verdict line with the sizes verify's small controls claim (``verify.SMALL_CONTROLS``), as it prints it
+    (``verify.detects_line``), not a paraphrase."""
+    from finetune import verify
+
+    detects = [{"target": target, "threshold": size} for target, size in verify.SMALL_CONTROLS]
+    text = " ".join((REPO / "README.md").read_text().split())
+    assert f"**Verdict: exact: {verify.detects_line(detects)}**" in text

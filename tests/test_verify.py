@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from faults.finetune_faults import install_learning_rate
+from faults.finetune_faults import install_inexact_trainer_packer, install_learning_rate
 from helpers import REPO, fault_env, launch, leave_records
 from tiny_models import build_tiny_chat_llama, build_tiny_moe, write_variable_length_texts
 
@@ -66,7 +66,7 @@ def data_files(tmp_path_factory) -> dict:
     return files
 
 
-def assert_exact(code: int, report: dict) -> None:
+def assert_exact(code: int, report: dict, floor_below: float = 1e-5) -> None:
     assert code == 0 and report["verdict"] == "exact", json.dumps(report, indent=1)[-3000:]
     splits = rows(report, "split")
     assert len(splits) >= 2 and all(r["verdict"] == "exact" for r in splits)
@@ -75,7 +75,10 @@ def assert_exact(code: int, report: dict) -> None:
     assert len(engines) == 2 and all(r["verdict"] == "exact" for r in engines)
     assert report["control_margin"] >= verify.CONTROL_FACTOR  # the comparison would have seen a wrong normalisation
     floor = report["noise_floor"]["gradients"]
-    assert 0 < floor < 1e-5  # reordering the window's samples changes the float rounding, not the sum
+    assert 0 < floor < floor_below  # reordering the window's samples changes the float rounding, not the sum
+    # the small controls (1% on one micro-batch per window, 1.5% on the last window) were caught
+    assert [(d["claimed"], d["threshold"]) for d in report["detects"]] == [(0.01, 0.01), (0.015, 0.015)]
+    assert all(r["verdict"].startswith("small control: caught") for r in rows(report, "small control"))
 
 
 @pytest.mark.parametrize("recipe", ["bbc-news", "bbc-news-clm", "bbc-headlines", "glue-mrpc", "wikitext-clm"])
@@ -141,8 +144,44 @@ def test_mixture_of_experts_auxiliary_loss_is_named(tmp_path, family):
     assert code == 1 and report["verdict"] == "not exact" and report["auxiliary_loss"]
     assert report["auxiliary_loss_exact_without"] is True
     assert report["causes"][0].startswith("the model's auxiliary (router load-balancing) loss")
-    without = [r for r in report["rows"] if r["way"].endswith("without the auxiliary loss")]
+    without = [r for r in rows(report, "split") if r["way"].endswith("without the auxiliary loss")]
     assert len(without) == 2 and all(r["verdict"] == "exact" for r in without)  # the splits, against 4 x 1 without
+    # the floor is kept, measured without the auxiliary loss (chunks against the reference without it)
+    chunked = rows(report, "chunked")[0]
+    assert chunked["way"] == "4 x 1, in chunks of 2/1, without the auxiliary loss"
+    assert 0 < chunked["gradient_difference"] < 1e-5
+
+
+def test_mixture_of_experts_in_bf16_names_the_auxiliary_loss_not_padding(tmp_path):
+    """Issue 36: in bf16 the chunked floor was skipped for a model with an auxiliary loss, the tolerance fell to
+    9.5e-7, the splits without the auxiliary loss were judged not exact on bf16 noise, and the cause named was
+    "outputs depend on padding" (the probe judged bf16 rounding at another length as a dependence). Now the floor
+    is measured without the auxiliary loss, and the padding probe runs in fp32 against its own noise."""
+    model = build_tiny_moe(tmp_path / "mixtral", "mixtral")
+    code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", str(model),
+                              "--mixed_precision", "bf16")
+    assert code == 1 and report["verdict"] == "not exact" and report["precision"] == "bf16"
+    assert report["auxiliary_loss_exact_without"] is True
+    assert report["causes"][0].startswith("the model's auxiliary (router load-balancing) loss")
+    assert not any("padding" in c for c in report["causes"]), report["causes"]
+    assert report["noise_floor"]["gradients"] > 0  # a floor measured in bf16, not the fp32 minimum alone
+
+
+def test_one_step_in_bf16_on_the_clean_engine_is_exact(tmp_path, tiny_llama, clm_texts):
+    """Issue 36: with --verify_steps 1 the only window is the partial one, which the chunked floor never cut, so
+    its floor was 0 and a correct 1 x 4 split (each sample padded to its own length) was NOT EXACT at 1.85e-3
+    against a tolerance of 9.5e-7. Now every micro-batch is cut, each chunk to its own longest sample, and the
+    small controls are caught: exact, with the threshold stated."""
+    code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama,
+                              "--train_file", clm_texts[0], "--validation_file", clm_texts[1], "--max_length", "96",
+                              "--verify_steps", "1", "--mixed_precision", "bf16")
+    assert_exact(code, report, floor_below=1e-2)
+    assert report["verify_steps"] == 1 and report["last_window_samples"] == 2
+    split = next(r for r in rows(report, "split") if r["way"] == "1 x 4")
+    assert split["gradient_difference"] > 1e-4  # bf16 rounding of micro-batches of other shapes, within the floor
+    assert [d["threshold"] for d in report["detects"]] == [0.01, 0.015]
+    assert report["detects_line"] == ("any mis-weighting of a micro-batch of 1% or more, or of the last window of "
+                                      "1.5% or more, would have been caught")
 
 
 def test_a_forced_divergence_is_caught(tmp_path, tiny_bert, monkeypatch):
@@ -153,6 +192,21 @@ def test_a_forced_divergence_is_caught(tmp_path, tiny_bert, monkeypatch):
     assert by_way["2 x 2"]["verdict"].startswith("NOT EXACT") and "final weights differ" in by_way["2 x 2"]["verdict"]
     assert by_way["1 x 4"]["verdict"] == "exact"
     assert report["not_exact"] == ["2 x 2"]
+
+
+def test_a_broken_trainer_packing_path_is_caught(tmp_path, tiny_llama, clm_texts, monkeypatch):
+    """Issue 36: ``verify --backend trainer --packing True`` ran no packed way through the Trainer backend, so its
+    packer built with ``exact=False`` (2 optimizer steps where 4 run) still verified exact. Now the packed way
+    runs on both backends, and the broken one is NOT EXACT (``tests/faults``)."""
+    install_inexact_trainer_packer(monkeypatch.setattr)
+    code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama,
+                              "--train_file", clm_texts[0], "--validation_file", clm_texts[1], "--packing", "True",
+                              "--backend", "trainer")
+    assert code == 1 and report["verdict"] == "not exact"
+    packed = {r["way"]: r for r in rows(report, "packed")}
+    assert packed["2 x 2, packed"]["verdict"] == "exact"
+    assert packed["2 x 2, packed, Trainer"]["verdict"].startswith("NOT EXACT"), packed
+    assert report["not_exact"] == ["2 x 2, packed, Trainer"]
 
 
 def test_bad_verify_steps_is_one_error_line(tmp_path, capsys):

@@ -51,6 +51,28 @@ def test_a_wrong_engine_on_one_process_is_caught(tmp_path, monkeypatch, tiny_ber
         assert "step 2's gradients differ" in split["verdict"]
 
 
+@pytest.mark.parametrize("mutant, recipe, precision", [("micro-batch-1%", "bbc-news-clm", "bf16"),
+                                                        ("last-window-1.5%", "bbc-news", "no")])
+def test_a_small_mis_weighting_is_caught(tmp_path, monkeypatch, tiny_llama, tiny_bert, clm_texts, mutant, recipe,
+                                        precision):
+    """Issue 36: in bf16 a 1% mis-weighting of each window's first micro-batch hid under a tolerance of 10 x the
+    floor (gradients 5.8e-3 against 1.7e-2), and a 1.5% one of a short last window passed as exact. The sizes
+    verify's small controls claim (the threshold line) must be caught: exit 1, the splits named."""
+    install_mutant(mutant, monkeypatch.setattr)
+    model = tiny_bert if recipe == "bbc-news" else tiny_llama
+    data = [] if recipe == "bbc-news" else ["--train_file", clm_texts[0], "--validation_file", clm_texts[1],
+                                            "--max_length", "96"]
+    code, report = run_verify(tmp_path, "--recipe", recipe, "--model_name_or_path", model, *data,
+                              "--mixed_precision", precision)
+    assert_caught(code, report, mutant)
+    assert "1 x 4" in report["not_exact"]  # the split with a first micro-batch of its own, and a short last window
+    if mutant.startswith("last-window"):  # full windows are right: only the short last one departs
+        assert all(r["verdict"] == "exact" for r in rows(report, "engine") if r["micro_batch"] == 4)
+        split = next(r for r in rows(report, "split") if r["way"] == "1 x 4")
+        assert split["gradient_steps"]["1"] <= report["tolerance"]["gradients"]
+        assert "step 2's gradients differ" in split["verdict"]
+
+
 @pytest.mark.parametrize("mutant, recipe", [("drop-processes", "bbc-news"), ("own-items", "bbc-news-clm")])
 def test_a_wrong_engine_on_two_processes_is_caught(tmp_path, tiny_bert, tiny_llama, clm_texts, mutant, recipe):
     """DDP's average not undone: every accelerate way shares it, and only the Trainer rows' gradients show it
@@ -118,3 +140,49 @@ def test_item_counts_that_differ_are_named():
     assert report["verdict"] == "not exact" and report["not_exact"] == ["4 x 1, Trainer"]
     assert report["causes"][0].startswith("item counts: 4 x 1, Trainer divides step 2's loss by 8 items where the "
                                           "reference counts 4")
+
+
+def test_a_small_control_not_caught_is_inconclusive_and_names_the_size():
+    """The verdict needs both small controls caught at the size verify claims; where the last window's is not
+    (only weights compared: DeepSpeed), the verdict is inconclusive and says which error cannot be excluded, and
+    why the weights cannot show it."""
+    import torch
+
+    reference = _outcome("reference", 4, 1, final={"w": torch.tensor([1.0, 1.0])})
+    floor = _outcome("floor", 4, 1, final={"w": torch.tensor([1.0, 1.0 + 1e-6])})
+    control = _outcome("control", 1, 4, final={"w": torch.tensor([1.0, 1.5])})
+    detects = [{"target": "micro-batch", "claimed": 0.01, "threshold": 0.01,
+                "tried": [{"size": 0.01, "caught": True, "margin": 4.0}]},
+               {"target": "last window", "claimed": 0.015, "threshold": None,
+                "tried": [{"size": s, "caught": False, "margin": 0.9} for s in (0.015, 0.045, 0.15)]}]
+    report = verify.compare([reference, floor, control], 2, {}, detects)
+    assert report["verdict"] == "inconclusive" and report["control_margin"] > verify.CONTROL_FACTOR
+    assert report["causes"] == ["a mis-weighting of the last window of up to 15% cannot be excluded (small controls "
+                                "1.5%: not caught, 4.5%: not caught, 15%: not caught); the gradients are not "
+                                "compared here (the engine steps inside its backward), and AdamW normalises a "
+                                "window-uniform scale away from the weights, so a wrong weighting of a whole window "
+                                "is not visible"]
+    assert report["detects_line"] == "any mis-weighting of a micro-batch of 1% or more would have been caught"
+    detects[1]["threshold"], detects[1]["tried"][1]["caught"] = 0.045, True
+    report = verify.compare([reference, floor, control], 2, {}, detects)
+    assert report["verdict"] == "inconclusive"
+    assert report["causes"][0].startswith("a mis-weighting of the last window below 4.5% cannot be excluded")
+    detects[1]["threshold"] = 0.015
+    assert verify.compare([reference, floor, control], 2, {}, detects)["verdict"] == "exact"
+
+
+def test_every_micro_batch_is_chunked_and_trimmed_as_splits_pad():
+    """The chunked floor cuts every micro-batch (the short last window's too: with B = 4 its 2 rows were never
+    cut, and its floor was 0), each chunk to its own longest sample."""
+    import torch
+
+    assert verify.chunk_sizes((2, 1), 4) == (2, 1)
+    assert verify.chunk_sizes((2, 1), 2) == (1,)
+    assert verify.chunk_sizes((16, 8, 1), 8) == (1,) and verify.chunk_sizes((16, 8, 1), 12) == (8, 1)
+    assert verify.chunk_sizes((2, 1), 1) == ()
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    part, labels = verify._trimmed({"input_ids": torch.arange(8).view(2, 4), "attention_mask": mask},
+                                   torch.tensor([[5, 6, -100, -100], [7, -100, -100, -100]]))
+    assert part["input_ids"].tolist() == [[0, 1], [4, 5]] and labels.tolist() == [[5, 6], [7, -100]]
+    _, labels = verify._trimmed({"attention_mask": mask}, torch.tensor([1, 0]))  # one label per row: kept
+    assert labels.tolist() == [1, 0]

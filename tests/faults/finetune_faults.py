@@ -355,6 +355,27 @@ def install_learning_rate(accumulation: int, factor: float, set_attr=setattr, pl
     set_attr(plain_module, "build_optimizer", build_optimizer)
 
 
+def install_inexact_trainer_packer(set_attr=setattr, trainer_backend=None) -> None:
+    """Break the Trainer backend's packing: its packer built with ``exact=False`` (a packed window's micro-batch
+    count then differs from the window's, and Trainer, which counts micro-batches to find the optimizer step, steps
+    at the wrong places: 2 optimizer steps instead of 4 in issue 36). ``finetune.packing`` itself is untouched:
+    the Trainer backend gets a view of it whose ``packer_for`` ignores ``exact``."""
+    if trainer_backend is None:
+        import finetune.trainer_backend as trainer_backend
+    real = trainer_backend.packing
+
+    class InexactPacking:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def packer_for(*args, **kwargs):
+            kwargs["exact"] = False
+            return real.packer_for(*args, **kwargs)
+
+    set_attr(trainer_backend, "packing", InexactPacking())
+
+
 def parse_learning_rate(value: str) -> tuple[int, float]:
     """``"4:1.5"`` -> (4, 1.5). Raises ``ValueError`` naming the expected form."""
     try:

@@ -16,6 +16,9 @@ division by K (N for padded micro-batches, the window's own count when packing) 
   would count them: a process whose window holds only repeated rows divides by 0 and gets inf, not an exception
   on one rank).
 - ``mean-of-means``: each micro-batch's mean loss, divided by N: the mean of the micro-batch means.
+- ``micro-batch-1%``: the first micro-batch of each window weighted 1.01 (small: at the size verify's calibrated
+  control claims to catch).
+- ``last-window-1.5%``: a short last window weighted 1.015 (small, likewise).
 
 Two ways in: ``install_mutant(name, set_attr)`` in this process (``monkeypatch.setattr``, undone after the
 test), or ``FAULT_MUTANT=name`` with ``tests/faults`` first on a launched process's ``PYTHONPATH``
@@ -37,7 +40,12 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     "own-items": [(COUNT, COUNT + "; own_items = sum(task.count(b) for b in window)"),
                   (CORRECT, "scaled = loss_sum * (K / own_items)")],
     "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(batch).clamp(min=1)")],
+    # small: the size verify's calibrated small controls claim to detect (finetune.verify.SMALL_CONTROLS)
+    "micro-batch-1%": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (1.01 if batch is micro_batches[0] "
+                                 "else 1.0)")],
+    "last-window-1.5%": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (1.015 if len(window) < N else 1.0)")],
 }
+SMALL_MUTANTS = ("micro-batch-1%", "last-window-1.5%")
 
 # Not a wrong result but wasted communication, for the DDP sync log (``finetune_faults.install_sync_log``) to
 # catch, not verify (its weights are right): every micro-batch all-reduces, as if ``no_sync`` were forgotten
