@@ -44,9 +44,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from benchlib import format_machine, machine_info, markdown_table  # noqa: E402
 
-from finetune.chunked_loss import METHODS, chunked_causal_lm_loss_sum  # noqa: E402
 from finetune.planner.probes import saved_tensor_bytes  # noqa: E402
 from finetune.tasks import IGNORE_INDEX, CausalLM  # noqa: E402
+from finetune.tasks.chunked_loss import METHODS, chunked_causal_lm_loss_sum  # noqa: E402
 
 MIB = 2**20
 

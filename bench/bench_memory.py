@@ -8,7 +8,7 @@ loss, LoRA), each configuration in its own fresh process.
 
 Unlike the other scripts in ``bench/`` this one does not run ``finetune/run.py``: each measurement is this
 script re-started as a worker (``python bench/bench_memory.py --worker SPEC``), a fresh process that builds
-the model with the engine's own builder (``finetune.builders.build_model``: loading, activation
+the model with the engine's own builder (``finetune.tasks.builders.build_model``: loading, activation
 checkpointing, LoRA) and trains it with a bare loop on random token ids of exactly ``max_length`` tokens
 (the worst case: no padding), labels for the task (a random class of 5; the input ids themselves for a
 causal LM). So the process max RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is that configuration's
@@ -34,7 +34,7 @@ Suites (``--suite``, comma-separated, default all three):
   32x1 + activation checkpointing.
 - ``smollm2``: SmolLM2-135M-Instruct (the fetched GGUF, de-quantized once per run into the work directory) at
   512 tokens, micro-batch 8: plain; 2x4 (plain, a quarter of the micro-batch, the same effective batch: what
-  checkpointing at 4x the micro-batch competes with); + chunked loss (only where ``finetune.chunked_loss`` exists); +
+  checkpointing at 4x the micro-batch competes with); + chunked loss (only where ``finetune.tasks.chunked_loss`` exists); +
   activation checkpointing; + LoRA (r=16, alpha=32, peft's default targets); + LoRA + checkpointing; then
   the levers stacked: chunked loss + checkpointing, and chunked loss + checkpointing + LoRA.
 - ``lora``: full fine-tune vs LoRA, SmolLM2 at 256 tokens, micro-batch 4: the ratio LoRA / full of the
@@ -63,27 +63,27 @@ RESULT_PREFIX = "BENCH_MEMORY_RESULT "  # the worker's result line on stdout
 SUITES = ("bbc", "smollm2", "lora")
 NUM_LABELS = 5  # bbc-news topics
 LORA_RATIO_GOAL = 0.6  # LoRA / full fine-tune training memory
-DEFAULT_CHUNK_SIZE = 1024  # label tokens per chunk when finetune.chunked_loss names no default
+DEFAULT_CHUNK_SIZE = 1024  # label tokens per chunk when finetune.tasks.chunked_loss names no default
 # Per suite: tokens, micro-batch, timed optimizer steps, repeats (full mode). Smoke: 32 tokens, 1 repeat.
 SUITE_DEFAULTS = {
     "bbc": {"max_length": 512, "micro_batch": None, "steps": 3, "repeats": 3},  # micro-batches fixed: 32x1, 8x4
     "smollm2": {"max_length": 512, "micro_batch": 8, "steps": 2, "repeats": 2},
     "lora": {"max_length": 256, "micro_batch": 4, "steps": 3, "repeats": 3},
 }
-CHUNKED_HELPERS = ("causal_lm_hidden_and_head",)  # finetune.chunked_loss: forward -> (hidden states, lm_head)
+CHUNKED_HELPERS = ("causal_lm_hidden_and_head",)  # finetune.tasks.chunked_loss: forward -> (hidden states, lm_head)
 
 
 # ============================================================================================ worker
 def chunked_loss_api():
     """``(chunked_causal_lm_loss_sum, hidden-states helper or None, default chunk size)`` from
-    ``finetune.chunked_loss``, or None when that module (or its loss function) does not exist. The helper is
+    ``finetune.tasks.chunked_loss``, or None when that module (or its loss function) does not exist. The helper is
     the first of ``CHUNKED_HELPERS`` the module has: ``helper(model, batch) -> (hidden_states, lm_head)``."""
     try:
-        if importlib.util.find_spec("finetune.chunked_loss") is None:
+        if importlib.util.find_spec("finetune.tasks.chunked_loss") is None:
             return None
     except ImportError:
         return None
-    import finetune.chunked_loss as module
+    import finetune.tasks.chunked_loss as module
 
     loss = getattr(module, "chunked_causal_lm_loss_sum", None)
     if loss is None:
@@ -93,11 +93,11 @@ def chunked_loss_api():
 
 
 def build_model(spec: dict):
-    """The model of a configuration, built by the engine's own builder (``finetune.builders.build_model``) from
+    """The model of a configuration, built by the engine's own builder (``finetune.tasks.builders.build_model``) from
     a ``TrainConfig`` of the spec's model, length, checkpointing and LoRA settings, in train mode."""
     # imported in the worker, as this script's other engine imports: the parent (--dry_run, the report) stays light
-    from finetune import builders
     from finetune.config import TrainConfig
+    from finetune.tasks import builders
 
     config = TrainConfig(model_name_or_path=spec["model"], max_length=spec["max_length"],
                          activation_checkpointing=spec["checkpointing"], use_peft=spec["lora"], lora_r=spec["lora_r"],
@@ -160,7 +160,7 @@ def run_worker(spec: dict) -> dict:
     items_per_step = m * n if spec["task"] == "cls" else m * n * (length - 1)  # samples, or label tokens
     chunked = chunked_loss_api() if spec["chunked"] else None
     if spec["chunked"] and chunked is None:
-        raise RuntimeError("finetune.chunked_loss is not available")
+        raise RuntimeError("finetune.tasks.chunked_loss is not available")
 
     def micro_batch():
         ids = torch.randint(0, vocab, (m, length), generator=generator)
@@ -244,9 +244,9 @@ def max_rss_bytes() -> int:
 
 
 def convert_gguf(source: str, dest: str) -> None:
-    """De-quantize a ``.gguf`` causal LM once (``finetune.data.load_causal_lm``, fp32) and save it as a model
+    """De-quantize a ``.gguf`` causal LM once (``finetune.data.loading.load_causal_lm``, fp32) and save it as a model
     directory at ``dest``, so workers load it fast and without the de-quantization's own peak."""
-    from finetune.data import load_causal_lm
+    from finetune.data.loading import load_causal_lm
 
     load_causal_lm(source).save_pretrained(dest)
 
@@ -291,7 +291,7 @@ def parse_args(argv=None):
     p.add_argument("--lora_alpha", type=int, default=32)
     p.add_argument("--lora_dropout", type=float, default=0.05, help="the engine's default")
     p.add_argument("--chunk_size", type=int, default=None,
-                   help="label tokens per chunk of the chunked loss (default: finetune.chunked_loss's own)")
+                   help="label tokens per chunk of the chunked loss (default: finetune.tasks.chunked_loss's own)")
     p.add_argument("--num_threads", type=int, default=None,
                    help="OMP_NUM_THREADS of the workers (default: torch's own choice; smoke 1)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per worker before it is killed (default 3600; smoke 300)")
@@ -347,7 +347,7 @@ def suite_setting(args, suite: str, name: str):
 
 def build_configs(args, models: dict) -> tuple[list[dict], list[str]]:
     """The configurations of the chosen suites (each a dict: ``label``, ``suite``, ``repeats``, ``spec``, the
-    worker's spec) and notes on rows left out (the chunked loss where ``finetune.chunked_loss`` is missing, a
+    worker's spec) and notes on rows left out (the chunked loss where ``finetune.tasks.chunked_loss`` is missing, a
     suite whose model is missing)."""
     configs, notes = [], []
     chunked = chunked_loss_api()
@@ -381,7 +381,7 @@ def build_configs(args, models: dict) -> tuple[list[dict], list[str]]:
             if chunked is not None:
                 add(suite, "chunked loss", task, micro, args.accumulation, use_chunked=True)
             else:
-                notes.append("smollm2: the chunked-loss row is skipped: finetune.chunked_loss (with "
+                notes.append("smollm2: the chunked-loss row is skipped: finetune.tasks.chunked_loss (with "
                              "chunked_causal_lm_loss_sum) does not exist in this checkout")
             add(suite, "checkpointing", task, micro, args.accumulation, checkpointing=True)
             add(suite, "LoRA", task, micro, args.accumulation, lora=True)
@@ -408,7 +408,7 @@ def prepare_models(args, workdir: Path) -> dict:
     """Model paths per task (``cls``, ``clm``): the smoke tiny models, the flags', or the defaults (a ``.gguf``
     is de-quantized once into ``workdir`` by a subprocess). A missing model is None, with ``<task>_missing``
     saying why."""
-    from finetune.fetch import FETCH_COMMAND, smollm2_gguf_path
+    from finetune.data.fetch import FETCH_COMMAND, smollm2_gguf_path
 
     models: dict = {}
     needs_cls = "bbc" in args.suites
@@ -484,8 +484,8 @@ def _exit_text(code) -> str:
 
 
 # Imported once by the fork server, so each forked worker starts with them loaded (and no model, no tensor).
-FORKSERVER_PRELOAD = ["torch", "psutil", "transformers", "peft", "finetune.data", "finetune.tasks", "finetune.lora",
-                      "finetune.builders", "finetune.planner"]
+FORKSERVER_PRELOAD = ["torch", "psutil", "transformers", "peft", "finetune.data.loading", "finetune.tasks", "finetune.data.lora",
+                      "finetune.tasks.builders", "finetune.planner"]
 _CONTEXT = None
 
 

@@ -8,7 +8,7 @@ E D C B A). A step's time in a mode is the median of its timings; throughput is 
 the sum of their times, so a step with long samples weighs what it costs (a median over steps would drop them):
 
 - ``padded``: our collator's right-padded micro-batches (``tasks.CausalLMCollator`` / ``sft.SFTCollator``);
-- ``padding_free``: each micro-batch one row (``finetune.packing.Packer(None)``, ``--padding_free``);
+- ``padding_free``: each micro-batch one row (``finetune.data.packing.Packer(None)``, ``--padding_free``);
 - ``packed``: the step's samples repacked by ``window_bfd`` (``--packing``): rows of at most ``--max_length``
   tokens, grouped into micro-batches of at most the budget's positions;
 - ``trl_padding_free``: TRL's ``DataCollatorForLanguageModeling(padding_free=True)`` on the same micro-batches;
@@ -44,8 +44,8 @@ def step_batches(config, recipe, limit_steps: int):
     """(model, task, list of steps: each a list of padded micro-batches, as the training loop sees them)."""
     from torch.utils.data import DataLoader
 
-    from finetune.builders import build_datasets, build_model, get_task
-    from finetune.data import load_tokenizer
+    from finetune.data.loading import load_tokenizer
+    from finetune.tasks.builders import build_datasets, build_model, get_task
 
     task = get_task(recipe.TASK)
     tokenizer = load_tokenizer(config.model_name_or_path)
@@ -72,7 +72,7 @@ def trl_micro_batches(mode: str, window: list[dict], row_length: int, pad_token_
     from trl.data_utils import pack_dataset
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from finetune.packing import unpad
+    from finetune.data.packing import unpad
 
     collate = DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=True)
     keep = ("input_ids", "labels", "position_ids")
@@ -93,7 +93,7 @@ def trl_micro_batches(mode: str, window: list[dict], row_length: int, pad_token_
 
 
 def micro_batches(mode: str, window: list[dict], budget: int, row_length: int, pad_token_id: int) -> list[dict]:
-    from finetune.packing import Packer
+    from finetune.data.packing import Packer
 
     if mode == "padded":
         return window
@@ -144,8 +144,8 @@ def main(argv=None) -> int:
     modes = ("padded", *(m for m in MODES if m != "padded" and m in args.modes.split(",")))
     config = parse_config(rest)
     recipe = load_recipe(config.recipe)
-    from finetune.packing import budget as packing_budget
-    from finetune.packing import row_length as packing_row_length
+    from finetune.data.packing import budget as packing_budget
+    from finetune.data.packing import row_length as packing_row_length
 
     budget, row_length = packing_budget(config), packing_row_length(config)  # TRL's BFD rows: the same length
     info = machine_info()

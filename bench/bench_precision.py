@@ -5,7 +5,7 @@
 
 Full mode: bbc-news with all-MiniLM-L6-v2 (recipe defaults: micro-batch 8 x 4, max_length 128) on 384
 training samples, and bbc-news-clm with its default model (SmolLM2-135M GGUF, fetched with ``python -m
-finetune.fetch smollm2-gguf``; skipped with a message if the file or the ``gguf`` package is missing) on 32
+finetune.data.fetch smollm2-gguf``; skipped with a message if the file or the ``gguf`` package is missing) on 32
 samples, one epoch each, 3 interleaved repeats, medians. Smoke mode: a tiny BERT and a tiny Llama built
 from configs, the Llama trained on a few generated texts (``--train_file``).
 
@@ -30,7 +30,7 @@ PRECISIONS = ("no", "fp16", "bf16")
 PRECISION_LABEL = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 RECIPES = ("bbc-news", "bbc-news-clm")
 
-from finetune.flops import peak_flops  # noqa: E402  (the table is shared with the engine)
+from finetune.lifecycle.flops import peak_flops  # noqa: E402  (the table is shared with the engine)
 
 
 def model_flops_per_second(num_parameters: int | None, tokens_per_second: float | None) -> float | None:
@@ -94,9 +94,9 @@ def clm_model_problem(model: str) -> str | None:
     looks_like_path = model.startswith(("/", ".", "~")) or model.lower().endswith(".gguf")
     if looks_like_path and not Path(model).expanduser().exists():
         return (f"bbc-news-clm skipped: its model file {model} is missing. Fetch it with "
-                "`python -m finetune.fetch smollm2-gguf` (or pass --clm_model_name_or_path).")
+                "`python -m finetune.data.fetch smollm2-gguf` (or pass --clm_model_name_or_path).")
     if model.lower().endswith(".gguf"):
-        from finetune.fetch import gguf_package_available
+        from finetune.data.fetch import gguf_package_available
 
         if not gguf_package_available():
             return "bbc-news-clm skipped: reading a .gguf model needs the `gguf` package (`pip install gguf`)."

@@ -159,7 +159,7 @@ def child_env(num_threads: int | None = None) -> dict:
 # and the smoke's tiny models' classes (BERT, Llama); no model, no tensor, no data.
 FORKSERVER_PRELOAD = ["torch", "transformers", "accelerate", "datasets", "evaluate", "sklearn.metrics",
                       "transformers.models.bert.modeling_bert", "transformers.models.llama.modeling_llama",
-                      "finetune.config", "finetune.resolve", "finetune.train"]
+                      "finetune.config", "finetune.lifecycle.resolve", "finetune.backends.accelerate"]
 _FORKSERVER = None
 
 

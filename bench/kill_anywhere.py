@@ -50,7 +50,7 @@ import benchlib as bl  # noqa: E402
 
 from finetune import checkpoint as ckpt  # noqa: E402  (benchlib puts the repository on sys.path)
 from finetune.errors import FinetuneError  # noqa: E402
-from finetune.run_log import read_log  # noqa: E402
+from finetune.lifecycle.run_log import read_log  # noqa: E402
 
 # what a save in progress leaves: ours, and the Trainer backend's (Trainer writes into .tmp-checkpoint/checkpoint-N)
 SAVE_FOLDERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", ckpt.TRAINER_STAGING, ".replaced-checkpoint-",

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchlib as bl  # noqa: E402  (puts the repository and tests/ on sys.path)
 
-from finetune.run_log import read_log  # noqa: E402
+from finetune.lifecycle.run_log import read_log  # noqa: E402
 
 SPIN = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a = (a @ a).tanh()\n"
 

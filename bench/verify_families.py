@@ -6,7 +6,7 @@ through both backends (the Trainer ways are part of verify's ways), for each?
     python bench/verify_families.py --markdown docs/verify-families.md --json verify-families.json
 
 Each family's tiny model (2 layers, 32 wide, random weights, seed 0) is built into a temporary directory and
-verified in this process through verify's public entry, ``finetune.verify.main(argv)``, on its task's recipe
+verified in this process through verify's public entry, ``finetune.commands.verify.main(argv)``, on its task's recipe
 (``bbc-news-clm`` or ``bbc-news``, offline data) with the tests' small settings (``VERIFY_ARGS``: B = 4 = 2 x 2,
 2 optimizer steps, 16 samples of at most 32 tokens, fp32). Prints a table (family, task, verdict, expected,
 seconds, noise floor, cause) and writes it as Markdown with the machine named (``lscpu``). Exit 0 when every
@@ -56,7 +56,7 @@ def verify_family(family, root: Path, quiet: bool = True) -> dict:
     raised or exited 2), ``expected``, ``as_expected`` (bool: the expected verdict, and for "not exact" the
     auxiliary loss named first), ``seconds`` (wall, build + verify), ``noise_floor`` (verify's step-1 gradient
     floor, relative), ``loss_floor``, ``cause`` (verify's first cause, "" when exact), ``report`` (verify.json)."""
-    from finetune import verify
+    from finetune.commands import verify
 
     family = BY_NAME[family] if isinstance(family, str) else family
     start = time.perf_counter()

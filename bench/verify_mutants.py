@@ -13,7 +13,7 @@ verify's calibrated small controls claim to detect; the table's last rows give, 
 clean run printed (the smallest mis-weighting its small controls were caught at) and how far its correct ways
 stood from the noise floor (the evidence for ``verify.FLOOR_FACTOR``).
 
-Each verify runs through the real launcher (``accelerate launch --module finetune.verify``) on tiny models
+Each verify runs through the real launcher (``accelerate launch --module finetune.commands.verify``) on tiny models
 built from configs (``tests/tiny_models.py``), with ``tests/faults`` first on ``PYTHONPATH`` and
 ``FAULT_MUTANT`` naming the mutant. Prints the table (mutant x setting) and the seconds each took.
 """
@@ -79,7 +79,7 @@ def run_one(setting: str, mutant: str | None, models: dict, root: Path) -> dict:
     cmd += ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
     # causal LM on texts of uneven length (2 to ~60 words, under --max_length): micro-batches' items differ
     data = ["--train_file", models["texts"][0], "--validation_file", models["texts"][1]] if kind != "bert" else []
-    cmd += ["--module", "finetune.verify", "--recipe", recipe, "--model_name_or_path", models[kind], *SMALL, *data,
+    cmd += ["--module", "finetune.commands.verify", "--recipe", recipe, "--model_name_or_path", models[kind], *SMALL, *data,
             *flags, "--output_dir", str(out)]
     environment = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", **env,
                    "PYTHONPATH": os.pathsep.join(p for p in (FAULTS_DIR, str(bl.REPO), os.environ.get("PYTHONPATH", ""))

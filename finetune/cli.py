@@ -58,19 +58,19 @@ training flags (finetune train --help); passes SIGTERM/SIGINT on to the training
             """list the recipes and the shipped Accelerate configs (--config_file NAME takes one by name);
 finetune recipes --copy NAME [DEST] writes recipe NAME to DEST (default ./<name>.py) to edit and run
 with --recipe DEST"""),
-    Command("env", "finetune.env:main", False,
+    Command("env", "finetune.commands.env:main", False,
             "this machine's versions, CPU, GPUs and Accelerate config, to paste into an issue"),
-    Command("predict", "finetune.predict:main", False,
+    Command("predict", "finetune.commands.predict:main", False,
             'predict with a trained model: finetune predict --model DIR "some text" (finetune predict --help)'),
-    Command("compare", "finetune.compare:main", False,
+    Command("compare", "finetune.commands.compare:main", False,
             "run the accelerate and Trainer backends side by side: finetune compare --recipe NAME [flags]"),
-    Command("verify", "finetune.verify:main", True,
+    Command("verify", "finetune.commands.verify:main", True,
             """prove that accumulation trains what the large batch trains, on this model, precision, engine and
 launch: finetune verify [launcher flags] --recipe NAME [flags] [--verify_steps K] (exit 0: exact)"""),
-    Command("plan", "finetune.plan:main", True,
+    Command("plan", "finetune.commands.plan:main", True,
             """the batch planner's table without training: every exact plan of --total_batch_size under every
 lever, its memory (weights, gradients, optimizer state, activations) and whether it fits; --time"""),
-    Command("check-data", "finetune.check_data:main", False,
+    Command("check-data", "finetune.commands.check_data:main", False,
             """the data as training sees it, without the model's weights: samples with the trained tokens
 marked, lengths, truncation, padding, labels, and problems (leakage between the splits, empty
 completions, an untrained end-of-turn token); exit 1 on a problem that makes the run wrong"""),
@@ -95,7 +95,7 @@ USAGE = usage()
 def recipes_command(argv: list[str]) -> int:
     """``finetune recipes``: the recipes and the shipped Accelerate configs; ``--copy NAME [DEST]``: the recipe's file
     written to DEST (``recipes.copy_recipe``). Returns the exit code (2, with one ``error:`` line, for bad input)."""
-    from finetune.launch_configs import list_configs  # lazy, and light: no torch
+    from finetune.commands.launch_configs import list_configs  # lazy, and light: no torch
     from finetune.recipes import copy_recipe, list_recipes
 
     if not argv:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return command.load()(rest)
     if wants_help(rest):
         return command.load()(["--help"])
-    from finetune.launch import train_command  # lazy: `finetune --help` and `recipes` start without torch
+    from finetune.commands.launch import train_command  # lazy: `finetune --help` and `recipes` start without torch
 
     return train_command(rest, module=command.module)
 

@@ -1,6 +1,6 @@
 """The training entry point (``accelerate launch finetune/run.py --recipe NAME``, ``-m finetune.run``, ``finetune
-train``): flags into a ``TrainConfig``, resolved (``finetune.resolve``), then its backend (``--backend``:
-``finetune.train``, the accelerate loop, or ``finetune.trainer_backend``). User errors print one ``error:`` line and
+train``): flags into a ``TrainConfig``, resolved (``finetune.lifecycle.resolve``), then its backend (``--backend``:
+``finetune.backends.accelerate``, the accelerate loop, or ``finetune.backends.trainer``). User errors print one ``error:`` line and
 exit 2 (3 for a numerical failure, 128 + N after signal N). Importing it sets the path up for a script run; no module
 of the package imports it but ``cli.py``."""
 
@@ -47,15 +47,15 @@ def run(config) -> dict | None:
         raise FinetuneError("--compare is its own command: run `finetune compare` with the same flags (it trains "
                             "both backends, each in a process of its own, and writes the comparison).")
     from finetune import distributed  # lazy: torch, accelerate, the planner (see the imports above)
-    from finetune.resolve import resolve
+    from finetune.lifecycle.resolve import resolve
 
     resolution = distributed.leaving_together(lambda: resolve(config))
     if resolution.finished is not None:
         return resolution.finished
     if config.backend == "trainer":
-        from finetune import trainer_backend as backend  # lazy: transformers.Trainer, --backend trainer only
+        from finetune.backends import trainer as backend  # lazy: transformers.Trainer, --backend trainer only
     else:
-        from finetune import train as backend  # lazy: the accelerate backend
+        from finetune.backends import accelerate as backend  # lazy: the accelerate backend
 
     # An error every process raised together leaves the group first (without its traceback, nor a chained
     # exception's: the frames that hold the model go before leave()); one raised alone does not wait at a barrier.
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     metrics = run(config)
     from finetune import distributed  # lazy (imported by run() already)
-    from finetune.reporting import format_summary
+    from finetune.lifecycle.reporting import format_summary
 
     if metrics is not None and distributed.is_main_process():
         print(format_summary(metrics, config.output_dir))

@@ -5,17 +5,20 @@ This folder is the repository's top-level ``recipes/``, imported and installed a
 
 A recipe module defines (see ``recipes/bbc_news.py``):
 
-- ``NAME``, ``DESCRIPTION`` (one line), ``TASK`` ("sequence-classification" or "causal-lm", see
-  ``finetune/tasks.py``), ``DATASET``,
+- ``NAME``, ``DESCRIPTION`` (one line), ``TASK`` (a task's name in ``finetune.tasks.TASKS``:
+  "sequence-classification", "causal-lm" or "sft"), ``DATASET``,
   ``NEEDS_HUB`` (bool), ``TEXT_COLUMNS`` (the input column names), ``METRICS`` (shipped metric name -> compute kwargs),
   ``DEFAULTS`` (a dict of ``TrainConfig`` fields);
 - ``load_raw_datasets(config) -> datasets.DatasetDict`` with ``train`` and ``validation`` splits holding
   ``TEXT_COLUMNS`` and, for classification, a ``ClassLabel`` ``label`` column;
 - optionally ``build_model(config, label_names) -> PreTrainedModel``: a model of the recipe's own (label names
   None for causal LM); without it the task loads ``--model_name_or_path``. A ``transformers`` model whose
-  forward takes ``labels``-free inputs and returns ``.logits`` (and, for mixture-of-experts, ``.aux_loss``).
+  forward takes ``labels``-free inputs and returns ``.logits`` (and, for mixture-of-experts, ``.aux_loss``);
+- optionally ``GENERATION`` (a dict: ``max_new_tokens``, ``batch_size``, ``num_samples``): evaluation also
+  generates completions for that many validation prompts and scores them with ``METRICS`` (instruction tuning);
+- optionally ``HUB_DATASET`` ((name, configuration) on the Hub): the model card names the dataset it came from.
 
-Model, tokenizer and tokenization are shared builders in ``finetune.data``.
+Model, tokenizer and tokenization are shared builders in ``finetune.data.loading``.
 """
 
 from __future__ import annotations

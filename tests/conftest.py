@@ -36,7 +36,7 @@ def worker_cpus(worker: str, workers: int, cpus: set[int]) -> set[int]:
 def pytest_configure(config):
     """With ``FINETUNE_TEST_PIN=1`` under ``pytest -n N``, each worker (and every process it starts, which inherits
     the affinity) runs on its own share of this host's CPUs (finetune sizes its torch threads from the cores it may
-    use, ``finetune/resolve.py``). Off by default: unpinned, a worker waiting on a launched process leaves its
+    use, ``finetune/lifecycle/resolve.py``). Off by default: unpinned, a worker waiting on a launched process leaves its
     core to the other (docs/contributing.md)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker and os.environ.get(PIN_ENV, "0") == "1" and hasattr(os, "sched_setaffinity"):

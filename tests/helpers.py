@@ -73,7 +73,7 @@ def launch_command(args: list[str], num_processes: int = 1, machine: tuple[int, 
     default 29500 would be shared by every launch of a parallel test run). ``machine``: (machine rank, number
     of machines, main process port) for one "machine" of a run over several, all on 127.0.0.1
     (``num_processes`` is then the total over all machines). ``module``: run that module instead
-    (``--module finetune.verify``)."""
+    (``--module finetune.commands.verify``)."""
     machines = machine[1] if machine else 1
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", str(machines), "--mixed_precision",
            "no", "--dynamo_backend", "no"]

@@ -1,6 +1,6 @@
 """Accumulated training equals large-batch training: exact-parameter regression tests on a tiny BERT.
 
-Run through the real engine (``finetune.train.train``) in fp32 with dropout off. The sampler order depends
+Run through the real engine (``finetune.backends.accelerate.train``) in fp32 with dropout off. The sampler order depends
 only on the seed, so micro-batch 8 x accumulation 1 and micro-batch 2 x accumulation 4 see the same 8
 samples in every window.
 """

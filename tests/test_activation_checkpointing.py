@@ -47,8 +47,8 @@ def test_every_n_layers_checkpoints_some_layers_and_trains_the_same(tmp_path, ti
 
     from transformers import AutoModelForSequenceClassification
 
-    from finetune.builders import enable_activation_checkpointing
     from finetune.planner.probes import saved_tensor_bytes
+    from finetune.tasks.builders import enable_activation_checkpointing
 
     ids = torch.randint(5, 100, (4, 32))
 

@@ -15,8 +15,8 @@ from tiny_models import build_tiny_moe
 from transformers import AutoModelForCausalLM
 
 from finetune.config import parse_config
-from finetune.loss import loss_function
 from finetune.tasks import CausalLM, auxiliary_loss_sum
+from finetune.tasks.loss import loss_function
 
 
 @pytest.fixture(scope="module")

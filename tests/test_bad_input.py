@@ -134,8 +134,8 @@ def test_different_run_names_the_settings(tmp_path, tiny_bert, finished_run, cap
 def test_bf16_on_a_gpu_without_it(monkeypatch):
     import torch
 
+    from finetune.engine.precision import check_precision_supported
     from finetune.errors import FinetuneError
-    from finetune.precision import check_precision_supported
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
@@ -161,7 +161,7 @@ def test_another_ranks_write_probe_is_not_foreign_content(tmp_path):
     must not make rank 1 see "not empty and does not hold a finetune run" (a flaky 2-process failure)."""
     from finetune.config import parse_config
     from finetune.errors import FinetuneError
-    from finetune.output import check_output_dir
+    from finetune.lifecycle.output import check_output_dir
 
     out = tmp_path / "out"
     out.mkdir()

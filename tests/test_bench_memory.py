@@ -12,7 +12,7 @@ import pytest
 from test_bench import check_header, positive, run_bench, run_bench_in_process, table_row
 
 BBC = ("32x1", "8x4", "8x4 + checkpointing", "32x1 + checkpointing")
-SMOLLM2 = ("plain", "2x4", "checkpointing", "LoRA", "LoRA + checkpointing")  # + CHUNKED where finetune.chunked_loss exists
+SMOLLM2 = ("plain", "2x4", "checkpointing", "LoRA", "LoRA + checkpointing")  # + CHUNKED where finetune.tasks.chunked_loss exists
 CHUNKED = ("chunked loss", "chunked loss + checkpointing", "chunked loss + checkpointing + LoRA")
 LORA = ("full", "LoRA")
 
@@ -50,7 +50,7 @@ def test_report(smoke):
     assert table_row(out, "goal <= 0.6")[1] in ("met", "NOT met")
     positive(table_row(out, "training memory ratio LoRA / full")[1])
     if "chunked loss" not in configs_of(data, "smollm2"):
-        assert "the chunked-loss row is skipped: finetune.chunked_loss" in out
+        assert "the chunked-loss row is skipped: finetune.tasks.chunked_loss" in out
 
 
 @pytest.mark.integration

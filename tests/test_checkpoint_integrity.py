@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import launch, load_params, run_in_process, train_steps
 
-from finetune.checkpoint import (
+from finetune.errors import FinetuneError
+from finetune.lifecycle.checkpoint import (
     HASH_LIMIT,
     MANIFEST,
     MARKER,
@@ -23,7 +24,6 @@ from finetune.checkpoint import (
     newest_complete_checkpoint,
     verify_checkpoint,
 )
-from finetune.errors import FinetuneError
 
 # 24 samples, micro 2 x accumulation 2: 6 optimizer steps; checkpoints after steps 2 and 4
 RUN = dict(max_train_samples=24, max_eval_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=2,

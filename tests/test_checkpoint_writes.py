@@ -43,7 +43,7 @@ def _main_in_process(tmp_path, name: str, capsys, **overrides) -> tuple[int, lis
 
 
 def _assert_only_the_previous_checkpoint(out, step: int = 2) -> None:
-    from finetune.checkpoint import is_complete, verify_checkpoint
+    from finetune.lifecycle.checkpoint import is_complete, verify_checkpoint
 
     root = out / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == [f"step_{step:08d}"]  # no partial, no temporary folder
@@ -191,7 +191,7 @@ def test_a_full_disk_is_named_with_the_free_space_and_the_size_needed(tmp_path, 
     room after the failure than the checkpoint needs (here: 1 MiB free plus the 2 MiB partial write, 12 MiB
     needed). ``shutil.disk_usage`` is replaced by one returning what it returns, a ``usage(total, used, free)``
     named tuple in bytes (CPython 3.11 ``Lib/shutil.py``: ``_ntuple_diskusage``, ``disk_usage`` on POSIX)."""
-    from finetune import checkpoint
+    from finetune.lifecycle import checkpoint
 
     mib = 1024 * 1024
     root, partial = tmp_path / "checkpoints", tmp_path / "checkpoints" / ".tmp-step_00000004"

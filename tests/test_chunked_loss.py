@@ -1,4 +1,4 @@
-"""finetune.chunked_loss: the chunked causal-LM loss equals the plain path (full logits ->
+"""finetune.tasks.chunked_loss: the chunked causal-LM loss equals the plain path (full logits ->
 CausalLM.loss_sum) in value and in every parameter's gradient, saves far less for backward, and the model
 helper returns the hidden states and head of bare, peft-, Accelerate- and DDP-wrapped models."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import REPO
 
-from finetune.chunked_loss import METHODS, causal_lm_hidden_and_head, chunked_causal_lm_loss_sum
 from finetune.planner.probes import saved_tensor_bytes
 from finetune.tasks import IGNORE_INDEX, CausalLM
+from finetune.tasks.chunked_loss import METHODS, causal_lm_hidden_and_head, chunked_causal_lm_loss_sum
 
 VOCAB = 211  # prime: no chunk size divides it, nor the label-token counts below
 

@@ -16,7 +16,7 @@ def same_weights(a_dir, b_dir, rtol=1e-5):
 
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])
 def test_chunked_equals_plain_for_causal_lm(tmp_path, tiny_llama, clm_texts, backend, monkeypatch):
-    import finetune.loss as loss_module
+    import finetune.tasks.loss as loss_module
 
     calls, original = [], loss_module.chunked_causal_lm_loss_sum
     monkeypatch.setattr(loss_module, "chunked_causal_lm_loss_sum",

@@ -132,7 +132,7 @@ def test_the_usage_is_written_from_the_command_table_and_every_entry_loads(capsy
     assert {c.name for c in COMMANDS if c.launched} == {"train", "verify", "plan"}
     for command in COMMANDS:
         assert callable(command.load()), command
-    assert {c.name: c.module for c in COMMANDS}["compare"] == "finetune.compare"  # its own entry, not a flag
+    assert {c.name: c.module for c in COMMANDS}["compare"] == "finetune.commands.compare"  # its own entry, not a flag
     assert main(["nope"]) == 2
     assert capsys.readouterr().err == ("error: unknown command 'nope'. Commands: " + ", ".join(names)
                                        + " (finetune --help).\n")
@@ -167,7 +167,7 @@ def test_the_argv_reader_keeps_each_command_s_spelling():
 
 
 def test_compare_is_a_command_with_its_own_entry(tmp_path, capsys):
-    """``finetune compare`` runs ``finetune.compare.main`` in this process: bad input is one error line, before
+    """``finetune compare`` runs ``finetune.commands.compare.main`` in this process: bad input is one error line, before
     anything is written."""
     from finetune.cli import main
 

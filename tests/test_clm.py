@@ -115,10 +115,10 @@ def test_a_window_with_no_trained_token_is_a_clear_error():
     count is summed over the processes first)."""
     from types import SimpleNamespace
 
+    from finetune.backends.trainer import BookkeepingCallback
     from finetune.errors import FinetuneError
+    from finetune.lifecycle.window import count_window
     from finetune.tasks import CausalLM
-    from finetune.trainer_backend import BookkeepingCallback
-    from finetune.window import count_window
 
     batch = {"labels": torch.full((2, 5), -100), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
     accelerator = SimpleNamespace(device=torch.device("cpu"), reduce=lambda tensor, op: tensor)

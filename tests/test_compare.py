@@ -15,7 +15,7 @@ def test_compare_writes_report_json_and_plot(tmp_path, tiny_bert):
     result = launch(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--output_dir", str(out),
                      "--max_train_samples", "22", "--max_eval_samples", "8", "--per_device_train_batch_size", "2",
                      "--gradient_accumulation_steps", "4", "--num_train_epochs", "2", "--disable_dropout",
-                     "--max_length", "32", "--learning_rate", "2e-3", "--warmup_steps", "1"], module="finetune.compare")
+                     "--max_length", "32", "--learning_rate", "2e-3", "--warmup_steps", "1"], module="finetune.commands.compare")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "comparison.json").read_text())
     assert set(summary["backends"]) == {"accelerate", "trainer"}

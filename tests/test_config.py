@@ -81,7 +81,7 @@ def test_effective_precision_is_measured():
     """On a CPU, Accelerate accepts fp16 but autocast runs fp32: we must report 'no'."""
     from accelerate import Accelerator
 
-    from finetune.precision import effective_mixed_precision
+    from finetune.engine.precision import effective_mixed_precision
 
     accelerator = Accelerator(cpu=True, mixed_precision="fp16")
     assert effective_mixed_precision(accelerator) == "no"
@@ -90,7 +90,7 @@ def test_effective_precision_is_measured():
 def test_offline_hub_model_fails_fast(monkeypatch):
     import time
 
-    from finetune.data import load_tokenizer
+    from finetune.data.loading import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
@@ -100,7 +100,7 @@ def test_offline_hub_model_fails_fast(monkeypatch):
 
 
 def test_model_path_that_is_not_a_model(tmp_path):
-    from finetune.data import load_tokenizer
+    from finetune.data.loading import load_tokenizer
 
     with pytest.raises(FinetuneError, match="not a Hugging Face model directory"):
         load_tokenizer(str(tmp_path))
@@ -109,7 +109,7 @@ def test_model_path_that_is_not_a_model(tmp_path):
 def test_batchnorm_with_accumulation_gets_a_warning():
     import torch
 
-    from finetune.builders import batchnorm_warning
+    from finetune.tasks.builders import batchnorm_warning
 
     with_bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     message = batchnorm_warning(with_bn, 4)

@@ -59,8 +59,8 @@ def test_a_missing_column_lists_the_datasets_columns(tmp_path, tiny_bert):
     folder = tmp_path / "bad"
     datasets.Dataset.from_dict({"body": texts(10), "label": [0, 1] * 5}).save_to_disk(str(folder))
     config = parse_config(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--dataset_name", str(folder)])
-    from finetune.builders import get_task, raw_datasets
     from finetune.recipes import load_recipe
+    from finetune.tasks.builders import get_task, raw_datasets
 
     with pytest.raises(FinetuneError, match=r"lacks column\(s\) text \(it has body, label\)"):
         raw_datasets(load_recipe("bbc-news"), config, get_task("sequence-classification"))
@@ -70,7 +70,7 @@ def test_a_hub_name_offline_fails_fast(monkeypatch):
     import time
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from finetune.data import load_named_dataset
+    from finetune.data.loading import load_named_dataset
 
     start = time.perf_counter()
     with pytest.raises(FinetuneError, match="--dataset_name someone/news must be downloaded from the Hugging Face Hub"):
@@ -79,7 +79,7 @@ def test_a_hub_name_offline_fails_fast(monkeypatch):
 
 
 def test_a_missing_local_folder_is_named(tmp_path):
-    from finetune.data import load_named_dataset
+    from finetune.data.loading import load_named_dataset
 
     with pytest.raises(FinetuneError, match="--dataset_name ./nope: no such folder"):
         load_named_dataset("./nope", None, "train", "test", ("text",), class_labels=True, conversations=False)

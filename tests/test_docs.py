@@ -72,7 +72,7 @@ def test_the_readme_is_short_and_keeps_the_ci_test_command():
 def test_the_readme_shows_the_verify_threshold_line():
     """The verdict line with the sizes verify's small controls claim (``verify.SMALL_CONTROLS``), as it prints it
     (``verify.detects_line``), not a paraphrase."""
-    from finetune import verify
+    from finetune.commands import verify
 
     detects = [{"target": target, "threshold": size} for target, size in verify.SMALL_CONTROLS]
     text = " ".join((REPO / "README.md").read_text().split())

@@ -1,4 +1,4 @@
-"""Elastic resume's pure parts (finetune/elastic.py): what a step means (B, not its split), where a resume on another
+"""Elastic resume's pure parts (finetune/lifecycle/elastic.py): what a step means (B, not its split), where a resume on another
 split starts, the per-step sample-id hash, and the refusals. The claim that a step's samples depend only on B is
 checked here against Accelerate's own samplers (``BatchSamplerShard``, ``SkipBatchSampler``), with the old
 per-process skip as the positive control; tests/test_elastic_resume.py runs it through the launcher."""
@@ -12,10 +12,10 @@ import torch
 from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from torch.utils.data import BatchSampler, DataLoader
 
-from finetune import elastic
-from finetune.checkpoint import RunProgress, check_compatible
 from finetune.errors import FinetuneError
-from finetune.window import mask_repeats, repeated_rows
+from finetune.lifecycle import elastic
+from finetune.lifecycle.checkpoint import RunProgress, check_compatible
+from finetune.lifecycle.window import mask_repeats, repeated_rows
 
 
 def _meaning(m, n, p, **rest):

@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import elastic, train
+from finetune.backends import accelerate as train
 from finetune.engine.fsdp import fsdp_layout
 from finetune.errors import FinetuneError
+from finetune.lifecycle import elastic
 
 KINDS = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 
@@ -161,7 +162,7 @@ def _run_state(engine_name: str, fsdp_version: int | None, processes: int, loads
 def test_the_resume_loads_an_fsdp2_checkpoint_on_another_process_count(tmp_path, layout, monkeypatch):
     """2 processes -> 1: ``Loop._load`` lets Accelerate's ``load_state`` run (the resharding load), moves the
     position to the new split, and the banner says what changed, the resharding and the re-seeding."""
-    from finetune.checkpoint import RunProgress
+    from finetune.lifecycle.checkpoint import RunProgress
 
     monkeypatch.setattr(elastic, "reseed", lambda seed, step: None)  # the process's generators stay the test's
     path, loads = _checkpoint(tmp_path / "step_00000002", layout), []
@@ -185,7 +186,7 @@ def test_the_resume_loads_an_fsdp2_checkpoint_on_another_process_count(tmp_path,
 def test_checkpoints_that_cannot_reshard_are_refused_before_loading(tmp_path, engine, version, layout, why):
     """Per-rank FSDP files, FSDP1 and DeepSpeed onto another process count: one ``error:`` line naming the
     checkpoint's process count, and nothing loaded. On the checkpoint's own count they load as before."""
-    from finetune.checkpoint import RunProgress
+    from finetune.lifecycle.checkpoint import RunProgress
 
     path, loads = _checkpoint(tmp_path / "step_00000002", layout), []
     progress = RunProgress(step=2, micro_batches_done=4, samples_done=16, step_meaning=_meaning(2))

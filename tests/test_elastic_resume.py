@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import REPO, launch, load_params, run_args_in_process, run_in_process, train_steps
 
-from finetune import elastic
+from finetune.lifecycle import elastic
 
 pytestmark = pytest.mark.integration
 

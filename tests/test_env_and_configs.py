@@ -17,11 +17,11 @@ import torch
 import yaml
 from helpers import REPO, assert_user_error, run_in_process
 
-from finetune import env as finetune_env
 from finetune.cli import main as cli_main
+from finetune.commands import env as finetune_env
+from finetune.commands.launch import train_command
+from finetune.commands.launch_configs import list_configs, resolve_config_file, shipped_configs, shipped_dir
 from finetune.errors import FinetuneError
-from finetune.launch import train_command
-from finetune.launch_configs import list_configs, resolve_config_file, shipped_configs, shipped_dir
 from finetune.recipes import RECIPES, copy_recipe, load_recipe
 
 CONFIGS = REPO / "accelerate_configs"
@@ -183,7 +183,7 @@ def test_copy_never_overwrites(tmp_path, capsys):
 
 
 def test_both_spellings_of_the_flag_are_resolved_and_other_flags_kept(tmp_path, monkeypatch):
-    from finetune.launch_configs import resolve_config_flag
+    from finetune.commands.launch_configs import resolve_config_flag
 
     monkeypatch.chdir(tmp_path)
     assert resolve_config_flag(["--num_processes", "2", "--config_file", "multi_gpu", "--multi_gpu"]) == [

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from finetune import checkpoint as ckpt
-from finetune import compare, output
+from finetune.backends.trainer import training_arguments
+from finetune.commands import compare
 from finetune.config import (
     DERIVED_FIELDS,
     KEPT,
@@ -27,9 +27,10 @@ from finetune.config import (
     parse_config,
     roles,
 )
+from finetune.lifecycle import checkpoint as ckpt
+from finetune.lifecycle import output
 from finetune.planner.plans import Lever
 from finetune.recipes import load_recipe
-from finetune.trainer_backend import training_arguments
 
 # ---- the lists as main kept them by hand (5c2b795), the expected values of the queries that replace them, over
 # main's fields (a flag added since is declared in one place, its roles its own; a change of an old flag's role is
@@ -189,7 +190,7 @@ def test_the_lists_are_the_ones_main_kept_by_hand():
 
 
 def test_verify_fixes_the_same_settings():
-    from finetune import verify
+    from finetune.commands import verify
 
     assert {k: v for k, v in verify.CHECK_SETTINGS.items() if k in MAIN_FIELDS} == OLD_CHECK_SETTINGS
 

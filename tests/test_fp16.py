@@ -45,7 +45,7 @@ def test_the_fault_is_off_by_default_and_only_for_fp16(cpu_fp16):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from finetune.precision import effective_mixed_precision
+    from finetune.engine.precision import effective_mixed_precision
 
     def fresh(mixed_precision):
         AcceleratorState._reset_state(True)
@@ -99,7 +99,7 @@ def record_weights(monkeypatch, backend: str = "accelerate") -> list[dict]:
         snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
 
     if backend == "accelerate":
-        import finetune.train as engine
+        import finetune.backends.accelerate as engine
 
         setup, end_step = engine.setup, engine.Loop.end_step
 
@@ -115,7 +115,7 @@ def record_weights(monkeypatch, backend: str = "accelerate") -> list[dict]:
         monkeypatch.setattr(engine, "setup", recording_setup)
         monkeypatch.setattr(engine.Loop, "end_step", recording_end_step)
     else:
-        from finetune.trainer_backend import BookkeepingCallback
+        from finetune.backends.trainer import BookkeepingCallback
 
         on_train_begin, on_step_end = BookkeepingCallback.on_train_begin, BookkeepingCallback.on_step_end
 

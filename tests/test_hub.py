@@ -1,4 +1,4 @@
-"""``--push_to_hub`` (finetune/hub.py) against huggingface_hub's behaviour without the Hub: ``tests/fake_hub.py``'s
+"""``--push_to_hub`` (finetune/lifecycle/hub.py) against huggingface_hub's behaviour without the Hub: ``tests/fake_hub.py``'s
 ``FakeHfApi`` (its docstring cites the library's source for each behaviour it keeps). What is checked: the refusals
 before training (offline, no token, a refused or read-only token, a foreign namespace), the repository and the files
 each ``--hub_strategy`` uploads after each checkpoint and at the end, in both backends, and that a failing upload
@@ -17,9 +17,9 @@ from fake_hub import FakeHfApi, http_error
 from helpers import assert_user_error, run_in_process, run_script
 from huggingface_hub import constants
 
-from finetune import hub
 from finetune.config import parse_config
 from finetune.errors import FinetuneError
+from finetune.lifecycle import hub
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_a_save_during_a_running_push_is_queued_not_skipped(tmp_path, online, ca
 # ------------------------------------------------------------------------------------------ real runs
 @pytest.fixture
 def fake_api(monkeypatch, online):
-    """Every ``HfApi()`` finetune.hub builds is one ``FakeHfApi`` (returned); a token is set."""
+    """Every ``HfApi()`` finetune.lifecycle.hub builds is one ``FakeHfApi`` (returned); a token is set."""
     monkeypatch.setenv("HF_TOKEN", "hf_fake")
     api = FakeHfApi()
     monkeypatch.setattr(hub, "HfApi", lambda: api)

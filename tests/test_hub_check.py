@@ -23,7 +23,7 @@ TIMEOUT_S = 2.0
 PROBE = f"""
 import json, time
 import huggingface_hub  # imported before the clock starts: only the check itself is timed
-from finetune.data import hub_reachable
+from finetune.data.loading import hub_reachable
 start = time.perf_counter()
 ok = hub_reachable(timeout_s={TIMEOUT_S})
 print(json.dumps({{"reachable": ok, "seconds": time.perf_counter() - start}}))

@@ -26,13 +26,13 @@ def stage(name):
     seen[name] = sorted(m for m in watched if m in sys.modules)
 import finetune.run
 stage("entry point")
-import finetune.launch
+import finetune.commands.launch
 stage("launcher")
-import finetune.resolve, finetune.train, finetune.reporting
+import finetune.lifecycle.resolve, finetune.backends.accelerate, finetune.lifecycle.reporting
 stage("default run")
-import finetune.compare, finetune.lora, finetune.metrics, finetune.trainer_backend
-finetune.compare.pyplot()
-finetune.lora.lora_config(type("C", (), dict(lora_target_modules=None, lora_r=2, lora_alpha=4, lora_dropout=0.0)),
+import finetune.commands.compare, finetune.data.lora, finetune.metrics, finetune.backends.trainer
+finetune.commands.compare.pyplot()
+finetune.data.lora.lora_config(type("C", (), dict(lora_target_modules=None, lora_r=2, lora_alpha=4, lora_dropout=0.0)),
                           "CAUSAL_LM")
 finetune.metrics.load_metric("accuracy")
 stage("lazy paths taken")

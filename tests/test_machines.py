@@ -216,7 +216,7 @@ def _write_checkpoint(output_dir, step: int, processes: int = 2):
     import json
     from dataclasses import asdict
 
-    from finetune import checkpoint as ckpt
+    from finetune.lifecycle import checkpoint as ckpt
 
     final = ckpt.checkpoint_path(output_dir, step)
     tmp = final.parent / f".tmp-{final.name}"
@@ -232,7 +232,7 @@ def _write_checkpoint(output_dir, step: int, processes: int = 2):
 
 def test_the_newest_checkpoint_all_hold():
     """``common_checkpoint``: the newest step in every process's set of resumable checkpoints, or None."""
-    from finetune.checkpoint import common_checkpoint
+    from finetune.lifecycle.checkpoint import common_checkpoint
 
     assert common_checkpoint([{"held": [3, 6]}, {"held": [3]}]) == 3
     assert common_checkpoint([{"held": [3, 6, 9]}, {"held": [6, 9]}, {"held": [3, 6]}]) == 6
@@ -244,9 +244,9 @@ def _agree_auto(rank: int, port: int, root: str, out: str) -> None:
     import json
     import os
 
-    from finetune.checkpoint import agree_on_checkpoint
     from finetune.distributed import process_state
     from finetune.errors import FinetuneError
+    from finetune.lifecycle.checkpoint import agree_on_checkpoint
 
     # each rank a machine of its own (LOCAL_WORLD_SIZE 1), each with its own output dir
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK="0",

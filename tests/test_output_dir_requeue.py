@@ -8,7 +8,7 @@ import pytest
 
 from finetune.config import TrainConfig
 from finetune.errors import FinetuneError
-from finetune.output import check_output_dir
+from finetune.lifecycle.output import check_output_dir
 
 
 def _previous(tmp_path, **values):

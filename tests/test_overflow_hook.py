@@ -70,7 +70,7 @@ def test_only_the_faults_the_environment_asks_for_are_installed():
         return names
 
     assert hooked({}) == [] and hooked({CPU_FP16_ENV: "0", OVERFLOW_STEPS_ENV: " "}) == []
-    assert hooked({CPU_FP16_ENV: "1"}) == ["accelerate.accelerator", "finetune.trainer_backend"]
+    assert hooked({CPU_FP16_ENV: "1"}) == ["accelerate.accelerator", "finetune.backends.trainer"]
     assert hooked({OVERFLOW_STEPS_ENV: "2,3"}) == ["accelerate.accelerator"]
 
 

@@ -18,7 +18,7 @@ import torch
 from helpers import load_params, run_in_process, train_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune import packing
+from finetune.data import packing
 from finetune.errors import FinetuneError
 from finetune.tasks import IGNORE_INDEX, CausalLM
 
@@ -544,7 +544,7 @@ def test_check_data_packing_line_counts_steps_and_padding():
     2 x 10 + 2 x 7 = 34 for 24 tokens (29.4% padding); window_bfd under 12 tokens: bins {10, 2}, {7, 5}."""
     from types import SimpleNamespace
 
-    from finetune.check_data import packing_line
+    from finetune.commands.check_data import packing_line
 
     config = SimpleNamespace(train_sampling_strategy="random", seed=0, max_tokens_per_micro_batch=12,
                              per_device_train_batch_size=2, max_length=16, block_size=None, packing=True,
@@ -582,8 +582,8 @@ def test_the_planner_sizes_the_packing_budget_with_the_plan_micro_batch():
     (the padded micro-batch's most, which the planner's memory probe measured), or the user's own."""
     from types import SimpleNamespace
 
+    from finetune.commands.plan import packing_budget_note
     from finetune.config import parse_config
-    from finetune.plan import packing_budget_note
     from finetune.planner import packing_budget
 
     config = parse_config(["--recipe", "bbc-news-clm", "--packing", "True", "--max_length", "64",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from finetune.plan import main
+from finetune.commands.plan import main
 from finetune.planner.plans import valid_plans
 
 

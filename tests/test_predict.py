@@ -1,4 +1,4 @@
-"""finetune.predict: the library function and the CLI (``python -m finetune.predict``, or ``main()``
+"""finetune.commands.predict: the library function and the CLI (``python -m finetune.commands.predict``, or ``main()``
 in-process) on tiny models: a classifier trained in-process, a random GPT-2, and PEFT adapters on both."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import REPO, assert_user_error, run_in_process
 
+from finetune.commands.predict import Predictor, predict
 from finetune.errors import FinetuneError
-from finetune.predict import Predictor, predict
 
 TEXTS = [
     "Chelsea beat Arsenal 2-1 in the cup final on Saturday.",
@@ -132,9 +132,9 @@ def assert_same_scores(result: dict, expected: dict[str, float], atol: float = 1
 
 
 def run_predict(args: list[str], stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m finetune.predict ARGS`` (in the repository root) with ``stdin`` (text) as its standard input."""
+    """``python -m finetune.commands.predict ARGS`` (in the repository root) with ``stdin`` (text) as its standard input."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "finetune.predict", *args], input=stdin or "",
+    return subprocess.run([sys.executable, "-m", "finetune.commands.predict", *args], input=stdin or "",
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
@@ -144,11 +144,11 @@ def output_lines(result) -> list[list[str]]:
 
 
 def run_main(args: list[str], monkeypatch, capsys, stdin: str = "") -> tuple[int, list[list[str]], str]:
-    """``finetune.predict.main(ARGS)`` in-process (no interpreter start-up): (exit code, stdout lines split
+    """``finetune.commands.predict.main(ARGS)`` in-process (no interpreter start-up): (exit code, stdout lines split
     on tabs, stderr)."""
     import io
 
-    from finetune import predict as predict_module
+    from finetune.commands import predict as predict_module
 
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     capsys.readouterr()
@@ -455,7 +455,7 @@ def test_accelerate_launch_two_processes_gives_the_same_lines(tmp_path, trained)
     single = output_lines(run_predict(["--model", str(trained), "--file", str(tmp_path / "texts.txt")]))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--module", "finetune.predict", "--model", str(trained), "--file", str(tmp_path / "texts.txt")]
+           "--module", "finetune.commands.predict", "--model", str(trained), "--file", str(tmp_path / "texts.txt")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     lines = output_lines(result)
@@ -473,8 +473,8 @@ def test_an_instruction_tuned_model_is_prompted_through_its_chat_template(tmp_pa
     causal-LM run's model still continues raw text."""
     from tiny_models import build_tiny_chat_llama
 
-    from finetune.predict import Predictor
-    from finetune.sft import generate_completions
+    from finetune.commands.predict import Predictor
+    from finetune.data.chat import generate_completions
 
     model_dir = build_tiny_chat_llama(tmp_path / "sft")
     (model_dir / "run_config.json").write_text(json.dumps({"recipe": "bbc-headlines", "max_length": 64}))

@@ -28,7 +28,7 @@ def test_finetune_train_raises_torchruns_shutdown_timeout_to_the_grace(monkeypat
     30 s by default, the grace rounded up with --preemption_grace_seconds, also over PET_SHUTDOWN_TIMEOUT."""
     import torch.distributed.run as distrib_run
 
-    from finetune.launch import train_command
+    from finetune.commands.launch import train_command
 
     timeouts = []
 
@@ -54,7 +54,7 @@ def test_finetune_train_raises_torchruns_shutdown_timeout_to_the_grace(monkeypat
 @pytest.mark.parametrize("value", ["0", "-5", "abc", "inf", "nan"])
 def test_bad_grace_gets_one_error_line(value, tmp_path, tiny_bert, capsys):
     """Through finetune train (before anything is launched) and through the training entry point alike."""
-    from finetune.launch import train_command
+    from finetune.commands.launch import train_command
 
     out = tmp_path / "out"
     assert train_command(["--multi_gpu", "--num_processes", "2", *argv(tiny_bert, out),
@@ -102,7 +102,7 @@ def test_a_sigterm_repeated_at_once_is_the_same_request(monkeypatch, capsys):
 
 
 def test_known_grace_is_the_shorter_of_the_flag_and_torchruns_timeout():
-    from finetune.preemption import known_grace
+    from finetune.lifecycle.preemption import known_grace
 
     torchrun = {"TORCHELASTIC_RUN_ID": "x"}
     assert known_grace(None, {}) is None  # not under torchrun, no flag: nothing is known
@@ -117,7 +117,7 @@ def test_known_grace_is_the_shorter_of_the_flag_and_torchruns_timeout():
 
 
 def test_save_budget_estimates_measures_and_warns_once(tmp_path):
-    from finetune.preemption import PROBE_NAME, SaveBudget, checkpoint_bytes
+    from finetune.lifecycle.preemption import PROBE_NAME, SaveBudget, checkpoint_bytes
 
     model = torch.nn.Linear(256, 256)  # 65,792 fp32 parameters, all trainable: x3 with AdamW's moments
     assert checkpoint_bytes(model) == 3 * 4 * (256 * 256 + 256)

@@ -100,8 +100,9 @@ def test_a_run_leaves_the_group_after_training_and_before_the_final_push(monkeyp
     at a barrier)."""
     import importlib
 
-    from finetune import distributed, resolve, run
+    from finetune import distributed, run
     from finetune.config import parse_config
+    from finetune.lifecycle import resolve
 
     calls = []
 
@@ -111,7 +112,7 @@ def test_a_run_leaves_the_group_after_training_and_before_the_final_push(monkeyp
 
     config = parse_config(["--recipe", "bbc-news", "--output_dir", "out", "--backend", backend])
     monkeypatch.setattr(resolve, "resolve", lambda config: resolve.Resolution(config, None, hub=Hub() if push else None))
-    module = importlib.import_module("finetune.train" if backend == "accelerate" else "finetune.trainer_backend")
+    module = importlib.import_module("finetune.backends.accelerate" if backend == "accelerate" else "finetune.backends.trainer")
     monkeypatch.setattr(module, "train", lambda *a, **k: calls.append("train") or {"optimizer_steps": 1})
     monkeypatch.setattr(distributed, "leave", lambda: calls.append("leave"))
     assert run.run(config) == {"optimizer_steps": 1}
@@ -143,9 +144,10 @@ def test_a_stopped_run_leaves_the_group_once_its_frames_are_gone(monkeypatch, ca
     import gc
     import weakref
 
-    from finetune import distributed, resolve, run
-    from finetune import train as backend
+    from finetune import distributed, run
+    from finetune.backends import accelerate as backend
     from finetune.errors import TrainingStopped
+    from finetune.lifecycle import resolve
 
     class Model:  # stands for the prepared model the training frames hold
         pass
@@ -183,9 +185,10 @@ def test_a_stopped_run_leaves_the_group_once_its_frames_are_gone(monkeypatch, ca
 def test_a_run_that_fails_does_not_wait_at_the_barrier(monkeypatch, capsys):
     """A ``FinetuneError`` from the backend (one ``error:`` line) ends the run without ``leave``: a failing
     process must not block at a barrier its peers may never reach."""
-    from finetune import distributed, resolve, run
-    from finetune import train as backend
+    from finetune import distributed, run
+    from finetune.backends import accelerate as backend
     from finetune.errors import FinetuneError
+    from finetune.lifecycle import resolve
 
     def fail(*args, **kwargs):
         raise FinetuneError("writing checkpoint step_00000001 failed")
@@ -231,9 +234,10 @@ def test_run_leaves_the_group_before_an_error_every_rank_raised_and_not_before_i
     import gc
     import weakref
 
-    from finetune import distributed, resolve, run
-    from finetune import train as backend
+    from finetune import distributed, run
+    from finetune.backends import accelerate as backend
     from finetune.errors import NumericalError, together
+    from finetune.lifecycle import resolve
 
     class Model:
         pass
@@ -266,9 +270,10 @@ def test_run_leaves_the_group_before_an_error_every_rank_raised_and_not_before_i
 def test_an_agreed_check_in_resolve_leaves_the_group(monkeypatch, capsys):
     """An error of ``resolve`` agreed over the processes (``distributed.agree``: after the group started) leaves
     it too; the agreed errors, the empty window and the failed checkpoint commit are marked ``every_rank``."""
-    from finetune import distributed, resolve, run
+    from finetune import distributed, run
     from finetune.errors import FinetuneError
-    from finetune.window import empty_window_error
+    from finetune.lifecycle import resolve
+    from finetune.lifecycle.window import empty_window_error
 
     def agreed(config):
         return distributed.agree(lambda: (_ for _ in ()).throw(FinetuneError("--output_dir out holds another run")))

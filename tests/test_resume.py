@@ -28,7 +28,7 @@ RUN = dict(max_train_samples=40, max_eval_samples=8, per_device_train_batch_size
 def _stop_during_window(monkeypatch, index: int):
     """Send ourselves SIGTERM as the ``index``-th window of the run (0-based, over all epochs) starts:
     an in-process preemption at a known point."""
-    import finetune.train as engine
+    import finetune.backends.accelerate as engine
 
     original = engine.iter_windows
     seen = {"n": 0}
@@ -47,7 +47,7 @@ def _stop_during_window(monkeypatch, index: int):
 def test_resume_mid_epoch_equals_uninterrupted(tmp_path, tiny_bert, monkeypatch):
     """SIGTERM during step 10 (epoch 1, third window): the run finishes that step, checkpoints and stops;
     resuming from 'latest' continues across the next epoch boundary with exactly the uninterrupted losses."""
-    import finetune.train as engine
+    import finetune.backends.accelerate as engine
 
     full_metrics, full = run_in_process(tmp_path, "full", model_name_or_path=tiny_bert, **RUN)
     out = tmp_path / "killed"
@@ -85,7 +85,7 @@ def test_checkpoints_are_pruned_complete_and_refused_without_resume(tmp_path, ti
     # rerunning into the same dir without --resume would throw the checkpoints away: refused
     with pytest.raises(FinetuneError, match="--resume_from_checkpoint latest"):
         from finetune.config import parse_config
-        from finetune.output import check_output_dir
+        from finetune.lifecycle.output import check_output_dir
 
         config = parse_config(["--recipe", "bbc-news", "--output_dir", str(out), "--model_name_or_path", tiny_bert,
                                *[f"--{k}={v}" for k, v in {**RUN, "num_train_epochs": 1,
@@ -102,7 +102,7 @@ def _checkpointed_epoch(shared_runs, tiny_bert, tmp_path, name: str) -> Path:
 
 
 def test_latest_skips_incomplete_and_corrupt_gives_clear_error(tmp_path, tiny_bert, capsys, shared_runs):
-    from finetune.checkpoint import find_resume_checkpoint
+    from finetune.lifecycle.checkpoint import find_resume_checkpoint
 
     out = _checkpointed_epoch(shared_runs, tiny_bert, tmp_path, "ckpt")
     newest = out / "checkpoints" / "step_00000006"

@@ -101,7 +101,7 @@ def test_another_split_of_b_still_resumes_and_the_override_says_what_it_changes(
 
 
 def test_the_fingerprint_ignores_row_order_and_sees_every_change():
-    from finetune.data import training_set_identity
+    from finetune.data.loading import training_set_identity
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]], "labels": [0, 1, 1],
                                        "__row__": ["a", "b", "c"]})
@@ -121,7 +121,7 @@ def test_the_fingerprint_ignores_row_order_and_sees_every_change():
 
 
 def test_a_checkpoint_from_before_the_record_still_resumes():
-    from finetune.elastic import check_training_set
+    from finetune.lifecycle.elastic import check_training_set
 
     now = {"training_set": {"samples": 5, "fingerprint": "00", "validation_file": None}}
     assert check_training_set({}, now, "ckpt", allow=False) is None

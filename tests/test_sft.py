@@ -1,4 +1,4 @@
-"""Instruction fine-tuning (finetune.sft): completion-only labels, truncation, row validation, the task's
+"""Instruction fine-tuning (finetune.data.chat): completion-only labels, truncation, row validation, the task's
 counting and collation, generation, the rouge metric and the bbc-headlines split. Fast unit tests on a
 tiny Llama whose tokenizer carries SmolLM2's chat template; no CLI."""
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 from tiny_models import build_tiny_chat_llama
 
-from finetune.errors import FinetuneError
-from finetune.sft import (
+from finetune.data.chat import (
     IGNORE_INDEX,
     encode_conversation,
     encode_messages,
@@ -20,6 +19,7 @@ from finetune.sft import (
     generation_metrics,
     rows_to_features,
 )
+from finetune.errors import FinetuneError
 from finetune.tasks import SFT_TASK
 
 ARTICLE = ("Shares in the bank rose after the market opened on Monday. " * 3
@@ -76,11 +76,11 @@ def test_labels_are_exactly_the_completion_and_im_end(tok):
 
 
 def test_real_smollm2_template_labels_headline_and_im_end():
-    from finetune.fetch import gguf_package_available, smollm2_gguf_path
+    from finetune.data.fetch import gguf_package_available, smollm2_gguf_path
 
     if not gguf_package_available() or not smollm2_gguf_path().is_file():
-        pytest.skip("SmolLM2 GGUF not fetched (python -m finetune.fetch smollm2-gguf)")
-    from finetune.gguf_model import load_gguf_tokenizer
+        pytest.skip("SmolLM2 GGUF not fetched (python -m finetune.data.fetch smollm2-gguf)")
+    from finetune.data.gguf import load_gguf_tokenizer
 
     smollm2 = load_gguf_tokenizer(smollm2_gguf_path())
     encoded = encode_conversation(smollm2, f"{INSTRUCTION}\n\n{ARTICLE}", HEADLINE, max_length=96)

@@ -75,10 +75,10 @@ def test_completion_only_accumulation_is_exact(tmp_path, chat_llama, sft_files):
     assert sum(r["trained_tokens"] for r in steps_big) == completion_tokens
 
     # per-micro-batch means would weigh short completions more: the first window's mean of means differs
-    from finetune.builders import build_datasets, get_task
     from finetune.config import parse_config
     from finetune.recipes import load_recipe
     from finetune.tasks import SFTCollator
+    from finetune.tasks.builders import build_datasets, get_task
 
     config = parse_config(["--recipe", "bbc-headlines", "--model_name_or_path", chat_llama, "--train_file",
                            sft_files[0], "--validation_file", sft_files[1], "--max_length", "96"])
@@ -140,7 +140,7 @@ def test_every_rank_generates_its_share(monkeypatch, distributed_type):
 
     from accelerate.utils import DistributedType
 
-    import finetune.evaluation as evaluation
+    import finetune.lifecycle.evaluation as evaluation
 
     rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)]
     calls = []

@@ -23,7 +23,7 @@ from finetune.engine.deepspeed import (
     deepspeed_precision,
 )
 from finetune.errors import FinetuneError
-from finetune.run_log import grad_norm_value
+from finetune.lifecycle.run_log import grad_norm_value
 
 FLAGS = dict(max_grad_norm=0.5, micro_batch=8, accumulation_steps=4)
 
@@ -275,8 +275,8 @@ def test_grad_norm_values():
 
 
 def _run_state(precision: str):
-    from finetune.checkpoint import RunProgress
-    from finetune.train import Loop
+    from finetune.backends.accelerate import Loop
+    from finetune.lifecycle.checkpoint import RunProgress
 
     loop = Loop.__new__(Loop)
     loop.built = SimpleNamespace(precision=precision)
@@ -305,7 +305,7 @@ def test_deepspeed_schedule_plan_matches_accelerates_sharding():
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from finetune.window import micro_batches_per_process
+    from finetune.lifecycle.window import micro_batches_per_process
 
     for samples, micro, processes in [(100, 8, 3), (96, 8, 3), (7, 8, 2), (1780, 8, 4)]:
         batches = BatchSampler(SequentialSampler(range(samples)), micro, drop_last=False)
@@ -320,8 +320,8 @@ def test_evaluation_never_splits_a_batch_under_a_sharded_engine(distributed_type
     """An out-of-memory evaluation batch is split and retried on one rank only where no collective runs
     inside the forward: under FSDP (versions 1 and 2 are both DistributedType.FSDP) and DeepSpeed a rank
     retrying alone would desynchronise the all-gathers, so the error propagates instead."""
-    from finetune.builders import get_task
-    from finetune.evaluation import evaluate
+    from finetune.lifecycle.evaluation import evaluate
+    from finetune.tasks.builders import get_task
 
     class Model(torch.nn.Module):
         def forward(self, input_ids, attention_mask):
@@ -498,8 +498,8 @@ def test_ddp_evaluation_never_runs_ddps_forward():
     split-and-retry evaluation stays local to the rank."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from finetune.builders import get_task
-    from finetune.evaluation import evaluate
+    from finetune.lifecycle.evaluation import evaluate
+    from finetune.tasks.builders import get_task
 
     class Inner(torch.nn.Module):
         def forward(self, input_ids, attention_mask):
@@ -630,8 +630,8 @@ def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, bf16: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from finetune import evaluation
     from finetune.distributed import process_state
+    from finetune.lifecycle import evaluation
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ACCELERATE_USE_CPU="1")

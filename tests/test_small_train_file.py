@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import assert_user_error, launch
 
-from finetune.data import load_data_files
+from finetune.data.loading import load_data_files
 from finetune.errors import FinetuneError
 
 TINY = ["--max_steps", "1", "--max_length", "32", "--per_device_train_batch_size", "2"]

@@ -19,7 +19,7 @@ def test_dataloader_workers_give_identical_training(tmp_path, tiny_bert):
 
 
 def test_mfu_formula_and_named_peaks():
-    from finetune.flops import model_flops_utilization, peak_flops
+    from finetune.lifecycle.flops import model_flops_utilization, peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3")[0] == 989.4e12
     assert "datasheet" in peak_flops("NVIDIA H200")[1]
@@ -32,7 +32,7 @@ def test_mfu_formula_and_named_peaks():
 def test_length_grouped_sampler_is_a_seeded_permutation_sorted_within_mega_batches():
     from accelerate.data_loader import SeedableRandomSampler
 
-    from finetune.window import EpochSeededLengthGroupedSampler
+    from finetune.lifecycle.window import EpochSeededLengthGroupedSampler
 
     lengths = [(i * 37) % 101 + 1 for i in range(400)]
     sampler = EpochSeededLengthGroupedSampler(8, lengths, seed=5)

@@ -12,7 +12,7 @@ import torch
 from helpers import read_log, run_in_process
 from transformers import AutoModelForCausalLM
 
-from finetune.flops import matmul_parameters, training_flops_per_token
+from finetune.lifecycle.flops import matmul_parameters, training_flops_per_token
 
 
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])
@@ -72,9 +72,9 @@ def _tiny_causal_lm(**overrides):
 def test_mfu_is_per_gpu_the_same_at_any_process_count(monkeypatch):
     """The same speed on each GPU is the same MFU on 1 or 2 processes: the counts are over all processes, so
     they are divided by num_processes x one GPU's peak (before the fix: P = 2 reported twice P = 1's)."""
-    from finetune import reporting
-    from finetune.checkpoint import RunProgress
     from finetune.config import TrainConfig
+    from finetune.lifecycle import reporting
+    from finetune.lifecycle.checkpoint import RunProgress
 
     # a CUDA device whose peak is 1e8 FLOP/s (a CPU has none): scaled to the tiny model, so MFU is far from 0
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")

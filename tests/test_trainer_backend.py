@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import run_in_process, train_steps
 
+from finetune.backends.trainer import training_arguments
 from finetune.config import TrainConfig, parse_config
 from finetune.errors import FinetuneError
-from finetune.trainer_backend import training_arguments
 
 # Fields that configure the run the same way in both engines, with TrainingArguments' names.
 SHARED = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -80,10 +80,10 @@ def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
     logged loss (and the gradient) is N times the mean loss per sample."""
     from transformers import AutoModelForSequenceClassification, Trainer
 
-    from finetune.builders import build_datasets, get_task
-    from finetune.data import load_tokenizer
+    from finetune.backends.trainer import training_arguments
+    from finetune.data.loading import load_tokenizer
     from finetune.recipes import load_recipe
-    from finetune.trainer_backend import training_arguments
+    from finetune.tasks.builders import build_datasets, get_task
 
     _, ours = run_in_process(tmp_path, "ours", backend="trainer", model_name_or_path=tiny_bert, max_train_samples=16,
                              max_eval_samples=4, per_device_train_batch_size=2, gradient_accumulation_steps=4,
@@ -172,8 +172,8 @@ def test_trainer_auto_resume_never_starts_over_checkpoints_it_cannot_resume(tmp_
     interrupted: skipped with a warning for the previous one. Where none can be resumed, or only the accelerate
     backend's ``step_*`` checkpoints are there, it refuses naming them (a fresh start would delete or write over
     them)."""
-    from finetune import checkpoint as ckpt
-    from finetune.progress import RunProgress
+    from finetune.lifecycle import checkpoint as ckpt
+    from finetune.lifecycle.progress import RunProgress
 
     root = tmp_path / "checkpoints"
     for step in (2, 4, 10):
@@ -203,8 +203,8 @@ def test_trainer_auto_resume_never_starts_over_checkpoints_it_cannot_resume(tmp_
 def test_a_sealed_trainer_checkpoint_that_changed_is_damaged(tmp_path, capsys):
     """The mutant for the Trainer checkpoint's manifest: a sealed ``checkpoint-N`` whose optimizer file was cut
     short after sealing is skipped by ``latest`` (the previous one resumes) and refused by path, naming the file."""
-    from finetune import checkpoint as ckpt
-    from finetune.progress import RunProgress
+    from finetune.lifecycle import checkpoint as ckpt
+    from finetune.lifecycle.progress import RunProgress
 
     root = tmp_path / "checkpoints"
     for step in (1, 2):

@@ -15,7 +15,7 @@ from faults.finetune_faults import install_inexact_trainer_packer, install_learn
 from helpers import REPO, fault_env, launch, leave_records
 from tiny_models import build_tiny_chat_llama, build_tiny_moe, write_variable_length_texts
 
-from finetune import verify
+from finetune.commands import verify
 from finetune.errors import FinetuneError
 
 TESTS = REPO / "tests"
@@ -110,7 +110,7 @@ def test_two_processes_verify_exact_through_the_launcher(tmp_path, recipe, tiny_
     leaves = tmp_path / "leaves"
     leaves.mkdir()
     result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, "--output_dir", str(out)],
-                    num_processes=2, module="finetune.verify", env=fault_env(leave_log=str(leaves)))
+                    num_processes=2, module="finetune.commands.verify", env=fault_env(leave_log=str(leaves)))
     report = json.loads((out / "verify.json").read_text())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # after all its in-process runs, each process ended the group in leave(): no run's model outlived it

@@ -13,8 +13,8 @@ from faults.mutants import MUTANTS, install_mutant, mutated_source
 from helpers import REPO, fault_env, launch
 from test_verify import SMALL, rows, run_verify
 
-import finetune.train
-from finetune import verify
+import finetune.backends.accelerate
+from finetune.commands import verify
 
 
 def assert_caught(code: int, report: dict, mutant: str) -> None:
@@ -23,7 +23,7 @@ def assert_caught(code: int, report: dict, mutant: str) -> None:
 
 
 def test_every_mutant_changes_the_loop_where_it_says():
-    source = inspect.getsource(finetune.train)
+    source = inspect.getsource(finetune.backends.accelerate)
     for name, lines in MUTANTS.items():
         changed = mutated_source(name, source)
         assert changed != source and all(changed.count(new) == 1 for _, new in lines), name
@@ -83,7 +83,7 @@ def test_a_wrong_engine_on_two_processes_is_caught(tmp_path, tiny_bert, tiny_lla
     data = [] if recipe == "bbc-news" else ["--train_file", clm_texts[0], "--validation_file", clm_texts[1]]
     env = {**fault_env(), "FAULT_MUTANT": mutant}
     result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, *data, "--output_dir", str(out)],
-                    num_processes=2, module="finetune.verify", env=env)
+                    num_processes=2, module="finetune.commands.verify", env=env)
     report = json.loads((out / "verify.json").read_text())
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert_caught(1, report, mutant)

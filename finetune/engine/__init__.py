@@ -18,8 +18,8 @@ from accelerate.utils import (
 from finetune.engine.deepspeed import DeepSpeedEngine, parameter_numel, parameter_shape
 from finetune.engine.fsdp import FsdpEngine, fsdp1_full_sizes
 from finetune.engine.plain import PlainEngine, build_optimizer, parameter_groups
+from finetune.engine.precision import check_precision_supported
 from finetune.errors import FinetuneError
-from finetune.precision import check_precision_supported
 
 __all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_class", "engine_for", "make_accelerator", "build_optimizer",
            "parameter_groups", "parameter_counts", "parameter_sizes", "parameter_shape"]

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from finetune.data.lora import is_peft_model, save_adapter, save_pretrained_here
+from finetune.engine.precision import effective_mixed_precision
 from finetune.errors import FinetuneError
-from finetune.lora import is_peft_model, save_adapter, save_pretrained_here
-from finetune.precision import effective_mixed_precision
 
 # transformers' get_scheduler is imported where a schedule is built: its module (transformers.optimization) imports
 # transformers.trainer_utils, which imports peft, seconds that the batch planner's probes do not need.
@@ -60,7 +60,7 @@ class PlainEngine:
     generation_synced = False  # the weights are whole on every rank: each generates alone
     eval_may_split_batch = True  # no collective inside the forward: a rank may retry half a batch alone
     # every process must run as many micro-batches in a window (a collective in each forward or backward): a
-    # packed window keeps its N micro-batches (finetune.packing), or processes would wait on each other forever
+    # packed window keeps its N micro-batches (finetune.data.packing), or processes would wait on each other forever
     lockstep_windows = False
     local_backward = True  # a backward runs on one process alone, no collective inside (verify's determinism check)
     shards_weights = False  # the engine places and shards the model itself (Trainer leaves it where it was loaded)

@@ -16,7 +16,7 @@ taken.
   same plan.
 
 ``plan_for`` is the entry: it returns the plan and edits nothing; ``apply_plan`` builds the run's config from
-it (``finetune.resolve`` does both for every command).
+it (``finetune.lifecycle.resolve`` does both for every command).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def apply_plan(config, plan: BatchPlan):
 def packing_budget(config, plan: BatchPlan) -> int:
     """``--packing``'s positions per micro-batch under ``plan`` (``packing.budget`` with the plan's micro-batch: by
     default m x ``--max_length``, so the memory probed for the plan's micro-batch bounds it)."""
-    from finetune.packing import budget
+    from finetune.data.packing import budget
 
     return budget(dataclasses.replace(config, per_device_train_batch_size=plan.per_device_train_batch_size))
 

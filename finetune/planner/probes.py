@@ -21,13 +21,13 @@ import psutil
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
-from finetune.builders import build_model, get_task
-from finetune.chunked_loss import DEFAULT_CHUNK_SIZE
 from finetune.distributed import local_process_count, world_size
 from finetune.engine import build_optimizer
 from finetune.errors import FinetuneError
-from finetune.loss import loss_function
 from finetune.planner.plans import Lever, estimate_fits_from_memory
+from finetune.tasks.builders import build_model, get_task
+from finetune.tasks.chunked_loss import DEFAULT_CHUNK_SIZE
+from finetune.tasks.loss import loss_function
 
 
 def saved_storages(run_step: Callable[[], "object"]) -> tuple[dict[int, int], "object"]:

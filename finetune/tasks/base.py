@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from finetune.data import IGNORE_INDEX  # noqa: F401 - the label value every loss skips; re-exported here
+from finetune.data.loading import IGNORE_INDEX  # noqa: F401 - the label value every loss skips; re-exported here
 
 
 class Task(Protocol):
@@ -19,8 +19,8 @@ class Task(Protocol):
 
     name: str  # a recipe's TASK
     counts_tokens: bool  # items are label tokens (the log counts trained tokens)
-    packs: bool  # --packing/--padding_free may pack its samples (finetune.packing)
-    chunked_loss: bool  # --loss_chunk_size may compute its loss in chunks (finetune.chunked_loss)
+    packs: bool  # --packing/--padding_free may pack its samples (finetune.data.packing)
+    chunked_loss: bool  # --loss_chunk_size may compute its loss in chunks (finetune.tasks.chunked_loss)
     chat: bool  # rows are conversations rendered with the chat template (TRL's formats)
     class_labels: bool  # one class label per sample (stratified hold-out, label names, label counts)
     peft_task_type: str  # peft's ``TaskType`` name for LoRA

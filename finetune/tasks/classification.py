@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithPadding
 
-from finetune.data import IGNORE_INDEX, load_classifier, load_data_files, tokenize_datasets
+from finetune.data.loading import IGNORE_INDEX, load_classifier, load_data_files, tokenize_datasets
 from finetune.metrics import load_metric
 from finetune.tasks.base import split_labels, with_auxiliary
 
@@ -24,7 +24,7 @@ class SequenceClassification:
     probe_label_names = ["a", "b"]
 
     def load_model(self, config, label_names):
-        """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.load_classifier``)."""
+        """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.loading.load_classifier``)."""
         return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout,
                                attn_implementation=config.attn_implementation)
 

@@ -1,4 +1,4 @@
-"""Instruction tuning (SFT): TRL-format conversations rendered with the chat template (``finetune.sft``),
+"""Instruction tuning (SFT): TRL-format conversations rendered with the chat template (``finetune.data.chat``),
 completion-only labels; the causal-LM task on them. Items = trained completion tokens."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import datasets
 import torch
 
-from finetune.data import IGNORE_INDEX, load_conversation_files
-from finetune.sft import check_conversation_rows, rows_to_features
+from finetune.data.chat import check_conversation_rows, rows_to_features
+from finetune.data.loading import IGNORE_INDEX, load_conversation_files
 from finetune.tasks.causal_lm import CausalLM
 
 

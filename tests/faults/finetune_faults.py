@@ -9,7 +9,7 @@ Four faults, and one observer (``FAULT_SYNC_LOG``, ``install_sync_log``: which b
   gives a GPU: fp16 autocast and a ``torch.amp.GradScaler("cpu")``, so CI exercises the fp16 code paths
   (loss scaling, unscale before clipping, overflow skips). Wraps ``Accelerator.__init__``, so it reaches
   every Accelerator: the accelerate engine's and ``transformers.Trainer``'s. For the Trainer backend it
-  also wraps ``finetune.trainer_backend.training_arguments``, which asks Trainer for fp16 only on CUDA
+  also wraps ``finetune.backends.trainer.training_arguments``, which asks Trainer for fp16 only on CUDA
   (see ``install_trainer_fp16``: the one patch point outside the libraries). fp16 matmuls are ~50x slower
   than fp32 on a CPU: tiny models only.
 - forced overflow (``FAULT_OVERFLOW_STEPS=2,3``): on those optimizer steps (1-based) every micro-batch's
@@ -74,7 +74,7 @@ def enable_cpu_fp16(accelerator) -> bool:
     ``scaler`` None (``accelerate/accelerator.py`` lines 563-584: the fp16 branch requires
     ``device.type != "cpu"``), so it runs fp32. Setting ``native_amp`` makes ``accelerator.autocast()`` and
     the forward that ``prepare()`` wraps run ``torch.autocast("cpu", dtype=torch.float16)`` (so
-    ``finetune.precision.effective_mixed_precision`` measures "fp16"), and ``unscale_gradients`` /
+    ``finetune.engine.precision.effective_mixed_precision`` measures "fp16"), and ``unscale_gradients`` /
     ``clip_grad_norm_`` unscale; ``scaler`` is what ``backward`` scales the loss with (line 2857) and what
     ``prepare()`` hands the ``AcceleratedOptimizer`` (whose ``step`` calls ``scaler.step`` and
     ``scaler.update``), and what ``save_state``/``load_state`` (and Trainer's ``_save_scaler``) checkpoint.
@@ -107,7 +107,7 @@ def install_cpu_fp16(set_attr=setattr, accelerator_class=None) -> None:
 
 
 def install_trainer_fp16(set_attr=setattr, trainer_backend=None) -> None:
-    """Wrap ``finetune.trainer_backend.training_arguments`` (``trainer_backend``: that module) so that fp16
+    """Wrap ``finetune.backends.trainer.training_arguments`` (``trainer_backend``: that module) so that fp16
     asked for on a CPU gives ``TrainingArguments(fp16=True)``, as on a GPU.
 
     finetune asks Trainer for fp16 only where it runs (a CUDA device): on a CPU the request becomes
@@ -118,7 +118,7 @@ def install_trainer_fp16(set_attr=setattr, trainer_backend=None) -> None:
     ``__post_init__`` sets ``mixed_precision = "fp16"`` (``transformers/training_args.py`` lines 1614-1616),
     which Trainer passes to its Accelerator (``trainer.py`` line 744)."""
     if trainer_backend is None:
-        import finetune.trainer_backend as trainer_backend
+        import finetune.backends.trainer as trainer_backend
     original = trainer_backend.training_arguments
 
     @functools.wraps(original)
@@ -358,10 +358,10 @@ def install_learning_rate(accumulation: int, factor: float, set_attr=setattr, pl
 def install_inexact_trainer_packer(set_attr=setattr, trainer_backend=None) -> None:
     """Break the Trainer backend's packing: its packer built with ``exact=False`` (a packed window's micro-batch
     count then differs from the window's, and Trainer, which counts micro-batches to find the optimizer step, steps
-    at the wrong places: 2 optimizer steps instead of 4 in issue 36). ``finetune.packing`` itself is untouched:
+    at the wrong places: 2 optimizer steps instead of 4 in issue 36). ``finetune.data.packing`` itself is untouched:
     the Trainer backend gets a view of it whose ``packer_for`` ignores ``exact``."""
     if trainer_backend is None:
-        import finetune.trainer_backend as trainer_backend
+        import finetune.backends.trainer as trainer_backend
     real = trainer_backend.packing
 
     class InexactPacking:
@@ -400,7 +400,7 @@ def after_import(name: str, callback) -> None:
 def install_on_import(environ=None, after=after_import) -> None:
     """For ``sitecustomize``: install the faults the environment asks for, each when the process imports
     the module it wraps (``after``: ``after_import``). ``FAULT_CPU_FP16=1``: ``install_cpu_fp16`` on
-    ``accelerate.accelerator`` and ``install_trainer_fp16`` on ``finetune.trainer_backend``;
+    ``accelerate.accelerator`` and ``install_trainer_fp16`` on ``finetune.backends.trainer``;
     ``FAULT_OVERFLOW_STEPS``: ``install_overflow`` on ``accelerate.accelerator``; ``FAULT_SAVE_ERROR``:
     ``install_save_error`` on ``accelerate.checkpointing``. Nothing is imported, and nothing changes, when no
     fault is asked for. A malformed ``FAULT_OVERFLOW_STEPS`` or ``FAULT_SAVE_ERROR`` fails the import of
@@ -408,7 +408,7 @@ def install_on_import(environ=None, after=after_import) -> None:
     environ = os.environ if environ is None else environ
     if environ.get(CPU_FP16_ENV) == "1":
         after("accelerate.accelerator", lambda module: install_cpu_fp16(accelerator_class=module.Accelerator))
-        after("finetune.trainer_backend", lambda module: install_trainer_fp16(trainer_backend=module))
+        after("finetune.backends.trainer", lambda module: install_trainer_fp16(trainer_backend=module))
     value = environ.get(OVERFLOW_STEPS_ENV, "")
     if value.strip():
         after("accelerate.accelerator",
@@ -421,7 +421,7 @@ def install_on_import(environ=None, after=after_import) -> None:
     if mutant.strip():  # a wrong accelerate backend for verify (tests/faults/mutants.py)
         from mutants import mutate
 
-        after("finetune.train", lambda module: mutate(module, mutant.strip()))
+        after("finetune.backends.accelerate", lambda module: mutate(module, mutant.strip()))
     sync_log = environ.get(SYNC_LOG_ENV, "")
     if sync_log.strip():
         after("accelerate.accelerator",

@@ -1,4 +1,4 @@
-"""Wrong engines for ``finetune verify`` to catch: copies of the accelerate backend's loop (``finetune/train.py``)
+"""Wrong engines for ``finetune verify`` to catch: copies of the accelerate backend's loop (``finetune/backends/accelerate.py``)
 with one normalisation line changed, as a user's bad luck or a future regression would change it. Each mutant
 is a list of (line as it stands, line as the mutant has it); ``mutate`` applies them to the module's source (each
 must match exactly once, so a mutant that no longer applies fails loudly instead of testing the clean engine)
@@ -40,7 +40,7 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     "own-items": [(COUNT, COUNT + "; own_items = sum(task.count(b) for b in window)"),
                   (CORRECT, "scaled = loss_sum * (K / own_items)")],
     "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(batch).clamp(min=1)")],
-    # small: the size verify's calibrated small controls claim to detect (finetune.verify.SMALL_CONTROLS)
+    # small: the size verify's calibrated small controls claim to detect (finetune.commands.verify.SMALL_CONTROLS)
     "micro-batch-1%": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (1.01 if batch is micro_batches[0] "
                                  "else 1.0)")],
     "last-window-1.5%": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (1.015 if len(window) < N else 1.0)")],
@@ -58,18 +58,18 @@ SYNC_MUTANTS: dict[str, list[tuple[str, str]]] = {
 
 
 def mutated_source(name: str, source: str) -> str:
-    """``source`` (``finetune/train.py``) with mutant ``name``'s lines changed (``MUTANTS`` or ``SYNC_MUTANTS``).
+    """``source`` (``finetune/backends/accelerate.py``) with mutant ``name``'s lines changed (``MUTANTS`` or ``SYNC_MUTANTS``).
     Raises ``KeyError`` for an unknown mutant, ``ValueError`` when a line to change is not in the source exactly
     once."""
     for old, new in {**MUTANTS, **SYNC_MUTANTS}[name]:
         if source.count(old) != 1:
-            raise ValueError(f"mutant {name}: {old!r} occurs {source.count(old)} times in finetune/train.py")
+            raise ValueError(f"mutant {name}: {old!r} occurs {source.count(old)} times in finetune/backends/accelerate.py")
         source = source.replace(old, new)
     return source
 
 
 def mutate(module, name: str, set_attr=setattr) -> None:
-    """Run mutant ``name`` of ``module`` (``finetune.train``): its source changed, executed in a namespace of
+    """Run mutant ``name`` of ``module`` (``finetune.backends.accelerate``): its source changed, executed in a namespace of
     its own, and every function and class of the module replaced by the mutant's (``set_attr``)."""
     namespace = {"__name__": module.__name__, "__file__": module.__file__}
     exec(compile(mutated_source(name, inspect.getsource(module)), module.__file__, "exec"), namespace)
@@ -80,6 +80,6 @@ def mutate(module, name: str, set_attr=setattr) -> None:
 
 def install_mutant(name: str, set_attr=setattr) -> None:
     """Mutant ``name`` in this process (``set_attr``: pytest's ``monkeypatch.setattr``)."""
-    import finetune.train
+    import finetune.backends.accelerate
 
-    mutate(finetune.train, name, set_attr)
+    mutate(finetune.backends.accelerate, name, set_attr)

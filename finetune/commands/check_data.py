@@ -1,0 +1,262 @@
+"""``finetune check-data``: the data as training will see it, before paying for a run.
+
+    finetune check-data --recipe NAME [data flags] [--samples K] [--accept_problems]
+
+Without loading the model's weights: the splits are loaded and tokenized as training does them
+(``builders.raw_datasets``, the task's tokenizer), then printed: a few samples with the trained tokens marked
+(colour on a terminal, ``[[...]]`` otherwise), token lengths (percentiles), the share truncated and how much was
+cut, the padding at the run's micro-batch and sampling strategy, the label or completion-length distribution,
+and problems: rows repeated within a split and between training and validation (exactly, and after
+whitespace/case normalisation), empty completions, completions whose end-of-turn token (the ids generation stops
+on) is not trained, samples with nothing trained. Exit 1 for a problem that makes the run wrong (leakage between
+the splits, empty completions, samples with nothing trained, an untrained end-of-turn token) unless
+``--accept_problems``; 0 when clean; 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+
+import torch
+import transformers
+from transformers import GenerationConfig
+
+from finetune.argv import take_switch, take_values, wants_help
+from finetune.config import parse_config
+from finetune.data.chat import check_conversation_rows, require_chat_template
+from finetune.data.loading import load_tokenizer
+from finetune.data.packing import budget as packing_budget
+from finetune.data.packing import flag_of, packing_summary, row_length
+from finetune.errors import FinetuneError
+from finetune.lifecycle.window import EpochSeededLengthGroupedSampler
+from finetune.recipes import load_recipe
+from finetune.tasks.builders import get_task, raw_datasets
+
+FATAL = ("between the splits", "empty completion", "nothing trained", "end-of-turn token not trained")
+
+
+def normalise(text: str) -> str:
+    """Lower case, whitespace collapsed: what "the same text" means for near-duplicates."""
+    return " ".join(str(text).lower().split())
+
+
+def row_text(row: dict, columns) -> str:
+    """A raw row's text: its text columns joined (prompt/completion/messages for SFT)."""
+    present = [c for c in ("prompt", "completion", "messages", *columns) if c in row]
+    return " || ".join(json.dumps(row[c]) if not isinstance(row[c], str) else row[c] for c in dict.fromkeys(present))
+
+
+def duplicates(train: list[str], validation: list[str]) -> dict:
+    """Counts of rows repeating an earlier row of their split, and of validation rows also in training, each
+    exactly and after ``normalise`` (first examples kept, as indices)."""
+    found = {}
+    for how, key in (("exact", lambda t: t), ("normalised", normalise)):
+        for split, texts in (("train", train), ("validation", validation)):
+            seen, repeats = set(), []
+            for i, text in enumerate(texts):
+                k = key(text)
+                if k in seen:
+                    repeats.append(i)
+                seen.add(k)
+            found[f"within {split} ({how})"] = repeats
+        train_keys = {key(t) for t in train}
+        found[f"between the splits ({how})"] = [i for i, t in enumerate(validation) if key(t) in train_keys]
+    return found
+
+
+def empty_completion(row: dict) -> bool:
+    """Whether an SFT row has nothing to learn but the end-of-turn token: an empty ``completion``, or an empty
+    assistant message (``completion`` or ``messages`` as lists of messages)."""
+    completion = row.get("completion")
+    if isinstance(completion, str) or (completion is None and "completion" in row):
+        return not (completion or "").strip()
+    messages = completion if isinstance(completion, list) else row.get("messages") or []
+    return any(isinstance(m, dict) and m.get("role") == "assistant" and not str(m.get("content") or "").strip()
+               for m in messages)
+
+
+def render(tokenizer, ids: list[int], trained: list[bool] | None, colour: bool) -> str:
+    """The sample's text, trained spans marked: green on a terminal, else ``[[...]]``."""
+    if trained is None:
+        return tokenizer.decode(ids)
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or trained[i] != trained[start]:
+            text = tokenizer.decode(ids[start:i])
+            out.append((f"\033[32m{text}\033[0m" if colour else f"[[{text}]]") if trained[start] else text)
+            start = i
+    return "".join(out)
+
+
+def percentiles(values: list[int]) -> str:
+    """"min, p50, p90, p99, max" of ``values`` (nearest rank), or "-" for none."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return f"min {ordered[0]}, p50 {pick(0.5)}, p90 {pick(0.9)}, p99 {pick(0.99)}, max {ordered[-1]}"
+
+
+def training_order(lengths: list[int], strategy: str, global_batch: int, seed: int) -> list[int]:
+    """Sample indices in the first epoch's training order (the seeded random order, or ``group_by_length``)."""
+    if strategy == "group_by_length":
+        return list(iter(EpochSeededLengthGroupedSampler(global_batch, lengths, seed)))
+    return torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def packing_line(config, lengths: list[int], global_batch: int) -> str:
+    """What ``--padding_free``/``--packing`` do to the first epoch's steps on one process (``global_batch`` samples
+    per step): micro-batches per step, tokens per micro-batch, the padding fraction before and after
+    (``packing.packing_summary``)."""
+    order = [lengths[i] for i in training_order(lengths, config.train_sampling_strategy, global_batch, config.seed)]
+    budget = packing_budget(config)
+    summary = packing_summary([order[i:i + global_batch] for i in range(0, len(order), global_batch)],
+                              config.per_device_train_batch_size, budget if config.packing else None,
+                              config.packing_strategy if config.packing else None, row_length(config),
+                              exact=config.backend == "trainer")
+    return (f"Packing ({flag_of(config)}" + (f", rows of at most {row_length(config)} tokens, at most {budget} "
+                                             "positions per micro-batch" if config.packing else "")
+            + f"): {summary['micro_batches_per_step']:.1f} micro-batches per step (max "
+            f"{summary['max_micro_batches_per_step']}), {summary['tokens_per_micro_batch']:.0f} tokens per micro-batch "
+            f"(max {summary['max_tokens_per_micro_batch']}); padding {summary['padding_fraction_before']:.1%} of "
+            f"positions before, {summary['padding_fraction_after']:.1%} after")
+
+
+def padding_fraction(lengths: list[int], micro_batch: int, strategy: str, global_batch: int, seed: int) -> float:
+    """Padding positions / all positions when ``lengths`` (tokens) are batched as training orders them (the
+    seeded random order, or ``group_by_length``) in micro-batches padded to their longest sample."""
+    order = training_order(lengths, strategy, global_batch, seed)
+    real = padded = 0
+    for i in range(0, len(order), micro_batch):
+        batch = [lengths[j] for j in order[i:i + micro_batch]]
+        real += sum(batch)
+        padded += len(batch) * max(batch)
+    return 1 - real / padded if padded else 0.0
+
+
+def stop_ids(tokenizer, model_path: str) -> list[int]:
+    """The ids generation stops on: the model's ``generation_config.eos_token_id``, else the tokenizer's."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]]]:  # noqa: C901 - over the budget; to split
+    """The report (text) and the problems found, (name, count). Raises ``FinetuneError`` for data that cannot
+    be read."""
+    recipe = load_recipe(config.recipe)
+    task = get_task(recipe.TASK)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    if task.chat:
+        require_chat_template(tokenizer)
+    raw = raw_datasets(recipe, config, task, check=False)
+    empty = {}
+    if task.chat:  # found and set aside: the encoder refuses them, and the rest is still worth a look
+        for split in ("train", "validation"):
+            empty[split] = [i for i, r in enumerate(raw[split]) if empty_completion(r)]
+            raw[split] = raw[split].filter(lambda r: not empty_completion(r))
+            check_conversation_rows(raw[split])  # anything else wrong with a row: its file and line
+    try:
+        tokenized = task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS)
+    except FinetuneError as err:
+        if "end-of-turn" not in str(err):
+            raise
+        # the template closes no assistant turn with a special token: nothing could teach the model to stop
+        report = f"check-data: {recipe.NAME}: {err}\n\nProblems:\n  FAIL  end-of-turn token not trained: {len(raw['train'])}"
+        return report, [("end-of-turn token not trained", len(raw["train"]))]
+    train = tokenized["train"]
+    lines = [f"check-data: {recipe.NAME}: {len(raw['train'])} training and {len(raw['validation'])} validation rows "
+             f"({len(train)} training samples after tokenizing), tokenizer {config.model_name_or_path}"]
+    lines.append("\nSamples (trained tokens " + ("in green" if colour else "in [[...]]") + "):")
+    for i in range(min(samples, len(train))):
+        row = train[i]
+        label = f"  label: {raw['train'].features['label'].names[row['labels']]}" if task.class_labels and \
+            hasattr(raw["train"].features.get("label"), "names") else ""
+        text = render(tokenizer, row["input_ids"], task.trained_positions(row), colour)
+        lines.append(f"--- sample {i}{label}\n{text if len(text) <= 600 else text[:300] + ' ... ' + text[-300:]}")
+    lengths = [len(ids) for ids in train["input_ids"]]
+    limit = config.block_size or config.max_length
+    lines.append(f"\nLengths (tokens): {percentiles(lengths)}")
+    if not task.chat and not config.block_size:
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # "longer than the maximum sequence length": what is measured
+        full = [len(ids) for ids in tokenizer(*[list(raw["train"][c]) for c in recipe.TEXT_COLUMNS])["input_ids"]]
+        transformers.logging.set_verbosity(verbosity)
+        cut = [f - limit for f in full if f > limit]
+        lines.append(f"Truncated at --max_length {limit}: {len(cut)} of {len(full)} ({len(cut) / max(len(full), 1):.1%})"
+                     + (f", {sum(cut) / len(cut):.0f} tokens cut on average (up to {max(cut)})" if cut else ""))
+    else:
+        at_limit = sum(length >= limit for length in lengths)
+        lines.append(f"At the limit of {limit} tokens: {at_limit} of {len(lengths)} ({at_limit / max(len(lengths), 1):.1%})"
+                     + (" (prompts are cut to fit; completions never)" if task.chat else ""))
+    global_batch = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    lines.append(f"Padding at micro-batch {config.per_device_train_batch_size} ({config.train_sampling_strategy}): "
+                 f"{padding_fraction(lengths, config.per_device_train_batch_size, config.train_sampling_strategy, global_batch, config.seed):.1%} of positions")
+    if config.padding_free or config.packing:
+        lines.append(packing_line(config, lengths, global_batch))
+    problems = []
+    if task.class_labels:
+        names = getattr(raw["train"].features.get("label"), "names", None)
+        for split in ("train", "validation"):
+            counts = Counter(raw[split]["label"])
+            shown = ", ".join(f"{names[k] if names else k} {v}" for k, v in sorted(counts.items()))
+            lines.append(f"Labels ({split}): {shown}")
+    else:
+        trained = [sum(mask) for mask in (task.trained_positions(r) for r in train)]
+        lines.append(f"Trained tokens per sample: {percentiles(trained)}")
+        problems.append(("nothing trained", sum(t == 0 for t in trained)))
+    if task.chat:
+        stops = stop_ids(tokenizer, config.model_name_or_path)
+        untrained = sum(not any(t in stops for t, m in zip(r["input_ids"], task.trained_positions(r)) if m)
+                        for r in train)
+        problems.append(("end-of-turn token not trained", untrained))
+        problems.append(("empty completion", sum(len(rows) for rows in empty.values())))
+        lines += [f"Empty completions ({split}): rows {rows[:10]}" for split, rows in empty.items() if rows]
+    texts = {s: [row_text(r, recipe.TEXT_COLUMNS) for r in raw[s]] for s in ("train", "validation")}
+    for name, rows in duplicates(texts["train"], texts["validation"]).items():
+        problems.append((name, len(rows)))
+    lines.append("\nProblems:")
+    found = [(n, c) for n, c in problems if c]
+    for name, count in problems:
+        fatal = any(name.startswith(f) for f in FATAL)
+        lines.append(f"  {'FAIL' if count and fatal else 'warn' if count else 'ok  '}  {name}: {count}")
+    if not found:
+        lines.append("  none: the data is clean")
+    return "\n".join(lines), found
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``finetune check-data``: prints the report; 1 for a problem that makes the run wrong (unless
+    ``--accept_problems``), 0 when clean or only warned, 2 with one ``error:`` line for bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(__doc__)
+        return 0
+    accept, rest = take_switch(argv, "--accept_problems")
+    values, rest = take_values(rest, "--samples", joined=False)
+    samples = 3
+    for value in values:
+        samples = int(value) if value is not None and value.isdigit() else -1
+    try:
+        if samples < 0:
+            raise FinetuneError("--samples must be a number of samples to show (0 or more).")
+        report, found = check(parse_config(rest), samples, sys.stdout.isatty())
+    except FinetuneError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    print(report)
+    fatal = [(n, c) for n, c in found if any(n.startswith(f) for f in FATAL)]
+    if fatal and not accept:
+        print(f"check-data: {len(fatal)} problem(s) that make the run wrong: "
+              + "; ".join(f"{n} ({c})" for n, c in fatal) + ". Fix the data, or pass --accept_problems.")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""``finetune plan``: the batch planner's table without training.
+
+    finetune plan [accelerate launcher flags] --recipe NAME --total_batch_size B [training flags] [--time]
+
+Every exact plan of B (micro-batch x accumulation x processes) under every lever setting the planner considers
+(activation checkpointing off/on; for causal LM the plain and the chunked loss), with the memory estimated from
+the model and a probe pass: weights, gradients, optimizer state and activations, each shown, and whether it fits.
+``--time`` adds the timing probes and the plan ``--auto_find_batch_size`` would choose (the same table). On a GPU,
+where fitting is an out-of-memory probe, the probe's measured peak stands beside the estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from finetune import distributed
+from finetune.argv import take_switch, wants_help
+from finetune.config import parse_config
+from finetune.data.packing import budget as packing_budget
+from finetune.data.packing import row_length
+from finetune.errors import FinetuneError, reports_errors
+from finetune.lifecycle.resolve import resolve
+from finetune.planner import probe_and_choose
+from finetune.planner.plans import valid_plans
+from finetune.planner.probes import Probe, levers
+
+MIB = 2**20
+
+
+def memory_rows(probe: Probe, plans: list[tuple[int, int]]) -> tuple[dict, list[dict]]:
+    """(the lever's fixed parts, one row per plan): weights, gradients and AdamW's two moments in bytes (from the
+    model, as the probe counts them: each the trainable parameters' bytes; DDP's buckets as much again), activations
+    saved for backward at each micro-batch (the probe's linear model from micro-batch 1 and 2, bytes), the
+    estimated peak and whether it fits (``Probe.fits``)."""
+    model = probe.model
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buckets = trainable if distributed.world_size() > 1 else 0
+    parts = {"weights": sum(p.numel() * p.element_size() for p in model.parameters()), "gradients": trainable,
+             "optimizer_state": 2 * trainable, "ddp_buckets": buckets,
+             "activations_per_sample": getattr(probe, "per_sample_bytes", None),
+             "fixed": getattr(probe, "fixed_bytes", None)}
+    fixed_activations = (probe.fixed_bytes - parts["weights"] - 3 * trainable - buckets
+                         if hasattr(probe, "fixed_bytes") else None)
+    rows = []
+    for micro, accumulation in plans:
+        activations = (None if parts["activations_per_sample"] is None
+                       else max(fixed_activations or 0, 0) + micro * parts["activations_per_sample"])
+        if probe.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(probe.device)
+        fits = probe.fits(micro)
+        measured = torch.cuda.max_memory_allocated(probe.device) if probe.device.type == "cuda" else None
+        rows.append({"micro_batch": micro, "accumulation": accumulation, "activations": activations,
+                     "estimated_peak": probe.estimate(micro), "measured_peak": measured, "fits": fits})
+    return parts, rows
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / MIB:.0f}"
+
+
+def render(lever, parts: dict, rows: list[dict]) -> str:
+    """One lever setting's block of the table."""
+    lines = [f"{lever}: weights {_mib(parts['weights'])} MiB, gradients {_mib(parts['gradients'])} MiB, "
+             f"optimizer state (AdamW) {_mib(parts['optimizer_state'])} MiB, "
+             + (f"DDP buckets {_mib(parts['ddp_buckets'])} MiB, " if parts["ddp_buckets"] else "") + "activations "
+             + ("-" if parts["activations_per_sample"] is None else f"{parts['activations_per_sample'] / MIB:.1f}")
+             + " MiB per sample" + (f"; the estimate adds the {_mib(rows[0]['estimated_peak'] - parts['fixed'] - rows[0]['micro_batch'] * parts['activations_per_sample'])} MiB this process holds"
+                                    if rows and rows[0]["estimated_peak"] is not None else ""),
+             "  micro-batch  accumulation  activations MiB  est. peak MiB  measured peak MiB  fits"]
+    for r in rows:
+        lines.append(f"  {r['micro_batch']:>11}  {r['accumulation']:>12}  {_mib(r['activations']):>15}  "
+                     f"{_mib(r['estimated_peak']):>13}  {_mib(r['measured_peak']):>17}  {'yes' if r['fits'] else 'no'}")
+    return "\n".join(lines)
+
+
+def packing_budget_note(config) -> str:
+    """Under ``--packing``: the positions per packed micro-batch (``packing.budget``: the given
+    ``--max_tokens_per_micro_batch``, else micro-batch m x ``--max_length``, the padded micro-batch's most, so the
+    memory probed for m samples of ``--max_length`` tokens bounds it) and the row length."""
+    rows = f"rows of at most {row_length(config)} tokens"
+    if config.max_tokens_per_micro_batch:
+        return (f"--packing: {config.max_tokens_per_micro_batch} positions per micro-batch "
+                f"(--max_tokens_per_micro_batch), {rows}")
+    return (f"--packing: {packing_budget(config)} positions per micro-batch (micro-batch {config.per_device_train_batch_size} "
+            f"x --max_length {config.max_length}, the padded micro-batch's most), {rows}; "
+            "give --max_tokens_per_micro_batch to change it")
+
+
+def plan(config, timed: bool) -> int:
+    """Print the table (main process); 0, or raises ``FinetuneError`` (no ``--total_batch_size``, bad flags)."""
+    if not config.total_batch_size:
+        raise FinetuneError("finetune plan needs --total_batch_size B (samples per optimizer step over all "
+                            "processes): the plans are its exact splits.")
+    resolution = resolve(config, writes_run=False, plans=False)  # it writes nothing; the plans are its table
+    config, recipe = resolution.config, resolution.recipe
+    state = distributed.process_state(timeout_seconds=config.ddp_timeout)
+    say = print if state.is_main_process else (lambda *a, **k: None)
+    plans = valid_plans(config.total_batch_size, state.num_processes)
+    say(f"Plans for --total_batch_size {config.total_batch_size} on {state.num_processes} process(es): "
+        f"{len(plans)} exact splits x {len(levers(config, recipe, state.device))} lever settings")
+    held = None
+    for lever in levers(config, recipe, state.device):
+        probe = Probe(config, recipe, state.device, lever, held)
+        try:
+            parts, rows = memory_rows(probe, plans)
+        finally:
+            probe.close()
+        say(render(lever, parts, rows))
+    if config.packing:  # the token budget is the micro-batch's lever under --packing (docs/packing.md)
+        say(packing_budget_note(config))
+    if timed:
+        chosen = probe_and_choose(dataclasses.replace(config, auto_find_batch_size=True), recipe, state)
+        say(f"--auto_find_batch_size would choose: {chosen}")
+    return 0
+
+
+@reports_errors
+def main(argv: list[str] | None = None) -> int:
+    """``finetune plan``'s process entry (``accelerate launch --module finetune.commands.plan``): the exit code, 2 with one
+    ``error:`` line for bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(__doc__)
+        return 0
+    timed, rest = take_switch(argv, "--time")
+    code = distributed.leaving_together(lambda: plan(parse_config(rest), timed))  # an agreed error leaves first
+    distributed.leave()  # every process finished: leave the process group together, not at interpreter exit
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,521 @@
+"""Loading what a run needs: models and tokenizers (hub ids, local directories, GGUF files) with fast, clear
+failures when the hub is out of reach; data files; tokenization. See docs/design-notes.md#data."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from pathlib import Path
+
+import datasets
+from huggingface_hub import constants, get_session
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from finetune.data.dropout import disable_dropout as disable_dropout_in_model
+from finetune.data.dropout import zero_config_dropout
+from finetune.data.gguf import load_gguf_causal_lm, load_gguf_tokenizer
+from finetune.errors import FinetuneError, HubUnreachableError
+
+LABEL_COLUMN = "label"
+IGNORE_INDEX = -100  # label value that the loss skips (padding, repeated rows, the prompt where masked)
+ROW_COLUMN = "__row__"  # where a raw row came from ("train.csv line 7"): errors about a row name it
+
+
+# --------------------------------------------------------------------------------------- the hub
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers ``HEAD {endpoint}/`` below HTTP 500 within ``timeout_s`` seconds
+    (name resolution included), through ``huggingface_hub.get_session()`` (so ``HF_ENDPOINT`` and proxies apply).
+    False at once in offline mode (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``). Never raises. Why bounded:
+    docs/design-notes.md#data."""
+    if constants.is_offline_mode():
+        return False
+    answers: list[bool] = []
+
+    def probe() -> None:
+        try:
+            response = get_session().head(constants.ENDPOINT + "/", timeout=timeout_s)
+            answers.append(response.status_code < 500)
+        except Exception:  # httpx2 connect/proxy/timeout errors, and anything else: not reachable
+            answers.append(False)
+
+    thread = threading.Thread(target=probe, name="finetune-hub-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(answers) and answers[0]
+
+
+def require_hub(what: str, alternative: str) -> None:
+    """Raise ``HubUnreachableError`` naming ``what`` needs the hub and the local ``alternative``, unless
+    ``hub_reachable()`` (at most ~3 s)."""
+    if not hub_reachable():
+        raise HubUnreachableError(
+            f"{what} must be downloaded from the Hugging Face Hub, which cannot be reached from this machine "
+            f"(offline, HF_HUB_OFFLINE is set, or HF_ENDPOINT/HTTPS_PROXY lead nowhere). To run without the hub, {alternative}."
+        )
+
+
+def _from_pretrained(loader, name_or_path: str, **kwargs):
+    """``loader.from_pretrained`` with clear errors: a local path must be a model directory; a hub id is
+    taken from the local cache if there, else needs the hub (checked fast)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FinetuneError(
+                f"--model_name_or_path {name_or_path!r} is not a Hugging Face model directory (no config.json). "
+                "Point it at a directory written by save_pretrained, or at a hub id."
+            )
+        return loader.from_pretrained(str(path), **kwargs)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FinetuneError(f"--model_name_or_path {name_or_path!r}: no such directory.")
+    try:
+        return loader.from_pretrained(name_or_path, local_files_only=True, **kwargs)
+    except OSError:
+        pass
+    require_hub(
+        f"model {name_or_path!r}",
+        "download it elsewhere (e.g. `hf download " + name_or_path + " --local-dir DIR`) and pass "
+        "--model_name_or_path DIR",
+    )
+    try:
+        return loader.from_pretrained(name_or_path, **kwargs)
+    except OSError as err:
+        raise FinetuneError(f"--model_name_or_path {name_or_path!r} could not be loaded: {err}") from None
+
+
+def load_tokenizer(name_or_path: str):
+    """The ``AutoTokenizer`` of a hub id, a model directory or a ``.gguf`` file; without a pad token it pads
+    with eos. Errors as ``_from_pretrained``."""
+    if name_or_path.endswith(".gguf"):
+        tokenizer = load_gguf_tokenizer(name_or_path)
+    else:
+        tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(name_or_path: str, disable_dropout: bool = False, attn_implementation: str | None = None):
+    """``AutoModelForCausalLM`` from a hub id, a model directory, or a ``.gguf`` file (de-quantized to
+    fp32 by transformers through the ``gguf`` package); ``disable_dropout`` sets every dropout probability of its
+    config to 0 before it is built (``finetune.data.dropout.zero_config_dropout``; ``build_model`` then turns off the
+    built model's dropout, ``finetune.data.dropout.disable_dropout``); ``attn_implementation``: set on the loaded model
+    (``set_attention``; None: transformers' default). Errors as ``_from_pretrained`` and ``set_attention``; a
+    ``.gguf`` path that does not exist names the command that fetches the default one."""
+    if name_or_path.endswith(".gguf"):
+        model, _ = load_gguf_causal_lm(name_or_path)
+        if disable_dropout:
+            disable_dropout_in_model(model)  # built already: its modules, attributes and config
+        return set_attention(model, attn_implementation)
+    config = _from_pretrained(AutoConfig, name_or_path)
+    if disable_dropout:
+        zero_config_dropout(config)
+    return set_attention(_from_pretrained(AutoModelForCausalLM, name_or_path, config=config), attn_implementation)
+
+
+def set_attention(model, attn_implementation: str | None):
+    """``model`` with its attention implementation set to ``attn_implementation`` (None: left as loaded), through
+    transformers' ``PreTrainedModel.set_attn_implementation``, which checks the name as ``from_pretrained`` does
+    (transformers 5.24 ``modeling_utils.py``: ``ValueError`` for an unknown name or one the model does not support,
+    line 1872; ``ImportError`` for a kernel that is not installed, line 1558). Raises ``FinetuneError`` (one line)
+    for those, and for a model that cannot switch (transformers only logs a warning then, line 1993)."""
+    if not attn_implementation or getattr(model.config, "_attn_implementation", None) == attn_implementation:
+        return model
+    try:
+        model.set_attn_implementation(attn_implementation)
+    except (ImportError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FinetuneError(f"--attn_implementation {attn_implementation}: transformers cannot use it for "
+                            f"{type(model).__name__} here ({first}). Leave it unset for transformers' default, or "
+                            "name another.") from None
+    if model.config._attn_implementation != attn_implementation:
+        raise FinetuneError(f"--attn_implementation {attn_implementation}: {type(model).__name__} cannot change its "
+                            f"attention implementation (it stays {model.config._attn_implementation!r}). Leave the "
+                            "flag unset.")
+    return model
+
+
+def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: bool = False,
+                    attn_implementation: str | None = None):
+    """``AutoModelForSequenceClassification`` with ``len(label_names)`` named outputs (``config.id2label``);
+    ``disable_dropout`` sets every dropout probability of the config to 0 (``*dropout*``, ``*_pdrop``, ...:
+    ``finetune.data.dropout.zero_config_dropout``); ``attn_implementation`` as ``load_causal_lm``'s. Errors as
+    ``_from_pretrained`` and ``set_attention``."""
+    config = _from_pretrained(
+        AutoConfig,
+        name_or_path,
+        num_labels=len(label_names),
+        id2label=dict(enumerate(label_names)),
+        label2id={name: i for i, name in enumerate(label_names)},
+    )
+    if disable_dropout:
+        zero_config_dropout(config)
+    return set_attention(_from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config),
+                         attn_implementation)
+
+
+# --------------------------------------------------------------------------------------- data files
+def row_names(path: Path, flag: str, n: int) -> list[str]:
+    """Where each of a data file's ``n`` rows is, for error messages: a CSV's line (its header is line 1), a JSON
+    lines file's line (blank lines skipped, as the reader does), else the record's number (a JSON array)."""
+    if path.suffix.lower() == ".csv":
+        return [f"{flag} {str(path)!r} line {i + 2}" for i in range(n)]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [k for k, line in enumerate(f, 1) if line.strip()]
+    if len(lines) == n and not (lines and path.read_text(errors="replace").lstrip().startswith("[")):
+        return [f"{flag} {str(path)!r} line {k}" for k in lines]
+    return [f"{flag} {str(path)!r} record {i + 1}" for i in range(n)]
+
+
+def check_rows(ds, names: list[str], text_columns, with_labels: bool) -> None:
+    """Raise ``FinetuneError`` naming the first row (``names``) whose text column is empty or whose label is
+    missing, and what is wrong with it."""
+    for column in text_columns:
+        for i, text in enumerate(ds[column]):
+            if text is None or not str(text).strip():
+                raise FinetuneError(f"{names[i]}: the {column!r} column is empty. Fill it in or drop the row.")
+    if with_labels:
+        for i, label in enumerate(ds[LABEL_COLUMN]):
+            if label is None or not str(label).strip():
+                raise FinetuneError(f"{names[i]}: the label is empty. Fill it in or drop the row.")
+
+
+def _read_data_file(path_str: str, flag: str, text_columns, cache_dir, with_labels: bool = True):
+    needed = (*text_columns, LABEL_COLUMN) if with_labels else tuple(text_columns)
+
+    path = Path(path_str)
+    if not path.is_file():
+        raise FinetuneError(f"{flag} {path_str!r} does not exist. Pass a CSV or JSON-lines file.")
+    if path.stat().st_size == 0:
+        raise FinetuneError(f"{flag} {path_str!r} is empty. It needs a header/keys {', '.join(needed)}.")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        builder = "csv"
+    elif suffix in (".json", ".jsonl"):
+        builder = "json"
+    else:
+        raise FinetuneError(f"{flag} {path_str!r}: unknown format {suffix!r}. Use .csv, .json or .jsonl.")
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
+    except Exception as err:  # the datasets library raises many types for malformed files
+        raise FinetuneError(f"{flag} {path_str!r} could not be read as {builder}: {err}") from None
+    missing = [c for c in needed if c not in ds.column_names]
+    if missing:
+        raise FinetuneError(
+            f"{flag} {path_str!r} lacks column(s) {', '.join(missing)} (it has {', '.join(ds.column_names)}). "
+            f"This recipe needs {', '.join(needed)}."
+        )
+    if len(ds) == 0:
+        raise FinetuneError(f"{flag} {path_str!r} has no rows.")
+    names = row_names(path, flag, len(ds))
+    check_rows(ds, names, text_columns, with_labels)
+    return ds.select_columns(list(needed)).add_column(ROW_COLUMN, names)
+
+
+HOLDOUT_FRACTION = 0.2  # of --train_file held out for validation when no --validation_file is given
+
+
+def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | None = None,
+                   what: str = "--train_file") -> None:
+    """Raise ``FinetuneError`` (naming the file, the short labels and the fix) unless ``HOLDOUT_FRACTION`` of
+    ``n_rows`` can be held out with rows left; stratified (``label_counts``): every label 2+ rows and n >= 5k - 4
+    for k labels, what ``Dataset.train_test_split`` needs (see docs/design-notes.md#data)."""
+    n_test = math.ceil(HOLDOUT_FRACTION * n_rows)
+    fix = "Add rows, or pass --validation_file with your own validation data."
+    if label_counts is None:
+        if n_rows - n_test < 1:
+            raise FinetuneError(
+                f"{what} {train_file!r} is too small to hold out 20% for validation (no --validation_file): "
+                f"it has {n_rows} row(s) and needs at least 2. {fix}"
+            )
+        return
+    k = len(label_counts)
+    min_rows = max(5 * k - 4, 2 * k)
+    short = [(name, count) for name, count in label_counts.items() if count < 2]
+    n_train = n_rows - n_test
+    if not short and n_test >= k and n_train >= k:
+        return
+    problems = []
+    if short:
+        listed = ", ".join(f"{name!r} ({count} row{'' if count == 1 else 's'})" for name, count in short)
+        problems.append(f"label(s) {listed} need at least 2 rows each, one to train on and one to validate on")
+    if n_test < k or n_train < k:
+        problems.append(f"its {n_rows} rows give a hold-out of {n_test} row{'' if n_test == 1 else 's'} and "
+                        f"{n_train} to train on, too few to hold one of each of its {k} labels on both sides "
+                        f"(that needs at least {min_rows} rows)")
+    raise FinetuneError(
+        f"{what} {train_file!r} is too small to hold out a stratified 20% for validation "
+        f"(no --validation_file): {'; '.join(problems)}. {fix}"
+    )
+
+
+def load_data_files(train_file: str, validation_file: str | None, text_columns, cache_dir=None, with_labels=True):
+    """Your own data as a DatasetDict (``train``, ``validation``) with a ``ClassLabel`` ``label`` (the sorted
+    distinct train labels, strings or ints; ``with_labels=False``: text columns only). Without
+    ``validation_file``, 20% of ``train_file`` (rounded up) is held out (stratified, seed 42). Raises
+    ``FinetuneError`` for a missing/empty/unreadable file, missing columns, empty texts, validation labels the
+    training data never shows, or a ``train_file`` too small to hold out from (``_check_holdout``)."""
+    train = _read_data_file(train_file, "--train_file", text_columns, cache_dir, with_labels)
+    if not with_labels:
+        if validation_file:
+            validation = _read_data_file(validation_file, "--validation_file", text_columns, cache_dir, False)
+            return datasets.DatasetDict({"train": train, "validation": validation})
+        _check_holdout(train_file, len(train))
+        split = train.train_test_split(test_size=HOLDOUT_FRACTION, seed=42)
+        return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+    distinct = {str(x) for x in train[LABEL_COLUMN]}
+    # integer labels keep their numeric order (so label 1 stays id 1); strings sort alphabetically
+    numeric = all(x.lstrip("-").isdigit() for x in distinct)
+    names = sorted(distinct, key=int) if numeric else sorted(distinct)
+    if len(names) < 2:
+        raise FinetuneError(f"--train_file {train_file!r} has only one label ({names[0]!r}); classification needs 2+.")
+    features = datasets.Features({**{c: datasets.Value("string") for c in text_columns},
+                                  LABEL_COLUMN: datasets.ClassLabel(names=names), ROW_COLUMN: datasets.Value("string")})
+
+    def to_class(ds, flag, path):
+        unknown = [i for i, x in enumerate(ds[LABEL_COLUMN]) if str(x) not in names]
+        if unknown:
+            raise FinetuneError(
+                f"{ds[ROW_COLUMN][unknown[0]]}: the label {str(ds[LABEL_COLUMN][unknown[0]])!r} never appears in "
+                f"--train_file (known: {', '.join(names)}); {len(unknown)} such row(s). Fix the labels or add examples "
+                "of them to the training data."
+            )
+        return ds.map(lambda b: {LABEL_COLUMN: [names.index(str(x)) for x in b[LABEL_COLUMN]],
+                                 **{c: [str(t) for t in b[c]] for c in text_columns}},
+                      batched=True, features=features)
+
+    train = to_class(train, "--train_file", train_file)
+    if validation_file:
+        validation = to_class(_read_data_file(validation_file, "--validation_file", text_columns, cache_dir),
+                              "--validation_file", validation_file)
+        return datasets.DatasetDict({"train": train, "validation": validation})
+    counts = Counter(train[LABEL_COLUMN])
+    _check_holdout(train_file, len(train), label_counts={name: counts[i] for i, name in enumerate(names)})
+    split = train.train_test_split(test_size=HOLDOUT_FRACTION, stratify_by_column=LABEL_COLUMN, seed=42)
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+def _class_labels(ds, where: str):
+    """``ds`` with its ``label`` column as a ``ClassLabel``: kept where it is one; else the sorted distinct
+    values (integers in numeric order) become the names. Raises ``FinetuneError`` for fewer than 2 labels."""
+    if isinstance(ds.features.get(LABEL_COLUMN), datasets.ClassLabel):
+        return ds
+    distinct = {str(x) for x in ds[LABEL_COLUMN]}
+    names = sorted(distinct, key=int) if all(x.lstrip("-").isdigit() for x in distinct) else sorted(distinct)
+    if len(names) < 2:
+        raise FinetuneError(f"{where} has only one label ({names[0]!r}); classification needs 2+.")
+    return ds.cast_column(LABEL_COLUMN, datasets.Value("string")).cast_column(
+        LABEL_COLUMN, datasets.ClassLabel(names=names))
+
+
+def load_named_dataset(name: str, config_name: str | None, train_split: str, test_split: str, text_columns,  # noqa: C901 - over the budget; to split
+                       cache_dir=None, *, class_labels: bool, conversations: bool):
+    """``--dataset_name`` (TRL's flags): a ``save_to_disk`` folder (``dataset_dict.json``/``state.json``) through
+    ``datasets.load_from_disk``, else ``datasets.load_dataset`` (a local data folder, or a Hub name, which needs
+    the Hub). Returns a DatasetDict (``train``, ``validation``) as ``load_data_files`` does: classification gets a
+    ``ClassLabel`` ``label`` (``class_labels``: a ClassLabel's names kept), conversations (``conversations``: the
+    task's ``chat``) keep their prompt/completion or messages; without
+    ``test_split``, 20% of the train split is held out (stratified for classification, seed 42). Raises
+    ``FinetuneError`` for a missing split or column (listing what the dataset has) or an unreadable dataset, and
+    ``HubUnreachableError`` offline for a Hub name."""
+    path = Path(name)
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            if not path.exists() and name.startswith((".", "/", "~")):
+                raise FinetuneError(f"--dataset_name {name}: no such folder. Pass a folder written by "
+                                    "Dataset.save_to_disk, a folder of data files, or a Hub dataset name.")
+            if not path.exists():
+                require_hub(f"--dataset_name {name}", "pass a local folder as --dataset_name (one written by "
+                            "Dataset.save_to_disk, or a folder of data files), or --train_file")
+            loaded = datasets.load_dataset(name, config_name, cache_dir=cache_dir)
+    except FinetuneError:
+        raise
+    except Exception as err:  # the datasets library raises many types for unreadable data
+        raise FinetuneError(f"--dataset_name {name} could not be loaded: {err}") from None
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({train_split: loaded})
+    if train_split not in loaded:
+        raise FinetuneError(f"--dataset_name {name} has no split {train_split!r} (it has {', '.join(loaded)}). "
+                            "Pass --dataset_train_split.")
+    where = f"--dataset_name {name} (split {train_split!r})"
+    train = loaded[train_split]
+    if conversations:
+        if not ({"prompt", "completion"} <= set(train.column_names) or "messages" in train.column_names):
+            raise FinetuneError(f"{where} has columns {', '.join(train.column_names)}; instruction data needs "
+                                "prompt + completion, or messages (TRL's dataset formats).")
+        needed = None
+    else:
+        needed = [*text_columns, *([LABEL_COLUMN] if class_labels else [])]
+        missing = [c for c in needed if c not in train.column_names]
+        if missing:
+            raise FinetuneError(f"{where} lacks column(s) {', '.join(missing)} (it has {', '.join(train.column_names)})."
+                                f" This recipe needs {', '.join(needed)}.")
+    splits = {"train": train, "validation": loaded.get(test_split)}
+    for key, split in (("train", train_split), ("validation", test_split)):
+        ds = splits[key]
+        if ds is None:
+            continue
+        names = [f"--dataset_name {name} split {split!r} row {i}" for i in range(len(ds))]
+        if needed:
+            ds = ds.select_columns(needed)
+            check_rows(ds, names, text_columns, class_labels)
+        splits[key] = ds.add_column(ROW_COLUMN, names)
+    if class_labels:
+        splits["train"] = _class_labels(splits["train"], where)
+        if splits["validation"] is not None:
+            names = splits["train"].features[LABEL_COLUMN].names
+            validation = splits["validation"]
+            if not isinstance(validation.features[LABEL_COLUMN], datasets.ClassLabel):
+                validation = validation.cast_column(LABEL_COLUMN, datasets.Value("string")).cast_column(
+                    LABEL_COLUMN, datasets.ClassLabel(names=names))
+            splits["validation"] = validation
+    if splits["validation"] is None:
+        stratify = class_labels
+        counts = Counter(splits["train"][LABEL_COLUMN]) if stratify else None
+        label_counts = ({n: counts[i] for i, n in enumerate(splits["train"].features[LABEL_COLUMN].names)}
+                        if stratify else None)
+        _check_holdout(name, len(splits["train"]), label_counts, what="--dataset_name")
+        held = splits["train"].train_test_split(test_size=HOLDOUT_FRACTION, seed=42,
+                                                **({"stratify_by_column": LABEL_COLUMN} if stratify else {}))
+        splits = {"train": held["train"], "validation": held["test"]}
+    return datasets.DatasetDict(splits)
+
+
+# --------------------------------------------------------------------------------------- tokenization
+def tokenize_datasets(raw, tokenizer, text_columns, max_length: int):
+    """Every split tokenized with ``Dataset.map`` (batched, cached), truncated to ``max_length`` tokens, unpadded
+    (the collator pads per micro-batch). Columns: ``input_ids``, ``attention_mask`` (``token_type_ids``), ``labels``."""
+
+    def encode(batch):
+        texts = [batch[c] for c in text_columns]
+        return tokenizer(*texts, truncation=True, max_length=max_length)
+
+    columns = raw["train"].column_names
+    tokenized = raw.map(encode, batched=True, remove_columns=[c for c in columns if c != LABEL_COLUMN],
+                        desc="Tokenizing")
+    return tokenized.rename_column(LABEL_COLUMN, "labels")
+
+
+def tokenize_for_causal_lm(raw, tokenizer, text_columns, max_length: int, block_size: int | None = None):
+    """Texts -> ``input_ids`` for next-token prediction (``Dataset.map``, batched, cached; empty texts dropped).
+    One sample per text truncated at ``max_length`` tokens, or with ``block_size`` all texts of a split joined by
+    eos and cut into ``block_size``-token blocks, the short tail dropped (transformers' ``run_clm.py``). The
+    collator derives ``labels``."""
+    (column,) = text_columns
+
+    def encode(batch):
+        texts = [t for t in batch[column] if t and t.strip()]
+        if block_size is None:
+            return {"input_ids": tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]}
+        ids = []
+        for row in tokenizer(texts)["input_ids"]:
+            ids.extend(row + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+        usable = len(ids) // block_size * block_size
+        return {"input_ids": [ids[i:i + block_size] for i in range(0, usable, block_size)]}
+
+    columns = raw["train"].column_names
+    # block grouping crosses row boundaries within a map batch; 1,000 texts a batch keeps tails rare
+    return raw.map(encode, batched=True, batch_size=1000, remove_columns=columns, desc="Tokenizing")
+
+
+def check_max_length(max_length: int, model_config) -> None:
+    """Raise ``FinetuneError`` if ``max_length`` (tokens) exceeds the model's position limit."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and max_length > limit:
+        raise FinetuneError(f"--max_length {max_length} exceeds this model's position limit of {limit} tokens; "
+                            f"use --max_length {limit} or less.")
+
+
+def load_conversation_files(train_file: str, validation_file: str | None, cache_dir=None):
+    """Instruction data (JSON lines in TRL's ``prompt`` + ``completion`` or ``messages`` format) as a DatasetDict
+    (``train``, ``validation``); rows are checked when rendered (``finetune.data.chat``). Without ``validation_file``,
+    20% of ``train_file`` is held out (seed 42). Raises ``FinetuneError`` for a missing, empty or unreadable
+    file, or one with neither format's columns."""
+    def read(path_str: str, flag: str):
+        path = Path(path_str)
+        if not path.is_file() or path.stat().st_size == 0:
+            raise FinetuneError(f"{flag} {path_str!r} does not exist or is empty. Pass a JSON-lines file of "
+                                "prompt/completion or messages rows.")
+        if path.suffix.lower() not in (".json", ".jsonl"):
+            raise FinetuneError(f"{flag} {path_str!r}: instruction data must be JSON lines (.jsonl or .json) with "
+                                "prompt/completion or messages.")
+        try:
+            ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        except Exception as err:  # the datasets library raises many types for malformed files
+            raise FinetuneError(f"{flag} {path_str!r} could not be read as JSON lines: {err}") from None
+        if not ({"prompt", "completion"} <= set(ds.column_names) or "messages" in ds.column_names):
+            raise FinetuneError(f"{flag} {path_str!r} has columns {', '.join(ds.column_names)}; instruction data "
+                                "needs prompt + completion, or messages (TRL's dataset formats).")
+        return ds.add_column(ROW_COLUMN, row_names(path, flag, len(ds)))
+
+    train = read(train_file, "--train_file")
+    if validation_file:
+        return datasets.DatasetDict({"train": train, "validation": read(validation_file, "--validation_file")})
+    split = train.train_test_split(test_size=0.2, seed=42)
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+# --------------------------------------------------------------------------------------- the data a run is bound to
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(z):
+    """splitmix64's finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014) on a
+    uint64 array: each bit of the result depends on every bit of the input. Arithmetic wraps modulo 2**64."""
+    import numpy as np
+
+    z = z ^ (z >> np.uint64(30))
+    z = z * np.uint64(0xBF58476D1CE4E5B9)
+    z = z ^ (z >> np.uint64(27))
+    z = z * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _column_hashes(column, index: int):
+    """One uint64 per row of the Arrow ``column`` (the ``index``-th column): a list column hashes each value with
+    its position in the row (so the order inside a row counts), summed per row with the row's length; a scalar
+    column hashes its value's bits; any other type its text."""
+    import numpy as np
+    import pyarrow as pa
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    salt = np.uint64((index + 1) * 0x9E3779B97F4A7C15 & _MASK64)
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        offsets = array.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+        offsets -= offsets[0]
+        values = _column_hashes(array.flatten(), index)
+        lengths = np.diff(offsets)
+        positions = (np.arange(len(values), dtype=np.int64) - np.repeat(offsets[:-1], lengths)).astype(np.uint64)
+        hashed = _mix(values ^ _mix(positions + salt))
+        sums = np.concatenate([np.zeros(1, np.uint64), np.cumsum(hashed, dtype=np.uint64)])
+        return _mix(sums[offsets[1:]] - sums[offsets[:-1]] + lengths.astype(np.uint64) * salt)
+    if pa.types.is_integer(array.type) or pa.types.is_boolean(array.type):
+        values = array.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64)
+    elif pa.types.is_floating(array.type):
+        values = array.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64).view(np.uint64)
+    else:
+        import hashlib
+
+        values = np.array([int.from_bytes(hashlib.blake2b(repr(v).encode(), digest_size=8).digest(), "little")
+                           for v in array.to_pylist()], dtype=np.uint64)
+    return _mix(values + salt)
+
+
+def training_set_identity(dataset) -> dict:
+    """What a checkpoint binds its run to (``checkpoint.step_meaning``): ``{"samples": rows, "fingerprint": 16 hex
+    digits}`` of the tokenized training set ``dataset`` (a ``datasets.Dataset``). The fingerprint is a sum modulo
+    2**64 of one hash per row over every column but the row names (``ROW_COLUMN``): independent of the rows' order
+    (a resume on another split of B reads the same rows in another order), changed by any token, label or
+    column of any row, by a row added, removed or repeated. Cost: one pass over the Arrow columns, vectorised."""
+    import numpy as np
+
+    columns = sorted(name for name in dataset.column_names if name != ROW_COLUMN)
+    total = 0
+    for table in dataset.select_columns(columns).with_format("arrow").iter(batch_size=8192):
+        rows = np.zeros(table.num_rows, dtype=np.uint64)
+        for index, name in enumerate(columns):
+            rows = _mix(rows ^ _column_hashes(table.column(name), index))
+        total = (total + int(rows.sum(dtype=np.uint64))) & _MASK64
+    return {"samples": len(dataset), "fingerprint": f"{total:016x}"}

@@ -1,0 +1,111 @@
+"""Evaluation, shared by both backends so their metrics are defined identically (docs/design-notes.md#evaluation)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object
+from accelerate.utils.memory import should_reduce_batch_size
+
+from finetune.data import packing
+from finetune.data.chat import generate_completions, prompt_and_reference, score_completions
+from finetune.engine import engine_for
+from finetune.errors import FinetuneError
+from finetune.tasks import split_labels
+
+GENERATIONS_FILE = "generations.jsonl"  # in the output dir: generated completions beside the references
+
+
+def check_eval_set(num_samples: int, config) -> None:
+    """Raise ``FinetuneError`` naming the fixes, before training, if the run must evaluate on 0 validation
+    samples (``num_samples``, after tokenization; e.g. a text shorter than one ``--block_size`` block)."""
+    if num_samples == 0 and config.eval_strategy != "no":
+        raise FinetuneError("the validation set is empty after tokenization"
+                            + (f" (no text fills one --block_size {config.block_size} block)" if config.block_size else "")
+                            + ". Give more validation data (--validation_file), a smaller --block_size, or "
+                              "--eval_strategy no.")
+
+
+def evaluate(accelerator, model, dataloader, task, metric_specs: dict, pack=None) -> dict:
+    """Evaluate on every process, gather per-sample outputs (``gather_for_metrics``, which drops Accelerate's
+    padding repeats) and score once with ``task.eval_metrics``: e.g. ``eval_loss`` (per sample, or per token for
+    causal LM), the metrics, ``eval_samples``; ``{"eval_samples": 0}`` for an empty set. ``pack``: the run's
+    ``packing.Packer``, if any: each batch then runs padding-free, as one row (``--padding_free``, or a packer that
+    runs one row per micro-batch) or in rows of its ``row_length`` (``--packing``), with the same per-sample
+    outputs (``packing.eval_outputs``)."""
+    was_training = model.training
+    model.eval()
+    parts = []
+    engine = engine_for(accelerator)
+    splittable = engine.eval_may_split_batch  # no collective inside the forward
+    forward = engine.eval_model(model)
+    for batch in dataloader:
+        if pack is not None:
+            inputs, labels = split_labels(batch)
+            outputs = packing.eval_outputs(forward, inputs, labels, task, pack.eval_row_length)
+        else:
+            outputs = _eval_outputs(forward, batch, task, splittable)
+        parts.append([t.cpu() for t in accelerator.gather_for_metrics(outputs)])
+    model.train(was_training)
+    if not parts:
+        return {"eval_samples": 0}
+    return task.eval_metrics([torch.cat(columns) for columns in zip(*parts)], metric_specs)
+
+
+def _eval_outputs(model, batch: dict, task, splittable: bool) -> tuple:
+    """The task's per-sample outputs for one batch (``task.eval_outputs``); on out-of-memory
+    (``should_reduce_batch_size``) a ``splittable`` batch is retried in halves, recursively. The training
+    micro-batch never changes."""
+    try:
+        with torch.no_grad():
+            return task.eval_outputs(model, batch)
+    except Exception as err:  # noqa: BLE001 - OOM types differ by backend
+        size = task.samples(batch)
+        if not splittable or not should_reduce_batch_size(err) or size == 1:
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    half = size // 2
+    first = _eval_outputs(model, {k: v[:half] for k, v in batch.items()}, task, splittable)
+    second = _eval_outputs(model, {k: v[half:] for k, v in batch.items()}, task, splittable)
+    return tuple(torch.cat([a, b]) for a, b in zip(first, second))
+
+
+def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tuple[dict, list[str]]:
+    """``(metrics, predictions)`` of greedy completions for the first ``GENERATION["num_samples"]`` raw ``rows``,
+    scored with the recipe's ``METRICS``; ``({}, [])`` without it. Every process generates its share (rows r,
+    r + P, ...; as many prompts on each, synced where the engine shards) on the model the engine gives for
+    generation (``generation_model``: unwrapped, with whole weights where the engine shards them), and
+    the completions are gathered in row order, so every rank scores the same figures."""
+    spec = dict(getattr(recipe, "GENERATION", None) or {})
+    if not spec or rows is None:
+        return {}, []
+    count = spec.pop("num_samples", None)
+    if count is not None:
+        rows = rows.select(range(min(count, len(rows)))) if hasattr(rows, "select") else rows[:count]
+    pairs = [prompt_and_reference(row, f"row {i}") for i, row in enumerate(rows)]
+    rank, processes = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(pairs), processes))
+    share = math.ceil(len(pairs) / processes)
+    padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
+    completions = []
+    engine = engine_for(accelerator)
+    if padded:  # as many on every process (share), so a sharded engine's collectives match
+        with engine.generation_model(model) as generator:  # unwrapped, its weights whole
+            completions = generate_completions(generator, tokenizer, [pairs[i][0] for i in padded],
+                                               max_length=config.max_length, synced_gpus=engine.generation_synced,
+                                               **spec)
+    own = list(zip(mine, completions))
+    gathered = gather_object(own) if processes > 1 else own
+    predictions = [text for _, text in sorted(gathered)]
+    return score_completions(predictions, [reference for _, reference in pairs], recipe.METRICS), predictions
+
+
+def write_generations(output_dir: Path, rows, predictions: list[str]) -> None:
+    """``generations.jsonl``: ``{"generated", "reference"}`` per row of the latest evaluation."""
+    with open(Path(output_dir) / GENERATIONS_FILE, "w", encoding="utf-8") as f:
+        for i, (row, generated) in enumerate(zip(rows, predictions)):
+            f.write(json.dumps({"generated": generated, "reference": prompt_and_reference(row, f"row {i}")[1]}) + "\n")

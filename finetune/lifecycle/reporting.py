@@ -1,0 +1,209 @@
+"""What a run tells: the banner at the start, ``log.jsonl`` while it trains, and at the end the model
+directory, ``metrics.json``, the model card and the summary. One writer for both backends.
+
+Units: seconds, bytes, samples; losses are mean per item (sample, or label token for causal LM), nats.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from finetune.config import config_argv, reproduce_command
+from finetune.data import packing
+from finetune.data.dropout import dropout_left
+from finetune.engine import parameter_counts
+from finetune.engine.precision import PRECISION_NAMES
+from finetune.lifecycle.card import write_model_card
+from finetune.lifecycle.flops import peak_flops, training_flops_per_token
+
+
+def packing_banner(config) -> str:
+    """The banner's packing line: padding-free micro-batches, or window-local packing and its token budget."""
+    if not config.packing:
+        return "padding-free micro-batches (--padding_free): one row per micro-batch, no padding computed"
+    return (f"{config.packing_strategy}: each optimizer step's own samples packed into rows of at most "
+            f"{packing.row_length(config)} tokens, micro-batches of at most {packing.budget(config)} positions per "
+            "process" + (" (as many micro-batches as the padded run: Trainer counts them)"
+                         if config.backend == "trainer" else ""))
+
+
+def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
+    """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
+    processes, in samples), the optimizer steps (``plan``: a ``window.StepPlan``), and the precision
+    that really runs, with a plain note when it is not the one requested (fp16 on a CPU); under
+    ``--disable_dropout``, whether ``model`` really has no dropout left (``dropout.dropout_left``)."""
+    n = config.gradient_accumulation_steps
+    effective = config.per_device_train_batch_size * n * num_processes
+    options = [name for name, on in (("torch.compile (inductor)", config.torch_compile),
+                                     ("length-grouped batches", config.train_sampling_strategy == "group_by_length"))
+               if on]
+    text = (f"Effective batch size: {config.per_device_train_batch_size} (micro-batch) x {n} (accumulation) x "
+            f"{num_processes} (processes) = {effective} samples per optimizer step\n"
+            f"Optimizer steps: {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches per "
+            f"process), {plan.max_steps} in total over {plan.num_epochs} epoch(s) [{config.backend} backend]\n"
+            + (f"Speed options: {', '.join(options)}\n" if options else "")
+            + (f"Packing: {packing_banner(config)}\n" if config.padding_free or config.packing else "")
+            + (f"Parameters: {parameter_counts(model)[0]:,} trainable of {parameter_counts(model)[1]:,}"
+               + (f" (LoRA r={config.lora_r}, alpha={config.lora_alpha})" if config.use_peft else "") + "\n"
+               if model is not None else "")
+            + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {config.mixed_precision}, "
+              f"from {config.precision_source})")
+    if precision != config.mixed_precision:
+        text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
+                 f"does not run it, so this run is {PRECISION_NAMES[precision]}")
+    if config.disable_dropout:  # said only when it is so: checked on the model as it will train
+        left = dropout_left(model) if model is not None else None
+        text += ("\nDropout: off (--disable_dropout; checked: no dropout module, attribute or config probability "
+                 "above 0)" if left == [] else "\nDropout: --disable_dropout asked, but " +
+                 ("the model was not checked" if left is None else f"still on: {', '.join(left[:5])}"))
+    return text
+
+
+def peak_memory(device) -> tuple[int, str]:
+    """(bytes, what was measured): ``torch.cuda.max_memory_allocated`` on a CUDA device, else the
+    process's peak resident set size (``getrusage`` ``ru_maxrss``, KiB on Linux, returned in bytes)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+
+def _rate(count: float, seconds: float) -> float:
+    return round(count / seconds, 3) if seconds > 0 else 0.0
+
+
+def device_peak(device) -> tuple[float, str] | None:
+    """(peak dense bf16/fp16 FLOP/s of ONE ``device``, its source) from ``flops.peak_flops``; None off CUDA or for
+    an unknown GPU."""
+    return peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def throughput(state, runtime: float, model, config, device, num_processes: int = 1) -> dict:
+    """The run's token counts and rates, named by what they count: ``padded`` tokens (input positions with
+    padding: what the model computed on), ``input`` tokens (without padding), ``trained`` tokens (the loss's
+    items: label tokens; causal LM only). Rates are over the timed steps (every optimizer step but the first of
+    each start, a warm-up: ``throughput_steps``), else over ``runtime``. FLOP/s from ``flops.training_flops_per_token``:
+    model FLOP/s over input tokens at their mean length; hardware FLOP/s over padded tokens at the padded length,
+    with activation checkpointing's recompute; on a CUDA device with a known peak also ``mfu`` and ``hfu``: the
+    FLOP/s of all ``num_processes`` processes (the counts are over all of them) over ``num_processes`` x one
+    device's peak (PaLM appendix B: achieved over the whole system's peak), so the same per-GPU speed gives the
+    same MFU at any process count."""
+    timed = state.timed_steps > 0 and state.timed_seconds > 0
+    seconds = state.timed_seconds if timed else runtime
+    counts = {"padded": state.timed_padded_tokens if timed else state.padded_tokens_seen,
+              "input": state.timed_input_tokens if timed else state.input_tokens_seen,
+              "trained": state.timed_trained_tokens if timed else state.tokens_seen}
+    samples = state.timed_samples if timed else state.samples_seen
+    metrics = {"train_padded_tokens": state.padded_tokens_seen, "train_input_tokens": state.input_tokens_seen,
+               **({"train_trained_tokens": state.tokens_seen} if state.tokens_seen else {}),
+               "throughput_steps": state.timed_steps if timed else state.step,
+               "throughput_excludes_warmup": timed}
+    for kind, count in counts.items():
+        if kind != "trained" or state.tokens_seen:
+            metrics[f"train_{kind}_tokens_per_second"] = _rate(count, seconds)
+    if not samples or not seconds:
+        return metrics
+    model_flops = training_flops_per_token(model, counts["input"] / samples)
+    hardware_flops = training_flops_per_token(model, counts["padded"] / samples,
+                                              recompute=bool(config.activation_checkpointing))
+    if model_flops is None or hardware_flops is None:
+        return metrics
+    metrics.update(model_flops_per_second=round(model_flops[0] * counts["input"] / seconds, 1),
+                   hardware_flops_per_second=round(hardware_flops[0] * counts["padded"] / seconds, 1),
+                   model_flops_formula=model_flops[1] + " (per input token)",
+                   hardware_flops_formula=hardware_flops[1] + " (per padded token)")
+    peak = device_peak(device)
+    if peak is not None:
+        system = num_processes * peak[0]  # one device per process
+        metrics.update(mfu=round(metrics["model_flops_per_second"] / system, 4),
+                       hfu=round(metrics["hardware_flops_per_second"] / system, 4),
+                       mfu_peak_source=f"{num_processes} x {peak[1]}")
+    return metrics
+
+
+def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, precision: str, device,
+                model, eval_runtime: float, process_start: float | None) -> dict:
+    """The ``metrics.json`` dict, the same for both backends.
+
+    ``state``: a ``checkpoint.RunProgress`` (counts over all processes: ``samples_seen``; ``tokens_seen``,
+    label tokens, 0 for classification; ``input_tokens_seen``, non-padding inputs; ``padded_tokens_seen``,
+    input positions with padding, 0 where the backend cannot see its batches; ``step_loss_total`` over optimizer
+    steps of each step's mean loss; ``train_runtime`` seconds, evaluation excluded). ``plan``: the
+    ``window.StepPlan``. ``model``: for ``num_parameters`` and ``trainable_parameters`` (elements). On a
+    token counts, rates and FLOP/s as ``throughput`` gives them.
+    """
+    trainable_parameters, num_parameters = parameter_counts(model)
+    effective_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
+    memory, memory_kind = peak_memory(device)
+    runtime = state.train_runtime
+    metrics = {
+        **eval_results,
+        "train_loss": state.step_loss_total / max(state.step, 1),
+        "final_train_loss": state.last_loss if state.last_loss is not None else float("nan"),
+        "optimizer_steps": state.step,
+        "skipped_optimizer_steps": state.skipped_steps,
+        "epochs": round(plan.epoch_fraction(state.step), 4),
+        "train_samples": state.samples_seen,
+        "effective_batch_size": effective_batch_size,
+        "per_device_train_batch_size": config.per_device_train_batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "num_processes": num_processes,
+        "num_parameters": num_parameters,
+        "trainable_parameters": trainable_parameters,
+        "mixed_precision": precision,
+        "mixed_precision_requested": config.mixed_precision,
+        "backend": config.backend,
+        "device": device.type,
+        "train_runtime": round(runtime, 3),
+        "train_samples_per_second": _rate(state.samples_seen, runtime),
+        **throughput(state, runtime, model, config, device, num_processes),
+        **({"train_padding_fraction": round(1 - state.input_tokens_seen / state.padded_tokens_seen, 4)}
+           if state.padded_tokens_seen else {}),
+        "train_seconds_per_step": round(runtime / state.step, 4) if state.step else 0.0,
+        "eval_runtime": round(eval_runtime, 3),
+        "peak_memory_bytes": memory,
+        "peak_memory_kind": memory_kind,
+    }
+    if state.best_step is not None:
+        metrics.update(best_step=state.best_step, best_metric=state.best_metric)
+    if process_start is not None:
+        metrics["wall_time"] = round(time.time() - process_start, 3)
+    return metrics
+
+
+def write_outputs(engine, model, tokenizer, config, recipe, metrics: dict, writes: bool) -> None:
+    """The end of a run, for both backends: the model directory (``engine.save_model``), ``metrics.json`` and
+    the model card (``README.md``, with the command that reproduces the run) in ``config.output_dir``,
+    written by the processes with ``writes``."""
+    output_dir = Path(config.output_dir)
+    engine.save_model(model, tokenizer, output_dir, config, writes)
+    if writes:
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        write_card(output_dir, config, recipe, metrics)
+
+
+def write_card(output_dir, config, recipe, metrics: dict, hub_repo_id: str | None = None) -> Path:
+    """The model card (``README.md`` in ``output_dir``) of the run ``config``/``metrics``, with the command that
+    reproduces it; ``hub_repo_id``: the Hub repository it goes to (``finetune.lifecycle.hub``). Returns its path; raises what
+    ``model_card.write_model_card`` raises."""
+    command = reproduce_command(config_argv(config, recipe), num_processes=metrics["num_processes"],
+                                device=metrics["device"])
+    return write_model_card(output_dir, config, metrics, recipe, command, hub_repo_id=hub_repo_id)
+
+
+def format_summary(metrics: dict, output_dir: str) -> str:
+    """The closing summary: key metrics, one per line, and where the outputs are."""
+    keys = ["eval_accuracy", "eval_f1", "eval_loss", "eval_perplexity", "best_step", "train_loss", "optimizer_steps",
+            "skipped_optimizer_steps", "effective_batch_size", "mixed_precision", "train_samples_per_second",
+            "train_runtime", "wall_time"]
+    lines = ["", "=" * 60, "Run summary"]
+    for key in keys:
+        if key in metrics:
+            value = metrics[key]
+            lines.append(f"  {key:<26} {value:.4f}" if isinstance(value, float) else f"  {key:<26} {value}")
+    lines += [f"  outputs in {output_dir}/: model + tokenizer, metrics.json, log.jsonl, run_config.json", "=" * 60]
+    return "\n".join(lines)
