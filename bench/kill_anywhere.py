@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchlib as bl  # noqa: E402
 
-from finetune import checkpoint as ckpt  # noqa: E402  (benchlib puts the repository on sys.path)
 from finetune.errors import FinetuneError  # noqa: E402
+from finetune.lifecycle import checkpoint as ckpt  # noqa: E402  (benchlib puts the repository on sys.path)
 from finetune.lifecycle.run_log import read_log  # noqa: E402
 
 # what a save in progress leaves: ours, and the Trainer backend's (Trainer writes into .tmp-checkpoint/checkpoint-N)

@@ -125,7 +125,7 @@ def test_verify_and_plan_leave_the_group_after_their_work(monkeypatch, command):
 
     from finetune import distributed
 
-    module = importlib.import_module(f"finetune.{command}")
+    module = importlib.import_module(f"finetune.commands.{command}")
     calls = []
     monkeypatch.setattr(module, command, lambda *a, **k: calls.append("work") or 1)
     if command == "verify":
@@ -220,10 +220,15 @@ def test_an_error_on_every_rank_leaves_the_group_on_every_rank(tmp_path, tiny_be
             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--save_steps", "1"]
     result = launch(args, num_processes=2, timeout=300, env=fault_env(leave_log=str(log), **fault))
     assert result.returncode == 1, result.stderr[-3000:]  # the launcher's code for a failed worker
-    # torchrun's report names each failed worker's own exit code: both the error's, none aborted (-6)
-    assert sorted(re.findall(r"exitcode\s+: (-?\d+) \(pid", result.stderr)) == [str(code)] * 2, result.stderr[-3000:]
+    # torchrun's report names each failed worker's own exit code: the error's, none aborted (-6). Once the first
+    # worker has exited, torchrun SIGTERMs the others (-15): on a busy machine the second can still be in its
+    # interpreter's teardown then, after leaving the group. A worker that exited by itself left the group first.
+    codes = re.findall(r"exitcode\s+: (-?\d+) \(pid", result.stderr)
+    assert len(codes) == 2 and set(codes) <= {str(code), "-15"} and str(code) in codes, result.stderr[-3000:]
     assert result.stderr.count(f"error: {message}") == 2, result.stderr[-3000:]  # each rank's line (may interleave)
-    assert leave_records(log) == [{"group_started": True, "handle_alive": False}] * 2
+    records = leave_records(log)
+    assert records == [{"group_started": True, "handle_alive": False}] * len(records), records
+    assert len(records) >= codes.count(str(code)), (records, codes)
 
 
 @pytest.mark.parametrize("every_rank", [True, False])
@@ -294,7 +299,7 @@ def test_verify_and_plan_leave_the_group_before_an_error_every_rank_raised(monke
     from finetune import distributed
     from finetune.errors import FinetuneError, together
 
-    module = importlib.import_module(f"finetune.{command}")
+    module = importlib.import_module(f"finetune.commands.{command}")
     calls = []
 
     def fail(*args, **kwargs):

@@ -24,6 +24,7 @@ from finetune.engine.deepspeed import (
 )
 from finetune.errors import FinetuneError
 from finetune.lifecycle.run_log import grad_norm_value
+from finetune.lifecycle.window import plan_steps
 
 FLAGS = dict(max_grad_norm=0.5, micro_batch=8, accumulation_steps=4)
 
@@ -368,7 +369,7 @@ def test_prepare_deepspeed_hands_model_optimizer_and_schedule_to_one_prepare(tmp
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     accelerator = FakeDeepSpeedAccelerator(ds_config)
     train = DataLoader(list(range(100)), batch_size=8)  # 13 batches: 7 per process
-    prepared = DeepSpeedEngine(accelerator).prepare(config, model, train, [])
+    prepared = DeepSpeedEngine(accelerator).prepare(config, model, train, [], lambda n: plan_steps(n, config))
     optimizer, scheduler, plan = prepared.optimizer, prepared.scheduler, prepared.plan
     assert accelerator.prepared[0] is model and accelerator.prepared[1] is optimizer
     assert accelerator.prepared[4] is scheduler
@@ -410,7 +411,8 @@ def test_prepare_deepspeed_leaves_out_an_empty_parameter_group(tmp_path):
                          gradient_accumulation_steps=2, num_train_epochs=1)
     model = torch.nn.Linear(4, 4, bias=False)
     prepared = DeepSpeedEngine(FakeDeepSpeedAccelerator({})).prepare(config, model,
-                                                                     DataLoader(list(range(32)), batch_size=8), [])
+                                                                     DataLoader(list(range(32)), batch_size=8), [],
+                                                                     lambda n: plan_steps(n, config))
     optimizer, scheduler = prepared.optimizer, prepared.scheduler
     assert len(optimizer.param_groups) == 1 and len(scheduler.base_lrs) == 1
 

@@ -181,8 +181,8 @@ def test_every_micro_batch_is_chunked_and_trimmed_as_splits_pad():
     assert verify.chunk_sizes((16, 8, 1), 8) == (1,) and verify.chunk_sizes((16, 8, 1), 12) == (8, 1)
     assert verify.chunk_sizes((2, 1), 1) == ()
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
-    part, labels = verify._trimmed({"input_ids": torch.arange(8).view(2, 4), "attention_mask": mask},
-                                   torch.tensor([[5, 6, -100, -100], [7, -100, -100, -100]]))
-    assert part["input_ids"].tolist() == [[0, 1], [4, 5]] and labels.tolist() == [[5, 6], [7, -100]]
-    _, labels = verify._trimmed({"attention_mask": mask}, torch.tensor([1, 0]))  # one label per row: kept
-    assert labels.tolist() == [1, 0]
+    part = verify._trimmed({"input_ids": torch.arange(8).view(2, 4), "attention_mask": mask,
+                            "labels": torch.tensor([[5, 6, -100, -100], [7, -100, -100, -100]])})
+    assert part["input_ids"].tolist() == [[0, 1], [4, 5]] and part["labels"].tolist() == [[5, 6], [7, -100]]
+    part = verify._trimmed({"attention_mask": mask, "labels": torch.tensor([1, 0])})  # one label per row: kept
+    assert part["labels"].tolist() == [1, 0]

@@ -68,7 +68,7 @@ def environment() -> list[tuple[str, str]]:
     from finetune.lifecycle.card import framework_versions
 
     versions = dict(framework_versions())
-    info = [("`finetune` version", f"{__version__} ({Path(__file__).resolve().parent})"),
+    info = [("`finetune` version", f"{__version__} ({Path(__file__).resolve().parents[1]})"),
             ("Platform", platform.platform()),
             ("Python version", f"{platform.python_version()} ({sys.executable})")]
     for name, version in versions.items():

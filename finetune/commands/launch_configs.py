@@ -18,7 +18,7 @@ SUFFIXES = (".yaml", ".yml")
 def shipped_dir() -> Path:
     """The folder of the shipped configs: ``finetune/accelerate_configs`` in an installed copy (pyproject's
     ``package-dir``), the repository's top-level ``accelerate_configs/`` in a source checkout or editable install."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # finetune/ (this module is finetune/commands/launch_configs.py)
     installed = package / FOLDER
     return installed if installed.is_dir() else package.parent / FOLDER
 
