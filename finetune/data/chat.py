@@ -18,7 +18,7 @@ from finetune.metrics import load_metric
 
 FORMATS = ("prompt-completion", "messages")
 _NO_TEMPLATE_FIX = ("use an instruction-tuned (chat) model whose tokenizer has a chat template, such as the default "
-                    "SmolLM2-135M-Instruct (`python -m finetune.data.fetch smollm2-gguf`), or set `tokenizer.chat_template` "
+                    "SmolLM2-135M-Instruct (`python -m finetune.fetch smollm2-gguf`), or set `tokenizer.chat_template` "
                     "to a Jinja chat template before tokenizing")
 
 

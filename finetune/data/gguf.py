@@ -15,7 +15,7 @@ from finetune.errors import FinetuneError
 
 GGUF_MAGIC = b"GGUF"
 _HEADER_BYTES = 24  # magic (4) + version (uint32) + tensor count (uint64) + metadata count (uint64)
-_FETCH_HINT = "for SmolLM2, run `python -m finetune.data.fetch smollm2-gguf` (it re-downloads a damaged file)"
+_FETCH_HINT = "for SmolLM2, run `python -m finetune.fetch smollm2-gguf` (it re-downloads a damaged file)"
 
 
 def _require_gguf_package() -> None:
