@@ -45,7 +45,8 @@ def step_batches(config, recipe, limit_steps: int):
     from torch.utils.data import DataLoader
 
     from finetune.data.loading import load_tokenizer
-    from finetune.tasks.builders import build_datasets, build_model, get_task
+    from finetune.tasks import get_task
+    from finetune.tasks.builders import build_datasets, build_model
 
     task = get_task(recipe.TASK)
     tokenizer = load_tokenizer(config.model_name_or_path)

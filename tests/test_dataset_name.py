@@ -60,7 +60,8 @@ def test_a_missing_column_lists_the_datasets_columns(tmp_path, tiny_bert):
     datasets.Dataset.from_dict({"body": texts(10), "label": [0, 1] * 5}).save_to_disk(str(folder))
     config = parse_config(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--dataset_name", str(folder)])
     from finetune.recipes import load_recipe
-    from finetune.tasks.builders import get_task, raw_datasets
+    from finetune.tasks import get_task
+    from finetune.tasks.builders import raw_datasets
 
     with pytest.raises(FinetuneError, match=r"lacks column\(s\) text \(it has body, label\)"):
         raw_datasets(load_recipe("bbc-news"), config, get_task("sequence-classification"))

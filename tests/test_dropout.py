@@ -13,7 +13,8 @@ from families import BY_NAME, CAUSAL_LM, FAMILIES, build
 
 from finetune.config import parse_config
 from finetune.data.loading import load_tokenizer
-from finetune.tasks.builders import build_model, get_task
+from finetune.tasks import get_task
+from finetune.tasks.builders import build_model
 
 
 def built(model_dir, task_name: str, *flags: str):

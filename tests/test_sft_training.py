@@ -77,8 +77,8 @@ def test_completion_only_accumulation_is_exact(tmp_path, chat_llama, sft_files):
     # per-micro-batch means would weigh short completions more: the first window's mean of means differs
     from finetune.config import parse_config
     from finetune.recipes import load_recipe
-    from finetune.tasks import SFTCollator
-    from finetune.tasks.builders import build_datasets, get_task
+    from finetune.tasks import SFTCollator, get_task
+    from finetune.tasks.builders import build_datasets
 
     config = parse_config(["--recipe", "bbc-headlines", "--model_name_or_path", chat_llama, "--train_file",
                            sft_files[0], "--validation_file", sft_files[1], "--max_length", "96"])

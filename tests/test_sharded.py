@@ -322,7 +322,7 @@ def test_evaluation_never_splits_a_batch_under_a_sharded_engine(distributed_type
     inside the forward: under FSDP (versions 1 and 2 are both DistributedType.FSDP) and DeepSpeed a rank
     retrying alone would desynchronise the all-gathers, so the error propagates instead."""
     from finetune.lifecycle.evaluation import evaluate
-    from finetune.tasks.builders import get_task
+    from finetune.tasks import get_task
 
     class Model(torch.nn.Module):
         def forward(self, input_ids, attention_mask):
@@ -501,7 +501,7 @@ def test_ddp_evaluation_never_runs_ddps_forward():
     from torch.nn.parallel import DistributedDataParallel
 
     from finetune.lifecycle.evaluation import evaluate
-    from finetune.tasks.builders import get_task
+    from finetune.tasks import get_task
 
     class Inner(torch.nn.Module):
         def forward(self, input_ids, attention_mask):

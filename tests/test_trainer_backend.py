@@ -83,7 +83,8 @@ def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
     from finetune.backends.trainer import training_arguments
     from finetune.data.loading import load_tokenizer
     from finetune.recipes import load_recipe
-    from finetune.tasks.builders import build_datasets, get_task
+    from finetune.tasks import get_task
+    from finetune.tasks.builders import build_datasets
 
     _, ours = run_in_process(tmp_path, "ours", backend="trainer", model_name_or_path=tiny_bert, max_train_samples=16,
                              max_eval_samples=4, per_device_train_batch_size=2, gradient_accumulation_steps=4,

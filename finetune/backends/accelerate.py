@@ -38,8 +38,8 @@ from finetune.lifecycle.window import (
     window_repeats,
 )
 from finetune.signals import GracefulStop
-from finetune.tasks import IGNORE_INDEX
-from finetune.tasks.builders import build_components, get_task
+from finetune.tasks import IGNORE_INDEX, get_task
+from finetune.tasks.builders import build_components
 from finetune.tasks.loss import loss_function
 
 

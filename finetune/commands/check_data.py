@@ -32,7 +32,8 @@ from finetune.data.packing import flag_of, packing_summary, row_length
 from finetune.errors import FinetuneError
 from finetune.lifecycle.window import EpochSeededLengthGroupedSampler
 from finetune.recipes import load_recipe
-from finetune.tasks.builders import get_task, raw_datasets
+from finetune.tasks import get_task
+from finetune.tasks.builders import raw_datasets
 
 FATAL = ("between the splits", "empty completion", "nothing trained", "end-of-turn token not trained")
 

@@ -42,8 +42,8 @@ from finetune.errors import FinetuneError, NumericalError, reports_errors, toget
 from finetune.lifecycle.elastic import SAMPLE_IDS
 from finetune.lifecycle.resolve import resolve
 from finetune.lifecycle.run_log import read_log
-from finetune.tasks import split_labels
-from finetune.tasks.builders import build_datasets, get_task, raw_datasets
+from finetune.tasks import get_task, split_labels
+from finetune.tasks.builders import build_datasets, raw_datasets
 
 DEFAULT_STEPS = 3
 # The smallest tolerance: 16 units in the last place of fp32 (relative), for ways whose floors are bit-identical.

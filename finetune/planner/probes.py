@@ -25,7 +25,8 @@ from finetune.distributed import local_process_count, world_size
 from finetune.engine import build_optimizer
 from finetune.errors import FinetuneError
 from finetune.planner.plans import Lever, estimate_fits_from_memory
-from finetune.tasks.builders import build_model, get_task
+from finetune.tasks import get_task
+from finetune.tasks.builders import build_model
 from finetune.tasks.chunked_loss import DEFAULT_CHUNK_SIZE
 from finetune.tasks.loss import loss_function
 

@@ -23,7 +23,7 @@ from finetune.data.loading import (
 from finetune.data.lora import apply_lora
 from finetune.distributed import is_main_process
 from finetune.errors import FinetuneError
-from finetune.tasks import get_task  # noqa: F401 - the commands ask builders for a recipe's task
+from finetune.tasks import get_task
 
 
 def build_datasets(recipe, config, tokenizer, task):
