@@ -174,15 +174,17 @@ def test_a_small_control_not_caught_is_inconclusive_and_names_the_size():
     assert verify.compare([reference, floor, control], 2, {}, detects)["verdict"] == "exact"
 
 
-def test_every_micro_batch_is_chunked_and_trimmed_as_splits_pad():
-    """The chunked floor cuts every micro-batch (the short last window's too: with B = 4 its 2 rows were never
-    cut, and its floor was 0), each chunk to its own longest sample."""
+def test_each_chunked_floor_cuts_as_its_split_does_and_trims_as_splits_pad():
+    """A chunked floor per split's micro-batch size cuts a micro-batch as that split does (a 2-row short last
+    window stays whole in chunks of 2, as the 2 x 2 split computes it); the floor in chunks of 1 cuts every
+    micro-batch of 2 rows or more (the short last window's too: with B = 4 its 2 rows were once never cut, and its
+    floor was 0); each chunk is cut to its own longest sample."""
     import torch
 
-    assert verify.chunk_sizes((2, 1), 4) == (2, 1)
-    assert verify.chunk_sizes((2, 1), 2) == (1,)
-    assert verify.chunk_sizes((16, 8, 1), 8) == (1,) and verify.chunk_sizes((16, 8, 1), 12) == (8, 1)
-    assert verify.chunk_sizes((2, 1), 1) == ()
+    assert [w.chunks for w in verify.ways_for(4, 2) if w.role == "chunked"] == [(2,), (1,)]
+    assert verify.chunk_sizes((2,), 4) == (2,) and verify.chunk_sizes((2,), 2) == ()
+    assert verify.chunk_sizes((1,), 2) == (1,) and verify.chunk_sizes((1,), 1) == ()
+    assert verify.chunk_sizes((8,), 12) == (8,) and verify.chunk_sizes((16,), 8) == ()
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
     part = verify._trimmed({"input_ids": torch.arange(8).view(2, 4), "attention_mask": mask,
                             "labels": torch.tensor([[5, 6, -100, -100], [7, -100, -100, -100]])})

@@ -49,11 +49,13 @@ DEFAULT_STEPS = 3
 # The smallest tolerance: 16 units in the last place of fp32 (relative), for ways whose floors are bit-identical.
 # Lower precisions get theirs from the floor ways, which change shapes as splits do (docs/verify.md).
 MIN_TOLERANCE = 16 * 2.0**-24
-FLOOR_FACTOR = 3  # tolerance = FLOOR_FACTOR x the noise floor (at least MIN_TOLERANCE); measured: docs/verify.md
+FLOOR_FACTOR = 2  # tolerance = FLOOR_FACTOR x the noise floor (at least MIN_TOLERANCE); measured: docs/verify.md
 CONTROL_FACTOR = 10  # the positive control must exceed the tolerance this many times, or "inconclusive"
 PADDING_PROBE_TOKENS = 8  # pad tokens the padding probe appends to one batch
-# the padding probe (fp32) calls outputs padding-dependent above FLOOR_FACTOR x its own noise (rows computed one by
-# one) and at least this, relative to the largest logit: fp32 rounding at another sequence length stays below
+# the padding probe (fp32) calls outputs padding-dependent above PADDING_PROBE_FACTOR x its own noise (rows computed
+# one by one) and at least PADDING_PROBE_MINIMUM, relative to the largest logit: fp32 rounding at another sequence
+# length stays below
+PADDING_PROBE_FACTOR = 3
 PADDING_PROBE_MINIMUM = 1e-5
 # the calibrated small controls: (what is mis-weighted, the size verify claims to detect); a control not caught at
 # that size is run again at each larger size of the ladder, and the smallest caught is the threshold stated
@@ -160,7 +162,7 @@ def parse(argv: list[str]) -> tuple:
 
 def ways_for(per_process_batch: int, accumulation: int) -> list[Way]:
     """The ways for a per-process window of ``per_process_batch`` samples (B / processes): the reference
-    ``b x 1``, its two floors (samples reordered; in chunks of the splits' micro-batch sizes), up to three
+    ``b x 1``, its floors (samples reordered; in chunks of each split's micro-batch size, one way per size), up to three
     splits (the run's own accumulation, micro-batch 1, the smallest split), the control (on the split with the most
     micro-batches), and the Trainer backend on the reference and that split. Raises ``FinetuneError`` where ``b``
     is 1 (nothing to split)."""
@@ -172,7 +174,7 @@ def ways_for(per_process_batch: int, accumulation: int) -> list[Way]:
     chosen = sorted({n for n in (accumulation, b, divisors[0]) if n in divisors})
     most = chosen[-1]
     sizes = tuple(sorted({b // n for n in chosen}, reverse=True))
-    return [Way("reference", b, 1), Way("floor", b, 1), Way("chunked", b, 1, chunks=sizes),
+    return [Way("reference", b, 1), Way("floor", b, 1), *(Way("chunked", b, 1, chunks=(size,)) for size in sizes),
             *(Way("split", b // n, n) for n in chosen), Way("control", b // most, most), Way("engine", b, 1),
             Way("engine", b // most, most)]
 
@@ -227,11 +229,13 @@ class _RowsReversed:
 
 
 def chunk_sizes(sizes: tuple, rows: int) -> tuple:
-    """The chunked floor's rows per chunk, in turn, for a micro-batch of ``rows`` rows: the splits' micro-batch
-    sizes smaller than ``rows`` (every micro-batch is cut, a short last window's too), else 1; () for one row."""
+    """The chunked floor's rows per chunk, in turn, for a micro-batch of ``rows`` rows: the sizes smaller than
+    ``rows``; () where none is (the micro-batch is one chunk, as a split of that size computes it). verify's
+    floors have one size each, a split's micro-batch size, so each reproduces one split's shapes; size 1 is
+    always one of them (the split 1 x b), which cuts every micro-batch of 2 rows or more."""
     if rows < 2:
         return ()
-    return tuple(n for n in sizes if n < rows) or (1,)
+    return tuple(n for n in sizes if n < rows)
 
 
 def _trimmed(part: dict) -> dict:
@@ -498,9 +502,9 @@ def _padding_effect(built) -> tuple[float, float] | None:
 
 
 def depends_on_padding(probe: tuple[float, float] | None) -> bool:
-    """The padding probe's verdict (``_padding_effect``): the logits move by more than ``FLOOR_FACTOR`` x the
-    probe's own noise and more than ``PADDING_PROBE_MINIMUM`` (relative to the largest logit)."""
-    return probe is not None and probe[0] > max(FLOOR_FACTOR * probe[1], PADDING_PROBE_MINIMUM)
+    """The padding probe's verdict (``_padding_effect``): the logits move by more than ``PADDING_PROBE_FACTOR`` x
+    the probe's own noise and more than ``PADDING_PROBE_MINIMUM`` (relative to the largest logit)."""
+    return probe is not None and probe[0] > max(PADDING_PROBE_FACTOR * probe[1], PADDING_PROBE_MINIMUM)
 
 
 def _loss_after(model, dataset, collate, task, rows: int, device) -> float | None:
@@ -1056,16 +1060,17 @@ def verify(config, steps: int) -> int:  # noqa: C901 - over the budget; to split
             first = outcomes[0] if outcomes else None
             # chunks cut to their own longest sample, as splits pad, unless the outputs depend on padding
             way = dataclasses.replace(way, trim=not agree(float(bool(first and depends_on_padding(first.padding_effect)))))
-            if agree(float(bool(notes.get("batchnorm_modules") or notes.get("auxiliary_loss")))):
-                # chunks would change what BatchNorm or the auxiliary loss compute: the floor is measured on the
-                # model without them, against the reference without them
+            if floor_reference is None and agree(float(bool(notes.get("batchnorm_modules") or notes.get("auxiliary_loss")))):
+                # chunks would change what BatchNorm or the auxiliary loss compute: the chunked floors are measured
+                # on the model without them, against the reference without them (run once, for every size)
                 variant = ", ".join(v for v, on in (("without the auxiliary loss", notes.get("auxiliary_loss")),
                                                     ("BatchNorm frozen", notes.get("batchnorm_modules"))) if on)
                 variant = variant or "floor model"
                 floor_reference = run(Way("floor reference", way.micro, 1, variant=variant))
-                if keep and floor_reference.error is None:  # its gradients kept: the chunked floor's reference
+                if keep and floor_reference.error is None:  # its gradients kept: the chunked floors' reference
                     floor_reference.measured = _measure(floor_reference, reference)
                 outcomes.append(floor_reference)
+            if variant:
                 way = dataclasses.replace(way, variant=variant)
             outcome = run(way, against=floor_reference if way.variant else reference)
         elif way.role == "control":
