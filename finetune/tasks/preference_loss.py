@@ -1,0 +1,129 @@
+"""Preference (DPO-family) losses as per-pair terms, so that a window's loss is their sum over its pairs divided
+by the window's pairs, whatever the micro-batches.
+
+The formulas are TRL 1.16's ``DPOTrainer._compute_loss`` (``trl/trainer/dpo_trainer.py``, the ``loss_type``
+branches) with its names; TRL then takes each micro-batch's *mean* over pairs, which is exact only when every
+micro-batch holds as many pairs. Here the per-pair terms are returned unreduced and the caller sums them.
+Loss types whose term for one pair depends on the other pairs of its micro-batch are refused
+(``check_loss_type``). Style model: torchtune's ``DPOLoss`` (a small component taking the four log-probabilities).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from finetune.errors import FinetuneError
+
+# per-pair terms: a pair's loss reads only that pair's log-probabilities (and token counts)
+PAIR_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                   "apo_down", "discopop", "sigmoid_norm")
+# TRL's other loss types, and why a pair's term is not its own
+BATCH_COUPLED = {
+    "aot": "it sorts the log-ratios across the micro-batch, so a pair's term depends on the other pairs",
+    "aot_unpaired": "it sorts the log-ratios across the micro-batch, so a pair's term depends on the other pairs",
+    "sft": "it is a mean over the micro-batch's chosen tokens, not a term per pair",
+}
+SMOOTHED = ("robust", "exo_pair")  # the per-pair types that read label_smoothing
+
+
+def check_loss_type(loss_type: str, beta: float, label_smoothing: float = 0.0) -> None:
+    """Refuse what cannot be a sum of per-pair terms, or is undefined: raises ``FinetuneError`` with one line
+    naming the problem and the fix (a batch-coupled or unknown ``loss_type``; ``beta`` <= 0; ``label_smoothing``
+    outside [0, 0.5) for "robust", outside (0, 1) for "exo_pair" (log of 0), or set for a type that ignores it)."""
+    if loss_type in BATCH_COUPLED:
+        raise FinetuneError(f"--loss_type {loss_type} cannot accumulate exactly: {BATCH_COUPLED[loss_type]}. "
+                            f"Use one of {', '.join(PAIR_LOSS_TYPES)}.")
+    if loss_type not in PAIR_LOSS_TYPES:
+        raise FinetuneError(f"unknown --loss_type {loss_type!r}: use one of {', '.join(PAIR_LOSS_TYPES)}.")
+    if not beta > 0:
+        raise FinetuneError(f"--beta must be positive (the strength of the pull towards the reference), got {beta}.")
+    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
+        raise FinetuneError(f"--label_smoothing must lie in [0, 0.5) for --loss_type robust, got {label_smoothing}.")
+    if loss_type == "exo_pair" and not 0.0 < label_smoothing < 1.0:
+        raise FinetuneError(f"--loss_type exo_pair needs --label_smoothing in (0, 1) (its target distribution's "
+                            f"epsilon; 1e-3 is usual), got {label_smoothing}.")
+    if label_smoothing and loss_type not in SMOOTHED:
+        raise FinetuneError(f"--loss_type {loss_type} does not use --label_smoothing (TRL 1.16's neither): leave it "
+                            f"at 0, or use --loss_type robust or exo_pair, got {label_smoothing}.")
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """A DPO-family loss per pair. ``beta``: the pull towards the reference (TRL's and DPO's beta);
+    ``label_smoothing``: the assumed share of flipped labels ("robust"; EXO's epsilon); ``discopop_tau``: DiscoPOP's
+    temperature (TRL's default 0.05)."""
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
+
+    def __post_init__(self):
+        check_loss_type(self.loss_type, self.beta, self.label_smoothing)
+
+    def __call__(self, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+                 ref_rejected_logps: torch.Tensor, chosen_tokens: torch.Tensor | None = None,
+                 rejected_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-pair loss terms, shape (pairs,), unreduced. Inputs, shape (pairs,): each side's completion
+        log-probability summed over its trained tokens (nats), the policy's and the reference's;
+        ``chosen_tokens``/``rejected_tokens``: each side's trained tokens (counts), needed by "ipo" and
+        "sigmoid_norm" (which average per token, as TRL 1.16 does). Raises ``ValueError`` where those are missing."""
+        chosen_ratio, rejected_ratio = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+        delta = chosen_ratio - rejected_ratio
+        if self.loss_type in ("ipo", "sigmoid_norm"):
+            if chosen_tokens is None or rejected_tokens is None:
+                raise ValueError(f"loss_type {self.loss_type} averages per token: pass chosen_tokens and rejected_tokens")
+            delta = chosen_ratio / chosen_tokens.clamp(min=1.0) - rejected_ratio / rejected_tokens.clamp(min=1.0)
+        return _TERMS[self.loss_type](delta, chosen_ratio, rejected_ratio, self)
+
+
+def _exo(d, c, r, k):  # EXO (Ji et al. 2024, eq. 16): KL to the target distribution [1 - eps, eps]
+    x = k.beta * d
+    return (torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-k.label_smoothing))
+            + torch.sigmoid(-x) * (F.logsigmoid(-x) - math.log(k.label_smoothing)))
+
+
+def _discopop(d, c, r, k):  # DiscoPOP (Lu et al. 2024, eq. 5)
+    x = k.beta * d
+    mix = torch.sigmoid(x / k.discopop_tau)
+    return -F.logsigmoid(x) * (1 - mix) + torch.exp(-x) * mix
+
+
+# (delta, chosen log-ratio, rejected log-ratio, the loss) -> per-pair terms; delta per token for ipo, sigmoid_norm
+_TERMS = {
+    "sigmoid": lambda d, c, r, k: -F.logsigmoid(k.beta * d),  # DPO (Rafailov et al. 2023, eq. 7)
+    "sigmoid_norm": lambda d, c, r, k: -F.logsigmoid(k.beta * d),
+    "hinge": lambda d, c, r, k: torch.relu(1 - k.beta * d),  # SLiC (Zhao et al. 2023)
+    "ipo": lambda d, c, r, k: (d - 1 / (2 * k.beta)) ** 2,  # IPO (Azar et al. 2023, eq. 17)
+    "robust": lambda d, c, r, k: ((-(1 - k.label_smoothing) * F.logsigmoid(k.beta * d)  # rDPO (Chowdhury et al. 2024)
+                                   + k.label_smoothing * F.logsigmoid(-k.beta * d)) / (1 - 2 * k.label_smoothing)),
+    "exo_pair": _exo,
+    "nca_pair": lambda d, c, r, k: (-F.logsigmoid(k.beta * c) - 0.5 * F.logsigmoid(-k.beta * c)  # NCA (Chen 2024)
+                                    - 0.5 * F.logsigmoid(-k.beta * r)),
+    "bco_pair": lambda d, c, r, k: -F.logsigmoid(k.beta * c) - F.logsigmoid(-k.beta * r),
+    "sppo_hard": lambda d, c, r, k: (c - 0.5 / k.beta) ** 2 + (r + 0.5 / k.beta) ** 2,  # SPPO (Wu et al. 2024)
+    "apo_zero": lambda d, c, r, k: 1 - torch.sigmoid(k.beta * c) + torch.sigmoid(k.beta * r),  # APO, eq. 7
+    "apo_down": lambda d, c, r, k: torch.sigmoid(k.beta * c) + 1 - torch.sigmoid(k.beta * d),  # APO, eq. 8
+    "discopop": _discopop,
+}
+
+
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected")
+
+
+def pair_metric_sums(beta: float, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+                     ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor) -> dict[str, float]:
+    """The sums over a micro-batch's pairs of TRL's per-pair metrics (``PAIR_METRICS``: the implicit rewards
+    beta x (policy - reference log-probability) of each side, whether chosen's reward is the larger, the margin,
+    and each side's summed log-probability in nats). Divided by the window's pairs over every process they give
+    the window's means, not a mean of micro-batch means. Inputs: shape (pairs,)."""
+    chosen = beta * (chosen_logps - ref_chosen_logps).detach()
+    rejected = beta * (rejected_logps - ref_rejected_logps).detach()
+    values = (chosen, rejected, (chosen > rejected).float(), chosen - rejected, chosen_logps.detach(),
+              rejected_logps.detach())
+    return {name: float(v.double().sum()) for name, v in zip(PAIR_METRICS, values)}
