@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.tasks.preference_loss import (BATCH_COUPLED, PAIR_LOSS_TYPES, PAIR_METRICS, PreferenceLoss,
-                                            check_loss_type, pair_metric_sums)
+from finetune.tasks.preference_loss import (
+    BATCH_COUPLED,
+    PAIR_LOSS_TYPES,
+    PAIR_METRICS,
+    PreferenceLoss,
+    check_loss_type,
+    pair_metric_sums,
+)
 
 
 def logps(pairs: int, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,74 @@
+"""Preference rows in TRL's formats (finetune/data/preference.py): explicit and implicit prompts, each side
+encoded as SFT encodes a prompt-completion pair, and one error line per malformed row."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import smollm2_like_tokenizer
+
+from finetune.data.chat import encode_conversation
+from finetune.data.loading import IGNORE_INDEX
+from finetune.data.preference import PAIR_COLUMNS, encode_pair, split_pair
+from finetune.errors import FinetuneError
+
+USER = {"role": "user", "content": "Write the headline of this BBC News article."}
+BLUE = {"role": "assistant", "content": "Shares in the bank rose"}
+GREEN = {"role": "assistant", "content": "The striker scored a late goal"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return smollm2_like_tokenizer()
+
+
+def test_an_explicit_prompt_of_strings_becomes_a_user_turn_and_assistant_turns():
+    prompt, chosen, rejected = split_pair({"prompt": USER["content"], "chosen": BLUE["content"],
+                                           "rejected": GREEN["content"]})
+    assert (prompt, chosen, rejected) == ([USER], [BLUE], [GREEN])
+
+
+def test_an_implicit_prompt_is_the_turns_both_sides_share():
+    """TRL 1.16 ``extract_prompt``: the longest common run of leading turns (here a system and a user turn)."""
+    system = {"role": "system", "content": "Be brief."}
+    row = {"chosen": [system, USER, BLUE], "rejected": [system, USER, GREEN]}
+    assert split_pair(row) == ([system, USER], [BLUE], [GREEN])
+    # a string prompt beside conversational sides is ignored, as TRL's maybe_extract_prompt does
+    assert split_pair({"prompt": "ignored", **row}) == ([system, USER], [BLUE], [GREEN])
+    # None keys (Arrow fills missing fields) are dropped before comparing
+    assert split_pair({"chosen": [{**USER, "name": None}, BLUE], "rejected": [USER, GREEN]}) == ([USER], [BLUE], [GREEN])
+
+
+def test_each_side_is_encoded_as_sft_encodes_its_prompt_and_completion(tokenizer):
+    """The chosen side's ids and labels are exactly SFT's for (prompt, chosen); the prompt's tokens are the same
+    on both sides and untrained; each side trains its own completion and end-of-turn token only."""
+    pair = encode_pair(tokenizer, {"prompt": [USER], "chosen": [BLUE], "rejected": [GREEN]}, max_length=128)
+    assert list(pair) == list(PAIR_COLUMNS)
+    sft = encode_conversation(tokenizer, [USER], [BLUE], 128)
+    assert (pair["chosen_input_ids"], pair["chosen_labels"]) == (sft["input_ids"], sft["labels"])
+    first = pair["chosen_labels"].index(next(t for t in pair["chosen_labels"] if t != IGNORE_INDEX))
+    assert pair["rejected_input_ids"][:first] == pair["chosen_input_ids"][:first]  # the shared prompt
+    assert all(t == IGNORE_INDEX for t in pair["rejected_labels"][:first])
+    trained = [t for t in pair["rejected_labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == GREEN["content"] + "<|im_end|>"
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"prompt": "p", "chosen": "c"}, "needs 'chosen' and 'rejected'"),
+    ({"chosen": "a", "rejected": "b"}, "without 'prompt', 'chosen' and 'rejected' must be whole conversations"),
+    ({"chosen": [USER, BLUE], "rejected": [{"role": "user", "content": "other"}, GREEN]}, "share no leading turn"),
+    ({"chosen": [USER], "rejected": [USER, GREEN]}, "'chosen' is all prompt"),
+    ({"prompt": [USER], "chosen": "text", "rejected": "text"}, "all be strings or all be message lists"),
+    ({"prompt": [USER], "chosen": [], "rejected": [GREEN]}, "'chosen' must be a non-empty list"),
+])
+def test_a_malformed_row_is_refused_with_one_line_naming_it(row, needle):
+    with pytest.raises(FinetuneError) as caught:
+        split_pair(row, "train.jsonl line 7")
+    message = str(caught.value)
+    assert message.startswith("train.jsonl line 7: ") and needle in message and "\n" not in message
+
+
+def test_a_side_that_is_not_the_assistants_or_too_long_names_the_row_and_side(tokenizer):
+    with pytest.raises(FinetuneError, match=r"^row 3 \('rejected'\): 'completion' may hold only assistant turns"):
+        encode_pair(tokenizer, {"prompt": [USER], "chosen": [BLUE], "rejected": [USER]}, 128, "row 3")
+    with pytest.raises(FinetuneError, match=r"^row 4 \('chosen'\): "):
+        encode_pair(tokenizer, {"prompt": [USER], "chosen": [BLUE], "rejected": [GREEN]}, 4, "row 4")
