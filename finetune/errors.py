@@ -52,7 +52,10 @@ def reports_errors(main: Callable[..., int]) -> Callable[..., int]:
         try:
             return main(*args, **kwargs)
         except FinetuneError as err:
-            print(f"error: {err}", file=sys.stderr)
+            # one write of the whole line: under ``python -u`` (accelerate launch's workers) ``print`` writes the
+            # text and its newline apart, and two ranks' lines interleave on the launcher's stderr
+            sys.stderr.write(f"error: {err}\n")
+            sys.stderr.flush()
             return err.exit_code
 
     return wrapped

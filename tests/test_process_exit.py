@@ -313,3 +313,30 @@ def test_verify_and_plan_leave_the_group_before_an_error_every_rank_raised(monke
     assert module.main(["--recipe", "bbc-news"]) == 2
     assert calls == ["work", "leave"]
     assert "error: verify: no way of the effective batch ran" in capsys.readouterr().err
+
+
+def test_the_error_line_is_one_write_so_two_ranks_lines_do_not_interleave(monkeypatch):
+    """Under ``python -u`` (accelerate launch's workers) ``print`` wrote the text and its newline as two writes,
+    and two ranks' identical error lines came out as "...latest.error: writing ..." on one line
+    (test_checkpoint_writes' one-rank-fails test, flaky). The line is now one write of text and newline."""
+    import io
+
+    from finetune.errors import FinetuneError, reports_errors
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, text):
+            self.calls.append(text)
+            return super().write(text)
+
+    stderr = Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+
+    def main() -> int:
+        raise FinetuneError("writing checkpoint step_00000004 failed on rank 1")
+
+    assert reports_errors(main)() == 2
+    assert stderr.calls == ["error: writing checkpoint step_00000004 failed on rank 1\n"]
