@@ -60,10 +60,7 @@ EQUIVALENT_ON_ONE_PROCESS = {"drop-processes", "own-items"}
 def build_models(root: Path) -> dict:
     """The tiny models: BERT and Llama (tests' fixtures), and a Mixtral with its auxiliary loss off
     (``router_aux_loss_coef`` 0: the routed experts stay, and the clean engine is exact)."""
-    moe = build_tiny_moe(root / "moe", "mixtral")
-    config = json.loads((moe / "config.json").read_text())
-    config.update(router_aux_loss_coef=0.0, output_router_logits=False)
-    (moe / "config.json").write_text(json.dumps(config))
+    moe = build_tiny_moe(root / "moe", "mixtral", auxiliary_loss=False)
     texts = [str(write_variable_length_texts(root / f"texts-{split}.jsonl", n, seed=n)) for split, n in
              (("train", 48), ("valid", 12))]
     return {"bert": str(build_tiny_bert(root / "bert")), "llama": str(build_tiny_llama(root / "llama")),

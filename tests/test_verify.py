@@ -175,10 +175,7 @@ def test_routed_experts_in_bf16_without_the_auxiliary_loss_are_exact(tmp_path):
     step-2 loss stood 4.25 x it (the first step's rounding amplified by Adam's sign-like first update and the
     top-2 router). Each split now has a floor in chunks of its own micro-batch size, which it equals, and the 1%
     micro-batch control is caught: exact, with the threshold stated."""
-    model = build_tiny_moe(tmp_path / "mixtral", "mixtral")
-    config = json.loads((model / "config.json").read_text())
-    config.update(router_aux_loss_coef=0.0, output_router_logits=False)
-    (model / "config.json").write_text(json.dumps(config))
+    model = build_tiny_moe(tmp_path / "mixtral", "mixtral", auxiliary_loss=False)
     texts = [str(write_variable_length_texts(tmp_path / f"{split}.jsonl", n, seed=n)) for split, n in
              (("train", 48), ("valid", 12))]
     code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", str(model),

@@ -50,10 +50,12 @@ def _save_tiny_llama(path: Path, tokenizer, vocab_size: int, bos: int, eos: int,
     return path
 
 
-def build_tiny_moe(path: Path, family: str) -> Path:
+def build_tiny_moe(path: Path, family: str, auxiliary_loss: bool = True) -> Path:
     """Save a 2-layer, 32-wide mixture-of-experts causal LM (random weights, seed 0; 4 experts, 2 per token) with
     the MiniLM tokenizer to ``path``: ``family`` "mixtral" or "qwen2_moe". ``output_router_logits`` is on and
-    ``router_aux_loss_coef`` 0.1, so its forward returns the router load-balancing ``aux_loss``."""
+    ``router_aux_loss_coef`` 0.1, so its forward returns the router load-balancing ``aux_loss``; with
+    ``auxiliary_loss`` False both are off (the same weights: the routed experts stay, the loss is the
+    cross-entropy alone)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     from finetune.recipes.bbc_news import default_model_path
@@ -62,8 +64,8 @@ def build_tiny_moe(path: Path, family: str) -> Path:
     common = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
                   pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
-                  eos_token_id=tokenizer.sep_token_id, tie_word_embeddings=True, output_router_logits=True,
-                  router_aux_loss_coef=0.1, num_experts_per_tok=2)
+                  eos_token_id=tokenizer.sep_token_id, tie_word_embeddings=True, output_router_logits=auxiliary_loss,
+                  router_aux_loss_coef=0.1 if auxiliary_loss else 0.0, num_experts_per_tok=2)
     if family == "mixtral":
         config, model_class = MixtralConfig(num_local_experts=4, **common), MixtralForCausalLM
     elif family == "qwen2_moe":
