@@ -65,6 +65,13 @@ def split_labels(batch: dict) -> tuple[dict, torch.Tensor]:
     return inputs, inputs.pop("labels")
 
 
+def unwrapped(model):
+    """``model`` without its wrappers (DDP, accelerate's: each holds the wrapped model as ``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def auxiliary_loss_sum(outputs, model, items: torch.Tensor):
     """A mixture-of-experts model's router load-balancing loss for this micro-batch, weighted by its ``items``:
     ``router_aux_loss_coef x aux_loss x items`` (a 0-d tensor), or None where the model returns no ``aux_loss``
@@ -75,10 +82,7 @@ def auxiliary_loss_sum(outputs, model, items: torch.Tensor):
     aux = getattr(outputs, "aux_loss", None)
     if aux is None:
         return None
-    inner = model
-    while hasattr(inner, "module"):  # DDP, accelerate's wrappers
-        inner = inner.module
-    coefficient = float(getattr(getattr(inner, "config", None), "router_aux_loss_coef", 0.0) or 0.0)
+    coefficient = float(getattr(getattr(unwrapped(model), "config", None), "router_aux_loss_coef", 0.0) or 0.0)
     return coefficient * aux * items if coefficient else None
 
 

@@ -12,43 +12,37 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from finetune.data.loading import IGNORE_INDEX
 from finetune.errors import FinetuneError
+from finetune.tasks.base import unwrapped
+from finetune.tasks.causal_lm import CausalLM
 from finetune.tasks.preference_loss import PAIR_METRICS, PreferenceLoss, pair_metric_sums
+from finetune.tasks.sft import SFTCollator
+
+_CAUSAL_LM = CausalLM()
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 SIDES = ("input_ids", "attention_mask", "labels")
 
 
 class PreferenceCollator:
-    """Right-pads both sides of every pair to one length (the longest side in the micro-batch, rounded up to
-    ``pad_to_multiple_of``), so that they stack into one forward; right padding keeps positions independent of
-    the batch. Precomputed reference log-probabilities, where the rows hold them, pass through as float64."""
+    """Both sides of every pair through ``SFTCollator`` together (right padding, one length: the longest side in
+    the micro-batch, rounded up to ``pad_to_multiple_of``), so that they stack into one forward. Precomputed
+    reference log-probabilities, where the rows hold them, pass through as float64."""
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None = None):
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad = SFTCollator(tokenizer, pad_to_multiple_of)
 
     def __call__(self, features: list[dict]) -> dict:
         """``features``: rows of ``data.preference.PAIR_COLUMNS`` -> int64 tensors (pairs, seq): ``input_ids``,
         ``attention_mask``, ``labels`` (the chosen side) and ``rejected_input_ids``, ``rejected_attention_mask``,
         ``rejected_labels``; plus (pairs,) float64 ``REFERENCE_COLUMNS`` where present."""
-        length = max((len(f[f"{side}_input_ids"]) for f in features for side in ("chosen", "rejected")), default=0)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch = {}
-        for side, prefix in (("chosen", ""), ("rejected", "rejected_")):
-            ids = torch.full((len(features), length), self.pad_id, dtype=torch.long)
-            labels = torch.full((len(features), length), IGNORE_INDEX, dtype=torch.long)
-            mask = torch.zeros((len(features), length), dtype=torch.long)
-            for i, f in enumerate(features):
-                n = len(f[f"{side}_input_ids"])
-                ids[i, :n] = torch.tensor(f[f"{side}_input_ids"], dtype=torch.long)
-                labels[i, :n] = torch.tensor(f[f"{side}_labels"], dtype=torch.long)
-                mask[i, :n] = 1
-            batch.update({f"{prefix}input_ids": ids, f"{prefix}attention_mask": mask, f"{prefix}labels": labels})
+        pairs = len(features)
+        padded = self.pad([{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
+                           for side in ("chosen", "rejected") for f in features])
+        batch = {key: padded[key][:pairs] for key in SIDES}
+        batch.update({f"rejected_{key}": padded[key][pairs:] for key in SIDES})
         for column in REFERENCE_COLUMNS:
             if features and column in features[0]:
                 batch[column] = torch.tensor([f[column] for f in features], dtype=torch.float64)
@@ -57,21 +51,15 @@ class PreferenceCollator:
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the summed log-probability of its trained tokens (nats, fp32: labels shifted by one,
-    ``IGNORE_INDEX`` skipped) and their count. ``logits``: (rows, seq, vocab); ``labels``: (rows, seq)."""
-    token_logps = -F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE_INDEX,
-                                   reduction="none")
-    return token_logps.sum(dim=1), (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+    ``IGNORE_INDEX`` skipped) and their count: the causal LM's per-sample loss (``CausalLM.eval_from_logits``),
+    negated. ``logits``: (rows, seq, vocab); ``labels``: (rows, seq)."""
+    loss, tokens = _CAUSAL_LM.eval_from_logits(logits, labels)
+    return -loss, tokens
 
 
 def both_sides(batch: dict) -> dict:
     """The 2P-row forward inputs: the chosen rows, then the rejected rows (``labels`` included)."""
     return {key: torch.cat([batch[key], batch[f"rejected_{key}"]]) for key in SIDES}
-
-
-def _unwrapped(model):
-    while hasattr(model, "module"):  # DDP, accelerate's wrappers
-        model = model.module
-    return model
 
 
 class PreferenceTask:
@@ -106,7 +94,7 @@ class PreferenceTask:
         or from the policy with its LoRA adapter disabled. Raises ``FinetuneError`` where neither is there."""
         labels = inputs["labels"]
         forward = {k: v for k, v in inputs.items() if k != "labels"}
-        policy = _unwrapped(model)
+        policy = unwrapped(model)
         if self.reference_model is not None:
             reference, context = self.reference_model, contextlib.nullcontext()
         elif hasattr(policy, "disable_adapter"):  # peft's PeftModel: the base under the adapter
@@ -135,12 +123,15 @@ class PreferenceTask:
                 "ref_rejected_logps": reference[1], "chosen_tokens": tokens[:pairs].to(logps.dtype),
                 "rejected_tokens": tokens[pairs:].to(logps.dtype), "real": real}
 
+    def _terms(self, out: dict) -> torch.Tensor:
+        """The per-pair loss terms (pairs,) of ``forward``'s output."""
+        return self.loss(*(out[k] for k in ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps",
+                                            "chosen_tokens", "rejected_tokens")))
+
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         """Forward both sides, then the per-pair loss terms summed over the pairs the loop trains (0-d)."""
         out = self.forward(model, batch)
-        terms = self.loss(out["chosen_logps"], out["rejected_logps"], out["ref_chosen_logps"],
-                          out["ref_rejected_logps"], out["chosen_tokens"], out["rejected_tokens"])
-        return (terms * out["real"]).sum()
+        return (self._terms(out) * out["real"]).sum()
 
     def metric_sums(self, model, batch: dict) -> dict[str, float]:
         """TRL's ``rewards/*`` and ``logps/*`` summed over the micro-batch's trained pairs, without gradients
@@ -154,10 +145,8 @@ class PreferenceTask:
     def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         """Per pair, to gather: the loss term, the chosen and rejected rewards, and the two log-probabilities."""
         out = self.forward(model, batch)
-        terms = self.loss(out["chosen_logps"], out["rejected_logps"], out["ref_chosen_logps"],
-                          out["ref_rejected_logps"], out["chosen_tokens"], out["rejected_tokens"])
         beta = self.loss.beta
-        return (terms, beta * (out["chosen_logps"] - out["ref_chosen_logps"]),
+        return (self._terms(out), beta * (out["chosen_logps"] - out["ref_chosen_logps"]),
                 beta * (out["rejected_logps"] - out["ref_rejected_logps"]), out["chosen_logps"], out["rejected_logps"])
 
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict | None = None) -> dict:
