@@ -6,7 +6,7 @@ This folder is the repository's top-level ``recipes/``, imported and installed a
 A recipe module defines (see ``recipes/bbc_news.py``):
 
 - ``NAME``, ``DESCRIPTION`` (one line), ``TASK`` (a task's name in ``finetune.tasks.TASKS``:
-  "sequence-classification", "causal-lm" or "sft"), ``DATASET``,
+  "sequence-classification", "causal-lm", "sft" or "preference"), ``DATASET``,
   ``NEEDS_HUB`` (bool), ``TEXT_COLUMNS`` (the input column names), ``METRICS`` (shipped metric name -> compute kwargs),
   ``DEFAULTS`` (a dict of ``TrainConfig`` fields);
 - ``load_raw_datasets(config) -> datasets.DatasetDict`` with ``train`` and ``validation`` splits holding
@@ -35,6 +35,7 @@ RECIPES: dict[str, str] = {
     "bbc-news": "finetune.recipes.bbc_news",
     "bbc-news-clm": "finetune.recipes.bbc_news_clm",
     "bbc-headlines": "finetune.recipes.bbc_headlines",
+    "bbc-headlines-dpo": "finetune.recipes.bbc_headlines_dpo",
     "bbc-lead-headlines": "finetune.recipes.bbc_lead_headlines",
     "glue-mrpc": "finetune.recipes.glue_mrpc",
     "wikitext-clm": "finetune.recipes.wikitext_clm",

@@ -38,7 +38,7 @@ from finetune.lifecycle.window import (
     window_repeats,
 )
 from finetune.signals import GracefulStop
-from finetune.tasks import IGNORE_INDEX, get_task
+from finetune.tasks import IGNORE_INDEX, run_task
 from finetune.tasks.builders import build_components
 from finetune.tasks.loss import loss_function
 
@@ -81,9 +81,9 @@ def setup(config, recipe) -> Setup:
     accelerator.project_configuration.save_on_each_node = layout.per_machine
     engine.configure(config, per_machine=layout.per_machine)
     precision = engine.precision()
-    task = get_task(recipe.TASK)
+    task = run_task(recipe, config)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
-        config, recipe, precision, accelerator.main_process_first)
+        config, recipe, precision, accelerator.main_process_first, task, accelerator.device)
     check_eval_set(len(datasets["validation"]), config)
     # Own generators: otherwise every new iterator (each epoch, each evaluation, a resume's skip) draws a
     # seed from the global RNG, and a resumed run's dropout masks would drift from the uninterrupted run's.
@@ -161,7 +161,8 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
                             if not skipped:
                                 scheduler.step()
                         optimizer.zero_grad()
-                run.end_step(window_loss, counts, len(window), learning_rate, grad_norm, skipped=skipped, stop=stop)
+                run.end_step(window_loss, counts, len(window), learning_rate, grad_norm, skipped=skipped, stop=stop,
+                             metric_sums=task.take_metric_sums())
                 if run.done:
                     break
             run.end_epoch()
@@ -288,10 +289,12 @@ class Loop:
 
     # -------------------------------------------------------------------------------- after each step
     def end_step(self, window_loss, counts: WindowCounts, micro_batches: int, learning_rate: float, grad_norm,
-                 skipped: bool, stop: "GracefulStop") -> None:
+                 skipped: bool, stop: "GracefulStop", metric_sums=None) -> None:
         """Account for the optimizer step just taken (``lifecycle.RunState.record_step``), trackers and progress; then
-        a signal, and the evaluation and checkpoint cadence."""
+        a signal, and the evaluation and checkpoint cadence. ``metric_sums``: the task's own per-step metric sums of
+        this process (``task.take_metric_sums``), reduced and divided by the window's items here."""
         accelerator, run = self.accelerator, self.run
+        metrics = self.run.window_metrics(accelerator, metric_sums, counts.items)
         seconds = self.run.step_seconds()
         # One reduction per optimizer step: the window's loss, and whether any process was signalled (every
         # process must stop at the same step).
@@ -304,16 +307,17 @@ class Loop:
         record = self.run.record_step(loss=loss, samples=counts.samples, items=counts.items, micro_batches=micro_batches,
                                   learning_rate=learning_rate, grad_norm=grad_norm, loss_scale=loss_scale(accelerator),
                                   skipped=skipped, input_tokens=counts.input_tokens, padded_tokens=counts.padded_tokens,
-                                  seconds=seconds, **({"sample_ids": counts.sample_ids} if counts.sample_ids else {}))
+                                  seconds=seconds, **({"sample_ids": counts.sample_ids} if counts.sample_ids else {}),
+                                  **metrics)
         step = self.progress.step
         self.progress_bar.update(1)
         if step % self.logging_steps == 0:
             elapsed = max(time.perf_counter() - run.train_start - run.eval_runtime, 1e-9)
             values = {"train/loss": loss, "train/learning_rate": learning_rate, "train/grad_norm": record["grad_norm"],
                       "train/samples_per_second": (self.progress.samples_seen - run.samples_at_start) / elapsed,
-                      "train/epoch": record["epoch"]}
+                      "train/epoch": record["epoch"], **{f"train/{k}": v for k, v in metrics.items()}}
             accelerator.log({k: v for k, v in values.items() if v is not None}, step=step)
-            self.progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}")
+            self.progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}", **run.postfix(metrics))
         if stop_votes > 0:
             path = self.save("stopped by signal", push=False)  # the process ends now: no upload to wait for
             signum = stop.signum or signal.SIGTERM

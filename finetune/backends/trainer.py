@@ -30,7 +30,7 @@ from finetune.lifecycle.window import (
     plan_steps,
     window_repeats,
 )
-from finetune.tasks import IGNORE_INDEX, get_task
+from finetune.tasks import IGNORE_INDEX, run_task
 from finetune.tasks.builders import build_components
 from finetune.tasks.loss import loss_function
 
@@ -59,6 +59,9 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
         dataloader_drop_last=False,  # the last partial micro-batch trains, as on the accelerate side
         include_num_input_tokens_seen="non_padding",  # the same count as the accelerate engine's
         average_tokens_across_devices=True,
+        # every tokenized column is the collator's (a preference pair's rejected_* columns are no forward argument
+        # of the model, so Trainer's signature filter would drop them)
+        remove_unused_columns=False,
     )
 
 
@@ -200,7 +203,8 @@ class BookkeepingCallback(TrainerCallback):
         loss = (accelerator.reduce(self.window_loss, "sum") / counts.items).item()
         self.pending = dict(loss=loss, samples=counts.samples, items=counts.items, micro_batches=self.micro_batches,
                             loss_scale=loss_scale(accelerator), skipped=self.step_skipped,
-                            input_tokens=counts.input_tokens, padded_tokens=counts.padded_tokens, seconds=seconds)
+                            input_tokens=counts.input_tokens, padded_tokens=counts.padded_tokens, seconds=seconds,
+                            **self.run.window_metrics(accelerator, self.task.take_metric_sums(), counts.items))
         self.window_loss, self.micro_batches, self.step_skipped = None, 0, False
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -276,9 +280,9 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     layout = distributed.plan_storage(state, config.output_dir)
     args.save_on_each_node = layout.per_machine  # each machine's local main process keeps its own copy
     precision_hint = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
-    task = get_task(recipe.TASK)
+    task = run_task(recipe, config)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
-        config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"))
+        config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"), task, args.device)
     check_eval_set(len(datasets["validation"]), config)
     # the per-sequence check on the model as loaded, before anything is written, on the device Trainer puts it on
     # (transformers 5.24 trainer.py lines 495-504; under FSDP and DeepSpeed it stays where it was loaded)

@@ -22,6 +22,7 @@ from finetune.config.hub import HubArguments
 from finetune.config.lora import LoraArguments
 from finetune.config.model import ModelArguments
 from finetune.config.optimization import OptimizationArguments
+from finetune.config.preference import PreferenceArguments
 from finetune.config.reproducibility import ReproducibilityArguments
 from finetune.config.run import RunArguments
 from finetune.config.speed import DEFAULT_MIXED_PRECISION, SpeedArguments
@@ -39,12 +40,13 @@ SECTIONS = {
     "speed and memory": SpeedArguments,
     "causal LM and SFT": CausalLMArguments,
     "LoRA adapters (peft)": LoraArguments,
+    "preference tuning (DPO)": PreferenceArguments,
     "reproducibility": ReproducibilityArguments,
 }
 
 
 @dataclass
-class TrainConfig(ReproducibilityArguments, LoraArguments, CausalLMArguments, SpeedArguments, HubArguments,
+class TrainConfig(ReproducibilityArguments, PreferenceArguments, LoraArguments, CausalLMArguments, SpeedArguments, HubArguments,
                   CadenceArguments, OptimizationArguments, BatchArguments, DataArguments, ModelArguments, RunArguments):
     """Every setting of a run. Units: batch sizes in samples, steps in optimizer steps unless named
     ``micro``, lengths in tokens, learning rate per optimizer step.
@@ -110,6 +112,7 @@ class TrainConfig(ReproducibilityArguments, LoraArguments, CausalLMArguments, Sp
         self._check_peft()
         self._check_activation_checkpointing()
         self._check_causal_lm()
+        self._check_preference()
         self._check_packing_backend()
         self._check_push_with_compare()
         self._check_hub()

@@ -428,26 +428,31 @@ def check_max_length(max_length: int, model_config) -> None:
                             f"use --max_length {limit} or less.")
 
 
-def load_conversation_files(train_file: str, validation_file: str | None, cache_dir=None):
-    """Instruction data (JSON lines in TRL's ``prompt`` + ``completion`` or ``messages`` format) as a DatasetDict
-    (``train``, ``validation``); rows are checked when rendered (``finetune.data.chat``). Without ``validation_file``,
-    20% of ``train_file`` is held out (seed 42). Raises ``FinetuneError`` for a missing, empty or unreadable
-    file, or one with neither format's columns."""
+def load_conversation_files(train_file: str, validation_file: str | None, cache_dir=None, preference: bool = False):
+    """Instruction data (JSON lines in TRL's ``prompt`` + ``completion`` or ``messages`` format), or with
+    ``preference`` preference pairs (``chosen`` + ``rejected``, with or without ``prompt``), as a DatasetDict
+    (``train``, ``validation``); rows are checked when rendered (``finetune.data.chat``, ``data.preference``).
+    Without ``validation_file``, 20% of ``train_file`` is held out (seed 42). Raises ``FinetuneError`` for a
+    missing, empty or unreadable file, or one without the format's columns."""
+    kind, columns = (("preference data", "chosen + rejected (and prompt, unless the sides are whole conversations)")
+                     if preference else ("instruction data", "prompt + completion, or messages"))
+
     def read(path_str: str, flag: str):
         path = Path(path_str)
         if not path.is_file() or path.stat().st_size == 0:
             raise FinetuneError(f"{flag} {path_str!r} does not exist or is empty. Pass a JSON-lines file of "
-                                "prompt/completion or messages rows.")
+                                f"{columns} rows.")
         if path.suffix.lower() not in (".json", ".jsonl"):
-            raise FinetuneError(f"{flag} {path_str!r}: instruction data must be JSON lines (.jsonl or .json) with "
-                                "prompt/completion or messages.")
+            raise FinetuneError(f"{flag} {path_str!r}: {kind} must be JSON lines (.jsonl or .json) with {columns}.")
         try:
             ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
         except Exception as err:  # the datasets library raises many types for malformed files
             raise FinetuneError(f"{flag} {path_str!r} could not be read as JSON lines: {err}") from None
-        if not ({"prompt", "completion"} <= set(ds.column_names) or "messages" in ds.column_names):
-            raise FinetuneError(f"{flag} {path_str!r} has columns {', '.join(ds.column_names)}; instruction data "
-                                "needs prompt + completion, or messages (TRL's dataset formats).")
+        names = set(ds.column_names)
+        if not ({"chosen", "rejected"} <= names if preference else
+                ({"prompt", "completion"} <= names or "messages" in names)):
+            raise FinetuneError(f"{flag} {path_str!r} has columns {', '.join(ds.column_names)}; {kind} needs "
+                                f"{columns} (TRL's dataset formats).")
         return ds.add_column(ROW_COLUMN, row_names(path, flag, len(ds)))
 
     train = read(train_file, "--train_file")

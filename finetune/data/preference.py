@@ -6,7 +6,10 @@ same token-prefix check, so a side's trained tokens are found as SFT finds a com
 
 from __future__ import annotations
 
-from finetune.data.chat import _check_messages, _describe, encode_conversation
+import datasets
+
+from finetune.data.chat import _check_messages, _describe, encode_conversation, require_chat_template
+from finetune.data.loading import ROW_COLUMN
 from finetune.errors import FinetuneError
 
 PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
@@ -74,3 +77,34 @@ def encode_pair(tokenizer, row: dict, max_length: int, row_name: str = "row") ->
             raise FinetuneError(f"{row_name} ('{side}'): {str(err).removeprefix('the conversation: ')}") from None
         out[f"{side}_input_ids"], out[f"{side}_labels"] = encoded["input_ids"], encoded["labels"]
     return out
+
+
+def check_pair_rows(ds) -> None:
+    """Check every raw preference row of ``ds`` (``split_pair``) where it came from: a ``FinetuneError`` names
+    the row's file and line (``loading.ROW_COLUMN``) or its index."""
+    keys = [c for c in ("prompt", "chosen", "rejected") if c in ds.column_names]
+    names = ds[ROW_COLUMN] if ROW_COLUMN in ds.column_names else [f"row {i}" for i in range(len(ds))]
+    for i, row in enumerate(ds.select_columns(keys)):
+        split_pair({k: v for k, v in row.items() if v is not None}, names[i])
+
+
+def pairs_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering preference pairs"):
+    """A ``datasets.Dataset`` of preference rows -> one of ``PAIR_COLUMNS`` (``encode_pair``), one row per pair, in
+    order (``Dataset.map``). Raises ``FinetuneError`` naming the row, or for a tokenizer without chat template."""
+    require_chat_template(tokenizer)
+    columns = rows.column_names
+    if not len(rows):
+        features = datasets.Features({k: datasets.List(datasets.Value("int64")) for k in PAIR_COLUMNS})
+        return datasets.Dataset.from_dict({k: [] for k in PAIR_COLUMNS}, features=features)
+
+    def encode(batch, indices):
+        out = {k: [] for k in PAIR_COLUMNS}
+        for offset, index in enumerate(indices):
+            row = {c: batch[c][offset] for c in ("prompt", "chosen", "rejected")
+                   if c in columns and batch[c][offset] is not None}
+            name = batch[ROW_COLUMN][offset] if ROW_COLUMN in columns else f"row {index}"
+            for key, value in encode_pair(tokenizer, row, max_length, name).items():
+                out[key].append(value)
+        return out
+
+    return rows.map(encode, batched=True, with_indices=True, remove_columns=columns, desc=desc)

@@ -122,9 +122,10 @@ def check_training_set(saved: dict, meaning: dict, path, allow: bool) -> str | N
 def step_differences(saved: dict, meaning: dict) -> list[str]:
     """The settings of ``meaning`` (a step's meaning now) that differ from ``saved`` (the checkpoint's), as
     "name: checkpoint X, now Y", leaving out the split (``SPLIT_FIELDS``), B (``check_batch`` judges them) and the training set
-    (``check_training_set``)."""
+    (``check_training_set``), and the settings a checkpoint written before they existed does not record (the
+    preference flags)."""
     return [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in meaning.items()
-            if k not in SPLIT_FIELDS and k not in (TOTAL, DATA) and saved.get(k) != v]
+            if k not in SPLIT_FIELDS and k not in (TOTAL, DATA) and k in saved and saved[k] != v]
 
 
 def samples_done(progress, saved: dict) -> int:

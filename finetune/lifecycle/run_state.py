@@ -13,6 +13,8 @@ import functools
 import time
 from pathlib import Path
 
+import torch
+
 from finetune import distributed
 from finetune.data.loading import training_set_identity
 from finetune.errors import FinetuneError, NumericalError, together
@@ -173,6 +175,25 @@ class RunState:
         """Evaluate at the end of an epoch: ``--eval_strategy epoch``, or with "steps" the final model once."""
         strategy = self.config.eval_strategy
         return strategy == "epoch" or (strategy == "steps" and last and self.last_eval_step != step)
+
+    def window_metrics(self, accelerator, sums, items: float) -> dict[str, float]:
+        """The task's own per-step metrics over the whole window (``task.step_metrics``): this process's sums
+        (``task.take_metric_sums``, or None) summed over every process (one all-reduce) and divided by the window's
+        ``items`` (all processes): e.g. a preference task's ``rewards/accuracies``, the share of the window's pairs
+        whose chosen reward is the larger, not a mean of micro-batch means. {} where the task has none."""
+        names = self.task.step_metrics
+        if not names:
+            return {}
+        if sums is None:  # no trained pair on this process in this window: it adds zeros
+            sums = torch.zeros(len(names), dtype=torch.float64)
+        total = accelerator.reduce(sums.to(accelerator.device), "sum").tolist()
+        return {name: value / items for name, value in zip(names, total)}
+
+    @staticmethod
+    def postfix(metrics: dict[str, float]) -> dict[str, str]:
+        """The progress bar's share of a step's task metrics: a preference task's reward accuracy and margin."""
+        short = {"rewards/accuracies": "acc", "rewards/margins": "margin"}
+        return {short[k]: f"{v:.3f}" for k, v in metrics.items() if k in short}
 
     def record_step(self, *, loss: float, samples: int, items: float, micro_batches: int, learning_rate: float | None,
                     grad_norm, loss_scale: float | None, skipped: bool, input_tokens: int | None = None,

@@ -1,18 +1,21 @@
 """Training styles, one module each, behind one protocol (``base.Task``): classification, causal LM, instruction
-tuning (SFT). ``get_task(recipe.TASK)`` gives a recipe's task. Adding a style: docs/contributing.md#add-a-task."""
+tuning (SFT), preference tuning (DPO). ``get_task(recipe.TASK)`` gives a recipe's task, ``run_task(recipe, config)``
+a run's own. Adding a style: docs/contributing.md#add-a-task."""
 
 from __future__ import annotations
 
 from finetune.tasks.base import IGNORE_INDEX, Task, auxiliary_loss_sum, split_labels, with_auxiliary
 from finetune.tasks.causal_lm import CausalLM, CausalLMCollator
 from finetune.tasks.classification import SequenceClassification
+from finetune.tasks.preference import PreferenceTask
 from finetune.tasks.sft import SFT_TASK, InstructionCausalLM, SFTCollator
 
 # A recipe's TASK -> the task object
-TASKS: dict[str, Task] = {task.name: task for task in (SequenceClassification(), CausalLM(), SFT_TASK)}
+TASKS: dict[str, Task] = {task.name: task for task in (SequenceClassification(), CausalLM(), SFT_TASK,
+                                                        PreferenceTask())}
 
 __all__ = ["IGNORE_INDEX", "TASKS", "CausalLM", "CausalLMCollator", "InstructionCausalLM", "SFTCollator", "SFT_TASK",
-           "SequenceClassification", "Task", "auxiliary_loss_sum", "get_task", "split_labels", "with_auxiliary"]
+           "PreferenceTask", "SequenceClassification", "Task", "auxiliary_loss_sum", "get_task", "run_task", "split_labels", "with_auxiliary"]
 
 
 def get_task(name: str) -> Task:
@@ -20,3 +23,10 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     return TASKS[name]
+
+
+def run_task(recipe, config) -> Task:
+    """The task of one run of ``recipe`` under ``config`` (``task.for_run``): built once per run and handed to
+    everything that asks it (builders, the loop, evaluation). Raises ``KeyError`` for an unknown ``TASK`` and the
+    task's ``FinetuneError`` for settings it refuses."""
+    return get_task(recipe.TASK).for_run(config)

@@ -1,7 +1,8 @@
 """The task seam: a training style is one ``Task`` (docs/contributing.md#add-a-task). Everything that differs
 between training styles is asked of the task: its data (files, row checks, tokenization, collation), its forward
 and summed loss over a micro-batch (``loss_sum(model, batch)``), the items the loop divides by (``count``), its
-evaluation, and capability facts (``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``,
+evaluation, its per-step metrics (``take_metric_sums``), what it derives from the built model (``attach``: a
+reference), and capability facts (``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``,
 ``peft_task_type``). No module outside ``finetune/tasks/`` branches on a task's name or class."""
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class Task(Protocol):
     class_labels: bool  # one class label per sample (stratified hold-out, label names, label counts)
     peft_task_type: str  # peft's ``TaskType`` name for LoRA
     probe_label_names: list[str] | None  # label names of the planner's probe model
+    step_metrics: tuple[str, ...]  # names of the per-step metrics take_metric_sums gives, in its order
+
+    def for_run(self, config) -> "Task":
+        """The task a run of ``config`` uses (its own instance where the config sets its loss, else ``self``)."""
 
     def load_model(self, config, label_names): ...
 
@@ -37,6 +42,14 @@ class Task(Protocol):
     def tokenize(self, raw, tokenizer, config, text_columns): ...
 
     def collator(self, tokenizer, pad_to_multiple_of): ...
+
+    def attach(self, model, tokenized, collator, config, main_process_first, device):
+        """What the task derives from the built model before training (a preference task's reference); returns the
+        tokenized ``DatasetDict`` the run trains on (with precomputed columns, where the task adds any)."""
+
+    def take_metric_sums(self) -> torch.Tensor | None:
+        """The task's own per-step metric sums over the micro-batches ``loss_sum`` computed since the last call (a 1-d
+        float64 tensor the loop sums over processes and divides by the window's items), or None."""
 
     def count(self, batch: dict) -> torch.Tensor:
         """The micro-batch's items (a 0-d int tensor); rows masked as repeats count 0."""

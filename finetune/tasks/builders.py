@@ -23,7 +23,6 @@ from finetune.data.loading import (
 from finetune.data.lora import apply_lora
 from finetune.distributed import is_main_process
 from finetune.errors import FinetuneError
-from finetune.tasks import get_task
 
 
 def build_datasets(recipe, config, tokenizer, task):
@@ -110,7 +109,7 @@ def build_model(config, task, label_names=None, pad_token_id=None, recipe=None):
     model off, LoRA's included (``dropout.disable_dropout``: modules, float attributes and config fields, whatever
     the family names them, checked). In eval mode, as loaded: the caller sets train mode.
 
-    ``task``: a task object (``get_task``); ``label_names``: the classifier's labels (None for causal LM).
+    ``task``: a task object (``get_task``, ``run_task``); ``label_names``: the classifier's labels (None for causal LM).
     The one builder of the model: ``build_components`` (both engines), the planner's probes and
     ``bench/bench_memory.py``; a probe of another lever setting passes a config copy (``dataclasses.replace``).
     Raises ``FinetuneError`` (too long ``--max_length``, LoRA target modules the model lacks,
@@ -134,9 +133,11 @@ def build_model(config, task, label_names=None, pad_token_id=None, recipe=None):
     return model
 
 
-def build_components(config, recipe, precision: str, main_process_first):
+def build_components(config, recipe, precision: str, main_process_first, task, device):
     """What both engines share: ``(tokenizer, tokenized datasets, label_names, model, collator, raw validation
-    split)``, built by the recipe's task; ``label_names`` is None for causal LM. The model is ``build_model``'s.
+    split)``, built by the run's task ``task`` (``tasks.run_task``); ``label_names`` is None for causal LM. The model
+    is ``build_model``'s; then the task derives what it needs from it (``task.attach``: a preference task's
+    reference, or its precomputed log-probabilities, computed on ``device``), before the seed is set again.
 
     ``main_process_first``: a context-manager factory (Accelerate's or TrainingArguments') so rank 0
     tokenizes and caches before the others read the cache. The seed is set before the model is built
@@ -146,7 +147,6 @@ def build_components(config, recipe, precision: str, main_process_first):
     transformers 5.24 ``trainer_utils.py`` ``set_seed``, whose module imports peft). ``precision`` is the one that really runs: under fp16/bf16 the
     collator pads to a multiple of 8 tokens (tensor cores); fp32 gains nothing from it.
     """
-    task = get_task(recipe.TASK)
     set_seed(config.seed)
     tokenizer = load_tokenizer(config.model_name_or_path)
     with main_process_first():
@@ -155,6 +155,7 @@ def build_components(config, recipe, precision: str, main_process_first):
     warning = batchnorm_warning(model, config.gradient_accumulation_steps)
     if warning and is_main_process():
         print(warning, file=sys.stderr)
-    set_seed(config.seed)
     collator = task.collator(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
+    datasets = task.attach(model, datasets, collator, config, main_process_first, device)
+    set_seed(config.seed)
     return tokenizer, datasets, label_names, model, collator, raw_validation

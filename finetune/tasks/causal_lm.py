@@ -40,6 +40,19 @@ class CausalLM:
     class_labels = False
     peft_task_type = "CAUSAL_LM"
     probe_label_names = None
+    step_metrics = ()  # names of the per-step metrics take_metric_sums gives (none)
+
+    def for_run(self, config):
+        """The task for a run of ``config``: this one (nothing of it depends on the config)."""
+        return self
+
+    def attach(self, model, tokenized, collator, config, main_process_first, device):
+        """Nothing to derive from the built model: ``tokenized`` unchanged."""
+        return tokenized
+
+    def take_metric_sums(self):
+        """No per-step metrics of its own: None."""
+        return None
 
     def load_model(self, config, label_names=None):
         """``AutoModelForCausalLM`` from a hub id or model directory, or a de-quantized ``.gguf`` file."""

@@ -22,6 +22,19 @@ class SequenceClassification:
     class_labels = True
     peft_task_type = "SEQ_CLS"
     probe_label_names = ["a", "b"]
+    step_metrics = ()  # names of the per-step metrics take_metric_sums gives (none)
+
+    def for_run(self, config):
+        """The task for a run of ``config``: this one (nothing of it depends on the config)."""
+        return self
+
+    def attach(self, model, tokenized, collator, config, main_process_first, device):
+        """Nothing to derive from the built model: ``tokenized`` unchanged."""
+        return tokenized
+
+    def take_metric_sums(self):
+        """No per-step metrics of its own: None."""
+        return None
 
     def load_model(self, config, label_names):
         """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.loading.load_classifier``)."""

@@ -10,14 +10,18 @@ disabled (peft's ``disable_adapter``)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
+import datasets
 import torch
 
-from finetune.data.loading import IGNORE_INDEX
+from finetune.data.loading import IGNORE_INDEX, load_conversation_files
+from finetune.data.preference import check_pair_rows, pairs_to_features
 from finetune.errors import FinetuneError
 from finetune.tasks.base import unwrapped
 from finetune.tasks.causal_lm import CausalLM
-from finetune.tasks.preference_loss import PAIR_METRICS, PreferenceLoss, pair_metric_sums
+from finetune.tasks.preference_loss import PAIR_METRICS, PreferenceLoss, pair_metric_sums, pair_metric_vector
+from finetune.tasks.reference import precomputed
 from finetune.tasks.sft import SFTCollator
 
 _CAUSAL_LM = CausalLM()
@@ -57,6 +61,14 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return -loss, tokens
 
 
+def frozen_copy(model):
+    """A copy of ``model`` for the reference: eval mode, every parameter without gradients."""
+    reference = copy.deepcopy(model).eval()
+    for parameter in reference.parameters():
+        parameter.requires_grad_(False)
+    return reference
+
+
 def both_sides(batch: dict) -> dict:
     """The 2P-row forward inputs: the chosen rows, then the rejected rows (``labels`` included)."""
     return {key: torch.cat([batch[key], batch[f"rejected_{key}"]]) for key in SIDES}
@@ -65,7 +77,9 @@ def both_sides(batch: dict) -> dict:
 class PreferenceTask:
     """Pairwise preference tuning of a causal LM against a reference. ``loss``: the per-pair loss
     (``PreferenceLoss``: ``loss_type``, ``beta``, ``label_smoothing``); ``reference_model``: a frozen copy of the
-    starting model, or None (the batch's precomputed columns, else the policy with its adapter disabled)."""
+    starting model, or None (the batch's precomputed columns, else the policy with its adapter disabled).
+    ``for_run(config)`` gives the run's own instance (its loss from the config); ``attach`` gives it its reference.
+    ``loss_sum`` adds each micro-batch's ``PAIR_METRICS`` sums up until ``take_metric_sums`` takes them (per window)."""
 
     name = "preference"
     counts_tokens = False
@@ -75,10 +89,61 @@ class PreferenceTask:
     class_labels = False
     peft_task_type = "CAUSAL_LM"
     probe_label_names = None
+    step_metrics = PAIR_METRICS  # take_metric_sums gives their sums (TRL's names)
+    forward_rows = 2  # rows a forward computes per item: both sides (the planner's probes)
 
-    def __init__(self, loss: PreferenceLoss | None = None, reference_model=None):
+    def __init__(self, loss: PreferenceLoss | None = None, reference_model=None, precompute: bool = False):
         self.loss = loss or PreferenceLoss()
         self.reference_model = reference_model
+        self.precompute = precompute
+        self._metric_sums = None  # (6,) float64: the window's PAIR_METRICS sums so far
+
+    def for_run(self, config) -> "PreferenceTask":
+        """A new task for a run of ``config``: its ``--loss_type``, ``--beta``, ``--label_smoothing`` and
+        ``--precompute_ref_log_probs`` (``PreferenceLoss`` raises ``FinetuneError`` for a refused combination)."""
+        return PreferenceTask(PreferenceLoss(config.loss_type, config.beta, config.label_smoothing),
+                              precompute=config.precompute_ref_log_probs)
+
+    def load_model(self, config, label_names=None):
+        """The causal LM of ``--model_name_or_path`` (``CausalLM.load_model``): a hub id, a model directory (an SFT
+        run's, merged), or a de-quantized ``.gguf`` file."""
+        return _CAUSAL_LM.load_model(config, label_names)
+
+    def load_files(self, train_file: str, validation_file: str | None, text_columns=None, cache_dir=None):
+        """JSON-lines files of TRL's preference rows (``loading.load_conversation_files(preference=True)``)."""
+        return load_conversation_files(train_file, validation_file, cache_dir, preference=True)
+
+    def check_rows(self, split) -> None:
+        """Raise ``FinetuneError`` naming the first row that is no preference pair (``preference.check_pair_rows``)."""
+        check_pair_rows(split)
+
+    def tokenize(self, raw, tokenizer, config, text_columns=None):
+        """Every split of ``raw`` through ``preference.pairs_to_features`` (``PAIR_COLUMNS``)."""
+        return datasets.DatasetDict({split: pairs_to_features(ds, tokenizer, config.max_length,
+                                                              desc=f"Rendering preference pairs ({split})")
+                                     for split, ds in raw.items()})
+
+    def collator(self, tokenizer, pad_to_multiple_of):
+        """``PreferenceCollator``: both sides right-padded to one length."""
+        return PreferenceCollator(tokenizer, pad_to_multiple_of)
+
+    def attach(self, model, tokenized, collator, config, main_process_first, device) -> datasets.DatasetDict:
+        """Give the run its reference, once the model is built (``builders.build_components``), and return the
+        tokenized splits the run trains on. ``--precompute_ref_log_probs``: every pair's reference
+        log-probabilities added as ``REFERENCE_COLUMNS`` (``reference.precomputed``: read from, or computed once into,
+        ``<output_dir>/reference_logps``); else under ``--use_peft`` the policy with its adapter disabled; else a
+        frozen copy of ``model`` (eval mode, no gradients)."""
+        if self.precompute:
+            return precomputed(self, model, tokenized, collator, config, main_process_first, device)
+        if not config.use_peft:
+            self.reference_model = frozen_copy(model)
+        return tokenized
+
+    def take_metric_sums(self) -> torch.Tensor | None:
+        """The ``PAIR_METRICS`` sums of the micro-batches ``loss_sum`` computed since the last call ((6,) float64,
+        this process's trained pairs), and start again; None if none."""
+        sums, self._metric_sums = self._metric_sums, None
+        return sums
 
     def count(self, batch: dict) -> torch.Tensor:
         """Pairs in the micro-batch: rows whose chosen side trains a token (a repeated row, masked by the loop,
@@ -89,21 +154,27 @@ class PreferenceTask:
         """Pairs: the rows of ``labels``."""
         return batch["labels"].shape[0]
 
-    def _reference_logps(self, model, inputs: dict, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) reference log-probabilities, (pairs,) each, without gradients: from a frozen copy,
-        or from the policy with its LoRA adapter disabled. Raises ``FinetuneError`` where neither is there."""
-        labels = inputs["labels"]
-        forward = {k: v for k, v in inputs.items() if k != "labels"}
+    def reference_logps(self, model, batch: dict, starting: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) reference log-probabilities of a micro-batch ``batch``, (pairs,) each, without
+        gradients: from the frozen copy, or from the policy with its LoRA adapter disabled; ``starting``: ``model``
+        is the starting model (before any step: ``reference.compute``), itself the reference without an adapter.
+        Raises ``FinetuneError`` where there is no reference."""
+        inputs, pairs = both_sides(batch), batch["labels"].shape[0]
+        labels = inputs.pop("labels")
         policy = unwrapped(model)
         if self.reference_model is not None:
             reference, context = self.reference_model, contextlib.nullcontext()
+            if next(reference.parameters()).device != labels.device:  # once: the policy was moved by the engine
+                reference.to(labels.device)
         elif hasattr(policy, "disable_adapter"):  # peft's PeftModel: the base under the adapter
             reference, context = policy, policy.disable_adapter()
+        elif starting:
+            reference, context = policy, contextlib.nullcontext()
         else:
             raise FinetuneError("the preference task has no reference: pass precomputed reference log-probabilities, "
                                 "a frozen copy of the starting model, or train a LoRA adapter (--use_peft).")
         with torch.no_grad(), context:
-            logps, _ = sequence_logps(reference(**forward).logits, labels)
+            logps, _ = sequence_logps(reference(**inputs).logits, labels)
         return logps[:pairs], logps[pairs:]
 
     def forward(self, model, batch: dict) -> dict:
@@ -117,7 +188,7 @@ class PreferenceTask:
         if all(column in batch for column in REFERENCE_COLUMNS):
             reference = tuple(batch[column].to(logps.dtype) for column in REFERENCE_COLUMNS)
         else:
-            reference = self._reference_logps(model, inputs, pairs)
+            reference = self.reference_logps(model, batch)
         real = (batch["labels"][:, 1:] != IGNORE_INDEX).any(dim=1).to(logps.dtype)
         return {"chosen_logps": logps[:pairs], "rejected_logps": logps[pairs:], "ref_chosen_logps": reference[0],
                 "ref_rejected_logps": reference[1], "chosen_tokens": tokens[:pairs].to(logps.dtype),
@@ -131,6 +202,10 @@ class PreferenceTask:
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         """Forward both sides, then the per-pair loss terms summed over the pairs the loop trains (0-d)."""
         out = self.forward(model, batch)
+        keep = out["real"].bool()
+        sums = pair_metric_vector(self.loss.beta, *(out[k][keep] for k in ("chosen_logps", "rejected_logps",
+                                                                            "ref_chosen_logps", "ref_rejected_logps")))
+        self._metric_sums = sums if self._metric_sums is None else self._metric_sums + sums
         return (self._terms(out) * out["real"]).sum()
 
     def metric_sums(self, model, batch: dict) -> dict[str, float]:

@@ -116,14 +116,22 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
                 "logps/rejected")
 
 
-def pair_metric_sums(beta: float, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
-                     ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor) -> dict[str, float]:
+def pair_metric_vector(beta: float, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+                       ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor) -> torch.Tensor:
     """The sums over a micro-batch's pairs of TRL's per-pair metrics (``PAIR_METRICS``: the implicit rewards
     beta x (policy - reference log-probability) of each side, whether chosen's reward is the larger, the margin,
-    and each side's summed log-probability in nats). Divided by the window's pairs over every process they give
-    the window's means, not a mean of micro-batch means. Inputs: shape (pairs,)."""
-    chosen = beta * (chosen_logps - ref_chosen_logps).detach()
-    rejected = beta * (rejected_logps - ref_rejected_logps).detach()
-    values = (chosen, rejected, (chosen > rejected).float(), chosen - rejected, chosen_logps.detach(),
-              rejected_logps.detach())
-    return {name: float(v.double().sum()) for name, v in zip(PAIR_METRICS, values)}
+    and each side's summed log-probability in nats), as one (6,) float64 tensor without gradients (no sync: the loop
+    adds it up over the window and reduces it once). Divided by the window's pairs over every process they give the
+    window's means, not a mean of micro-batch means. Inputs: shape (pairs,)."""
+    chosen = beta * (chosen_logps - ref_chosen_logps).detach().double()
+    rejected = beta * (rejected_logps - ref_rejected_logps).detach().double()
+    values = (chosen, rejected, (chosen > rejected).double(), chosen - rejected, chosen_logps.detach().double(),
+              rejected_logps.detach().double())
+    return torch.stack([v.sum() for v in values])
+
+
+def pair_metric_sums(beta: float, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+                     ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor) -> dict[str, float]:
+    """``pair_metric_vector`` as {``PAIR_METRICS`` name: sum}."""
+    vector = pair_metric_vector(beta, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    return dict(zip(PAIR_METRICS, vector.tolist()))

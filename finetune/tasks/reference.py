@@ -1,0 +1,102 @@
+"""Precomputed reference log-probabilities (``--precompute_ref_log_probs``, TRL's name): every pair's chosen and
+rejected log-probability under the starting model, computed once before training and kept in
+``<output_dir>/reference_logps/<split>-<key>.safetensors``, where the key hashes the model's weights and the split's
+tokenized pairs. A resume (or another run into the same directory on the same model and data) reads the file back,
+bit for bit, instead of computing again."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from finetune.data.loading import training_set_identity
+from finetune.distributed import is_main_process
+from finetune.errors import FinetuneError
+from finetune.tasks.base import unwrapped
+
+FOLDER = "reference_logps"
+
+
+def model_fingerprint(model) -> str:
+    """16 hex digits of blake2b over every parameter's name, dtype, shape and bytes (the adapter's too): the
+    model the reference log-probabilities were computed with. Cost: one pass over the weights (~0.5 s per
+    500 MB)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name, parameter in unwrapped(model).named_parameters():
+        tensor = parameter.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def reference_path(output_dir, split: str, model_key: str, dataset) -> Path:
+    """Where ``split``'s reference log-probabilities are kept: keyed by the model and the split's tokenized pairs
+    (``loading.training_set_identity``: its rows and their tokens, order-independent)."""
+    identity = training_set_identity(dataset)
+    key = hashlib.blake2b(f"{model_key}:{identity['samples']}:{identity['fingerprint']}".encode(),
+                          digest_size=8).hexdigest()
+    return Path(output_dir) / FOLDER / f"{split}-{key}.safetensors"
+
+
+def compute(task, model, dataset, collator, batch_size: int, device) -> dict[str, torch.Tensor]:
+    """Every pair's reference log-probabilities, (pairs,) float64 each, in the dataset's order, without
+    gradients: the starting model, its adapter disabled where it has one (``PreferenceTask.reference_logps``)."""
+    chosen, rejected = [], []
+    training = model.training
+    model.eval()
+    model.to(device)
+    try:
+        for start in range(0, len(dataset), batch_size):
+            batch = collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            c, r = task.reference_logps(model, batch, starting=True)
+            chosen.append(c.double().cpu())
+            rejected.append(r.double().cpu())
+    finally:
+        model.train(training)
+    empty = torch.zeros(0, dtype=torch.float64)
+    return {"ref_chosen_logps": torch.cat(chosen) if chosen else empty,
+            "ref_rejected_logps": torch.cat(rejected) if rejected else empty}
+
+
+def precomputed(task, model, tokenized, collator, config, main_process_first, device):
+    """``tokenized`` with each split's reference log-probabilities as two float64 columns
+    (``preference.REFERENCE_COLUMNS``), read from ``reference_path`` where a run wrote them, else computed
+    (``compute``, the main process first; the others then read its file) and written atomically. Prints where they
+    came from. Raises ``FinetuneError`` for a file that cannot be read or written."""
+    model_key = model_fingerprint(model)
+    out = {}
+    for split, dataset in tokenized.items():
+        path = reference_path(config.output_dir, split, model_key, dataset)
+        with main_process_first():
+            if path.is_file():
+                try:
+                    columns = load_file(str(path))
+                except Exception as err:  # safetensors raises several types for a damaged file
+                    raise FinetuneError(f"{path} cannot be read ({type(err).__name__}: {err}): delete it and the "
+                                        "reference log-probabilities are computed again.") from None
+                how = "read back from"
+            else:
+                columns = compute(task, model, dataset, collator, config.per_device_eval_batch_size, device)
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+                    save_file(columns, str(tmp))
+                    os.replace(tmp, path)
+                except OSError as err:
+                    raise FinetuneError(f"cannot write the reference log-probabilities to {path}: {err}. Free space "
+                                        "or choose another --output_dir.") from None
+                how = "computed into"
+        if any(len(v) != len(dataset) for v in columns.values()):
+            raise FinetuneError(f"{path} holds {len(columns['ref_chosen_logps'])} pairs, the {split} split "
+                                f"{len(dataset)}: delete it and the reference log-probabilities are computed again.")
+        for name in ("ref_chosen_logps", "ref_rejected_logps"):
+            dataset = dataset.add_column(name, columns[name].tolist())
+        out[split] = dataset
+        if is_main_process() and split == "train":
+            print(f"reference log-probabilities of {len(dataset)} {split} pairs {how} {path}", flush=True)
+    return type(tokenized)(out)

@@ -1,0 +1,156 @@
+"""Preference tuning (DPO) through the real engines (issue 38): ln 2 at the first step for each reference, a
+resume that reads the precomputed reference log-probabilities back bit for bit, and exact accumulation over pairs
+(B x 1, B/2 x 2, 1 x B, a partial last window, unequal pair lengths) in both backends, on 1 and 2 processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from helpers import launch, load_params, read_log, run_in_process, train_steps
+from tiny_models import build_tiny_chat_llama
+
+WORDS = "the market rose as shares in the bank fell after the match ended with a late goal".split()
+PAIRS = 10  # windows of 4, 4 and 2 pairs at B = 4
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory) -> str:
+    return str(build_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-llama")))
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory) -> tuple[str, str]:
+    """Preference rows with prompts of 3-21 words, chosen of 1-6 and rejected of 1-5 words: pairs of unequal
+    lengths, so a mean of micro-batch means would weigh them unequally."""
+    rng, root = random.Random(0), tmp_path_factory.mktemp("pairs")
+
+    def rows(n):
+        return [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 8, 21]))),
+                 "chosen": " ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 2, 6]))),
+                 "rejected": " ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 3, 5])))} for _ in range(n)]
+
+    paths = []
+    for name, n in (("train", PAIRS), ("valid", 4)):
+        path = root / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows(n)))
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+def flags(chat_llama, pair_files, **extra) -> dict:
+    train, valid = pair_files
+    return {**dict(recipe="bbc-headlines-dpo", model_name_or_path=chat_llama, train_file=train, validation_file=valid,
+                   max_length=96, learning_rate=1e-3, warmup_steps=0, num_train_epochs=1, max_train_samples=1000,
+                   max_eval_samples=1000, eval_strategy="no", eval_on_start=True, mixed_precision="no", seed=5,
+                   per_device_train_batch_size=2, gradient_accumulation_steps=2), **extra}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """The norm of the whole weight difference over the norm of ``a`` (Adam turns float noise on near-zero
+    gradients into lr-sized element updates, so no single element is the measure)."""
+    return float(torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a)) / torch.sqrt(sum((a[k] ** 2).sum() for k in a)))
+
+
+def eval_at_start(out) -> dict:
+    return next(r for r in read_log(out) if "eval_loss" in r and r.get("step") == 0)
+
+
+def test_first_step_is_ln_2_for_each_reference_and_they_agree(tmp_path, chat_llama, pair_files):
+    """Policy = reference at the first step: the loss is ln 2 within 1e-6 and every reward 0 for the frozen copy,
+    the disabled LoRA adapter and the precomputed log-probabilities (within 1e-6: computed in other micro-batches);
+    their log-probabilities agree within 1e-6, on the held-out pairs too, and the rewards are 0 there."""
+    runs = {}
+    for name, extra in (("frozen", {}), ("adapter", {"use_peft": True}), ("precomputed", {"precompute_ref_log_probs": True})):
+        _, runs[name] = run_in_process(tmp_path, name, **flags(chat_llama, pair_files, max_steps=1, **extra))
+    for name, out in runs.items():
+        first = train_steps(out)[0]
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), name
+        # the two forwards in the same micro-batch: exactly 0; the precomputed ones were padded in other
+        # micro-batches, so their float sums differ in the last bits
+        tolerance = 1e-6 if name == "precomputed" else 0.0
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert abs(first[key]) <= tolerance, (name, key, first[key])
+        assert first["rewards/accuracies"] == 0.0 and first["samples"] == 4, name
+        start = eval_at_start(out)
+        assert start["eval_loss"] == pytest.approx(math.log(2), abs=1e-6), name
+        assert abs(start["eval_rewards/chosen"]) <= 1e-6 and abs(start["eval_rewards/rejected"]) <= 1e-6, name
+    logps = {name: (train_steps(out)[0]["logps/chosen"], train_steps(out)[0]["logps/rejected"],
+                    eval_at_start(out)["eval_logps/chosen"]) for name, out in runs.items()}
+    for name in ("adapter", "precomputed"):
+        assert logps[name] == pytest.approx(logps["frozen"], abs=1e-6), (name, logps)
+
+
+def test_a_resume_reads_the_precomputed_reference_back_bit_for_bit(tmp_path, chat_llama, pair_files, capsys):
+    """--precompute_ref_log_probs writes every pair's reference log-probabilities once, under the output directory;
+    a resume from step 1 reads the same file (not recomputed: its bytes and time unchanged) and trains steps 2-3
+    to the uninterrupted run's losses and weights, bit for bit."""
+    common = flags(chat_llama, pair_files, precompute_ref_log_probs=True, save_strategy="steps", save_steps=1,
+                   eval_on_start=False)
+    _, out = run_in_process(tmp_path, "run", **common)
+    assert "computed into" in capsys.readouterr().out
+    files = sorted((out / "reference_logps").glob("*.safetensors"))
+    assert [f.name.split("-")[0] for f in files] == ["train", "validation"]
+    before = {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
+    losses, weights = [r["loss"] for r in train_steps(out)], load_params(out)
+
+    _, resumed = run_in_process(tmp_path, "run", **common,
+                                resume_from_checkpoint=str(out / "checkpoints" / "step_00000001"))
+    assert "read back from" in capsys.readouterr().out
+    assert {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files} == before
+    assert [r["loss"] for r in train_steps(resumed)] == losses
+    again = load_params(resumed)
+    assert all(torch.equal(again[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_any_split_of_the_pairs_gives_the_same_weights(tmp_path, chat_llama, pair_files, backend):
+    """B = 4 pairs as 4 x 1, 2 x 2 and 1 x 4 over 10 pairs of unequal lengths (a partial last window of 2): the same
+    losses, rewards and weights (fp32, rtol 1e-5); each window's loss is a sum over its pairs divided by its
+    pairs (the last step's 2, not 4)."""
+    runs = {}
+    for m, n in ((4, 1), (2, 2), (1, 4)):
+        _, runs[(m, n)] = run_in_process(tmp_path, f"{m}x{n}", **{**flags(chat_llama, pair_files, backend=backend,
+                                                                          eval_on_start=False),
+                                                                   "per_device_train_batch_size": m,
+                                                                   "gradient_accumulation_steps": n})
+    big = runs[(4, 1)]
+    steps = train_steps(big)
+    assert [r["samples"] for r in steps] == [4, 4, 2]
+    for split, out in runs.items():
+        assert relative_difference(load_params(big), load_params(out)) < 1e-5, split
+        for a, b in zip(train_steps(big), train_steps(out)):
+            for key in ("loss", "logps/chosen", "logps/rejected"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (split, key)
+            # a reward is beta x a difference of log-probabilities of ~100 nats, whose fp32 spacing is ~1e-5
+            for key in ("rewards/chosen", "rewards/margins"):
+                assert b[key] == pytest.approx(a[key], abs=2e-6), (split, key)
+            assert b["rewards/accuracies"] == a["rewards/accuracies"]
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_two_processes_train_what_one_does(tmp_path, chat_llama, pair_files, backend):
+    """2 processes x 1 pair x 2 micro-batches against one process's 4 x 1 (B = 4), with the epoch's last window
+    of 2 pairs and the precomputed reference (the main process computes, the other reads its file): the same
+    weights (rtol 1e-5) and per-step losses and rewards."""
+    common = {**flags(chat_llama, pair_files, backend=backend, eval_on_start=False, precompute_ref_log_probs=True)}
+    _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,
+                                                "gradient_accumulation_steps": 1})
+    two = tmp_path / "two"
+    args = []
+    for key, value in {**common, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+                       "output_dir": str(two)}.items():
+        args += [f"--{key}", str(value)]
+    result = launch(args, num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert relative_difference(load_params(one), load_params(two)) < 1e-5
+    for a, b in zip(train_steps(one), train_steps(two), strict=True):
+        assert b["samples"] == a["samples"]
+        for key in ("loss", "logps/rejected"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+        assert b["rewards/chosen"] == pytest.approx(a["rewards/chosen"], abs=2e-6)
+        if a["step"] > 1:  # at step 1 every reward is 0 up to float noise: which side is larger is noise
+            assert b["rewards/accuracies"] == a["rewards/accuracies"]
