@@ -59,6 +59,18 @@ def eval_at_start(out) -> dict:
     return next(r for r in read_log(out) if "eval_loss" in r and r.get("step") == 0)
 
 
+def test_under_bf16_the_reference_runs_the_policy_s_autocast(tmp_path, chat_llama, pair_files):
+    """--mixed_precision bf16 (CPU autocast): the frozen copy and the precomputed log-probabilities run under the
+    policy's autocast, so at the first step the loss is still ln 2 within 1e-6 (an fp32 reference would differ
+    from the bf16 policy by bf16's rounding: rewards ~1e-3)."""
+    for name, extra in (("frozen", {}), ("precomputed", {"precompute_ref_log_probs": True})):
+        _, out = run_in_process(tmp_path, name, **flags(chat_llama, pair_files, max_steps=1, mixed_precision="bf16",
+                                                        eval_on_start=False, **extra))
+        first = train_steps(out)[0]
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), name
+        assert abs(first["rewards/margins"]) <= 1e-6, name
+
+
 def test_first_step_is_ln_2_for_each_reference_and_they_agree(tmp_path, chat_llama, pair_files):
     """Policy = reference at the first step: the loss is ln 2 within 1e-6 and every reward 0 for the frozen copy,
     the disabled LoRA adapter and the precomputed log-probabilities (within 1e-6: computed in other micro-batches);

@@ -43,9 +43,10 @@ class Task(Protocol):
 
     def collator(self, tokenizer, pad_to_multiple_of): ...
 
-    def attach(self, model, tokenized, collator, config, main_process_first, device):
+    def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
         """What the task derives from the built model before training (a preference task's reference); returns the
-        tokenized ``DatasetDict`` the run trains on (with precomputed columns, where the task adds any)."""
+        tokenized ``DatasetDict`` the run trains on (with precomputed columns, where the task adds any). ``device``:
+        where to compute; ``precision``: as the run computes ("no", "fp16", "bf16")."""
 
     def take_metric_sums(self) -> torch.Tensor | None:
         """The task's own per-step metric sums over the micro-batches ``loss_sum`` computed since the last call (a 1-d

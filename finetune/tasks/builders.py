@@ -156,6 +156,6 @@ def build_components(config, recipe, precision: str, main_process_first, task, d
     if warning and is_main_process():
         print(warning, file=sys.stderr)
     collator = task.collator(tokenizer, pad_to_multiple_of=8 if precision != "no" else None)
-    datasets = task.attach(model, datasets, collator, config, main_process_first, device)
+    datasets = task.attach(model, datasets, collator, config, main_process_first, device, precision)
     set_seed(config.seed)
     return tokenizer, datasets, label_names, model, collator, raw_validation

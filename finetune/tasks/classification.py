@@ -28,7 +28,7 @@ class SequenceClassification:
         """The task for a run of ``config``: this one (nothing of it depends on the config)."""
         return self
 
-    def attach(self, model, tokenized, collator, config, main_process_first, device):
+    def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
         """Nothing to derive from the built model: ``tokenized`` unchanged."""
         return tokenized
 

@@ -27,6 +27,7 @@ from finetune.tasks.sft import SFTCollator
 _CAUSAL_LM = CausalLM()
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precision as it runs -> the policy's autocast dtype
 SIDES = ("input_ids", "attention_mask", "labels")
 
 
@@ -97,6 +98,7 @@ class PreferenceTask:
         self.reference_model = reference_model
         self.precompute = precompute
         self._metric_sums = None  # (6,) float64: the window's PAIR_METRICS sums so far
+        self.autocast_dtype = None  # the policy's autocast dtype under fp16/bf16 (attach)
 
     def for_run(self, config) -> "PreferenceTask":
         """A new task for a run of ``config``: its ``--loss_type``, ``--beta``, ``--label_smoothing`` and
@@ -127,12 +129,15 @@ class PreferenceTask:
         """``PreferenceCollator``: both sides right-padded to one length."""
         return PreferenceCollator(tokenizer, pad_to_multiple_of)
 
-    def attach(self, model, tokenized, collator, config, main_process_first, device) -> datasets.DatasetDict:
+    def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
         """Give the run its reference, once the model is built (``builders.build_components``), and return the
         tokenized splits the run trains on. ``--precompute_ref_log_probs``: every pair's reference
         log-probabilities added as ``REFERENCE_COLUMNS`` (``reference.precomputed``: read from, or computed once into,
         ``<output_dir>/reference_logps``); else under ``--use_peft`` the policy with its adapter disabled; else a
-        frozen copy of ``model`` (eval mode, no gradients)."""
+        frozen copy of ``model`` (eval mode, no gradients). ``precision`` (as it runs: "no", "fp16", "bf16"): the
+        reference's forwards run under the autocast the policy's run under, so that at the first step the two
+        compute the same numbers."""
+        self.autocast_dtype = AUTOCAST.get(precision)
         if self.precompute:
             return precomputed(self, model, tokenized, collator, config, main_process_first, device)
         if not config.use_peft:
@@ -173,7 +178,8 @@ class PreferenceTask:
         else:
             raise FinetuneError("the preference task has no reference: pass precomputed reference log-probabilities, "
                                 "a frozen copy of the starting model, or train a LoRA adapter (--use_peft).")
-        with torch.no_grad(), context:
+        autocast = torch.autocast(labels.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        with torch.no_grad(), context, autocast:
             logps, _ = sequence_logps(reference(**inputs).logits, labels)
         return logps[:pairs], logps[pairs:]
 

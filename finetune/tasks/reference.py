@@ -1,8 +1,8 @@
 """Precomputed reference log-probabilities (``--precompute_ref_log_probs``, TRL's name): every pair's chosen and
 rejected log-probability under the starting model, computed once before training and kept in
-``<output_dir>/reference_logps/<split>-<key>.safetensors``, where the key hashes the model's weights and the split's
-tokenized pairs. A resume (or another run into the same directory on the same model and data) reads the file back,
-bit for bit, instead of computing again."""
+``<output_dir>/reference_logps/<split>-<key>.safetensors``, where the key hashes the model's weights, the precision
+they are computed in (the policy's autocast) and the split's tokenized pairs. A resume (or another run into the
+same directory on the same model and data) reads the file back, bit for bit, instead of computing again."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def precomputed(task, model, tokenized, collator, config, main_process_first, de
     (``preference.REFERENCE_COLUMNS``), read from ``reference_path`` where a run wrote them, else computed
     (``compute``, the main process first; the others then read its file) and written atomically. Prints where they
     came from. Raises ``FinetuneError`` for a file that cannot be read or written."""
-    model_key = model_fingerprint(model)
+    model_key = f"{model_fingerprint(model)}:{task.autocast_dtype}"  # bf16 log-probabilities are another set
     out = {}
     for split, dataset in tokenized.items():
         path = reference_path(config.output_dir, split, model_key, dataset)
