@@ -57,7 +57,10 @@ def data_files(tmp_path_factory) -> dict:
         sft = root / f"sft-{split}.jsonl"
         sft.write_text("".join(json.dumps({"prompt": sentence(rng.randint(3, 20)), "completion": sentence(
             rng.randint(1, 5))}) + "\n" for _ in range(n)))
-        files[f"mrpc-{split}"], files[f"sft-{split}"] = str(pairs), str(sft)
+        preference = root / f"pref-{split}.jsonl"  # chosen and rejected of uneven lengths
+        preference.write_text("".join(json.dumps({"prompt": sentence(rng.randint(3, 20)), "chosen": sentence(
+            rng.randint(1, 6)), "rejected": sentence(rng.randint(1, 5))}) + "\n" for _ in range(n)))
+        files[f"mrpc-{split}"], files[f"sft-{split}"], files[f"pref-{split}"] = str(pairs), str(sft), str(preference)
         files[f"text-{split}"] = str(write_variable_length_texts(root / f"text-{split}.jsonl", n, seed=n))
         labelled = root / f"labelled-{split}.jsonl"  # short texts of uneven length: micro-batches pad differently
         labelled.write_text("".join(json.dumps({"text": sentence(rng.randint(2, 25)), "label": rng.choice(
@@ -81,13 +84,16 @@ def assert_exact(code: int, report: dict, floor_below: float = 1e-5) -> None:
     assert all(r["verdict"].startswith("small control: caught") for r in rows(report, "small control"))
 
 
-@pytest.mark.parametrize("recipe", ["bbc-news", "bbc-news-clm", "bbc-headlines", "glue-mrpc", "wikitext-clm"])
+@pytest.mark.parametrize("recipe", ["bbc-news", "bbc-news-clm", "bbc-headlines", "bbc-headlines-dpo", "glue-mrpc",
+                                    "wikitext-clm"])
 def test_every_shipped_recipe_verifies_exact_on_both_engines(tmp_path, recipe, tiny_bert, tiny_llama, chat_llama,
                                                               data_files):
     args = {"bbc-news": ["--model_name_or_path", tiny_bert],
             "bbc-news-clm": ["--model_name_or_path", tiny_llama],
             "bbc-headlines": ["--model_name_or_path", chat_llama, "--train_file", data_files["sft-train"],
                               "--validation_file", data_files["sft-valid"], "--max_length", "64"],
+            "bbc-headlines-dpo": ["--model_name_or_path", chat_llama, "--train_file", data_files["pref-train"],
+                                  "--validation_file", data_files["pref-valid"], "--max_length", "64"],
             "glue-mrpc": ["--model_name_or_path", tiny_bert, "--train_file", data_files["mrpc-train"],
                           "--validation_file", data_files["mrpc-valid"]],
             "wikitext-clm": ["--model_name_or_path", tiny_llama, "--train_file", data_files["text-train"],
@@ -100,16 +106,19 @@ def test_every_shipped_recipe_verifies_exact_on_both_engines(tmp_path, recipe, t
     assert report["determinism"]["difference"] == 0.0
 
 
-@pytest.mark.parametrize("recipe", ["bbc-news", "bbc-news-clm"])
-def test_two_processes_verify_exact_through_the_launcher(tmp_path, recipe, tiny_bert, tiny_llama):
+@pytest.mark.parametrize("recipe", ["bbc-news", "bbc-news-clm", "bbc-headlines-dpo"])
+def test_two_processes_verify_exact_through_the_launcher(tmp_path, recipe, tiny_bert, tiny_llama, chat_llama,
+                                                         data_files):
     """Before the Trainer backend multiplied its loss by the number of processes, its gradients were half the
     accelerate engine's on two processes, and this test failed on the engine rows. Each process ends the process
     group in ``distributed.leave`` (``tests/faults`` ``install_leave_log``)."""
     out = tmp_path / "verify"
-    model = tiny_bert if recipe == "bbc-news" else tiny_llama
+    model = {"bbc-news": tiny_bert, "bbc-news-clm": tiny_llama, "bbc-headlines-dpo": chat_llama}[recipe]
+    data = (["--train_file", data_files["pref-train"], "--validation_file", data_files["pref-valid"], "--max_length", "64"]
+            if recipe == "bbc-headlines-dpo" else [])
     leaves = tmp_path / "leaves"
     leaves.mkdir()
-    result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, "--output_dir", str(out)],
+    result = launch(["--recipe", recipe, "--model_name_or_path", model, *SMALL, *data, "--output_dir", str(out)],
                     num_processes=2, module="finetune.commands.verify", env=fault_env(leave_log=str(leaves)))
     report = json.loads((out / "verify.json").read_text())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -239,17 +239,18 @@ def chunk_sizes(sizes: tuple, rows: int) -> tuple:
 
 
 def _trimmed(part: dict) -> dict:
-    """A chunk cut to its own longest sample: the trailing columns where every row's attention mask is 0 dropped
-    from each 2-D tensor of that length (``labels`` too, where they are per token), as a split's micro-batch pads
-    to its own longest sample (right padding)."""
-    mask = part.get("attention_mask")
-    if not torch.is_tensor(mask) or mask.dim() != 2:
+    """A chunk cut to its own longest sample: the trailing columns where every row's attention mask (every mask's:
+    a preference pair's ``rejected_attention_mask`` too) is 0 dropped from each 2-D tensor of that length
+    (``labels`` too, where they are per token), as a split's micro-batch pads to its own longest sample (right
+    padding)."""
+    masks = [v for k, v in part.items() if k.endswith("attention_mask") and torch.is_tensor(v) and v.dim() == 2]
+    if not masks:  # a preference pair's two sides share one length: cut where neither side has a token left
         return part
-    used = mask.bool().any(dim=0).nonzero()
-    length = int(used.max()) + 1 if used.numel() else mask.shape[1]
-    if length == mask.shape[1]:
+    full = masks[0].shape[1]
+    used = torch.stack([m.bool().any(dim=0) for m in masks if m.shape[1] == full]).any(dim=0).nonzero()
+    length = int(used.max()) + 1 if used.numel() else full
+    if length == full:
         return part
-    full = mask.shape[1]
     return {k: v[:, :length] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == full else v
             for k, v in part.items()}
 
@@ -468,7 +469,7 @@ def _padding_effect(built) -> tuple[float, float] | None:
     batch = next(iter(built.train_dataloader))
     if "attention_mask" not in batch:
         return None
-    batch = {k: v for k, v in batch.items() if k not in ("labels", SAMPLE_IDS)}  # the ids are no model input
+    batch = built.task.model_inputs({k: v for k, v in batch.items() if k != SAMPLE_IDS})  # the ids are no input
     pad_id = getattr(built.tokenizer, "pad_token_id", None) or 0
     longer = {}
     for key, value in batch.items():
@@ -525,9 +526,8 @@ def _loss_after(model, dataset, collate, task, rows: int, device) -> float | Non
             for first in range(0, len(dataset), rows):
                 batch = collate([dataset[i] for i in range(first, min(first + rows, len(dataset)))])
                 batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items() if k != SAMPLE_IDS}
-                inputs, labels = split_labels(batch)
-                # the task's loss from the logits (``loss_from_logits``): the auxiliary loss is no part of it
-                total += float(task.loss_from_logits(forward(**inputs).logits.float(), labels))
+                # the task's loss without gradients (``plain_loss_sum``): the auxiliary loss is no part of it
+                total += float(task.plain_loss_sum(model, forward, batch))
                 items += float(task.count(batch))
     finally:
         model.train(was_training)
@@ -622,9 +622,9 @@ def _train_way(way: Way, config, recipe, observer: _Observer, keep: bool, outcom
 
 
 def _trainer_loss_after(trainer, config, recipe, rows: int) -> float | None:
-    """``_loss_after`` for a Trainer backend's run: its model, training set and collator, the task's loss."""
+    """``_loss_after`` for a Trainer backend's run: its model, training set and collator, its task's loss."""
     model = engine_for(trainer.accelerator).eval_model(trainer.model_wrapped)
-    return _loss_after(model, trainer.train_dataset, trainer.data_collator, get_task(recipe.TASK), rows,
+    return _loss_after(model, trainer.train_dataset, trainer.data_collator, trainer.task, rows,
                        trainer.accelerator.device)
 
 

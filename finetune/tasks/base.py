@@ -61,6 +61,13 @@ class Task(Protocol):
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         """Forward ``batch`` through ``model`` and return the loss summed over its items (0-d)."""
 
+    def model_inputs(self, batch: dict) -> dict:
+        """The model's forward arguments of a micro-batch (a preference pair's two sides stacked as rows)."""
+
+    def plain_loss_sum(self, model, forward, batch: dict) -> torch.Tensor:
+        """``loss_sum`` without gradients' concerns: from ``forward`` (``model`` or its forward without accelerate's
+        autocast wrapper), fp32 logits, no auxiliary loss (``finetune verify``'s loss after the last update)."""
+
     def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         """Per-sample tensors to gather (no gradients)."""
 

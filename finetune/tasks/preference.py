@@ -183,14 +183,20 @@ class PreferenceTask:
             logps, _ = sequence_logps(reference(**inputs).logits, labels)
         return logps[:pairs], logps[pairs:]
 
-    def forward(self, model, batch: dict) -> dict:
+    def model_inputs(self, batch: dict) -> dict:
+        """The forward's arguments: both sides stacked as 2P rows (``both_sides``), without labels."""
+        inputs = both_sides(batch)
+        inputs.pop("labels")
+        return inputs
+
+    def forward(self, model, batch: dict, policy=None) -> dict:
         """The policy's and the reference's log-probabilities of both sides, (pairs,) each, and each side's
         trained tokens: ``chosen_logps``, ``rejected_logps``, ``ref_chosen_logps``, ``ref_rejected_logps``,
-        ``chosen_tokens``, ``rejected_tokens``; ``real``: 1 for a pair the loop trains, 0 for a repeated one."""
+        ``chosen_tokens``, ``rejected_tokens``; ``real``: 1 for a pair the loop trains, 0 for a repeated one.
+        ``policy``: the policy's forward (default ``model``)."""
         pairs = batch["labels"].shape[0]
-        inputs = both_sides(batch)
-        logps, tokens = sequence_logps(model(**{k: v for k, v in inputs.items() if k != "labels"}).logits,
-                                       inputs["labels"])
+        logps, tokens = sequence_logps((policy or model)(**self.model_inputs(batch)).logits,
+                                       both_sides(batch)["labels"])
         if all(column in batch for column in REFERENCE_COLUMNS):
             reference = tuple(batch[column].to(logps.dtype) for column in REFERENCE_COLUMNS)
         else:
@@ -212,6 +218,13 @@ class PreferenceTask:
         sums = pair_metric_vector(self.loss.beta, *(out[k][keep] for k in ("chosen_logps", "rejected_logps",
                                                                             "ref_chosen_logps", "ref_rejected_logps")))
         self._metric_sums = sums if self._metric_sums is None else self._metric_sums + sums
+        return (self._terms(out) * out["real"]).sum()
+
+    def plain_loss_sum(self, model, forward, batch: dict) -> torch.Tensor:
+        """The per-pair terms summed over the trained pairs, the policy's log-probabilities from ``forward``
+        (``model`` or its forward without accelerate's autocast wrapper; ``finetune verify``'s loss after the last
+        update); the reference as in training."""
+        out = self.forward(model, batch, policy=forward)
         return (self._terms(out) * out["real"]).sum()
 
     def metric_sums(self, model, batch: dict) -> dict[str, float]:
