@@ -166,3 +166,50 @@ def test_two_processes_train_what_one_does(tmp_path, chat_llama, pair_files, bac
         assert b["rewards/chosen"] == pytest.approx(a["rewards/chosen"], abs=2e-6)
         if a["step"] > 1:  # at step 1 every reward is 0 up to float noise: which side is larger is noise
             assert b["rewards/accuracies"] == a["rewards/accuracies"]
+
+
+def test_the_planner_probes_the_reference_as_training_runs_it(chat_llama, pair_files):
+    """The planner's probe (``planner.probes.Probe``) of a preference recipe: its batches are pairs (two sequences
+    per item) and each step runs the reference as training does; the frozen copy's bytes are counted beside the
+    model's weights, the disabled adapter and the precomputed log-probabilities add none."""
+    from finetune.config import parse_config
+    from finetune.planner.plans import Lever
+    from finetune.planner.probes import Probe
+    from finetune.recipes import load_recipe
+
+    recipe = load_recipe("bbc-headlines-dpo")
+    fixed, weights = {}, None
+    for name, extra in (("frozen", []), ("adapter", ["--use_peft"]), ("precomputed", ["--precompute_ref_log_probs"])):
+        train, valid = pair_files
+        config = parse_config(["--recipe", "bbc-headlines-dpo", "--model_name_or_path", chat_llama, "--max_length", "64",
+                               "--train_file", train, "--validation_file", valid, "--mixed_precision", "no",
+                               "--output_dir", "unused", *extra])
+        probe = Probe(config, recipe, torch.device("cpu"), Lever(False, None), held=0)
+        batch = probe.task.probe_batch(2, 64, probe.vocab, torch.device("cpu"))
+        assert batch["input_ids"].shape == batch["rejected_input_ids"].shape == (2, 64)
+        assert torch.isfinite(probe.step(2))
+        if name == "frozen":
+            weights = sum(t.numel() * t.element_size() for t in (*probe.model.parameters(), *probe.model.buffers()))
+            assert probe.task.resident_bytes() == weights
+        else:
+            assert probe.task.resident_bytes() == 0
+        fixed[name] = probe.fixed_bytes
+        probe.close()
+    assert fixed["frozen"] - fixed["precomputed"] >= weights
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_group_by_length_orders_pairs_by_their_longer_side(tmp_path, chat_llama, pair_files, backend):
+    """--train_sampling_strategy group_by_length on pairs (no ``input_ids`` column: each pair's length is its longer
+    side's): it trains, the epoch's 10 pairs once each."""
+    _, out = run_in_process(tmp_path, "grouped", **flags(chat_llama, pair_files, backend=backend, eval_on_start=False,
+                                                          train_sampling_strategy="group_by_length"))
+    assert [r["samples"] for r in train_steps(out)] == [4, 4, 2]
+
+
+@pytest.mark.parametrize("flag", ["packing", "padding_free"])
+def test_packing_pairs_is_refused_in_one_line(tmp_path, chat_llama, pair_files, flag):
+    from finetune.errors import FinetuneError
+
+    with pytest.raises(FinetuneError, match="a preference recipe keeps padded micro-batches .a pair's two sides"):
+        run_in_process(tmp_path, flag, **flags(chat_llama, pair_files, **{flag: True}))

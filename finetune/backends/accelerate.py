@@ -95,7 +95,7 @@ def setup(config, recipe) -> Setup:
     if config.train_sampling_strategy == "group_by_length":
         global_batch = config.per_device_train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
         order = dict(sampler=EpochSeededLengthGroupedSampler(
-            global_batch, [len(ids) for ids in datasets["train"]["input_ids"]], config.seed))
+            global_batch, task.item_lengths(datasets["train"]), config.seed))
     else:  # Accelerate swaps this RandomSampler for its seedable one (data_seed + epoch)
         order = dict(shuffle=True)
     # its batches carry their rows' positions: each optimizer step logs the hash of its sample ids (elastic)

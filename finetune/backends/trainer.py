@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from finetune import distributed
 from finetune.data import packing
@@ -114,6 +115,16 @@ class FinetuneTrainer(Trainer):
         counts = count_window(masked, self.task, self.accelerator, repeats, run)
         self.begin_window(counts)
         return run, torch.tensor(int(counts.items), device=device)
+
+    def _get_train_sampler(self, train_dataset=None):
+        """Trainer's sampler (transformers 5.24 trainer.py ``_get_train_sampler``, lines 1071-1105), with
+        ``group_by_length`` given the task's own lengths (``task.item_lengths``): Trainer infers them from an
+        ``input_ids`` column, which a preference pair's rows do not have (``chosen_input_ids``/``rejected_*``)."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.train_sampling_strategy == "group_by_length" and hasattr(dataset, "column_names"):
+            return LengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps,
+                                        dataset=dataset, lengths=self.task.item_lengths(dataset))
+        return super()._get_train_sampler(train_dataset)
 
     def _get_output_dir(self, trial) -> str:
         """Where ``_save_checkpoint`` writes ``checkpoint-<step>`` (transformers 5.24 trainer.py line 3375; the only

@@ -389,7 +389,7 @@ def packer_for(config, task, model, engine=None, exact: bool = False, precision:
     flag = flag_of(config)
     if not task.packs:
         raise FinetuneError(f"{flag} is for causal LM and SFT recipes; a {task.name} recipe keeps padded "
-                            "micro-batches (one label per sample, nothing to pack). Drop the flag.")
+                            f"micro-batches ({task.no_packing_reason}). Drop the flag.")
     sharded = engine is not None and engine.lockstep_windows
     if sharded and config.max_tokens_per_micro_batch is not None:
         raise FinetuneError(f"--max_tokens_per_micro_batch is not used under {engine.name}: a packed window "

@@ -25,7 +25,7 @@ from finetune.distributed import local_process_count, world_size
 from finetune.engine import build_optimizer
 from finetune.errors import FinetuneError
 from finetune.planner.plans import Lever, estimate_fits_from_memory
-from finetune.tasks import get_task
+from finetune.tasks import get_task, run_task
 from finetune.tasks.builders import build_model
 from finetune.tasks.chunked_loss import DEFAULT_CHUNK_SIZE
 from finetune.tasks.loss import loss_function
@@ -110,7 +110,8 @@ class Probe:
       its state allocated: ``oom_probe``) either runs or raises out-of-memory. CPU: no OOM to catch, so the
       budget is ``--max_memory_mb`` (default: the memory available now) above what the process holds before
       any model exists: activation bytes saved for backward at micro-batch 1 and 2 (``activation_bytes``) give
-      a linear model (bytes per sample, plus a fixed part); the weights add their bytes, gradients and AdamW's
+      a linear model (bytes per sample, plus a fixed part); the weights add their bytes (and what the task keeps
+      beside the model: ``task.resident_bytes``, a preference task's frozen reference), gradients and AdamW's
       two moments 3x the trainable parameter bytes (``estimate(m)``). Transient buffers (a layer's temporaries,
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
       and a budget needs a margin (docs/benchmarks.md, "The batch planner under two budgets").
@@ -120,15 +121,19 @@ class Probe:
     """
 
     def __init__(self, config, recipe, device, lever: Lever, held: int | None = None):
-        task = get_task(recipe.TASK)
-        label_names = task.probe_label_names
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
+        task = run_task(recipe, config)
+        label_names = task.probe_label_names
         self.device, self.task, self.lever = device, task, lever
         self.model = build_model(config, task, label_names, recipe=recipe).to(device)
+        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
+        # what the task keeps beside the model, as training attaches it (a preference task's frozen reference,
+        # whose forward each probe step runs too); no data: the probe batches are the task's own
+        task.attach(self.model, {}, None, config, contextlib.nullcontext, device,
+                    {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, "no"))
         self.model.train()
         self.length = config.block_size or config.max_length
         self.vocab = self.model.config.vocab_size
-        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision)
         self.loss_sum = probe_loss_function(task, config, device)
         trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         buckets = trainable if world_size() > 1 else 0  # DDP keeps its gradient buckets beside the gradients
@@ -142,7 +147,7 @@ class Probe:
                   else psutil.virtual_memory().available // local_process_count())
         one, two = self.activation_bytes(1), self.activation_bytes(2)
         per_sample = max(two - one, 1)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + task.resident_bytes()
         fixed = max(one - per_sample, 0) + weights + 3 * trainable + buckets
         self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held

@@ -21,6 +21,7 @@ class Task(Protocol):
     name: str  # a recipe's TASK
     counts_tokens: bool  # items are label tokens (the log counts trained tokens)
     packs: bool  # --packing/--padding_free may pack its samples (finetune.data.packing)
+    no_packing_reason: str  # why not, where it does not (the refusal's words)
     chunked_loss: bool  # --loss_chunk_size may compute its loss in chunks (finetune.tasks.chunked_loss)
     chat: bool  # rows are conversations rendered with the chat template (TRL's formats)
     class_labels: bool  # one class label per sample (stratified hold-out, label names, label counts)
@@ -47,6 +48,13 @@ class Task(Protocol):
         """What the task derives from the built model before training (a preference task's reference); returns the
         tokenized ``DatasetDict`` the run trains on (with precomputed columns, where the task adds any). ``device``:
         where to compute; ``precision``: as the run computes ("no", "fp16", "bf16")."""
+
+    def item_lengths(self, dataset) -> list[int]:
+        """Tokens per item of a tokenized split, in order (``--train_sampling_strategy group_by_length``)."""
+
+    def resident_bytes(self) -> int:
+        """Bytes the task keeps beside the model while training (a preference task's frozen reference copy), for the
+        planner's memory estimate."""
 
     def take_metric_sums(self) -> torch.Tensor | None:
         """The task's own per-step metric sums over the micro-batches ``loss_sum`` computed since the last call (a 1-d

@@ -35,6 +35,7 @@ class CausalLM:
     name = "causal-lm"
     counts_tokens = True
     packs = True
+    no_packing_reason = ""  # it packs
     chunked_loss = True
     chat = False
     class_labels = False
@@ -49,6 +50,14 @@ class CausalLM:
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
         """Nothing to derive from the built model: ``tokenized`` unchanged."""
         return tokenized
+
+    def item_lengths(self, dataset) -> list[int]:
+        """Tokens per item of a tokenized split (``--train_sampling_strategy group_by_length``)."""
+        return [len(ids) for ids in dataset["input_ids"]]
+
+    def resident_bytes(self) -> int:
+        """Bytes the task keeps beside the model while training: none."""
+        return 0
 
     def take_metric_sums(self):
         """No per-step metrics of its own: None."""

@@ -17,6 +17,7 @@ class SequenceClassification:
     name = "sequence-classification"
     counts_tokens = False
     packs = False  # one label per sample: nothing to pack
+    no_packing_reason = "one label per sample, nothing to pack"
     chunked_loss = False
     chat = False
     class_labels = True
@@ -31,6 +32,14 @@ class SequenceClassification:
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
         """Nothing to derive from the built model: ``tokenized`` unchanged."""
         return tokenized
+
+    def item_lengths(self, dataset) -> list[int]:
+        """Tokens per item of a tokenized split (``--train_sampling_strategy group_by_length``)."""
+        return [len(ids) for ids in dataset["input_ids"]]
+
+    def resident_bytes(self) -> int:
+        """Bytes the task keeps beside the model while training: none."""
+        return 0
 
     def take_metric_sums(self):
         """No per-step metrics of its own: None."""

@@ -85,6 +85,8 @@ class PreferenceTask:
     name = "preference"
     counts_tokens = False
     packs = False
+    no_packing_reason = ("a pair's two sides are scored as one item; packing pairs is not proven exact here, "
+                         "so it is refused")
     chunked_loss = False
     chat = True
     class_labels = False
@@ -143,6 +145,18 @@ class PreferenceTask:
         if not config.use_peft:
             self.reference_model = frozen_copy(model)
         return tokenized
+
+    def item_lengths(self, dataset) -> list[int]:
+        """Tokens per pair: its longer side (what the pair pads its micro-batch to), for group_by_length."""
+        return [max(len(c), len(r)) for c, r in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])]
+
+    def resident_bytes(self) -> int:
+        """The frozen reference copy's parameter and buffer bytes (0 with the disabled adapter or precomputed
+        log-probabilities)."""
+        if self.reference_model is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (*self.reference_model.parameters(),
+                                                           *self.reference_model.buffers()))
 
     def take_metric_sums(self) -> torch.Tensor | None:
         """The ``PAIR_METRICS`` sums of the micro-batches ``loss_sum`` computed since the last call ((6,) float64,
@@ -259,10 +273,15 @@ class PreferenceTask:
         return [label != IGNORE_INDEX for label in row["chosen_labels"]]
 
     def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
-        """Random pairs: ``micro_batch`` pairs of two ``length``-token sides, every token trained but the first."""
+        """Random pairs: ``micro_batch`` pairs of two ``length``-token sides, every token trained but the first (two
+        sequences per item); with ``--precompute_ref_log_probs`` the reference columns too, else each step runs the
+        reference's forward as training does."""
         batch = {}
         for prefix in ("", "rejected_"):
             ids = torch.randint(0, vocab, (micro_batch, length), device=device)
             batch.update({f"{prefix}input_ids": ids, f"{prefix}attention_mask": torch.ones_like(ids),
                           f"{prefix}labels": ids})
+        if self.precompute:  # the reference's log-probabilities come with the rows: no reference forward
+            batch.update({column: torch.zeros(micro_batch, dtype=torch.float64, device=device)
+                          for column in REFERENCE_COLUMNS})
         return batch

@@ -68,6 +68,8 @@ def precomputed(task, model, tokenized, collator, config, main_process_first, de
     (``preference.REFERENCE_COLUMNS``), read from ``reference_path`` where a run wrote them, else computed
     (``compute``, the main process first; the others then read its file) and written atomically. Prints where they
     came from. Raises ``FinetuneError`` for a file that cannot be read or written."""
+    if not tokenized:  # nothing to compute for (the planner's probes attach without data)
+        return tokenized
     model_key = f"{model_fingerprint(model)}:{task.autocast_dtype}"  # bf16 log-probabilities are another set
     out = {}
     for split, dataset in tokenized.items():
