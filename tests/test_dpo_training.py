@@ -213,3 +213,29 @@ def test_packing_pairs_is_refused_in_one_line(tmp_path, chat_llama, pair_files, 
 
     with pytest.raises(FinetuneError, match="a preference recipe keeps padded micro-batches .a pair's two sides"):
         run_in_process(tmp_path, flag, **flags(chat_llama, pair_files, **{flag: True}))
+
+
+@pytest.mark.parametrize("dpo_lora", [False, True])
+def test_from_an_sft_adapter_run_the_reference_is_the_sft_model(tmp_path, chat_llama, pair_files, dpo_lora):
+    """DPO from a LoRA SFT run's directory (an adapter on the tiny Llama, trained 4 steps): the adapter is merged,
+    so the starting model and the reference are the SFT model (held-out rewards 0 at the start, its
+    log-probabilities the SFT model's), not the base under it (whose log-probabilities differ), with the frozen
+    copy and with a new LoRA adapter (whose disabled state is the SFT model)."""
+    train, valid = pair_files
+    sft_rows = tmp_path / "sft.jsonl"
+    rows = [json.loads(line) for line in open(train)]
+    sft_rows.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["chosen"]}) + "\n" for r in rows))
+    _, sft = run_in_process(tmp_path, "sft", recipe="bbc-headlines", model_name_or_path=chat_llama,
+                            train_file=str(sft_rows), validation_file=str(sft_rows), use_peft=True, max_length=96,
+                            learning_rate=3e-2, warmup_steps=0, max_steps=4, per_device_train_batch_size=2,
+                            gradient_accumulation_steps=1, eval_strategy="no", eval_on_start=False,
+                            max_train_samples=1000, max_eval_samples=2, mixed_precision="no", disable_dropout=True)
+    assert (sft / "adapter_config.json").is_file()
+    _, base = run_in_process(tmp_path, "from-base", **flags(chat_llama, pair_files, max_steps=1))
+    _, dpo = run_in_process(tmp_path, "from-sft", **flags(str(sft), pair_files, max_steps=1, use_peft=dpo_lora))
+    start, base_start = eval_at_start(dpo), eval_at_start(base)
+    assert start["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(start["eval_rewards/chosen"]) <= 1e-6 and abs(start["eval_rewards/rejected"]) <= 1e-6
+    # the SFT adapter moved the model: its log-probabilities are not the base's (by far more than float noise)
+    assert abs(start["eval_logps/chosen"] - base_start["eval_logps/chosen"]) > 1e-2
+    assert train_steps(dpo)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)

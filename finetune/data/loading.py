@@ -60,7 +60,9 @@ def _from_pretrained(loader, name_or_path: str, **kwargs):
     taken from the local cache if there, else needs the hub (checked fast)."""
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
+        # a LoRA run's adapter directory holds its tokenizer (lora.save_adapter), not the model's config
+        adapter_tokenizer = loader is AutoTokenizer and (path / "adapter_config.json").is_file()
+        if not (path / "config.json").is_file() and not adapter_tokenizer:
             raise FinetuneError(
                 f"--model_name_or_path {name_or_path!r} is not a Hugging Face model directory (no config.json). "
                 "Point it at a directory written by save_pretrained, or at a hub id."

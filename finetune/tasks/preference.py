@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import datasets
 import torch
 
-from finetune.data.loading import IGNORE_INDEX, load_conversation_files
+from finetune.data.loading import IGNORE_INDEX, load_conversation_files, set_attention
+from finetune.data.lora import ADAPTER_CONFIG, load_adapter_model
 from finetune.data.preference import check_pair_rows, pairs_to_features
 from finetune.errors import FinetuneError
 from finetune.tasks.base import unwrapped
@@ -110,7 +112,21 @@ class PreferenceTask:
 
     def load_model(self, config, label_names=None):
         """The causal LM of ``--model_name_or_path`` (``CausalLM.load_model``): a hub id, a model directory (an SFT
-        run's, merged), or a de-quantized ``.gguf`` file."""
+        run's, or its merged copy), a de-quantized ``.gguf`` file, or an SFT run's LoRA adapter directory
+        (``adapter_config.json``), loaded on its base and merged in (``lora.load_adapter_model``, peft's
+        ``merge_and_unload``): the starting model, and so the reference (its frozen copy, or the base under a new
+        ``--use_peft`` adapter), is the SFT model, never the base under its adapter. Raises ``FinetuneError`` for an
+        adapter directory whose base cannot be loaded."""
+        if (Path(config.model_name_or_path) / ADAPTER_CONFIG).is_file():
+            try:
+                model = load_adapter_model(config.model_name_or_path).merge_and_unload()
+                model.requires_grad_(True)  # peft froze the base for its adapter; merged, it is all one model
+            except (OSError, ValueError) as err:
+                raise FinetuneError(f"--model_name_or_path {config.model_name_or_path} is a LoRA adapter whose base "
+                                    f"could not be loaded: {str(err).splitlines()[0]} Point the adapter's "
+                                    "base_model_name_or_path at its base, or pass the run's merged model "
+                                    "(--merge_adapter writes <output_dir>/merged).") from None
+            return set_attention(model, config.attn_implementation)
         return _CAUSAL_LM.load_model(config, label_names)
 
     def load_files(self, train_file: str, validation_file: str | None, text_columns=None, cache_dir=None):
