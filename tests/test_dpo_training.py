@@ -90,6 +90,13 @@ def test_first_step_is_ln_2_for_each_reference_and_they_agree(tmp_path, chat_lla
         start = eval_at_start(out)
         assert start["eval_loss"] == pytest.approx(math.log(2), abs=1e-6), name
         assert abs(start["eval_rewards/chosen"]) <= 1e-6 and abs(start["eval_rewards/rejected"]) <= 1e-6, name
+    # the card: a text-generation model, its held-out rewards, the loss and where the reference came from
+    for name, reference in (("frozen", "a frozen copy of the starting model"),
+                            ("adapter", "the starting model with the LoRA adapter disabled"),
+                            ("precomputed", "precomputed before training")):
+        card = (runs[name] / "README.md").read_text()
+        assert "pipeline_tag: text-generation" in card and "| preference loss (loss_type, beta) | sigmoid, beta 0.1 |" in card
+        assert reference in card and "name: eval rewards/accuracies" in card, name
     logps = {name: (train_steps(out)[0]["logps/chosen"], train_steps(out)[0]["logps/rejected"],
                     eval_at_start(out)["eval_logps/chosen"]) for name, out in runs.items()}
     for name in ("adapter", "precomputed"):
@@ -239,3 +246,22 @@ def test_from_an_sft_adapter_run_the_reference_is_the_sft_model(tmp_path, chat_l
     # the SFT adapter moved the model: its log-probabilities are not the base's (by far more than float noise)
     assert abs(start["eval_logps/chosen"] - base_start["eval_logps/chosen"]) > 1e-2
     assert train_steps(dpo)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_tensorboard_gets_each_step_s_rewards(tmp_path, chat_llama, pair_files, backend):
+    """--report_to tensorboard: every optimizer step's ``rewards/*`` and ``logps/*`` (the window's means) as scalars,
+    equal to log.jsonl's, in both backends (Trainer's record carries them: ``FinetuneTrainer.log``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, out = run_in_process(tmp_path, "tb", **flags(chat_llama, pair_files, backend=backend, report_to="tensorboard",
+                                                     eval_on_start=False))
+    scalars = {}
+    for path in out.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(path.parent))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars[tag] = [e.value for e in accumulator.Scalars(tag)]
+    steps = train_steps(out)
+    for key in ("rewards/chosen", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert scalars[f"train/{key}"] == pytest.approx([r[key] for r in steps], rel=1e-6, abs=1e-9), key

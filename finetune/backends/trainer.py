@@ -78,6 +78,7 @@ class FinetuneTrainer(Trainer):
         self.steps_per_epoch, self.begin_window = steps_per_epoch, begin_window
         self.micro_batch_loss = None  # set once the Trainer's accelerator exists
         self.pack = None  # --padding_free/--packing: packing.Packer (exact), set once the model is on its device
+        self.step_metrics = None  # () -> the task's metrics of the step just taken (BookkeepingCallback.step_metrics)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The window's micro-batches (up to ``num_batches``, fewer at the end of an epoch) and its items over
@@ -115,6 +116,14 @@ class FinetuneTrainer(Trainer):
         counts = count_window(masked, self.task, self.accelerator, repeats, run)
         self.begin_window(counts)
         return run, torch.tensor(int(counts.items), device=device)
+
+    def log(self, logs: dict, start_time=None) -> None:
+        """Trainer's ``log`` (what its trackers, TensorBoard included, and callbacks receive), with the task's own
+        metrics of the step just taken (a preference task's ``rewards/*``, ``logs/*``: ``step_metrics``) added to
+        its training record."""
+        if "loss" in logs and self.step_metrics is not None:
+            logs = {**logs, **self.step_metrics()}
+        super().log(logs, start_time)
 
     def _get_train_sampler(self, train_dataset=None):
         """Trainer's sampler (transformers 5.24 trainer.py ``_get_train_sampler``, lines 1071-1105), with
@@ -177,6 +186,11 @@ class BookkeepingCallback(TrainerCallback):
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
         self.micro_batches += 1
         return loss_sum / num_items_in_batch
+
+    def step_metrics(self) -> dict:
+        """The task's own metrics of the step just taken (``task.step_metrics``: reduced in ``on_step_end``), {}
+        once logged or for a task without any."""
+        return {k: self.pending[k] for k in self.task.step_metrics if self.pending and k in self.pending}
 
     def begin_window(self, counts: WindowCounts) -> None:
         """A window begins: its counts over all processes (``window.count_window``)."""
@@ -320,6 +334,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
                               compute_loss_func=callback.compute_loss,
                               callbacks=[callback] + ([HubCallback(hub)] if hub is not None else []))
     callback.trainer = trainer
+    trainer.step_metrics = callback.step_metrics
     engine = engine_for(trainer.accelerator)
     engine.configure_trainer()  # before Trainer.train prepares the model (FSDP: fp32 reductions)
     trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)

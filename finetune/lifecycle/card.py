@@ -257,8 +257,14 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
     output_dir = Path(output_dir if output_dir is not None else config.output_dir)
     model_name = output_dir.resolve().name or "model"
     recipe_name = str(getattr(recipe, "NAME", config.recipe))
+    from finetune.tasks import get_task  # torch and transformers: `finetune env` imports this module for its versions
+
     kind = str(getattr(recipe, "TASK", "sequence-classification")).lower()
-    task = "text-generation" if ("causal" in kind or "generation" in kind or kind == "lm") else "text-classification"
+    try:
+        run_task = get_task(kind)
+    except KeyError:  # a recipe of another task than ours: named as the classifier's
+        run_task = get_task("sequence-classification")
+    task = run_task.pipeline_tag
     base = config.model_name_or_path or "?"
     hub = None if config.train_file else getattr(recipe, "HUB_DATASET", None)
     data = ModelCardData(
@@ -277,7 +283,7 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
                   f"- **task**: {getattr(recipe, 'TASK', '')}\n- **dataset**: {getattr(recipe, 'DATASET', '')}\n"
                   f"- **base model**: `{base}`{where}",
         "Data": _data(config, metrics, recipe, labels),
-        "Training hyperparameters": _table(_hyperparameters(config, metrics)),
+        "Training hyperparameters": _table(_hyperparameters(config, metrics) + run_task.card_settings(config)),
         "Precision": _precision(config, metrics), "Evaluation results": results, "Training speed": speed,
         "Reproduce": f"```bash\n{command}\n```", "Usage": _usage(str(output_dir), task, example, hub_repo_id)}
     samples = _generations(output_dir)

@@ -26,6 +26,7 @@ class Task(Protocol):
     chat: bool  # rows are conversations rendered with the chat template (TRL's formats)
     class_labels: bool  # one class label per sample (stratified hold-out, label names, label counts)
     peft_task_type: str  # peft's ``TaskType`` name for LoRA
+    pipeline_tag: str  # the model card's pipeline (the Hub's name: text-classification, text-generation)
     probe_label_names: list[str] | None  # label names of the planner's probe model
     step_metrics: tuple[str, ...]  # names of the per-step metrics take_metric_sums gives, in its order
 
@@ -51,6 +52,9 @@ class Task(Protocol):
 
     def item_lengths(self, dataset) -> list[int]:
         """Tokens per item of a tokenized split, in order (``--train_sampling_strategy group_by_length``)."""
+
+    def card_settings(self, config) -> list[tuple[str, object]]:
+        """Rows the model card's hyperparameter table adds for this task ((setting, value) pairs)."""
 
     def resident_bytes(self) -> int:
         """Bytes the task keeps beside the model while training (a preference task's frozen reference copy), for the

@@ -22,6 +22,7 @@ class SequenceClassification:
     chat = False
     class_labels = True
     peft_task_type = "SEQ_CLS"
+    pipeline_tag = "text-classification"  # the model card's (the Hub's pipeline name)
     probe_label_names = ["a", "b"]
     step_metrics = ()  # names of the per-step metrics take_metric_sums gives (none)
 
@@ -36,6 +37,10 @@ class SequenceClassification:
     def item_lengths(self, dataset) -> list[int]:
         """Tokens per item of a tokenized split (``--train_sampling_strategy group_by_length``)."""
         return [len(ids) for ids in dataset["input_ids"]]
+
+    def card_settings(self, config) -> list[tuple[str, object]]:
+        """Rows the model card's hyperparameter table adds for this task: none."""
+        return []
 
     def resident_bytes(self) -> int:
         """Bytes the task keeps beside the model while training: none."""

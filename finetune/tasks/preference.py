@@ -93,6 +93,7 @@ class PreferenceTask:
     chat = True
     class_labels = False
     peft_task_type = "CAUSAL_LM"
+    pipeline_tag = "text-generation"  # the model card's (the Hub's pipeline name)
     probe_label_names = None
     step_metrics = PAIR_METRICS  # take_metric_sums gives their sums (TRL's names)
     forward_rows = 2  # rows a forward computes per item: both sides (the planner's probes)
@@ -165,6 +166,16 @@ class PreferenceTask:
     def item_lengths(self, dataset) -> list[int]:
         """Tokens per pair: its longer side (what the pair pads its micro-batch to), for group_by_length."""
         return [max(len(c), len(r)) for c, r in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])]
+
+    def card_settings(self, config) -> list[tuple[str, object]]:
+        """The model card's preference rows: the loss (``--loss_type``, ``--beta``, ``--label_smoothing``) and where
+        the reference's log-probabilities came from."""
+        reference = ("precomputed before training (--precompute_ref_log_probs)" if config.precompute_ref_log_probs
+                     else "the starting model with the LoRA adapter disabled" if config.use_peft
+                     else "a frozen copy of the starting model")
+        smoothing = f", label_smoothing {config.label_smoothing}" if config.label_smoothing else ""
+        return [("preference loss (loss_type, beta)", f"{config.loss_type}, beta {config.beta}{smoothing}"),
+                ("reference model", reference), ("items", "preference pairs (micro-batch and effective batch count pairs)")]
 
     def resident_bytes(self) -> int:
         """The frozen reference copy's parameter and buffer bytes (0 with the disabled adapter or precomputed
