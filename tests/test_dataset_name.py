@@ -55,6 +55,20 @@ def test_a_folder_of_json_lines_trains_sft_with_a_holdout(tmp_path):
     assert metrics["train_samples"] == 16  # 20 rows, 20% (4) held out: there is no test split
 
 
+def test_a_folder_of_preference_pairs_trains_dpo(tmp_path):
+    """--dataset_name with TRL's preference columns (prompt, chosen, rejected) on a preference recipe."""
+    model = build_tiny_chat_llama(tmp_path / "chat")
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n"
+                                                for p, c, r in zip(texts(20), texts(20, 3), texts(20, 5))))
+    metrics, _ = run_in_process(tmp_path, "dpo", recipe="bbc-headlines-dpo", model_name_or_path=str(model),
+                                dataset_name=str(folder), max_length=160, per_device_train_batch_size=4,
+                                gradient_accumulation_steps=1, num_train_epochs=1, eval_strategy="no",
+                                eval_on_start=False, max_train_samples=1000)
+    assert metrics["train_samples"] == 16  # pairs: 20 rows, 20% held out
+
+
 def test_a_missing_column_lists_the_datasets_columns(tmp_path, tiny_bert):
     folder = tmp_path / "bad"
     datasets.Dataset.from_dict({"body": texts(10), "label": [0, 1] * 5}).save_to_disk(str(folder))

@@ -344,9 +344,11 @@ def load_named_dataset(name: str, config_name: str | None, train_split: str, tes
     where = f"--dataset_name {name} (split {train_split!r})"
     train = loaded[train_split]
     if conversations:
-        if not ({"prompt", "completion"} <= set(train.column_names) or "messages" in train.column_names):
-            raise FinetuneError(f"{where} has columns {', '.join(train.column_names)}; instruction data needs "
-                                "prompt + completion, or messages (TRL's dataset formats).")
+        columns = set(train.column_names)
+        if not ({"prompt", "completion"} <= columns or "messages" in columns or {"chosen", "rejected"} <= columns):
+            raise FinetuneError(f"{where} has columns {', '.join(train.column_names)}; conversation data needs "
+                                "prompt + completion, or messages (instruction tuning), or chosen + rejected "
+                                "(preference pairs): TRL's dataset formats.")
         needed = None
     else:
         needed = [*text_columns, *([LABEL_COLUMN] if class_labels else [])]
