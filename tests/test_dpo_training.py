@@ -265,3 +265,27 @@ def test_tensorboard_gets_each_step_s_rewards(tmp_path, chat_llama, pair_files, 
     steps = train_steps(out)
     for key in ("rewards/chosen", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert scalars[f"train/{key}"] == pytest.approx([r[key] for r in steps], rel=1e-6, abs=1e-9), key
+
+
+def test_an_elastic_resume_reads_the_precomputed_reference_back(tmp_path, chat_llama, pair_files):
+    """Two processes write the precomputed reference and checkpoint each step; one process resumes from step 1
+    (another split of the same B = 4: 2 x 2 instead of 1 x 2 x 2 processes), reads the file back untouched and
+    trains steps 2-3 to the two-process run's losses and weights (rtol 1e-5: another split's float order)."""
+    common = {**flags(chat_llama, pair_files, precompute_ref_log_probs=True, save_strategy="steps", save_steps=1,
+                      eval_on_start=False)}
+    two = tmp_path / "run"
+    args = []
+    for key, value in {**common, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+                       "output_dir": str(two)}.items():
+        args += [f"--{key}", str(value)]
+    result = launch(args, num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = sorted((two / "reference_logps").glob("*.safetensors"))
+    before = {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
+    losses, weights = [r["loss"] for r in train_steps(two)], load_params(two)
+    _, resumed = run_in_process(tmp_path, "run", **{**common, "per_device_train_batch_size": 2,
+                                                    "gradient_accumulation_steps": 2},
+                                resume_from_checkpoint=str(two / "checkpoints" / "step_00000001"))
+    assert len(files) == 2 and {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files} == before
+    assert [r["loss"] for r in train_steps(resumed)] == pytest.approx(losses, rel=1e-5)
+    assert relative_difference(weights, load_params(resumed)) < 1e-5
