@@ -289,3 +289,19 @@ def test_an_elastic_resume_reads_the_precomputed_reference_back(tmp_path, chat_l
     assert len(files) == 2 and {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files} == before
     assert [r["loss"] for r in train_steps(resumed)] == pytest.approx(losses, rel=1e-5)
     assert relative_difference(weights, load_params(resumed)) < 1e-5
+
+
+@pytest.mark.parametrize("extra", [{}, {"use_peft": True}])
+def test_activation_checkpointing_trains_the_same_pairs_to_the_same_weights(tmp_path, chat_llama, pair_files, extra):
+    """--activation_checkpointing recomputes the policy's forward in backward (the frozen reference, in eval mode
+    without gradients, is never checkpointed): the same weights as without (rtol 1e-5), full and LoRA."""
+    common = flags(chat_llama, pair_files, eval_on_start=False, **extra)
+    _, plain = run_in_process(tmp_path, "plain", **common)
+    _, checkpointed = run_in_process(tmp_path, "checkpointed", **common, activation_checkpointing=True)
+    from safetensors.torch import load_file
+
+    assert abs(train_steps(checkpointed)[-1]["rewards/margins"]) > 1e-6  # it trained: the policy left the reference
+    name = "adapter_model.safetensors" if extra else "model.safetensors"
+    assert relative_difference(load_file(plain / name), load_file(checkpointed / name)) < 1e-5
+    assert [r["loss"] for r in train_steps(checkpointed)] == pytest.approx([r["loss"] for r in train_steps(plain)],
+                                                                           rel=1e-6)
