@@ -123,6 +123,15 @@ def row_to_conversation(row: dict, row_name: str = "row") -> tuple[list[dict], l
 
 # --------------------------------------------------------------------------------- rendering, encoding
 
+class NoFitError(FinetuneError):
+    """A conversation longer than ``max_length`` even with the last user turn before its completion emptied (the
+    completion is never cut). ``tokens``: the tokens it needs then (a ``max_length`` of at least that fits it)."""
+
+    def __init__(self, message: str, tokens: int = 0):
+        super().__init__(message)
+        self.tokens = tokens
+
+
 def require_chat_template(tokenizer) -> None:
     """Raise ``FinetuneError`` naming the fix if ``tokenizer`` has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
@@ -204,7 +213,7 @@ def _content_cut_points(tokenizer, content: str) -> list[int]:
 
 def _fit(tokenizer, messages: list[dict], cut: int | None, budget: int, render, row_name: str, what: str):
     """``(messages, ids)`` with ``render(messages)`` at most ``budget`` tokens, ``messages[cut]``'s content cut
-    from its end. Raises ``FinetuneError`` if even an empty ``messages[cut]`` (or ``cut=None``) is too long."""
+    from its end. Raises ``NoFitError`` if even an empty ``messages[cut]`` (or ``cut=None``) is too long."""
     ids = render(messages)
     if len(ids) <= budget:
         return messages, ids
@@ -222,9 +231,10 @@ def _fit(tokenizer, messages: list[dict], cut: int | None, budget: int, render, 
         cause = "with the last user turn emptied"
     else:
         cause = "and there is no user turn before it to shorten"
-    raise FinetuneError(
+    raise NoFitError(
         f"{row_name}: {what} and the chat template need {len(ids)} tokens {cause}, more than the limit of {budget}. "
-        "The completion is never cut. Fix: raise --max_length (at least to that count), or drop or shorten such rows.")
+        "The completion is never cut. Fix: raise --max_length (at least to that count), or drop or shorten such rows.",
+        len(ids))
 
 
 def _last_user_turn(messages: list[dict], before: int) -> int | None:
