@@ -88,6 +88,18 @@ def check_conversation_rows(ds) -> None:
         row_to_conversation({k: v for k, v in row.items() if v is not None}, names[i])
 
 
+def empty_completion(row: dict) -> bool:
+    """Whether an SFT row has nothing to learn but the end-of-turn token: an empty ``completion``, or an empty
+    assistant message (``completion`` or ``messages`` as lists of messages). ``row_to_conversation`` refuses it;
+    ``finetune check-data`` lists such rows first."""
+    completion = row.get("completion")
+    if isinstance(completion, str) or (completion is None and "completion" in row):
+        return not (completion or "").strip()
+    messages = completion if isinstance(completion, list) else row.get("messages") or []
+    return any(isinstance(m, dict) and m.get("role") == "assistant" and not str(m.get("content") or "").strip()
+               for m in messages)
+
+
 def row_to_conversation(row: dict, row_name: str = "row") -> tuple[list[dict], list[int]]:
     """One dataset row -> ``(messages, trained)``: the conversation and the indices of the assistant
     turns to train on (the completion's turns; for ``messages``, every assistant turn). Raises
