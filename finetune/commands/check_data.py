@@ -4,13 +4,16 @@
 
 Without loading the model's weights: the splits are loaded and tokenized as training does them
 (``builders.raw_datasets``, the task's tokenizer), then printed: a few samples with the trained tokens marked
-(colour on a terminal, ``[[...]]`` otherwise), token lengths (percentiles), the share truncated and how much was
-cut, the padding at the run's micro-batch and sampling strategy, the label or completion-length distribution,
-and problems: rows repeated within a split and between training and validation (exactly, and after
-whitespace/case normalisation), empty completions, completions whose end-of-turn token (the ids generation stops
-on) is not trained, samples with nothing trained. Exit 1 for a problem that makes the run wrong (leakage between
-the splits, empty completions, samples with nothing trained, an untrained end-of-turn token) unless
-``--accept_problems``; 0 when clean; 2 for bad input.
+(colour on a terminal, ``[[...]]`` otherwise; both sides of a preference pair), token lengths (percentiles), the
+share truncated and how much was cut, the padding at the run's micro-batch and sampling strategy, the label or
+trained-token distribution (per side for pairs), and problems: rows repeated within a split and between training
+and validation (exactly, and after whitespace/case normalisation), completions whose end-of-turn token (the ids
+generation stops on) is not trained, samples with nothing trained, and the task's own findings with example rows
+by file and line (``Task.data_findings``: SFT's empty completions; for preference pairs an implicit prompt that is
+not a common prefix, an empty completion, a completion that does not fit, chosen equal to rejected, the prompt
+repeated in a response, prompts cut, sides that see different prompts). Exit 1 for a problem that makes the run
+wrong (leakage between the splits, samples with nothing trained, an untrained end-of-turn token, a fatal finding)
+unless ``--accept_problems``; 0 when clean or only warned; 2 for bad input.
 """
 
 from __future__ import annotations
