@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from tiny_models import smollm2_like_tokenizer
 
-from finetune.data.chat import encode_conversation
+from finetune.data.chat import NoFitError, _render, encode_conversation
 from finetune.data.loading import IGNORE_INDEX
-from finetune.data.preference import PAIR_COLUMNS, encode_pair, split_pair
+from finetune.data.preference import PAIR_COLUMNS, ImplicitPromptError, check_pair, encode_pair, split_pair
 from finetune.errors import FinetuneError
 
 USER = {"role": "user", "content": "Write the headline of this BBC News article."}
@@ -52,19 +52,23 @@ def test_each_side_is_encoded_as_sft_encodes_its_prompt_and_completion(tokenizer
     assert tokenizer.decode(trained) == GREEN["content"] + "<|im_end|>"
 
 
-@pytest.mark.parametrize("row,needle", [
-    ({"prompt": "p", "chosen": "c"}, "needs 'chosen' and 'rejected'"),
-    ({"chosen": "a", "rejected": "b"}, "without 'prompt', 'chosen' and 'rejected' must be whole conversations"),
-    ({"chosen": [USER, BLUE], "rejected": [{"role": "user", "content": "other"}, GREEN]}, "share no leading turn"),
-    ({"chosen": [USER], "rejected": [USER, GREEN]}, "'chosen' is all prompt"),
-    ({"prompt": [USER], "chosen": "text", "rejected": "text"}, "all be strings or all be message lists"),
-    ({"prompt": [USER], "chosen": [], "rejected": [GREEN]}, "'chosen' must be a non-empty list"),
+@pytest.mark.parametrize("row,needle,implicit", [
+    ({"prompt": "p", "chosen": "c"}, "needs 'chosen' and 'rejected'", False),
+    ({"chosen": "a", "rejected": "b"}, "without 'prompt', 'chosen' and 'rejected' must be whole conversations", False),
+    ({"chosen": [USER, BLUE], "rejected": [{"role": "user", "content": "other"}, GREEN]}, "share no leading turn", True),
+    ({"chosen": [USER], "rejected": [USER, GREEN]}, "'chosen' is all prompt", True),
+    ({"chosen": [USER, BLUE, USER, GREEN], "rejected": [USER, GREEN, USER, BLUE]},
+     "part at turn 1, before a later user turn", True),
+    ({"prompt": [USER], "chosen": "text", "rejected": "text"}, "all be strings or all be message lists", False),
+    ({"prompt": [USER], "chosen": [], "rejected": [GREEN]}, "'chosen' must be a non-empty list", False),
 ])
-def test_a_malformed_row_is_refused_with_one_line_naming_it(row, needle):
+def test_a_malformed_row_is_refused_with_one_line_naming_it(row, needle, implicit):
     with pytest.raises(FinetuneError) as caught:
         split_pair(row, "train.jsonl line 7")
     message = str(caught.value)
     assert message.startswith("train.jsonl line 7: ") and needle in message and "\n" not in message
+    # an implicit prompt that is not a common prefix is told apart: check-data lists such rows
+    assert isinstance(caught.value, ImplicitPromptError) == implicit
 
 
 def test_a_side_that_is_not_the_assistants_or_too_long_names_the_row_and_side(tokenizer):
@@ -72,3 +76,23 @@ def test_a_side_that_is_not_the_assistants_or_too_long_names_the_row_and_side(to
         encode_pair(tokenizer, {"prompt": [USER], "chosen": [BLUE], "rejected": [USER]}, 128, "row 3")
     with pytest.raises(FinetuneError, match=r"^row 4 \('chosen'\): "):
         encode_pair(tokenizer, {"prompt": [USER], "chosen": [BLUE], "rejected": [GREEN]}, 4, "row 4")
+
+
+def test_check_pair_measures_the_cut_prompt_and_what_a_side_needs(tokenizer):
+    """A 98-token prompt at --max_length 64: each side's cut is the prompt's rendering less what that side keeps,
+    and the longer rejected side keeps less (43 and 54 tokens cut); at 24 neither side fits even with the user turn
+    emptied, and what each needs is measured (as ``NoFitError`` counts it), not raised."""
+    long_user = {"role": "user", "content": " ".join(["Shares in the bank rose after the market opened."] * 4)}
+    row = {"prompt": [long_user], "chosen": [BLUE], "rejected": [{"role": "assistant", "content": GREEN["content"] * 2}]}
+    check = check_pair(tokenizer, row, 64, "row 2")
+    whole = len(_render(tokenizer, [long_user], add_generation_prompt=True))
+    for side in ("chosen", "rejected"):
+        labels = encode_pair(tokenizer, row, 64)[f"{side}_labels"]
+        assert check.prompt_cut[side] == whole - labels.index(next(t for t in labels if t != IGNORE_INDEX)) > 0
+    assert (check.prompt_cut["chosen"], check.prompt_cut["rejected"]) == (43, 54) and check.prompts_differ
+    assert not check.refused and not check.identical and check.repeats_prompt == []
+    short = check_pair(tokenizer, row, 24, "row 2")
+    with pytest.raises(NoFitError) as caught:
+        encode_pair(tokenizer, row, 24, "row 2")
+    assert short.refused and short.no_fit["chosen"] == caught.value.tokens == 44 and short.no_fit["rejected"] == 55
+    assert str(caught.value).startswith("row 2 ('chosen'): ")

@@ -4,18 +4,22 @@
 
 Without loading the model's weights: the splits are loaded and tokenized as training does them
 (``builders.raw_datasets``, the task's tokenizer), then printed: a few samples with the trained tokens marked
-(colour on a terminal, ``[[...]]`` otherwise), token lengths (percentiles), the share truncated and how much was
-cut, the padding at the run's micro-batch and sampling strategy, the label or completion-length distribution,
-and problems: rows repeated within a split and between training and validation (exactly, and after
-whitespace/case normalisation), empty completions, completions whose end-of-turn token (the ids generation stops
-on) is not trained, samples with nothing trained. Exit 1 for a problem that makes the run wrong (leakage between
-the splits, empty completions, samples with nothing trained, an untrained end-of-turn token) unless
-``--accept_problems``; 0 when clean; 2 for bad input.
+(colour on a terminal, ``[[...]]`` otherwise; both sides of a preference pair), token lengths (percentiles), the
+share truncated and how much was cut, the padding at the run's micro-batch and sampling strategy, the label or
+trained-token distribution (per side for pairs), and problems: rows repeated within a split and between training
+and validation (exactly, and after whitespace/case normalisation), completions whose end-of-turn token (the ids
+generation stops on) is not trained, samples with nothing trained, and the task's own findings with example rows
+by file and line (``Task.data_findings``: SFT's empty completions; for preference pairs an implicit prompt that is
+not a common prefix, an empty completion, a completion that does not fit, chosen equal to rejected, the prompt
+repeated in a response, prompts cut, sides that see different prompts). Exit 1 for a problem that makes the run
+wrong (leakage between the splits, samples with nothing trained, an untrained end-of-turn token, a fatal finding)
+unless ``--accept_problems``; 0 when clean or only warned; 2 for bad input.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 
@@ -25,7 +29,7 @@ from transformers import GenerationConfig
 
 from finetune.argv import take_switch, take_values, wants_help
 from finetune.config import parse_config
-from finetune.data.chat import check_conversation_rows, require_chat_template
+from finetune.data.chat import require_chat_template
 from finetune.data.loading import load_tokenizer
 from finetune.data.packing import budget as packing_budget
 from finetune.data.packing import flag_of, packing_summary, row_length
@@ -35,7 +39,8 @@ from finetune.recipes import load_recipe
 from finetune.tasks import get_task
 from finetune.tasks.builders import raw_datasets
 
-FATAL = ("between the splits", "empty completion", "nothing trained", "end-of-turn token not trained")
+# the problems check-data finds itself that make the run wrong (a task's own findings say whether they do)
+FATAL = ("between the splits", "nothing trained", "end-of-turn token not trained")
 
 
 def normalise(text: str) -> str:
@@ -65,17 +70,6 @@ def duplicates(train: list[str], validation: list[str]) -> dict:
         train_keys = {key(t) for t in train}
         found[f"between the splits ({how})"] = [i for i, t in enumerate(validation) if key(t) in train_keys]
     return found
-
-
-def empty_completion(row: dict) -> bool:
-    """Whether an SFT row has nothing to learn but the end-of-turn token: an empty ``completion``, or an empty
-    assistant message (``completion`` or ``messages`` as lists of messages)."""
-    completion = row.get("completion")
-    if isinstance(completion, str) or (completion is None and "completion" in row):
-        return not (completion or "").strip()
-    messages = completion if isinstance(completion, list) else row.get("messages") or []
-    return any(isinstance(m, dict) and m.get("role") == "assistant" and not str(m.get("content") or "").strip()
-               for m in messages)
 
 
 def render(tokenizer, ids: list[int], trained: list[bool] | None, colour: bool) -> str:
@@ -125,15 +119,19 @@ def packing_line(config, lengths: list[int], global_batch: int) -> str:
             f"positions before, {summary['padding_fraction_after']:.1%} after")
 
 
-def padding_fraction(lengths: list[int], micro_batch: int, strategy: str, global_batch: int, seed: int) -> float:
-    """Padding positions / all positions when ``lengths`` (tokens) are batched as training orders them (the
-    seeded random order, or ``group_by_length``) in micro-batches padded to their longest sample."""
-    order = training_order(lengths, strategy, global_batch, seed)
+def padding_fraction(lengths: list[int] | list[tuple[int, ...]], micro_batch: int, strategy: str, global_batch: int,
+                     seed: int) -> float:
+    """Padding positions / all positions when samples of ``lengths`` (tokens; a tuple per sample for a task whose
+    sample is several sequences, a pair's two sides, all padded together) are batched as training orders them (the
+    seeded random order, or ``group_by_length`` by each sample's longest sequence) in micro-batches padded to their
+    longest sequence."""
+    rows = [length if isinstance(length, tuple) else (length,) for length in lengths]
+    order = training_order([max(r) for r in rows], strategy, global_batch, seed)
     real = padded = 0
     for i in range(0, len(order), micro_batch):
-        batch = [lengths[j] for j in order[i:i + micro_batch]]
-        real += sum(batch)
-        padded += len(batch) * max(batch)
+        batch = [rows[j] for j in order[i:i + micro_batch]]
+        real += sum(sum(r) for r in batch)
+        padded += sum(len(r) for r in batch) * max(max(r) for r in batch)
     return 1 - real / padded if padded else 0.0
 
 
@@ -147,42 +145,59 @@ def stop_ids(tokenizer, model_path: str) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]]]:  # noqa: C901 - over the budget; to split
-    """The report (text) and the problems found, (name, count). Raises ``FinetuneError`` for data that cannot
-    be read."""
+def example_rows(rows: list[str], limit: int = 5) -> str:
+    """Up to ``limit`` of ``rows`` (row names: "--train_file 'a.jsonl' line 3 (rejected)", "train row 7"), one
+    file's rows together ("--train_file 'a.jsonl' lines 3 (rejected), 9"), then how many more."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for row in rows[:limit]:
+        match = re.fullmatch(r"(?:(.*) )?(line|record|row) (\d+(?: \(.*\))?)", row)
+        head, unit, rest = match.groups(default="") if match else (row, "", "")
+        groups.setdefault((head, unit), []).append(rest)
+    shown = "; ".join(" ".join(filter(None, (head, unit + "s" * (len(items) > 1), ", ".join(filter(None, items)))))
+                      for (head, unit), items in groups.items())
+    return shown + (f" (and {len(rows) - limit} more)" if len(rows) > limit else "")
+
+
+def by_sequence(values: dict[str, list], show) -> str:
+    """``show(values)`` of a one-sequence task's samples, else "<name> <show(values)>" per sequence ("chosen ...;
+    rejected ...")."""
+    return "; ".join(f"{name} {show(v)}" if name else show(v) for name, v in values.items())
+
+
+def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int, bool]]]:  # noqa: C901 - over the budget; to split
+    """The report (text) and the problems it looked for, (name, count, fatal: makes the run wrong). Raises
+    ``FinetuneError`` for data that cannot be read (a malformed row: its file and line)."""
     recipe = load_recipe(config.recipe)
     task = get_task(recipe.TASK)
     tokenizer = load_tokenizer(config.model_name_or_path)
     if task.chat:
         require_chat_template(tokenizer)
-    raw = raw_datasets(recipe, config, task, check=False)
-    empty = {}
-    if task.chat:  # found and set aside: the encoder refuses them, and the rest is still worth a look
-        for split in ("train", "validation"):
-            empty[split] = [i for i, r in enumerate(raw[split]) if empty_completion(r)]
-            raw[split] = raw[split].filter(lambda r: not empty_completion(r))
-            check_conversation_rows(raw[split])  # anything else wrong with a row: its file and line
-    try:
+    loaded = raw_datasets(recipe, config, task, check=False)
+    try:  # rows training would stop on are found and set aside by the task: the rest is still worth a look
+        raw, findings = task.data_findings(loaded, tokenizer, config)
         tokenized = task.tokenize(raw, tokenizer, config, recipe.TEXT_COLUMNS)
     except FinetuneError as err:
         if "end-of-turn" not in str(err):
             raise
         # the template closes no assistant turn with a special token: nothing could teach the model to stop
-        report = f"check-data: {recipe.NAME}: {err}\n\nProblems:\n  FAIL  end-of-turn token not trained: {len(raw['train'])}"
-        return report, [("end-of-turn token not trained", len(raw["train"]))]
+        report = f"check-data: {recipe.NAME}: {err}\n\nProblems:\n  FAIL  end-of-turn token not trained: {len(loaded['train'])}"
+        return report, [("end-of-turn token not trained", len(loaded["train"]), True)]
     train = tokenized["train"]
-    lines = [f"check-data: {recipe.NAME}: {len(raw['train'])} training and {len(raw['validation'])} validation rows "
-             f"({len(train)} training samples after tokenizing), tokenizer {config.model_name_or_path}"]
+    sequences = [task.sequences(row) for row in train]
+    names = list(sequences[0]) if sequences else []
+    lines = [f"check-data: {recipe.NAME}: {len(loaded['train'])} training and {len(loaded['validation'])} validation "
+             f"rows ({len(train)} training samples after tokenizing), tokenizer {config.model_name_or_path}"]
     lines.append("\nSamples (trained tokens " + ("in green" if colour else "in [[...]]") + "):")
     for i in range(min(samples, len(train))):
-        row = train[i]
-        label = f"  label: {raw['train'].features['label'].names[row['labels']]}" if task.class_labels and \
+        label = f"  label: {raw['train'].features['label'].names[train[i]['labels']]}" if task.class_labels and \
             hasattr(raw["train"].features.get("label"), "names") else ""
-        text = render(tokenizer, row["input_ids"], task.trained_positions(row), colour)
-        lines.append(f"--- sample {i}{label}\n{text if len(text) <= 600 else text[:300] + ' ... ' + text[-300:]}")
-    lengths = [len(ids) for ids in train["input_ids"]]
+        for name, (ids, trained) in sequences[i].items():
+            text = render(tokenizer, ids, trained, colour)
+            lines.append(f"--- sample {i}{' ' + name if name else ''}{label}\n"
+                         f"{text if len(text) <= 600 else text[:300] + ' ... ' + text[-300:]}")
+    lengths = {name: [len(s[name][0]) for s in sequences] for name in names}
     limit = config.block_size or config.max_length
-    lines.append(f"\nLengths (tokens): {percentiles(lengths)}")
+    lines.append(f"\nLengths (tokens): {by_sequence(lengths, percentiles) if names else percentiles([])}")
     if not task.chat and not config.block_size:
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # "longer than the maximum sequence length": what is measured
@@ -192,43 +207,49 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int]
         lines.append(f"Truncated at --max_length {limit}: {len(cut)} of {len(full)} ({len(cut) / max(len(full), 1):.1%})"
                      + (f", {sum(cut) / len(cut):.0f} tokens cut on average (up to {max(cut)})" if cut else ""))
     else:
-        at_limit = sum(length >= limit for length in lengths)
-        lines.append(f"At the limit of {limit} tokens: {at_limit} of {len(lengths)} ({at_limit / max(len(lengths), 1):.1%})"
+        at_limit = lambda values: (f"{sum(v >= limit for v in values)} of {len(values)} "  # noqa: E731
+                                   f"({sum(v >= limit for v in values) / max(len(values), 1):.1%})")
+        lines.append(f"At the limit of {limit} tokens: {by_sequence(lengths, at_limit) if names else at_limit([])}"
                      + (" (prompts are cut to fit; completions never)" if task.chat else ""))
     global_batch = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    sample_lengths = [tuple(len(ids) for ids, _ in s.values()) for s in sequences]
     lines.append(f"Padding at micro-batch {config.per_device_train_batch_size} ({config.train_sampling_strategy}): "
-                 f"{padding_fraction(lengths, config.per_device_train_batch_size, config.train_sampling_strategy, global_batch, config.seed):.1%} of positions")
+                 f"{padding_fraction(sample_lengths, config.per_device_train_batch_size, config.train_sampling_strategy, global_batch, config.seed):.1%} of positions")
     if config.padding_free or config.packing:
-        lines.append(packing_line(config, lengths, global_batch))
+        lines.append(packing_line(config, [sum(length) for length in sample_lengths], global_batch))
     problems = []
     if task.class_labels:
-        names = getattr(raw["train"].features.get("label"), "names", None)
+        labels = getattr(raw["train"].features.get("label"), "names", None)
         for split in ("train", "validation"):
             counts = Counter(raw[split]["label"])
-            shown = ", ".join(f"{names[k] if names else k} {v}" for k, v in sorted(counts.items()))
+            shown = ", ".join(f"{labels[k] if labels else k} {v}" for k, v in sorted(counts.items()))
             lines.append(f"Labels ({split}): {shown}")
     else:
-        trained = [sum(mask) for mask in (task.trained_positions(r) for r in train)]
-        lines.append(f"Trained tokens per sample: {percentiles(trained)}")
-        problems.append(("nothing trained", sum(t == 0 for t in trained)))
+        trained = {name: [sum(s[name][1]) for s in sequences] for name in names}
+        lines.append(f"Trained tokens per {'side' if names != [''] else 'sample'}: "
+                     f"{by_sequence(trained, percentiles) if names else percentiles([])}")
+        problems.append(("nothing trained", sum(any(sum(mask) == 0 for _, mask in s.values()) for s in sequences)))
     if task.chat:
         stops = stop_ids(tokenizer, config.model_name_or_path)
-        untrained = sum(not any(t in stops for t, m in zip(r["input_ids"], task.trained_positions(r)) if m)
-                        for r in train)
+        untrained = sum(any(not any(t in stops for t, m in zip(ids, mask) if m) for ids, mask in s.values())
+                        for s in sequences)
         problems.append(("end-of-turn token not trained", untrained))
-        problems.append(("empty completion", sum(len(rows) for rows in empty.values())))
-        lines += [f"Empty completions ({split}): rows {rows[:10]}" for split, rows in empty.items() if rows]
+    problems = [(name, count, any(name.startswith(f) for f in FATAL)) for name, count in problems]
+    details = {}
+    for finding in findings:
+        problems.append((finding.name, len(finding.rows), finding.fatal))
+        if finding.rows:
+            details[finding.name] = [finding.note, "rows: " + example_rows(finding.rows)]
     texts = {s: [row_text(r, recipe.TEXT_COLUMNS) for r in raw[s]] for s in ("train", "validation")}
     for name, rows in duplicates(texts["train"], texts["validation"]).items():
-        problems.append((name, len(rows)))
+        problems.append((name, len(rows), any(name.startswith(f) for f in FATAL)))
     lines.append("\nProblems:")
-    found = [(n, c) for n, c in problems if c]
-    for name, count in problems:
-        fatal = any(name.startswith(f) for f in FATAL)
+    for name, count, fatal in problems:
         lines.append(f"  {'FAIL' if count and fatal else 'warn' if count else 'ok  '}  {name}: {count}")
-    if not found:
+        lines += [f"        {detail}" for detail in details.get(name, []) if detail]
+    if not any(count for _, count, _ in problems):
         lines.append("  none: the data is clean")
-    return "\n".join(lines), found
+    return "\n".join(lines), [(n, c, f) for n, c, f in problems if c]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     print(report)
-    fatal = [(n, c) for n, c in found if any(n.startswith(f) for f in FATAL)]
+    fatal = [(n, c) for n, c, f in found if f]
     if fatal and not accept:
         print(f"check-data: {len(fatal)} problem(s) that make the run wrong: "
               + "; ".join(f"{n} ({c})" for n, c in fatal) + ". Fix the data, or pass --accept_problems.")

@@ -88,6 +88,18 @@ def check_conversation_rows(ds) -> None:
         row_to_conversation({k: v for k, v in row.items() if v is not None}, names[i])
 
 
+def empty_completion(row: dict) -> bool:
+    """Whether an SFT row has nothing to learn but the end-of-turn token: an empty ``completion``, or an empty
+    assistant message (``completion`` or ``messages`` as lists of messages). ``row_to_conversation`` refuses it;
+    ``finetune check-data`` lists such rows first."""
+    completion = row.get("completion")
+    if isinstance(completion, str) or (completion is None and "completion" in row):
+        return not (completion or "").strip()
+    messages = completion if isinstance(completion, list) else row.get("messages") or []
+    return any(isinstance(m, dict) and m.get("role") == "assistant" and not str(m.get("content") or "").strip()
+               for m in messages)
+
+
 def row_to_conversation(row: dict, row_name: str = "row") -> tuple[list[dict], list[int]]:
     """One dataset row -> ``(messages, trained)``: the conversation and the indices of the assistant
     turns to train on (the completion's turns; for ``messages``, every assistant turn). Raises
@@ -122,6 +134,15 @@ def row_to_conversation(row: dict, row_name: str = "row") -> tuple[list[dict], l
 
 
 # --------------------------------------------------------------------------------- rendering, encoding
+
+class NoFitError(FinetuneError):
+    """A conversation longer than ``max_length`` even with the last user turn before its completion emptied (the
+    completion is never cut). ``tokens``: the tokens it needs then (a ``max_length`` of at least that fits it)."""
+
+    def __init__(self, message: str, tokens: int = 0):
+        super().__init__(message)
+        self.tokens = tokens
+
 
 def require_chat_template(tokenizer) -> None:
     """Raise ``FinetuneError`` naming the fix if ``tokenizer`` has no chat template."""
@@ -204,7 +225,7 @@ def _content_cut_points(tokenizer, content: str) -> list[int]:
 
 def _fit(tokenizer, messages: list[dict], cut: int | None, budget: int, render, row_name: str, what: str):
     """``(messages, ids)`` with ``render(messages)`` at most ``budget`` tokens, ``messages[cut]``'s content cut
-    from its end. Raises ``FinetuneError`` if even an empty ``messages[cut]`` (or ``cut=None``) is too long."""
+    from its end. Raises ``NoFitError`` if even an empty ``messages[cut]`` (or ``cut=None``) is too long."""
     ids = render(messages)
     if len(ids) <= budget:
         return messages, ids
@@ -222,9 +243,10 @@ def _fit(tokenizer, messages: list[dict], cut: int | None, budget: int, render, 
         cause = "with the last user turn emptied"
     else:
         cause = "and there is no user turn before it to shorten"
-    raise FinetuneError(
+    raise NoFitError(
         f"{row_name}: {what} and the chat template need {len(ids)} tokens {cause}, more than the limit of {budget}. "
-        "The completion is never cut. Fix: raise --max_length (at least to that count), or drop or shorten such rows.")
+        "The completion is never cut. Fix: raise --max_length (at least to that count), or drop or shorten such rows.",
+        len(ids))
 
 
 def _last_user_turn(messages: list[dict], before: int) -> int | None:

@@ -169,6 +169,13 @@ def row_names(path: Path, flag: str, n: int) -> list[str]:
     return [f"{flag} {str(path)!r} record {i + 1}" for i in range(n)]
 
 
+def rows_named(ds, split_name: str = "") -> list[str]:
+    """Where each row of ``ds`` came from: its file and line (``ROW_COLUMN``), else "<split_name> row <index>"."""
+    if ROW_COLUMN in ds.column_names:
+        return list(ds[ROW_COLUMN])
+    return [f"{split_name} row {i}".lstrip() for i in range(len(ds))]
+
+
 def check_rows(ds, names: list[str], text_columns, with_labels: bool) -> None:
     """Raise ``FinetuneError`` naming the first row (``names``) whose text column is empty or whose label is
     missing, and what is wrong with it."""

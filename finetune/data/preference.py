@@ -6,13 +6,32 @@ same token-prefix check, so a side's trained tokens are found as SFT finds a com
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import datasets
 
-from finetune.data.chat import _check_messages, _describe, encode_conversation, require_chat_template
-from finetune.data.loading import ROW_COLUMN
+from finetune.data.chat import (
+    NoFitError,
+    _check_messages,
+    _describe,
+    _render,
+    encode_conversation,
+    require_chat_template,
+)
+from finetune.data.loading import IGNORE_INDEX, ROW_COLUMN
 from finetune.errors import FinetuneError
 
 PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+PAIR_SIDES = ("chosen", "rejected")
+
+
+class ImplicitPromptError(FinetuneError):
+    """A row without an explicit prompt whose sides' common leading turns are no prompt: they share none, one side
+    is all shared turns, or the sides part before their last user turn. ``reason``: which, in a few words."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _is_messages(value) -> bool:
@@ -24,9 +43,10 @@ def split_pair(row: dict, row_name: str = "row") -> tuple[list[dict], list[dict]
     user turn and assistant turns. Implicit prompt (no ``prompt``, or a string prompt beside conversational
     sides, as TRL's ``maybe_extract_prompt``): the longest run of leading turns the two sides share is the prompt,
     the rest of each side its completion (TRL 1.16 ``extract_prompt`` on message lists). Raises ``FinetuneError``
-    naming ``row_name``: a side missing or empty, strings mixed with message lists, an implicit prompt with no
-    shared turn or a side with nothing after it (``encode_pair`` refuses a side holding a turn that is not the
-    assistant's)."""
+    naming ``row_name``: a side missing or empty, strings mixed with message lists; ``ImplicitPromptError`` for an
+    implicit prompt that is not a common prefix: no shared turn, a side with nothing after it, or sides that part
+    before a later user turn (TRL would train that user turn as part of a completion; ``encode_pair`` refuses a
+    side holding a turn that is not the assistant's)."""
     if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
         keys = sorted(row) if isinstance(row, dict) else _describe(row)
         raise FinetuneError(f"{row_name}: a preference row needs 'chosen' and 'rejected' (and 'prompt' unless the "
@@ -44,12 +64,19 @@ def split_pair(row: dict, row_name: str = "row") -> tuple[list[dict], list[dict]
         while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
             shared += 1
         if shared == 0:
-            raise FinetuneError(f"{row_name}: 'chosen' and 'rejected' share no leading turn, so there is no implicit "
-                                "prompt; add a 'prompt' column or start both sides with the same turns.")
+            raise ImplicitPromptError(f"{row_name}: 'chosen' and 'rejected' share no leading turn, so there is no "
+                                      "implicit prompt; add a 'prompt' column or start both sides with the same turns.",
+                                      "no shared turn")
         if shared == len(chosen) or shared == len(rejected):
             side = "chosen" if shared == len(chosen) else "rejected"
-            raise FinetuneError(f"{row_name}: '{side}' is all prompt (every turn shared with the other side), so it "
-                                "has no completion to score.")
+            raise ImplicitPromptError(f"{row_name}: '{side}' is all prompt (every turn shared with the other side), "
+                                      "so it has no completion to score.", f"'{side}' all prompt")
+        late = next((m["role"] for m in chosen[shared:] + rejected[shared:] if m["role"] != "assistant"), None)
+        if late is not None:
+            raise ImplicitPromptError(f"{row_name}: 'chosen' and 'rejected' part at turn {shared}, before a later "
+                                      f"{late} turn, so their common leading turns are not the whole prompt; start "
+                                      "both sides with the same turns up to the answers, or add a 'prompt' column.",
+                                      f"part at turn {shared}")
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     kinds = {isinstance(v, str) for v in (prompt, chosen, rejected)}
     if len(kinds) > 1:
@@ -67,16 +94,89 @@ def encode_pair(tokenizer, row: dict, max_length: int, row_name: str = "row") ->
     tokens each; labels ``IGNORE_INDEX`` (-100) except that side's completion and its end-of-turn token), the
     prompt rendered with the chat template and the generation prompt. Raises ``FinetuneError`` naming ``row_name``
     (``split_pair``'s errors, and ``chat.encode_conversation``'s: no chat template, a prompt that is not a token
-    prefix, no fit in ``max_length``)."""
+    prefix; ``chat.NoFitError`` for a side that does not fit in ``max_length``)."""
     prompt, chosen, rejected = split_pair(row, row_name)
     out = {}
-    for side, completion in (("chosen", chosen), ("rejected", rejected)):
-        try:
-            encoded = encode_conversation(tokenizer, prompt, completion, max_length)
-        except FinetuneError as err:
-            raise FinetuneError(f"{row_name} ('{side}'): {str(err).removeprefix('the conversation: ')}") from None
+    for side, completion in zip(PAIR_SIDES, (chosen, rejected)):
+        encoded = _encode_side(tokenizer, prompt, completion, max_length, f"{row_name} ('{side}')")
         out[f"{side}_input_ids"], out[f"{side}_labels"] = encoded["input_ids"], encoded["labels"]
     return out
+
+
+def _encode_side(tokenizer, prompt: list[dict], completion: list[dict], max_length: int, where: str) -> dict:
+    """``chat.encode_conversation`` of one side, its errors (their type kept: ``NoFitError``) naming ``where``."""
+    try:
+        return encode_conversation(tokenizer, prompt, completion, max_length)
+    except NoFitError as err:
+        raise NoFitError(f"{where}: {str(err).removeprefix('the conversation: ')}", err.tokens) from None
+    except FinetuneError as err:
+        raise FinetuneError(f"{where}: {str(err).removeprefix('the conversation: ')}") from None
+
+
+def _said(messages: list[dict]) -> str:
+    """The messages' text, lower case, whitespace collapsed, padded with a space each side (for word-bounded
+    ``in``)."""
+    return " " + " ".join(" ".join(m["content"] for m in messages).lower().split()) + " "
+
+
+@dataclass
+class PairCheck:
+    """What ``check_pair`` finds in one preference row. ``implicit_prompt``: the ``ImplicitPromptError`` training
+    would stop on, else None (then nothing else is looked at); ``empty``: sides whose completion is empty (training
+    stops on them); ``no_fit``: side -> the tokens it needs with the prompt's last user turn emptied, where that is
+    more than ``max_length`` (training stops on it); ``identical``: chosen and rejected are the same turns;
+    ``repeats_prompt``: sides whose completion holds the prompt's text (its last user turn, case and whitespace
+    aside); ``prompt_cut``: side -> prompt tokens cut to fit ``max_length``; ``prompts_differ``: both sides fit and
+    keep different prompt tokens (cut unequally)."""
+
+    implicit_prompt: ImplicitPromptError | None = None
+    empty: list[str] = field(default_factory=list)
+    no_fit: dict[str, int] = field(default_factory=dict)
+    identical: bool = False
+    repeats_prompt: list[str] = field(default_factory=list)
+    prompt_cut: dict[str, int] = field(default_factory=dict)
+    prompts_differ: bool = False
+
+    @property
+    def refused(self) -> bool:
+        """Whether training stops on this row (``check_pair_rows`` or ``encode_pair`` raises)."""
+        return bool(self.implicit_prompt or self.empty or self.no_fit)
+
+
+def check_pair(tokenizer, row: dict, max_length: int, row_name: str = "row") -> PairCheck:
+    """``finetune check-data``'s look at one preference row, encoded as training encodes it (``encode_pair``; each
+    side's prompt cut to ``max_length`` tokens): a ``PairCheck``. The problems training stops on that are in the
+    data rather than its format (an implicit prompt that is not a common prefix, an empty completion, a side that
+    does not fit) are returned, so that every such row can be listed; any other ``FinetuneError`` of ``split_pair``
+    or ``chat.encode_conversation`` is raised, naming ``row_name`` (a malformed row, a chat template that cannot
+    locate a completion or closes no turn with a special token)."""
+    try:
+        prompt, chosen, rejected = split_pair(row, row_name)
+    except ImplicitPromptError as err:
+        return PairCheck(implicit_prompt=err)
+    sides = dict(zip(PAIR_SIDES, (chosen, rejected)))
+    said = [m for m in prompt if m["role"] == "user"][-1:] or prompt[-1:]
+    check = PairCheck(identical=chosen == rejected,
+                      empty=[side for side, turns in sides.items()
+                             if any(m["role"] == "assistant" and not m["content"].strip() for m in turns)],
+                      repeats_prompt=[side for side, turns in sides.items()
+                                      if _said(said).strip() and _said(said) in _said(turns)])
+    if check.empty:
+        return check
+    whole = len(_render(tokenizer, prompt, add_generation_prompt=True))
+    kept = {}
+    for side, completion in sides.items():
+        try:
+            encoded = _encode_side(tokenizer, prompt, completion, max_length, f"{row_name} ('{side}')")
+        except NoFitError as err:
+            check.no_fit[side] = err.tokens
+            continue
+        start = next(i for i, label in enumerate(encoded["labels"]) if label != IGNORE_INDEX)
+        kept[side] = encoded["input_ids"][:start]
+        if start < whole:
+            check.prompt_cut[side] = whole - start
+    check.prompts_differ = len(kept) == 2 and kept["chosen"] != kept["rejected"]
+    return check
 
 
 def check_pair_rows(ds) -> None:

@@ -2,16 +2,31 @@
 between training styles is asked of the task: its data (files, row checks, tokenization, collation), its forward
 and summed loss over a micro-batch (``loss_sum(model, batch)``), the items the loop divides by (``count``), its
 evaluation, its per-step metrics (``take_metric_sums``), what it derives from the built model (``attach``: a
-reference), and capability facts (``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``,
-``peft_task_type``). No module outside ``finetune/tasks/`` branches on a task's name or class."""
+reference), what ``finetune check-data`` reports of its data (``data_findings``, ``sequences``), and capability
+facts (``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``, ``peft_task_type``). No module
+outside ``finetune/tasks/`` branches on a task's name or class."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from finetune.data.loading import IGNORE_INDEX  # noqa: F401 - the label value every loss skips; re-exported here
+
+
+@dataclass
+class Finding:
+    """A problem ``finetune check-data`` looks for in a task's raw rows (``Task.data_findings``): ``name`` (its line
+    in the report), the ``rows`` it was found in (file and line, else split and index; the side where it matters),
+    ``fatal`` (it makes the run wrong: exit 1 unless ``--accept_problems``) and ``note`` (one line: what it does to
+    training, and the fix)."""
+
+    name: str
+    rows: list[str] = field(default_factory=list)
+    fatal: bool = False
+    note: str = ""
 
 
 class Task(Protocol):
@@ -85,8 +100,15 @@ class Task(Protocol):
 
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict: ...
 
-    def trained_positions(self, row: dict) -> list[bool] | None:
-        """Which input tokens of a tokenized row the loss trains; None where a label, not a token, is trained."""
+    def data_findings(self, raw, tokenizer, config) -> tuple[dict, list[Finding]]:
+        """``finetune check-data``'s look at the raw splits (a ``DatasetDict``: train, validation) before they are
+        tokenized with ``tokenizer`` under ``config``: the splits without the rows training would stop on (each named
+        in a fatal finding), and the task's own ``Finding``s, each listed even where no row has it. Raises
+        ``FinetuneError`` for a malformed row (as ``check_rows``)."""
+
+    def sequences(self, row: dict) -> dict[str, tuple[list[int], list[bool] | None]]:
+        """The token sequences of a tokenized row, by name ("" for a task with one; a pair's "chosen" and
+        "rejected"), each as (token ids, which of them the loss trains: None where a label, not a token, is)."""
 
     def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
         """A worst-case micro-batch of ``micro_batch`` rows of ``length`` tokens for the planner's probes."""

@@ -144,9 +144,13 @@ class CausalLM:
         return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
                 "eval_tokens": tokens, "eval_samples": len(counts)}
 
-    def trained_positions(self, row: dict) -> list[bool]:
-        """Every token but the first (the labels are shifted by one)."""
-        return [False] + [True] * (len(row["input_ids"]) - 1)
+    def data_findings(self, raw, tokenizer, config) -> tuple:
+        """No findings of its own: every row is kept (any text can be trained on)."""
+        return raw, []
+
+    def sequences(self, row: dict) -> dict:
+        """One sequence, its ``input_ids``, every token trained but the first (the labels are shifted by one)."""
+        return {"": (row["input_ids"], [False] + [True] * (len(row["input_ids"]) - 1))}
 
     def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
         """Random token ids (micro_batch, length), a full attention mask, labels = the ids."""

@@ -120,9 +120,13 @@ class SequenceClassification:
             results.update({f"eval_{k}": v for k, v in computed.items()})
         return results
 
-    def trained_positions(self, row: dict) -> None:
-        """None: the label is trained, not a token."""
-        return None
+    def data_findings(self, raw, tokenizer, config) -> tuple:
+        """No findings of its own: every row is kept (its rows are checked when loaded)."""
+        return raw, []
+
+    def sequences(self, row: dict) -> dict:
+        """One sequence, its ``input_ids``; trained: None (the label is trained, not a token)."""
+        return {"": (row["input_ids"], None)}
 
     def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
         """Random token ids (micro_batch, length), a full attention mask, label 0 per row."""

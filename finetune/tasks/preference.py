@@ -16,13 +16,19 @@ from pathlib import Path
 import datasets
 import torch
 
-from finetune.data.loading import IGNORE_INDEX, load_conversation_files, set_attention
+from finetune.data.loading import IGNORE_INDEX, load_conversation_files, rows_named, set_attention
 from finetune.data.lora import ADAPTER_CONFIG, load_adapter_model
-from finetune.data.preference import check_pair_rows, pairs_to_features
+from finetune.data.preference import PAIR_SIDES, PairCheck, check_pair, check_pair_rows, pairs_to_features
 from finetune.errors import FinetuneError
-from finetune.tasks.base import unwrapped
+from finetune.tasks.base import Finding, unwrapped
 from finetune.tasks.causal_lm import CausalLM
-from finetune.tasks.preference_loss import PAIR_METRICS, PreferenceLoss, pair_metric_sums, pair_metric_vector
+from finetune.tasks.preference_loss import (
+    CONSTANT_ON_TIES,
+    PAIR_METRICS,
+    PreferenceLoss,
+    pair_metric_sums,
+    pair_metric_vector,
+)
 from finetune.tasks.reference import precomputed
 from finetune.tasks.sft import SFTCollator
 
@@ -62,6 +68,49 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     negated. ``logits``: (rows, seq, vocab); ``labels``: (rows, seq)."""
     loss, tokens = _CAUSAL_LM.eval_from_logits(logits, labels)
     return -loss, tokens
+
+
+def pair_findings(checks: list[PairCheck], names: list[str], max_length: int, loss_type: str) -> list[Finding]:
+    """``finetune check-data``'s preference findings from each row's ``preference.check_pair`` (``checks``) and
+    name (``names``: file and line), as a run of ``--max_length`` ``max_length`` (tokens) and ``--loss_type``
+    ``loss_type`` would meet them; the rows of a finding that only some sides have name those sides. Fatal: what
+    training stops on, and identical sides (no preference to learn; a reward margin fixed at 0)."""
+    def rows(test, sided: bool = False) -> list[str]:
+        """The names of the rows where ``test(check)`` holds; ``sided``: it gives the sides, named after the row."""
+        return [f"{name} ({', '.join(test(check))})" if sided else name
+                for check, name in zip(checks, names) if test(check)]
+
+    needed = max((t for c in checks for t in c.no_fit.values()), default=0)
+    cut = max((t for c in checks for t in c.prompt_cut.values()), default=0)
+    if loss_type in CONSTANT_ON_TIES:
+        effect = f"and under --loss_type {loss_type} its gradient is 0: it only dilutes the window's mean"
+    else:
+        effect = (f"and under --loss_type {loss_type} its gradient is not 0 (the term reads each side's log-ratio), "
+                  "yet it carries no preference")
+    return [
+        Finding("implicit prompt not a common prefix",
+                rows(lambda c: c.implicit_prompt and [c.implicit_prompt.reason], sided=True), fatal=True,
+                note="without a 'prompt' column the prompt is the turns both sides start with, and training stops at "
+                     "such a row: start both sides with the same turns up to the answers, or add a 'prompt' column"),
+        Finding("empty completion", rows(lambda c: c.empty, sided=True), fatal=True,
+                note="nothing to learn but the end-of-turn token, and training stops at such a row: fill in the side "
+                     "or drop the pair"),
+        Finding(f"completion does not fit --max_length {max_length}", rows(lambda c: list(c.no_fit), sided=True),
+                fatal=True, note=f"even with the prompt's last user turn emptied a side needs up to {needed} tokens; "
+                                 f"completions are never cut, so training stops at such a row: raise --max_length to "
+                                 f"{needed} or drop the pairs"),
+        Finding("chosen equals rejected", rows(lambda c: c.identical), fatal=True,
+                note="identical completions: the pair's reward margin is 0 whatever is learnt (rewards/accuracies "
+                     f"counts it wrong) {effect}; drop such pairs"),
+        Finding("prompt repeated in a response", rows(lambda c: c.repeats_prompt, sided=True),
+                note="the prompt's text is inside the response, so the model learns to say the prompt again: keep only "
+                     "the answer in 'chosen' and 'rejected'"),
+        Finding(f"prompt cut by --max_length {max_length}", rows(lambda c: list(c.prompt_cut), sided=True),
+                note=f"the prompt's last user turn is cut to fit (by up to {cut} tokens); completions never are"),
+        Finding("sides see different prompts", rows(lambda c: c.prompts_differ),
+                note="the prompt is cut to fit each side apart, so the longer side keeps less of it and the pair "
+                     "compares answers to two prompts: raise --max_length or shorten the prompts"),
+    ]
 
 
 def frozen_copy(model):
@@ -295,9 +344,26 @@ class PreferenceTask:
         return {"eval_loss": float(terms.sum()) / pairs, "eval_samples": pairs,
                 **{f"eval_{k}": float(v.sum()) / pairs for k, v in zip(PAIR_METRICS, values)}}
 
-    def trained_positions(self, row: dict) -> list[bool]:
-        """The chosen side's trained tokens (its completion and end-of-turn token)."""
-        return [label != IGNORE_INDEX for label in row["chosen_labels"]]
+    def data_findings(self, raw, tokenizer, config) -> tuple[datasets.DatasetDict, list[Finding]]:
+        """Every pair encoded as training encodes it (``preference.check_pair``, ``config.max_length``) and
+        ``pair_findings`` reported; the pairs training would stop on (an implicit prompt that is not a common prefix,
+        an empty completion, a side that does not fit) set aside. Raises ``FinetuneError`` for a malformed row."""
+        checks, names, kept = [], [], datasets.DatasetDict()
+        for split, rows in raw.items():
+            columns = [c for c in ("prompt", "chosen", "rejected") if c in rows.column_names]
+            split_names = rows_named(rows, split)
+            split_checks = [check_pair(tokenizer, {k: v for k, v in row.items() if v is not None}, config.max_length,
+                                       split_names[i]) for i, row in enumerate(rows.select_columns(columns))]
+            refused = [c.refused for c in split_checks]
+            kept[split] = rows.select([i for i, r in enumerate(refused) if not r]) if any(refused) else rows
+            checks, names = checks + split_checks, names + split_names
+        return kept, pair_findings(checks, names, config.max_length, config.loss_type)
+
+    def sequences(self, row: dict) -> dict[str, tuple[list[int], list[bool]]]:
+        """Both sides, "chosen" and "rejected": their ids, trained where their labels are not ``IGNORE_INDEX`` (the
+        completion and its end-of-turn token)."""
+        return {side: (row[f"{side}_input_ids"], [label != IGNORE_INDEX for label in row[f"{side}_labels"]])
+                for side in PAIR_SIDES}
 
     def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
         """Random pairs: ``micro_batch`` pairs of two ``length``-token sides, every token trained but the first (two

@@ -28,6 +28,11 @@ BATCH_COUPLED = {
     "sft": "it is a mean over the micro-batch's chosen tokens, not a term per pair",
 }
 SMOOTHED = ("robust", "exo_pair")  # the per-pair types that read label_smoothing
+# the per-pair types whose term is a constant for a pair with identical sides (chosen log-ratio = rejected's): the
+# margin types, and apo_zero (1 - sigmoid(x) + sigmoid(x)); such a pair's gradient is 0. The others read each side's
+# log-ratio alone, so an identical pair still moves the policy (nca_pair, bco_pair, sppo_hard: towards the
+# reference; apo_down: both sides down).
+CONSTANT_ON_TIES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "robust", "exo_pair", "discopop", "apo_zero")
 
 
 def check_loss_type(loss_type: str, beta: float, label_smoothing: float = 0.0) -> None:

@@ -8,8 +8,9 @@ import math
 import datasets
 import torch
 
-from finetune.data.chat import check_conversation_rows, rows_to_features
-from finetune.data.loading import IGNORE_INDEX, load_conversation_files
+from finetune.data.chat import check_conversation_rows, empty_completion, rows_to_features
+from finetune.data.loading import IGNORE_INDEX, load_conversation_files, rows_named
+from finetune.tasks.base import Finding
 from finetune.tasks.causal_lm import CausalLM
 
 
@@ -79,10 +80,26 @@ class InstructionCausalLM(CausalLM):
         perplexity = float("nan") if math.isnan(loss) else math.exp(loss) if loss < 700 else float("inf")
         return {"eval_loss": loss, "eval_perplexity": perplexity, "eval_tokens": tokens, "eval_samples": len(counts)}
 
+    def data_findings(self, raw, tokenizer, config) -> tuple:
+        """Rows with an empty completion (``chat.empty_completion``; the encoder refuses them) set aside and named
+        (fatal: training stops at the first); the other rows checked (``check_conversation_rows``: raises naming
+        the first malformed one)."""
+        kept, empty = datasets.DatasetDict(), []
+        for split, rows in raw.items():
+            names = rows_named(rows, split)
+            columns = [c for c in ("prompt", "completion", "messages") if c in rows.column_names]
+            flags = [empty_completion(row) for row in rows.select_columns(columns)]
+            empty += [name for name, flag in zip(names, flags) if flag]
+            kept[split] = rows.select([i for i, flag in enumerate(flags) if not flag]) if any(flags) else rows
+            check_conversation_rows(kept[split])
+        return kept, [Finding("empty completion", empty, fatal=True,
+                              note="nothing to learn but the end-of-turn token, and training stops at such a row: "
+                                   "fill in the completion or drop the row")]
 
-    def trained_positions(self, row: dict) -> list[bool]:
-        """Where ``labels`` is not ``IGNORE_INDEX``: the completion and its end-of-turn token."""
-        return [label != IGNORE_INDEX for label in row["labels"]]
+    def sequences(self, row: dict) -> dict:
+        """One sequence, its ``input_ids``, trained where ``labels`` is not ``IGNORE_INDEX``: the completion and
+        its end-of-turn token."""
+        return {"": (row["input_ids"], [label != IGNORE_INDEX for label in row["labels"]])}
 
 
 SFT_TASK = InstructionCausalLM()
