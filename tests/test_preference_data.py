@@ -80,7 +80,8 @@ def test_a_side_that_is_not_the_assistants_or_too_long_names_the_row_and_side(to
 
 def test_check_pair_measures_the_cut_prompt_and_what_a_side_needs(tokenizer):
     """A 98-token prompt at --max_length 64: each side's cut is the prompt's rendering less what that side keeps,
-    and the longer rejected side keeps less (43 and 54 tokens cut); at 24 neither side fits even with the user turn
+    and both sides keep the prompt the longer rejected side keeps (54 tokens cut; the chosen side alone would keep
+    11 more); at 24 neither side fits even with the user turn
     emptied, and what each needs is measured (as ``NoFitError`` counts it), not raised."""
     long_user = {"role": "user", "content": " ".join(["Shares in the bank rose after the market opened."] * 4)}
     row = {"prompt": [long_user], "chosen": [BLUE], "rejected": [{"role": "assistant", "content": GREEN["content"] * 2}]}
@@ -89,7 +90,14 @@ def test_check_pair_measures_the_cut_prompt_and_what_a_side_needs(tokenizer):
     for side in ("chosen", "rejected"):
         labels = encode_pair(tokenizer, row, 64)[f"{side}_labels"]
         assert check.prompt_cut[side] == whole - labels.index(next(t for t in labels if t != IGNORE_INDEX)) > 0
-    assert (check.prompt_cut["chosen"], check.prompt_cut["rejected"]) == (43, 54) and check.prompts_differ
+    assert (check.prompt_cut["chosen"], check.prompt_cut["rejected"]) == (54, 54)
+    pair = encode_pair(tokenizer, row, 64)
+    prompts = [pair[f"{side}_input_ids"][:pair[f"{side}_labels"].index(next(t for t in pair[f"{side}_labels"]
+                                                                             if t != IGNORE_INDEX))]
+               for side in ("chosen", "rejected")]
+    assert prompts[0] == prompts[1]  # one prompt: both log-probabilities are conditioned on the same text
+    alone = encode_conversation(tokenizer, [long_user], [BLUE], 64)["labels"]
+    assert whole - alone.index(next(t for t in alone if t != IGNORE_INDEX)) == 43  # the chosen side alone: 43 cut
     assert not check.refused and not check.identical and check.repeats_prompt == []
     short = check_pair(tokenizer, row, 24, "row 2")
     with pytest.raises(NoFitError) as caught:

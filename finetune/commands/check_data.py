@@ -11,7 +11,7 @@ and validation (exactly, and after whitespace/case normalisation), completions w
 generation stops on) is not trained, samples with nothing trained, and the task's own findings with example rows
 by file and line (``Task.data_findings``: SFT's empty completions; for preference pairs an implicit prompt that is
 not a common prefix, an empty completion, a completion that does not fit, chosen equal to rejected, the prompt
-repeated in a response, prompts cut, sides that see different prompts). Exit 1 for a problem that makes the run
+repeated in a response, prompts cut). Exit 1 for a problem that makes the run
 wrong (leakage between the splits, samples with nothing trained, an untrained end-of-turn token, a fatal finding)
 unless ``--accept_problems``; 0 when clean or only warned; 2 for bad input.
 """

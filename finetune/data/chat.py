@@ -280,6 +280,19 @@ def encode_conversation(tokenizer, prompt_messages, completion_messages, max_len
     return _encode(tokenizer, messages, trained, max_length, "the conversation")
 
 
+def fitted_prompt(tokenizer, prompt_messages, completion_messages, max_length: int) -> list[dict]:
+    """The prompt's messages as ``encode_conversation`` keeps them beside this completion in ``max_length`` tokens:
+    the last user turn's content cut from its end where the whole does not fit, else the prompt unchanged. Raises
+    as ``encode_conversation`` (``NoFitError`` where even an emptied last user turn does not fit)."""
+    completion = _as_messages(completion_messages, "assistant")
+    messages, trained = row_to_conversation({"prompt": _as_messages(prompt_messages, "user"), "completion": completion},
+                                            "the conversation")
+    require_chat_template(tokenizer)
+    fitted, _ = _fit(tokenizer, messages, _last_user_turn(messages, trained[-1]), max_length,
+                     lambda m: _render(tokenizer, m), "the conversation", "the completion")
+    return fitted[:len(messages) - len(completion)]
+
+
 def encode_messages(tokenizer, messages, max_length: int) -> dict:
     """``encode_conversation`` for a ``messages`` conversation, training on every assistant turn (TRL's
     ``assistant_only_loss`` without ``{% generation %}`` markers). Returns and raises as ``encode_conversation``."""

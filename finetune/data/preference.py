@@ -16,6 +16,7 @@ from finetune.data.chat import (
     _describe,
     _render,
     encode_conversation,
+    fitted_prompt,
     require_chat_template,
 )
 from finetune.data.loading import IGNORE_INDEX, ROW_COLUMN
@@ -92,21 +93,30 @@ def split_pair(row: dict, row_name: str = "row") -> tuple[list[dict], list[dict]
 def encode_pair(tokenizer, row: dict, max_length: int, row_name: str = "row") -> dict:
     """One preference row -> ``PAIR_COLUMNS``: each side's ``input_ids`` and ``labels`` (int lists, <= ``max_length``
     tokens each; labels ``IGNORE_INDEX`` (-100) except that side's completion and its end-of-turn token), the
-    prompt rendered with the chat template and the generation prompt. Raises ``FinetuneError`` naming ``row_name``
+    prompt rendered with the chat template and the generation prompt, the same prompt for both sides (a prompt too
+    long for a side is cut as that side needs, and both sides keep the shorter cut). Raises ``FinetuneError`` naming ``row_name``
     (``split_pair``'s errors, and ``chat.encode_conversation``'s: no chat template, a prompt that is not a token
     prefix; ``chat.NoFitError`` for a side that does not fit in ``max_length``)."""
     prompt, chosen, rejected = split_pair(row, row_name)
+    sides = dict(zip(PAIR_SIDES, (chosen, rejected)))
+    # one prompt for both sides: the one cut for the side that needs the most room (a longer side keeps less of a
+    # too-long prompt), so that both log-probabilities are conditioned on the same text
+    fitted = [_encode_side(tokenizer, prompt, completion, max_length, f"{row_name} ('{side}')", fitted_prompt)
+              for side, completion in sides.items()]
+    shared = min(fitted, key=lambda messages: sum(len(m["content"]) for m in messages))
     out = {}
-    for side, completion in zip(PAIR_SIDES, (chosen, rejected)):
-        encoded = _encode_side(tokenizer, prompt, completion, max_length, f"{row_name} ('{side}')")
+    for side, completion in sides.items():
+        encoded = _encode_side(tokenizer, shared, completion, max_length, f"{row_name} ('{side}')")
         out[f"{side}_input_ids"], out[f"{side}_labels"] = encoded["input_ids"], encoded["labels"]
     return out
 
 
-def _encode_side(tokenizer, prompt: list[dict], completion: list[dict], max_length: int, where: str) -> dict:
-    """``chat.encode_conversation`` of one side, its errors (their type kept: ``NoFitError``) naming ``where``."""
+def _encode_side(tokenizer, prompt: list[dict], completion: list[dict], max_length: int, where: str,
+                 encode=encode_conversation):
+    """``encode(tokenizer, prompt, completion, max_length)`` (``chat.encode_conversation``, or ``chat.fitted_prompt``)
+    of one side, its errors (their type kept: ``NoFitError``) naming ``where``."""
     try:
-        return encode_conversation(tokenizer, prompt, completion, max_length)
+        return encode(tokenizer, prompt, completion, max_length)
     except NoFitError as err:
         raise NoFitError(f"{where}: {str(err).removeprefix('the conversation: ')}", err.tokens) from None
     except FinetuneError as err:
@@ -126,8 +136,8 @@ class PairCheck:
     stops on them); ``no_fit``: side -> the tokens it needs with the prompt's last user turn emptied, where that is
     more than ``max_length`` (training stops on it); ``identical``: chosen and rejected are the same turns;
     ``repeats_prompt``: sides whose completion holds the prompt's text (its last user turn, case and whitespace
-    aside); ``prompt_cut``: side -> prompt tokens cut to fit ``max_length``; ``prompts_differ``: both sides fit and
-    keep different prompt tokens (cut unequally)."""
+    aside); ``prompt_cut``: side -> prompt tokens cut to fit ``max_length`` (both sides share the prompt
+    ``encode_pair`` cuts for the side that needs the most room, so both count the same cut)."""
 
     implicit_prompt: ImplicitPromptError | None = None
     empty: list[str] = field(default_factory=list)
@@ -135,7 +145,6 @@ class PairCheck:
     identical: bool = False
     repeats_prompt: list[str] = field(default_factory=list)
     prompt_cut: dict[str, int] = field(default_factory=dict)
-    prompts_differ: bool = False
 
     @property
     def refused(self) -> bool:
@@ -163,19 +172,20 @@ def check_pair(tokenizer, row: dict, max_length: int, row_name: str = "row") -> 
                                       if _said(said).strip() and _said(said) in _said(turns)])
     if check.empty:
         return check
-    whole = len(_render(tokenizer, prompt, add_generation_prompt=True))
-    kept = {}
     for side, completion in sides.items():
         try:
-            encoded = _encode_side(tokenizer, prompt, completion, max_length, f"{row_name} ('{side}')")
+            _encode_side(tokenizer, prompt, completion, max_length, f"{row_name} ('{side}')", fitted_prompt)
         except NoFitError as err:
             check.no_fit[side] = err.tokens
-            continue
-        start = next(i for i, label in enumerate(encoded["labels"]) if label != IGNORE_INDEX)
-        kept[side] = encoded["input_ids"][:start]
+    if check.no_fit:
+        return check
+    whole = len(_render(tokenizer, prompt, add_generation_prompt=True))
+    encoded = encode_pair(tokenizer, row, max_length, row_name)  # the prompt both sides share, as training cuts it
+    for side in PAIR_SIDES:
+        labels = encoded[f"{side}_labels"]
+        start = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
         if start < whole:
             check.prompt_cut[side] = whole - start
-    check.prompts_differ = len(kept) == 2 and kept["chosen"] != kept["rejected"]
     return check
 
 

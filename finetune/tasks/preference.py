@@ -106,10 +106,8 @@ def pair_findings(checks: list[PairCheck], names: list[str], max_length: int, lo
                 note="the prompt's text is inside the response, so the model learns to say the prompt again: keep only "
                      "the answer in 'chosen' and 'rejected'"),
         Finding(f"prompt cut by --max_length {max_length}", rows(lambda c: list(c.prompt_cut), sided=True),
-                note=f"the prompt's last user turn is cut to fit (by up to {cut} tokens); completions never are"),
-        Finding("sides see different prompts", rows(lambda c: c.prompts_differ),
-                note="the prompt is cut to fit each side apart, so the longer side keeps less of it and the pair "
-                     "compares answers to two prompts: raise --max_length or shorten the prompts"),
+                note=f"the prompt's last user turn is cut to fit (by up to {cut} tokens), the same for both sides: as "
+                     "the longer side needs; completions never are"),
     ]
 
 
