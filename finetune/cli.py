@@ -8,6 +8,7 @@
     finetune verify [accelerate launcher flags] --recipe NAME [training flags] [--verify_steps K]
     finetune plan [accelerate launcher flags] --recipe NAME --total_batch_size B [training flags] [--time]
     finetune check-data --recipe NAME [data flags] [--samples K] [--accept_problems]
+    finetune eval --model RUN_DIR --tasks T1,T2 [--limit N] [--num_fewshot k] [--baseline BASE]
 
 The commands are a table (``COMMANDS``: name, entry, launched through ``accelerate launch`` or not, help), from
 which ``finetune --help`` is written. Each command hands its arguments to the module that owns it; imports are lazy
@@ -70,6 +71,9 @@ launch: finetune verify [launcher flags] --recipe NAME [flags] [--verify_steps K
     Command("plan", "finetune.commands.plan:main", True,
             """the batch planner's table without training: every exact plan of --total_batch_size under every
 lever, its memory (weights, gradients, optimizer state, activations) and whether it fits; --time"""),
+    Command("eval", "finetune.commands.benchmark:main", False,
+            """benchmarks with lm-evaluation-harness, in process: finetune eval --model RUN_DIR|CHECKPOINT|ADAPTER|GGUF
+--tasks bbc_topic,bbc_headline [--limit N] [--num_fewshot k] [--baseline BASE] (finetune eval --help)"""),
     Command("check-data", "finetune.commands.check_data:main", False,
             """the data as training sees it, without the model's weights: samples with the trained tokens
 marked, lengths, truncation, padding, labels, and problems (leakage between the splits, empty
