@@ -16,44 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from finetune.errors import FinetuneError
-
-# per-pair terms: a pair's loss reads only that pair's log-probabilities (and token counts)
-PAIR_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-                   "apo_down", "discopop", "sigmoid_norm")
-# TRL's other loss types, and why a pair's term is not its own
-BATCH_COUPLED = {
-    "aot": "it sorts the log-ratios across the micro-batch, so a pair's term depends on the other pairs",
-    "aot_unpaired": "it sorts the log-ratios across the micro-batch, so a pair's term depends on the other pairs",
-    "sft": "it is a mean over the micro-batch's chosen tokens, not a term per pair",
-}
-SMOOTHED = ("robust", "exo_pair")  # the per-pair types that read label_smoothing
-# the per-pair types whose term is a constant for a pair with identical sides (chosen log-ratio = rejected's): the
-# margin types, and apo_zero (1 - sigmoid(x) + sigmoid(x)); such a pair's gradient is 0. The others read each side's
-# log-ratio alone, so an identical pair still moves the policy (nca_pair, bco_pair, sppo_hard: towards the
-# reference; apo_down: both sides down).
-CONSTANT_ON_TIES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "robust", "exo_pair", "discopop", "apo_zero")
-
-
-def check_loss_type(loss_type: str, beta: float, label_smoothing: float = 0.0) -> None:
-    """Refuse what cannot be a sum of per-pair terms, or is undefined: raises ``FinetuneError`` with one line
-    naming the problem and the fix (a batch-coupled or unknown ``loss_type``; ``beta`` <= 0; ``label_smoothing``
-    outside [0, 0.5) for "robust", outside (0, 1) for "exo_pair" (log of 0), or set for a type that ignores it)."""
-    if loss_type in BATCH_COUPLED:
-        raise FinetuneError(f"--loss_type {loss_type} cannot accumulate exactly: {BATCH_COUPLED[loss_type]}. "
-                            f"Use one of {', '.join(PAIR_LOSS_TYPES)}.")
-    if loss_type not in PAIR_LOSS_TYPES:
-        raise FinetuneError(f"unknown --loss_type {loss_type!r}: use one of {', '.join(PAIR_LOSS_TYPES)}.")
-    if not beta > 0:
-        raise FinetuneError(f"--beta must be positive (the strength of the pull towards the reference), got {beta}.")
-    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
-        raise FinetuneError(f"--label_smoothing must lie in [0, 0.5) for --loss_type robust, got {label_smoothing}.")
-    if loss_type == "exo_pair" and not 0.0 < label_smoothing < 1.0:
-        raise FinetuneError(f"--loss_type exo_pair needs --label_smoothing in (0, 1) (its target distribution's "
-                            f"epsilon; 1e-3 is usual), got {label_smoothing}.")
-    if label_smoothing and loss_type not in SMOOTHED:
-        raise FinetuneError(f"--loss_type {loss_type} does not use --label_smoothing (TRL 1.16's neither): leave it "
-                            f"at 0, or use --loss_type robust or exo_pair, got {label_smoothing}.")
+from finetune.config.preference import (  # noqa: F401 - the loss types live with their flags (the config floor)
+    BATCH_COUPLED,
+    CONSTANT_ON_TIES,
+    PAIR_LOSS_TYPES,
+    SMOOTHED,
+    check_loss_type,
+)
 
 
 @dataclass(frozen=True)
