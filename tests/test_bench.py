@@ -209,7 +209,7 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
     import importlib.util
 
     modes = ["padded", "padding_free", "packed"]
-    if importlib.util.find_spec("trl") is not None:  # installed beside us for the full benchmark, not in [test]
+    if importlib.util.find_spec("trl") is not None:  # in [test] from Python 3.11 (trl 1.16 needs it)
         modes += ["trl_padding_free", "trl_bfd"]
     js = tmp_path / "packing.json"
     out = run_bench_in_process(capsys, "bench_packing.py", "--steps", "3", "--modes", ",".join(modes), "--out",
