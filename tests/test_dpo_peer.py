@@ -2,46 +2,23 @@
 fp32, dropout off, the same initial weights, the same tokenised pairs in the same order, every optimizer step's
 loss, gradient norm, ``rewards/*`` and ``logps/*`` equal within 2e-6 (sigmoid, ipo, hinge; full fine-tuning and
 LoRA; the reference as a frozen copy, a disabled adapter, or precomputed); and on a partial last window TRL
-departs from its own large batch where we do not. Figures: docs/dpo.md#equal-to-trls-dpotrainer (``pytest
-tests/test_dpo_peer.py -s`` prints them).
-
-How TRL is given the same run (trl 1.16.0, ``trl/trainer/dpo_trainer.py``):
-
-- the pairs: ``DPOTrainer._prepare_dataset`` (lines 1036-1142) renders and tokenises raw rows and accepts no
-  tokenised ones (with no ``prompt`` column it runs ``extract_prompt``, which needs ``chosen``/``rejected``), so a
-  subclass returns our tokenised pairs as they are, cut to the columns its ``DataCollatorForPreference``
-  (lines 86-207) reads: ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (``trl_pair``); its collator pads them;
-- the order: ``_get_train_sampler`` (transformers' ``Trainer``) returns the order our run trained the pairs in,
-  recorded through the ``build=`` seam of ``finetune.backends.accelerate.train`` (as ``finetune verify`` uses it),
-  and every micro-batch TRL computes is checked against ours;
-- the weights: both load the same model directory; both create the LoRA adapter after ``set_seed(seed)`` (ours:
-  ``builders.build_components``; TRL: line 559, then ``get_peft_model`` at line 664), which gives the same initial
-  adapter: checked, not assumed;
-- the precision: ``DPOConfig`` sets ``bf16=True`` and ``gradient_checkpointing=True`` by default (``base_config.py``
-  line 108; ``dpo_config.py``'s notes). bf16 autocast runs on a CPU too: left on, logps/* differ from ours by
-  ~1e-5 and the gradient norm by ~1e-3 (relative, measured), so it is off (fp32, as ours); checkpointing changes
-  no value here (measured) and is off, as ours;
-- what it logs: the loss terms of ``_compute_loss`` (lines 1285-1612: sigmoid 1388, hinge 1391, ipo 1395-1404),
-  each micro-batch's mean over its pairs (line 1528) divided by the window's micro-batches (``loss_is_scaled_for_ga
-  = False``, line 494; transformers 5.24 ``Trainer.training_step`` divides by ``current_gradient_accumulation_steps``,
-  ``trainer.py`` lines 1885 and 2119), summed over the window; ``rewards/*`` and ``logps/*`` each micro-batch's
-  mean (lines 1580-1601), averaged over the window's micro-batches by ``log`` (line 1701).
+departs from its own large batch where we do not. How TRL is given the same run, with the lines of TRL's code
+relied on: ``tests/trl_peer.py``. Figures: docs/dpo.md#equal-to-trls-dpotrainer (``pytest tests/test_dpo_peer.py
+-s`` prints them).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import train_steps
 from tiny_models import build_tiny_chat_llama
 
 trl = pytest.importorskip("trl", reason="trl is not installed: the peer comparison needs TRL 1.16's DPOTrainer "
                                         "(pip install -e '.[test]' installs trl==1.16.0)")
+from trl_peer import Run, order_of, reset_accelerate_state, run_ours, run_trl, trl_config, trl_pair  # noqa: E402
 
 WORDS = "the market rose as shares in the bank fell after the match ended with a late goal".split()
 TOLERANCE = 2e-6
@@ -64,11 +41,7 @@ def fresh_accelerate_state():
     """Accelerate's state is process-wide and TRL's Trainer builds its own Accelerator: the tests after these
     start from a clean one."""
     yield
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    reset_accelerate_state()
 
 
 @pytest.fixture(scope="module")
@@ -96,154 +69,28 @@ def pairs(tmp_path_factory) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the two runs
-@dataclass
-class Run:
-    steps: list[dict]  # per optimizer step: METRICS (and more)
-    batches: list[list[tuple]]  # per micro-batch: its pairs as (prompt, chosen, rejected) token tuples
-    initial: dict  # name -> tensor: the trainable parameters before the first step
-    final: dict  # ... after the last
-    precomputed: set  # TRL's: whether its micro-batches held precomputed reference log-probabilities
-
-
-def trainable(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def trl_pair(chosen_ids, chosen_labels, rejected_ids, rejected_labels) -> dict:
-    """One of our tokenised pairs (each side's ``input_ids`` and ``labels``, ``IGNORE_INDEX`` outside its trained
-    tokens) as the ``prompt_ids``/``chosen_ids``/``rejected_ids`` of TRL's collator, which trains every token after
-    the prompt. Our SFT encoder trains a side's completion and ``<|im_end|>`` but not the "\\n" the chat template
-    puts after it: that last token is left out here (in a causal model no trained token's log-probability reads
-    it). Raises AssertionError where the pair does not fit TRL's format (a truncated prompt differs per side)."""
-    out = {}
-    for side, ids, labels in (("chosen", chosen_ids, chosen_labels), ("rejected", rejected_ids, rejected_labels)):
-        trained = [i for i, label in enumerate(labels) if label != -100]
-        first, last = trained[0], trained[-1]
-        assert trained == list(range(first, last + 1)) and list(labels[first:last + 1]) == list(ids[first:last + 1])
-        assert len(ids) - last <= 2, "only the end-of-turn newline may follow the trained tokens"
-        assert out.setdefault("prompt_ids", list(ids[:first])) == list(ids[:first]), "the sides' prompts differ"
-        out[f"{side}_ids"] = list(ids[first:last + 1])
-    return out
-
-
-def our_pairs(batch: dict) -> list[tuple]:
-    """One of our micro-batches -> its pairs as (prompt, chosen, rejected) token tuples in TRL's cut."""
-    pairs = []
-    for i in range(batch["input_ids"].shape[0]):
-        sides = []
-        for prefix in ("", "rejected_"):
-            keep = batch[f"{prefix}attention_mask"][i].bool()
-            sides += [batch[f"{prefix}input_ids"][i][keep].tolist(), batch[f"{prefix}labels"][i][keep].tolist()]
-        pairs.append(key(trl_pair(*sides)))
-    return pairs
-
-
-def their_pairs(inputs: dict) -> list[tuple]:
-    """One of TRL's micro-batches (its collator's ``input_ids``, ``attention_mask``, ``completion_mask``: the chosen
-    rows, then the rejected) -> its pairs as (prompt, chosen, rejected) token tuples."""
-    ids, attention, completion = inputs["input_ids"], inputs["attention_mask"].bool(), inputs["completion_mask"].bool()
-    half = ids.shape[0] // 2
-    return [(tuple(ids[i][attention[i] & ~completion[i]].tolist()), tuple(ids[i][completion[i]].tolist()),
-             tuple(ids[half + i][completion[half + i]].tolist())) for i in range(half)]
-
-
-def key(pair: dict) -> tuple:
-    return tuple(tuple(pair[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
-
-
 def ours(tmp_path, name: str, train_file: str, valid_file: str, model_dir: str, micro_batch: int, accumulation: int,
          loss_type: str = "sigmoid", peft: bool = False, precompute: bool = False) -> tuple[Run, list[dict]]:
-    """Our run (the accelerate backend, in this process) and its tokenised training pairs in TRL's cut, in the
-    dataset's order. The ``build=`` seam of ``train`` records the initial weights, each micro-batch's pairs and the
-    model trained."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from finetune.backends import accelerate as backend
-    from finetune.config import parse_config
-    from finetune.lifecycle.resolve import resolve
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-    out = tmp_path / name
-    flags = dict(recipe="bbc-headlines-dpo", output_dir=out, model_name_or_path=model_dir, train_file=train_file,
-                 validation_file=valid_file, num_train_epochs=1, max_train_samples=1000, eval_strategy="no",
-                 eval_on_start=False, save_strategy="no", mixed_precision="no", loss_type=loss_type,
+    """Our run (``trl_peer.run_ours``) of the bbc-headlines-dpo recipe on these pairs and settings."""
+    flags = dict(recipe="bbc-headlines-dpo", output_dir=tmp_path / name, model_name_or_path=model_dir,
+                 train_file=train_file, validation_file=valid_file, num_train_epochs=1, max_train_samples=1000,
+                 eval_strategy="no", eval_on_start=False, save_strategy="no", mixed_precision="no", loss_type=loss_type,
                  per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
                  precompute_ref_log_probs=precompute, use_peft=peft, **COMMON, **(LORA if peft else {}))
-    argv = [arg for name_value in flags.items() for arg in (f"--{name_value[0]}", str(name_value[1]))]
-    resolution = resolve(parse_config(argv))
-    seen = {"batches": []}
-
-    def build(config, recipe):
-        built = backend.setup(config, recipe)
-        seen.update(model=built.model, initial=trainable(built.model), dataset=built.train_dataset)
-        loss = built.micro_batch_loss
-
-        def recorded(model, batch):
-            seen["batches"].append(our_pairs(batch))
-            return loss(model, batch)
-
-        return dataclasses.replace(built, micro_batch_loss=recorded)
-
-    backend.train(resolution.config, resolution.recipe, build=build)
-    dataset = seen["dataset"]
-    rows = [trl_pair(*(dataset[i][c] for c in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
-                                                "rejected_labels"))) for i in range(len(dataset))]
-    return Run(train_steps(out), seen["batches"], seen["initial"], trainable(seen["model"]), set()), rows
-
-
-class PeerDPOTrainer(trl.DPOTrainer):
-    """``DPOTrainer`` on pairs tokenised already, in a given order; it records the pairs of every micro-batch it
-    trains."""
-
-    def __init__(self, *args, order: list[int], **kwargs):
-        self.order, self.batches, self.precomputed = order, [], set()
-        super().__init__(*args, **kwargs)
-
-    def _prepare_dataset(self, dataset, *args, **kwargs):
-        return dataset  # our tokenised pairs, in the columns of TRL's collator (see the module docstring)
-
-    def _get_train_sampler(self, train_dataset=None):
-        return self.order
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if model.training:
-            self.batches.append(their_pairs(inputs))
-            self.precomputed.add("ref_chosen_logps" in inputs)
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-
-def order_of(run: Run, rows: list[dict]) -> list[int]:
-    """The indices into ``rows`` of the pairs ``run`` trained, in its order (equal pairs taken in turn)."""
-    where: dict = {}
-    for index, row in enumerate(rows):
-        where.setdefault(key(row), []).append(index)
-    return [where[pair].pop(0) for batch in run.batches for pair in batch]
+    return run_ours([arg for flag, value in flags.items() for arg in (f"--{flag}", str(value))])
 
 
 def theirs(tmp_path, name: str, rows: list[dict], order: list[int], model_dir: str, micro_batch: int,
            accumulation: int, loss_type: str = "sigmoid", peft: bool = False, precompute: bool = False) -> Run:
-    """TRL's ``DPOTrainer`` on ``rows`` in ``order``, with our run's settings (``COMMON``, ``LORA``)."""
-    import datasets
+    """TRL's ``DPOTrainer`` (``trl_peer.run_trl``) on ``rows`` in ``order``, with our run's settings."""
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    args = trl.DPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=micro_batch,
-                         gradient_accumulation_steps=accumulation, num_train_epochs=1, loss_type=loss_type,
-                         precompute_ref_log_probs=precompute, max_length=None, logging_steps=1, save_strategy="no",
-                         report_to="none", disable_tqdm=True, use_cpu=True, bf16=False, gradient_checkpointing=False,
-                         **{k: v for k, v in COMMON.items() if k != "max_length"})
-    peft_config = LoraConfig(task_type="CAUSAL_LM", r=LORA["lora_r"], lora_alpha=LORA["lora_alpha"],
-                             lora_dropout=LORA["lora_dropout"])  # peft's default target modules, as ours
-    trainer = PeerDPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
-                             train_dataset=datasets.Dataset.from_list(rows),
-                             processing_class=AutoTokenizer.from_pretrained(model_dir),
-                             peft_config=peft_config if peft else None, order=order)
-    initial = trainable(trainer.model)
-    trainer.train()
-    return Run([r for r in trainer.state.log_history if "loss" in r], trainer.batches, initial, trainable(trainer.model),
-               trainer.precomputed)
+    args = trl_config(tmp_path / name, per_device_train_batch_size=micro_batch,
+                      gradient_accumulation_steps=accumulation, loss_type=loss_type,
+                      precompute_ref_log_probs=precompute, **{k: v for k, v in COMMON.items() if k != "max_length"})
+    lora = LoraConfig(task_type="CAUSAL_LM", r=LORA["lora_r"], lora_alpha=LORA["lora_alpha"],
+                      lora_dropout=LORA["lora_dropout"])  # peft's default target modules, as ours
+    return run_trl(model_dir, rows, order, args, lora if peft else None)
 
 
 # ------------------------------------------------------------------------------------------ measures
@@ -293,7 +140,7 @@ def test_every_step_equals_trls(tmp_path, chat_llama, pairs, loss_type, peft, pr
     rewards and log-probabilities equal ours within 2e-6 (relative; rewards/* absolute); the trained weights
     agree within 1e-5 (relative, whole model)."""
     run, rows = ours(tmp_path, "ours", pairs[12], pairs["valid"], chat_llama, 2, 2, loss_type, peft, precompute)
-    peer = theirs(tmp_path, "trl", rows, order_of(run, rows), chat_llama, 2, 2, loss_type, peft, precompute)
+    peer = theirs(tmp_path, "trl", rows, order_of(run.batches, rows), chat_llama, 2, 2, loss_type, peft, precompute)
     assert peer.batches == run.batches  # the same pairs, micro-batch by micro-batch
     assert peer.precomputed == {precompute}
     assert (tmp_path / "ours" / "reference_logps").is_dir() == precompute
@@ -321,8 +168,8 @@ def test_a_partial_last_window(tmp_path, chat_llama, pairs, n):
         name = f"{micro_batch}x{accumulation}"
         run, rows = ours(tmp_path, f"ours-{name}", pairs[n], pairs["valid"], chat_llama, micro_batch, accumulation)
         runs["ours", micro_batch] = run
-        runs["trl", micro_batch] = theirs(tmp_path, f"trl-{name}", rows, order_of(run, rows), chat_llama, micro_batch,
-                                          accumulation)
+        runs["trl", micro_batch] = theirs(tmp_path, f"trl-{name}", rows, order_of(run.batches, rows), chat_llama,
+                                          micro_batch, accumulation)
         assert runs["trl", micro_batch].batches == run.batches
     assert [r["samples"] for r in runs["ours", 4].steps] == [4, 4, n - 8]
     big = runs["trl", 4].steps  # TRL's large batch: one micro-batch per window, its mean is the window's mean
@@ -340,6 +187,7 @@ def test_a_partial_last_window(tmp_path, chat_llama, pairs, n):
           + ", ".join(f"{k} {v:.1e}" for k, v in last.items()) + f"; ours weights "
           f"{relative_difference(runs['ours', 4].final, runs['ours', 2].final):.1e}, last step "
           + ", ".join(f"{k} {v:.1e}" for k, v in ours_last.items()))
+    assert max(ours_last.values()) < 1e-5
     if n == 11:  # measured: weights 5.6e-4; loss 2.9e-4, grad_norm 6.3e-2, logps/chosen 1.2e-1 (relative)
         assert departs > 2e-4
         assert last["loss"] > 1e-4 and last["grad_norm"] > 2e-2 and last["logps/chosen"] > 5e-2
@@ -362,11 +210,13 @@ def test_trls_own_tokenisation_differs_from_ours_by_the_newline_after_the_turn(t
     row = {"prompt": [{"role": "user", "content": "the market rose as shares fell"}],
            "chosen": [{"role": "assistant", "content": "shares fell"}],
            "rejected": [{"role": "assistant", "content": "the match ended"}]}
-    args = trl.DPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    args = trl_config(tmp_path)
+    # the method reads its trainer only for strings (adding EOS): none is built here
     theirs = trl.DPOTrainer._prepare_dataset(None, datasets.Dataset.from_list([row]), tokenizer, args, "train")[0]
     mine = encode_pair(tokenizer, row, max_length=256)
     cut = trl_pair(*(mine[c] for c in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")))
     newline = tokenizer.encode("\n")
     assert theirs["prompt_ids"] == cut["prompt_ids"]
-    assert theirs["chosen_ids"] == cut["chosen_ids"] + newline and theirs["rejected_ids"] == cut["rejected_ids"] + newline
+    assert theirs["chosen_ids"] == cut["chosen_ids"] + newline
+    assert theirs["rejected_ids"] == cut["rejected_ids"] + newline
     assert mine["chosen_input_ids"] == cut["prompt_ids"] + cut["chosen_ids"] + newline  # ours holds it, untrained
