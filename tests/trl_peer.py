@@ -197,7 +197,7 @@ def trl_config(output_dir, **arguments) -> trl.DPOConfig:
     gradient checkpointing (``DPOConfig`` turns both on), no truncation (our pairs fit already), a record per
     optimizer step, nothing saved or reported."""
     defaults = dict(bf16=False, gradient_checkpointing=False, max_length=None, logging_steps=1, save_strategy="no",
-                    report_to="none", disable_tqdm=True, use_cpu=not torch.cuda.is_available(), num_train_epochs=1)
+                    report_to="none", use_cpu=not torch.cuda.is_available(), num_train_epochs=1)
     return trl.DPOConfig(output_dir=str(output_dir), **{**defaults, **arguments})
 
 
