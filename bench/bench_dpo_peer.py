@@ -18,6 +18,10 @@ Measured, the same way on both sides:
   plus that pass, ``1 / (1 / training + seconds / pairs)``;
 - the loss of every step on both sides (the same pairs from the same weights: they agree to float noise).
 
+Both sides record the pairs of each micro-batch they compute (a few tensor-to-list conversions per micro-batch:
+ours gives TRL its order from them), and the first run of the invocation (ours, frozen reference) also warms the
+process up; the per-round ratios show what that costs.
+
 Full mode: the bbc-headlines-dpo pairing (the real headline over another of the same topic) on the articles' lead
 paragraphs of at most ``--max_words`` words, so that no prompt is cut (TRL's rows hold one prompt for both sides;
 ours cuts a long prompt per side), ``--pairs`` pairs, micro-batch 2 x accumulation 4 (the recipe's), fp32, sigmoid,
