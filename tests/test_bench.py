@@ -209,7 +209,7 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
     import importlib.util
 
     modes = ["padded", "padding_free", "packed"]
-    if importlib.util.find_spec("trl") is not None:  # installed beside us for the full benchmark, not in [test]
+    if importlib.util.find_spec("trl") is not None:  # in [test] from Python 3.11 (trl 1.16 needs it)
         modes += ["trl_padding_free", "trl_bfd"]
     js = tmp_path / "packing.json"
     out = run_bench_in_process(capsys, "bench_packing.py", "--steps", "3", "--modes", ",".join(modes), "--out",
@@ -230,6 +230,26 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
         assert data["modes"][mode]["padding_fraction"] < padded["padding_fraction"] / 2, mode
         assert data["modes"][mode]["padded_tokens_per_s"] / data["modes"][mode]["input_tokens_per_s"] < \
             padded["padded_tokens_per_s"] / padded["input_tokens_per_s"], mode
+
+
+def test_bench_dpo_peer_quick(capsys, tmp_path):
+    """bench_dpo_peer --quick: ours and TRL's DPOTrainer on the tiny chat Llama, ABBA with a frozen and a
+    precomputed reference: both sides' per-step losses agree (the same pairs from the same weights), every
+    configuration runs twice, the rates and ratios are what the table prints, the precomputation is timed."""
+    pytest.importorskip("trl", reason="bench_dpo_peer compares against TRL's DPOTrainer: pip install -e '.[test]'")
+    js = tmp_path / "dpo.json"
+    out = run_bench_in_process(capsys, "bench_dpo_peer.py", "--quick", "--work_dir", str(tmp_path / "work"),
+                               "--out", str(js))
+    data = json.loads(js.read_text())
+    assert data["quick"] and data["max_loss_relative_difference"] < 1e-5
+    for name in ("frozen", "precomputed"):
+        row = data["results"][name]
+        assert len(row["ours"]["runs"]) == len(row["trl"]["runs"]) == 2
+        assert row["ratio"] == pytest.approx(row["ours"]["pairs_per_second"] / row["trl"]["pairs_per_second"])
+        assert float(table_row(out, name)[3]) == pytest.approx(row["ratio"], abs=0.006)
+        positive(table_row(out, name)[1])
+    precomputed = data["results"]["precomputed"]
+    assert precomputed["ours"]["precompute_seconds"] > 0 and precomputed["trl"]["precompute_seconds"] > 0
 
 
 @pytest.mark.integration
