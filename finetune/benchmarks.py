@@ -19,7 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from finetune.errors import FinetuneError
 
@@ -124,8 +128,9 @@ def _write(path: Path, text: str) -> None:
 def run_benchmarks(model, tokenizer, tasks: list[str], *, limit: float | None = None, num_fewshot: int | None = None,
                    apply_chat_template: bool = False, batch_size: int = 1, include_path: str | None = None,
                    device=None, log_samples: bool = True, seed: int = 0) -> dict:
-    """lm-eval's ``simple_evaluate`` on ``model`` (a ``transformers`` causal LM or peft model, unwrapped; left in
-    eval mode for the benchmarks and put back in the mode it was in) with ``tokenizer``: ``tasks`` (lm-eval's task
+    """lm-eval's ``simple_evaluate`` on ``model`` (a ``transformers`` causal LM or peft model, unwrapped; in eval
+    mode for the benchmarks and put back in the mode it was in, the global random generators' states too) with
+    ``tokenizer``: ``tasks`` (lm-eval's task
     names; the shipped ones included), ``limit`` (documents per task: a count, or a fraction below 1), ``num_fewshot``,
     ``apply_chat_template``, ``batch_size`` (requests per forward), ``include_path`` (a folder of the user's task
     configs), ``seed`` (lm-eval's random, numpy, torch and few-shot seeds). Returns lm-eval's results dict
@@ -134,8 +139,6 @@ def run_benchmarks(model, tokenizer, tasks: list[str], *, limit: float | None = 
     Raises ``FinetuneError`` (one line) without lm-eval, for an unknown task, or for a task whose data cannot be
     fetched (the Hub unreachable and nothing cached)."""
     try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise FinetuneError("benchmarks need lm-evaluation-harness: pip install 'finetune[eval]' (or lm-eval).") from None
@@ -148,6 +151,27 @@ def run_benchmarks(model, tokenizer, tasks: list[str], *, limit: float | None = 
     device = str(device or next(model.parameters()).device)
     training = model.training
     model.eval()
+    # lm-eval seeds python's, numpy's and torch's global generators (evaluator.py simple_evaluate, "Setting random
+    # seed"): inside a training run that would change every later dropout mask and shuffle, so their states are put
+    # back after (torch's CPU and CUDA generators: torch.random.fork_rng)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+            return _evaluate(model, tokenizer, tasks, limit, num_fewshot, apply_chat_template, batch_size, manager,
+                             device, log_samples, seed)
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        model.train(training)
+
+
+def _evaluate(model, tokenizer, tasks, limit, num_fewshot, apply_chat_template, batch_size, manager, device,
+              log_samples, seed) -> dict:
+    """``simple_evaluate`` through ``HFLM`` (which puts the model in eval mode: lm-eval's huggingface.py line 391),
+    its data errors as ``FinetuneError``."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
     try:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
@@ -159,8 +183,6 @@ def run_benchmarks(model, tokenizer, tasks: list[str], *, limit: float | None = 
         raise FinetuneError(f"--tasks {','.join(tasks)}: a task's data could not be loaded ({first}). Standard "
                             "tasks download from the Hugging Face Hub: run where it is reachable or its cache is "
                             f"filled, or use the shipped offline tasks ({', '.join(SHIPPED_TASKS)}).") from None
-    finally:
-        model.train(training)
     return results
 
 
@@ -181,3 +203,15 @@ def flat_metrics(results: dict) -> dict[str, float]:
             name = metric if filter_name == "none" else f"{metric}_{filter_name}"
             flat[f"eval_{task}_{name}{'_stderr' if stderr else ''}"] = float(value)
     return flat
+
+
+def write_samples(results: dict, folder: Path) -> None:
+    """lm-eval's per-document records of ``results``, one ``samples_<task>.jsonl`` per task in ``folder`` (JSON as
+    lm-eval's own ``EvaluationTracker`` writes them: its ``handle_non_serializable`` for what JSON cannot hold)."""
+    from lm_eval.utils import handle_non_serializable
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, records in (results.get("samples") or {}).items():
+        with open(folder / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, default=handle_non_serializable, ensure_ascii=False) + "\n")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import run_in_process
 from tiny_models import build_tiny_chat_llama
 
@@ -97,3 +98,68 @@ def sft_rows(tmp_path: Path) -> Path:
         path.write_text("".join(json.dumps({"prompt": " ".join(words[i:i + 6]), "completion": " ".join(
             words[i + 6:i + 8])}) + "\n" for i in range(8)))
     return path
+
+
+@pytest.fixture(scope="module")
+def dropout_llama(tmp_path_factory, chat_llama) -> str:
+    """The tiny chat Llama with attention dropout 0.3: a model whose outputs depend on train or eval mode."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("dropout-llama") / "model"
+    shutil.copytree(chat_llama, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    return str(path)
+
+
+def in_loop(tmp_path: Path, name: str, model: str, **extra) -> Path:
+    """bbc-headlines on ``model`` for 3 steps, dropout on, evaluated and checkpointed after every step."""
+    _, run = run_in_process(tmp_path, name, recipe="bbc-headlines", model_name_or_path=model,
+                            train_file=str(sft_rows(tmp_path)), validation_file=str(sft_rows(tmp_path)), max_steps=3,
+                            per_device_train_batch_size=2, gradient_accumulation_steps=1, max_length=96,
+                            learning_rate=3e-2, warmup_steps=0, eval_strategy="steps", eval_steps=1,
+                            save_strategy="steps", save_steps=1, eval_on_start=False, max_eval_samples=2,
+                            mixed_precision="no", **extra)
+    return run
+
+
+def test_a_benchmark_in_the_loop_equals_finetune_eval_on_that_checkpoint(tmp_path, dropout_llama, monkeypatch):
+    """--eval_tasks bbc_topic at every evaluation: step 2's logged accuracy and every document's per-choice
+    log-likelihoods equal ``finetune eval`` on step 2's checkpoint (1e-6), the model in eval mode for the benchmark.
+    A mutant that leaves dropout on during the benchmark (train mode) differs."""
+    from helpers import read_log
+
+    run = in_loop(tmp_path, "run", dropout_llama, eval_tasks="bbc_topic", eval_limit=LIMIT)
+    logged = next(r for r in read_log(run) if r.get("step") == 2 and "eval_bbc_topic_acc" in r)
+    loop = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in map(
+        json.loads, (run / "benchmarks" / "step_00000002" / "samples_bbc_topic.jsonl").read_text().splitlines())}
+    metrics, after = ours(str(run / "checkpoints" / "step_00000002"), tmp_path / "after")
+    assert logged["eval_bbc_topic_acc"] == pytest.approx(metrics["acc,none"], abs=1e-6)
+    assert sorted(loop) == sorted(after) and all(loop[d] == pytest.approx(after[d], abs=1e-6) for d in loop)
+
+    from lm_eval.models import huggingface
+
+    original = huggingface.HFLM.__init__
+
+    def leaves_dropout_on(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.model.train()
+
+    monkeypatch.setattr(huggingface.HFLM, "__init__", leaves_dropout_on)
+    mutant = in_loop(tmp_path, "mutant", dropout_llama, eval_tasks="bbc_topic", eval_limit=LIMIT)
+    wrong = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in map(
+        json.loads, (mutant / "benchmarks" / "step_00000002" / "samples_bbc_topic.jsonl").read_text().splitlines())}
+    assert any(abs(a - b) > 1e-3 for d in wrong for a, b in zip(wrong[d], after[d]))
+
+
+def test_a_benchmark_in_the_loop_leaves_training_as_it_was(tmp_path, dropout_llama):
+    """With dropout on, a run benchmarked after every step trains the same losses and weights as one that is not:
+    the model goes back to train mode and lm-eval's seeding of the global generators is undone (without either,
+    the later steps' dropout masks differ)."""
+    from helpers import load_params, train_steps
+
+    plain = in_loop(tmp_path, "plain", dropout_llama)
+    benchmarked = in_loop(tmp_path, "benchmarked", dropout_llama, eval_tasks="bbc_topic", eval_limit=2)
+    assert [r["loss"] for r in train_steps(benchmarked)] == [r["loss"] for r in train_steps(plain)]
+    a, b = load_params(plain), load_params(benchmarked)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -65,15 +65,13 @@ def write_results(results: dict, output_path: Path) -> Path:
     returns the results file's path."""
     from lm_eval.utils import handle_non_serializable
 
+    from finetune.benchmarks import write_samples
+
     output_path.mkdir(parents=True, exist_ok=True)
-    samples = results.get("samples") or {}
     summary = {k: v for k, v in results.items() if k != "samples"}
     path = output_path / "eval_results.json"
     path.write_text(json.dumps(summary, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
-    for task, records in samples.items():
-        with open(output_path / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    write_samples(results, output_path)
     return path
 
 

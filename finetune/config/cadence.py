@@ -84,6 +84,21 @@ class CadenceArguments:
         "--metric_for_best_model (needs --load_best_model_at_end).",
         step=False, trainer=None, verify=None,
     )
+    eval_tasks: str | None = flag(
+        None,
+        "lm-evaluation-harness tasks, comma-separated, also run at every evaluation on the model being trained, "
+        "logged as eval_<task>_<metric> (usable as --metric_for_best_model); shipped offline: bbc_topic, "
+        "bbc_headline (docs/benchmarks-lm-eval.md). Needs lm-eval (the [eval] extra).",
+        step=False, trainer=None, verify=None,
+    )
+    eval_limit: float | None = flag(
+        None, "With --eval_tasks: documents per task (lm-eval's --limit; below 1, a fraction of the task).",
+        step=False, trainer=None,
+    )
+    eval_num_fewshot: int | None = flag(
+        None, "With --eval_tasks: few-shot examples per document (lm-eval's --num_fewshot).",
+        step=False, trainer=None,
+    )
     save_total_limit: int | None = flag(
         None, "Keep only the newest K checkpoints.",
         step=False, trainer="save_total_limit", same_run=False, verify=None,
@@ -137,6 +152,13 @@ class CadenceArguments:
             if not self.load_best_model_at_end:
                 raise FinetuneError("--early_stopping_patience needs --load_best_model_at_end (as Trainer's "
                                     "EarlyStoppingCallback): otherwise the run would end on a worse model.")
+        if (self.eval_limit is not None or self.eval_num_fewshot is not None) and not self.eval_tasks:
+            raise FinetuneError("--eval_limit and --eval_num_fewshot are for --eval_tasks: add --eval_tasks T1,T2 or "
+                                "drop them.")
+        if self.eval_limit is not None and (self.eval_limit <= 0 or (self.eval_limit >= 1 and
+                                                                     self.eval_limit != int(self.eval_limit))):
+            raise FinetuneError(f"--eval_limit must be a whole number of documents or a fraction in (0, 1), got "
+                                f"{self.eval_limit}.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise FinetuneError(f"--save_total_limit must be >= 1, got {self.save_total_limit}.")
 

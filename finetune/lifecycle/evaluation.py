@@ -104,6 +104,27 @@ def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tupl
     return score_completions(predictions, [reference for _, reference in pairs], recipe.METRICS), predictions
 
 
+def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step: int) -> dict:
+    """``--eval_tasks``: lm-evaluation-harness on the model being trained (``benchmarks.run_benchmarks``; eval mode
+    during, its mode restored after), on every process alike on the model the engine gives for generation (whole
+    weights where it shards them), so every rank logs and decides on the same figures. Returns
+    ``eval_<task>_<metric>`` values and standard errors ({} without ``--eval_tasks``); the main process writes
+    lm-eval's per-document records to ``<output_dir>/benchmarks/step_<step>/samples_<task>.jsonl``."""
+    if not config.eval_tasks:
+        return {}
+    from finetune.benchmarks import flat_metrics, run_benchmarks, write_samples
+
+    limit = config.eval_limit
+    limit = int(limit) if limit is not None and limit >= 1 else limit
+    tasks = [t for t in config.eval_tasks.split(",") if t]
+    with engine_for(accelerator).generation_model(model) as scored:
+        results = run_benchmarks(scored, tokenizer, tasks, limit=limit, num_fewshot=config.eval_num_fewshot,
+                                 device=accelerator.device, seed=config.seed)
+    if accelerator.is_main_process:
+        write_samples(results, Path(output_dir) / "benchmarks" / f"step_{step:08d}")
+    return flat_metrics(results)
+
+
 def write_generations(output_dir: Path, rows, predictions: list[str]) -> None:
     """``generations.jsonl``: ``{"generated", "reference"}`` per row of the latest evaluation."""
     with open(Path(output_dir) / GENERATIONS_FILE, "w", encoding="utf-8") as f:

@@ -20,7 +20,7 @@ from finetune.data.loading import training_set_identity
 from finetune.errors import FinetuneError, NumericalError, together
 from finetune.lifecycle import checkpoint as ckpt
 from finetune.lifecycle import elastic
-from finetune.lifecycle.evaluation import evaluate, generation_eval, write_generations
+from finetune.lifecycle.evaluation import benchmark_eval, evaluate, generation_eval, write_generations
 from finetune.lifecycle.output import clear_output_dir
 from finetune.lifecycle.preemption import SaveBudget
 from finetune.lifecycle.progress import RunProgress
@@ -264,6 +264,7 @@ class RunState:
         generated, predictions = generation_eval(accelerator, model, tokenizer, self.raw_validation, self.recipe,
                                                  self.config)
         results.update(generated)
+        results.update(benchmark_eval(accelerator, model, tokenizer, self.config, self.output_dir, self.progress.step))
         if predictions and self.writes:
             write_generations(self.output_dir, self.raw_validation, predictions)
         step = self.progress.step
