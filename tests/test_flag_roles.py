@@ -110,6 +110,7 @@ def old_training_arguments(config, output_dir: str | None = None) -> TrainingArg
         include_num_input_tokens_seen="non_padding",
         average_tokens_across_devices=True,
         ddp_timeout=config.ddp_timeout,
+        remove_unused_columns=False,  # added with the preference task: its rejected_* columns are no forward argument
     )
 
 
