@@ -114,12 +114,12 @@ def dropout_llama(tmp_path_factory, chat_llama) -> str:
 
 def in_loop(tmp_path: Path, name: str, model: str, **extra) -> Path:
     """bbc-headlines on ``model`` for 3 steps, dropout on, evaluated and checkpointed after every step."""
-    _, run = run_in_process(tmp_path, name, recipe="bbc-headlines", model_name_or_path=model,
-                            train_file=str(sft_rows(tmp_path)), validation_file=str(sft_rows(tmp_path)), max_steps=3,
-                            per_device_train_batch_size=2, gradient_accumulation_steps=1, max_length=96,
-                            learning_rate=3e-2, warmup_steps=0, eval_strategy="steps", eval_steps=1,
-                            save_strategy="steps", save_steps=1, eval_on_start=False, max_eval_samples=2,
-                            mixed_precision="no", **extra)
+    _, run = run_in_process(tmp_path, name, **{**dict(
+        recipe="bbc-headlines", model_name_or_path=model, train_file=str(sft_rows(tmp_path)),
+        validation_file=str(sft_rows(tmp_path)), max_steps=3, per_device_train_batch_size=2,
+        gradient_accumulation_steps=1, max_length=96, learning_rate=3e-2, warmup_steps=0, eval_strategy="steps",
+        eval_steps=1, save_strategy="steps", save_steps=1, eval_on_start=False, max_eval_samples=2,
+        mixed_precision="no"), **extra})
     return run
 
 
@@ -163,3 +163,55 @@ def test_a_benchmark_in_the_loop_leaves_training_as_it_was(tmp_path, dropout_lla
     assert [r["loss"] for r in train_steps(benchmarked)] == [r["loss"] for r in train_steps(plain)]
     a, b = load_params(plain), load_params(benchmarked)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_best_benchmark_checkpoint_is_kept_and_early_stopping_stops_where_the_log_says(tmp_path, chat_llama):
+    """--metric_for_best_model eval_bbc_topic_acc_norm: the run's best step is the logged evaluation with the
+    highest value (the first of equals), the final model is that checkpoint's weights; with
+    --early_stopping_patience 1 the run stops after the first evaluation that does not improve on the best."""
+    from helpers import load_params, read_log
+    from safetensors.torch import load_file
+
+    run = in_loop(tmp_path, "best", chat_llama, eval_tasks="bbc_topic", eval_limit=LIMIT, disable_dropout=True,
+                  load_best_model_at_end=True, metric_for_best_model="eval_bbc_topic_acc_norm", max_steps=4)
+    evals = [r for r in read_log(run) if "eval_bbc_topic_acc_norm" in r]
+    values = [r["eval_bbc_topic_acc_norm"] for r in evals]
+    best = evals[values.index(max(values))]["step"]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["best_step"] == best and metrics["best_metric"] == max(values)
+    final, kept = load_params(run), load_file(run / "checkpoints" / f"step_{best:08d}" / "model.safetensors")
+    assert all(torch.equal(final[k], kept[k]) for k in final if k in kept)
+
+    stopped = in_loop(tmp_path, "stopped", chat_llama, eval_tasks="bbc_topic", eval_limit=LIMIT, disable_dropout=True,
+                      load_best_model_at_end=True, metric_for_best_model="eval_bbc_topic_acc_norm",
+                      early_stopping_patience=1, max_steps=6)
+    values = [r["eval_bbc_topic_acc_norm"] for r in read_log(stopped) if "eval_bbc_topic_acc_norm" in r]
+    first_worse = next((i for i in range(1, len(values)) if values[i] <= max(values[:i])), None)
+    expected = len(values) if first_worse is None else first_worse + 1  # evaluations run
+    assert len(values) == expected and (first_worse is not None or len(values) == 6)
+
+
+def test_two_processes_benchmark_what_one_does(tmp_path, chat_llama):
+    """2 processes x 1 x 1 against one process's 2 x 1 (B = 2), --eval_tasks bbc_topic after each step: the same
+    logged accuracy and per-document log-likelihoods (1e-5: the trained weights differ by float order)."""
+    from helpers import launch, read_log
+
+    common = dict(recipe="bbc-headlines", model_name_or_path=chat_llama, train_file=str(sft_rows(tmp_path)),
+                  validation_file=str(sft_rows(tmp_path)), max_steps=2, gradient_accumulation_steps=1, max_length=96,
+                  learning_rate=3e-2, warmup_steps=0, eval_strategy="steps", eval_steps=1, eval_on_start=False,
+                  max_eval_samples=2, mixed_precision="no", disable_dropout=True, eval_tasks="bbc_topic",
+                  eval_limit=LIMIT)
+    _, one = run_in_process(tmp_path, "one", **common, per_device_train_batch_size=2)
+    two = tmp_path / "two"
+    args = []
+    for key, value in {**common, "per_device_train_batch_size": 1, "output_dir": str(two)}.items():
+        args += [f"--{key}", str(value)]
+    result = launch(args, num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = [[r["eval_bbc_topic_acc"] for r in read_log(out) if "eval_bbc_topic_acc" in r] for out in (one, two)]
+    assert logged[0] == logged[1] and len(logged[0]) == 2
+    for step in (1, 2):
+        docs = [{s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in map(json.loads, (
+            out / "benchmarks" / f"step_{step:08d}" / "samples_bbc_topic.jsonl").read_text().splitlines())}
+            for out in (one, two)]
+        assert all(docs[0][d] == pytest.approx(docs[1][d], rel=1e-5) for d in docs[0])

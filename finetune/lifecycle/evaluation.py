@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.data import packing
@@ -106,8 +106,9 @@ def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tupl
 
 def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step: int) -> dict:
     """``--eval_tasks``: lm-evaluation-harness on the model being trained (``benchmarks.run_benchmarks``; eval mode
-    during, its mode restored after), on every process alike on the model the engine gives for generation (whole
-    weights where it shards them), so every rank logs and decides on the same figures. Returns
+    during, its mode restored after), on the main process, on the model the engine gives for generation (whole
+    weights where it shards them; every process enters that collectively), its figures broadcast so that every rank
+    logs and decides on the same ones. Returns
     ``eval_<task>_<metric>`` values and standard errors ({} without ``--eval_tasks``); the main process writes
     lm-eval's per-document records to ``<output_dir>/benchmarks/step_<step>/samples_<task>.jsonl``."""
     if not config.eval_tasks:
@@ -117,12 +118,16 @@ def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step
     limit = config.eval_limit
     limit = int(limit) if limit is not None and limit >= 1 else limit
     tasks = [t for t in config.eval_tasks.split(",") if t]
+    flat = [None]
     with engine_for(accelerator).generation_model(model) as scored:
-        results = run_benchmarks(scored, tokenizer, tasks, limit=limit, num_fewshot=config.eval_num_fewshot,
-                                 device=accelerator.device, seed=config.seed)
-    if accelerator.is_main_process:
-        write_samples(results, Path(output_dir) / "benchmarks" / f"step_{step:08d}")
-    return flat_metrics(results)
+        if accelerator.is_main_process:  # lm-eval returns its results on global rank 0 only (evaluator.py)
+            results = run_benchmarks(scored, tokenizer, tasks, limit=limit, num_fewshot=config.eval_num_fewshot,
+                                     device=accelerator.device, seed=config.seed)
+            write_samples(results, Path(output_dir) / "benchmarks" / f"step_{step:08d}")
+            flat = [flat_metrics(results)]
+    if accelerator.num_processes > 1:  # every rank logs and decides (best model, early stopping) on the same figures
+        broadcast_object_list(flat, from_process=0)
+    return flat[0]
 
 
 def write_generations(output_dir: Path, rows, predictions: list[str]) -> None:
