@@ -55,6 +55,17 @@ def relative_difference(a: dict, b: dict) -> float:
     return float(torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a)) / torch.sqrt(sum((a[k] ** 2).sum() for k in a)))
 
 
+def launch_two_processes(flags_: dict, out) -> object:
+    """``flags_`` as 2 gloo processes x 1 pair x 2 micro-batches (B = 4) through ``accelerate launch``, into ``out``."""
+    args = []
+    for key, value in {**flags_, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+                       "output_dir": str(out)}.items():
+        args += [f"--{key}", str(value)]
+    result = launch(args, num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
 def eval_at_start(out) -> dict:
     return next(r for r in read_log(out) if "eval_loss" in r and r.get("step") == 0)
 
@@ -158,13 +169,7 @@ def test_two_processes_train_what_one_does(tmp_path, chat_llama, pair_files, bac
     common = {**flags(chat_llama, pair_files, backend=backend, eval_on_start=False, precompute_ref_log_probs=True)}
     _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,
                                                 "gradient_accumulation_steps": 1})
-    two = tmp_path / "two"
-    args = []
-    for key, value in {**common, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
-                       "output_dir": str(two)}.items():
-        args += [f"--{key}", str(value)]
-    result = launch(args, num_processes=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    two = launch_two_processes(common, tmp_path / "two")
     assert relative_difference(load_params(one), load_params(two)) < 1e-5
     for a, b in zip(train_steps(one), train_steps(two), strict=True):
         assert b["samples"] == a["samples"]
@@ -273,13 +278,7 @@ def test_an_elastic_resume_reads_the_precomputed_reference_back(tmp_path, chat_l
     trains steps 2-3 to the two-process run's losses and weights (rtol 1e-5: another split's float order)."""
     common = {**flags(chat_llama, pair_files, precompute_ref_log_probs=True, save_strategy="steps", save_steps=1,
                       eval_on_start=False)}
-    two = tmp_path / "run"
-    args = []
-    for key, value in {**common, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
-                       "output_dir": str(two)}.items():
-        args += [f"--{key}", str(value)]
-    result = launch(args, num_processes=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    two = launch_two_processes(common, tmp_path / "run")
     files = sorted((two / "reference_logps").glob("*.safetensors"))
     before = {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
     losses, weights = [r["loss"] for r in train_steps(two)], load_params(two)

@@ -114,6 +114,38 @@ class Task(Protocol):
         """A worst-case micro-batch of ``micro_batch`` rows of ``length`` tokens for the planner's probes."""
 
 
+class SingleRunTask:
+    """The per-run parts of ``Task`` for a task that holds nothing of a run (classification, causal LM, SFT): the
+    same object for every run, nothing attached, no per-step metrics of its own, one ``input_ids`` sequence per
+    item, no rows of its own in the card."""
+
+    step_metrics: tuple[str, ...] = ()
+
+    def for_run(self, config):
+        """The task for a run of ``config``: this one (nothing of it depends on the config)."""
+        return self
+
+    def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
+        """Nothing to derive from the built model: ``tokenized`` unchanged."""
+        return tokenized
+
+    def item_lengths(self, dataset) -> list[int]:
+        """Tokens per item of a tokenized split (``--train_sampling_strategy group_by_length``)."""
+        return [len(ids) for ids in dataset["input_ids"]]
+
+    def card_settings(self, config) -> list[tuple[str, object]]:
+        """Rows the model card's hyperparameter table adds for this task: none."""
+        return []
+
+    def resident_bytes(self) -> int:
+        """Bytes the task keeps beside the model while training: none."""
+        return 0
+
+    def take_metric_sums(self):
+        """No per-step metrics of its own: None."""
+        return None
+
+
 def split_labels(batch: dict) -> tuple[dict, torch.Tensor]:
     """``batch`` without its ``labels`` (a new dict: the model's inputs), and the labels."""
     inputs = dict(batch)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data.loading import IGNORE_INDEX, load_causal_lm, load_data_files, tokenize_for_causal_lm
-from finetune.tasks.base import split_labels, with_auxiliary
+from finetune.tasks.base import SingleRunTask, split_labels, with_auxiliary
 
 
 class CausalLMCollator:
@@ -29,7 +29,7 @@ class CausalLMCollator:
         return batch
 
 
-class CausalLM:
+class CausalLM(SingleRunTask):
     """Next-token prediction. Items = label tokens (labels shifted by one, ``IGNORE_INDEX`` skipped)."""
 
     name = "causal-lm"
@@ -42,31 +42,6 @@ class CausalLM:
     peft_task_type = "CAUSAL_LM"
     pipeline_tag = "text-generation"  # the model card's (the Hub's pipeline name)
     probe_label_names = None
-    step_metrics = ()  # names of the per-step metrics take_metric_sums gives (none)
-
-    def for_run(self, config):
-        """The task for a run of ``config``: this one (nothing of it depends on the config)."""
-        return self
-
-    def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
-        """Nothing to derive from the built model: ``tokenized`` unchanged."""
-        return tokenized
-
-    def item_lengths(self, dataset) -> list[int]:
-        """Tokens per item of a tokenized split (``--train_sampling_strategy group_by_length``)."""
-        return [len(ids) for ids in dataset["input_ids"]]
-
-    def card_settings(self, config) -> list[tuple[str, object]]:
-        """Rows the model card's hyperparameter table adds for this task: none."""
-        return []
-
-    def resident_bytes(self) -> int:
-        """Bytes the task keeps beside the model while training: none."""
-        return 0
-
-    def take_metric_sums(self):
-        """No per-step metrics of its own: None."""
-        return None
 
     def load_model(self, config, label_names=None):
         """``AutoModelForCausalLM`` from a hub id or model directory, or a de-quantized ``.gguf`` file."""

@@ -8,10 +8,10 @@ from transformers import DataCollatorWithPadding
 
 from finetune.data.loading import IGNORE_INDEX, load_classifier, load_data_files, tokenize_datasets
 from finetune.metrics import load_metric
-from finetune.tasks.base import split_labels, with_auxiliary
+from finetune.tasks.base import SingleRunTask, split_labels, with_auxiliary
 
 
-class SequenceClassification:
+class SequenceClassification(SingleRunTask):
     """One label per text. Items = samples. Metrics: the recipe's (accuracy, F1, ...) and eval_loss."""
 
     name = "sequence-classification"
@@ -24,31 +24,6 @@ class SequenceClassification:
     peft_task_type = "SEQ_CLS"
     pipeline_tag = "text-classification"  # the model card's (the Hub's pipeline name)
     probe_label_names = ["a", "b"]
-    step_metrics = ()  # names of the per-step metrics take_metric_sums gives (none)
-
-    def for_run(self, config):
-        """The task for a run of ``config``: this one (nothing of it depends on the config)."""
-        return self
-
-    def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
-        """Nothing to derive from the built model: ``tokenized`` unchanged."""
-        return tokenized
-
-    def item_lengths(self, dataset) -> list[int]:
-        """Tokens per item of a tokenized split (``--train_sampling_strategy group_by_length``)."""
-        return [len(ids) for ids in dataset["input_ids"]]
-
-    def card_settings(self, config) -> list[tuple[str, object]]:
-        """Rows the model card's hyperparameter table adds for this task: none."""
-        return []
-
-    def resident_bytes(self) -> int:
-        """Bytes the task keeps beside the model while training: none."""
-        return 0
-
-    def take_metric_sums(self):
-        """No per-step metrics of its own: None."""
-        return None
 
     def load_model(self, config, label_names):
         """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.loading.load_classifier``)."""
