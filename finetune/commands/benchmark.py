@@ -109,6 +109,7 @@ def default_output_path(model_arg: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``finetune eval``'s arguments, with lm-eval's names (``--tasks``, ``--limit``, ``--num_fewshot``, ...)."""
     parser = argparse.ArgumentParser(prog="finetune eval", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
