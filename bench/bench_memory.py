@@ -97,16 +97,16 @@ def build_model(spec: dict):
     a ``TrainConfig`` of the spec's model, length, checkpointing and LoRA settings, in train mode."""
     # imported in the worker, as this script's other engine imports: the parent (--dry_run, the report) stays light
     from finetune.config import TrainConfig
-    from finetune.tasks import builders
+    from finetune.tasks import builders, get_task
 
     config = TrainConfig(model_name_or_path=spec["model"], max_length=spec["max_length"],
                          activation_checkpointing=spec["checkpointing"], use_peft=spec["lora"], lora_r=spec["lora_r"],
                          lora_alpha=spec["lora_alpha"], lora_dropout=spec["lora_dropout"])
     if spec["task"] == "cls":
-        model = builders.build_model(config, builders.get_task("sequence-classification"),
+        model = builders.build_model(config, get_task("sequence-classification"),
                                      [f"topic{i}" for i in range(NUM_LABELS)])
     else:
-        model = builders.build_model(config, builders.get_task("causal-lm"))
+        model = builders.build_model(config, get_task("causal-lm"))
     model.train()
     return model
 
