@@ -117,7 +117,8 @@ class Task(Protocol):
 class SingleRunTask:
     """The per-run parts of ``Task`` for a task that holds nothing of a run (classification, causal LM, SFT): the
     same object for every run, nothing attached, no per-step metrics of its own, one ``input_ids`` sequence per
-    item, no rows of its own in the card."""
+    item, no rows of its own in the card; its forward takes the batch less its labels, its loss is the task's
+    ``loss_from_logits``."""
 
     step_metrics: tuple[str, ...] = ()
 
@@ -144,6 +145,16 @@ class SingleRunTask:
     def take_metric_sums(self):
         """No per-step metrics of its own: None."""
         return None
+
+    def model_inputs(self, batch: dict) -> dict:
+        """The model's forward arguments of a micro-batch: all but its ``labels``."""
+        return split_labels(batch)[0]
+
+    def plain_loss_sum(self, model, forward, batch: dict) -> torch.Tensor:
+        """The loss summed over the batch's items from ``forward`` (``model``, or its forward without accelerate's
+        autocast wrapper), in fp32, without an auxiliary loss (``finetune verify``'s loss after the last update)."""
+        inputs, labels = split_labels(batch)
+        return self.loss_from_logits(forward(**inputs).logits.float(), labels)
 
 
 def split_labels(batch: dict) -> tuple[dict, torch.Tensor]:

@@ -70,16 +70,6 @@ class SequenceClassification(SingleRunTask):
         return with_auxiliary(self.loss_from_logits(outputs.logits, labels), outputs, model,
                               self.count_labels(labels))
 
-    def model_inputs(self, batch: dict) -> dict:
-        """The model's forward arguments of a micro-batch: all but its ``labels``."""
-        return split_labels(batch)[0]
-
-    def plain_loss_sum(self, model, forward, batch: dict) -> torch.Tensor:
-        """The loss summed over the batch's items from ``forward`` (``model``, or its forward without accelerate's
-        autocast wrapper), in fp32, without an auxiliary loss (``finetune verify``'s loss after the last update)."""
-        inputs, labels = split_labels(batch)
-        return self.loss_from_logits(forward(**inputs).logits.float(), labels)
-
     def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         """Per-sample tensors to gather: (loss (batch,), prediction (batch,), label (batch,))."""
         inputs, labels = split_labels(batch)
