@@ -406,13 +406,8 @@ def generate_completions(model, tokenizer, prompts_messages: Sequence, max_new_t
 
 def prompt_and_reference(row: dict, row_name: str = "row") -> tuple[list[dict], str]:
     """``(prompt messages, reference text)`` of a row for generation eval (prompt-completion: the completion's
-    turns joined by newlines; messages: the last assistant turn; a preference pair: its chosen side's turns).
+    turns joined by newlines; messages: the last assistant turn; a preference pair: ``preference.pair_prompt_and_reference``).
     Raises ``FinetuneError`` if malformed."""
-    if "chosen" in row and "completion" not in row and "messages" not in row:
-        from finetune.data.preference import split_pair  # it imports this module
-
-        prompt, chosen, _ = split_pair({k: v for k, v in row.items() if v is not None}, row_name)
-        return prompt, "\n".join(m["content"] for m in chosen)
     messages, trained = row_to_conversation(row, row_name)
     if row_format(row, row_name) == "messages":
         return messages[:trained[-1]], messages[trained[-1]]["content"]

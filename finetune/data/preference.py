@@ -218,3 +218,10 @@ def pairs_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering p
         return out
 
     return rows.map(encode, batched=True, with_indices=True, remove_columns=columns, desc=desc)
+
+
+def pair_prompt_and_reference(row: dict, row_name: str = "row") -> tuple[list[dict], str]:
+    """``chat.prompt_and_reference`` for a preference row: (prompt messages, its chosen side's turns joined by
+    newlines), the reference a generated completion is scored against. Raises ``split_pair``'s errors."""
+    prompt, chosen, _ = split_pair({k: v for k, v in row.items() if v is not None}, row_name)
+    return prompt, "\n".join(m["content"] for m in chosen)
