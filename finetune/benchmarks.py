@@ -9,7 +9,9 @@ The shipped tasks (``write_shipped_tasks``), built from the BBC News corpus (``c
 - ``bbc_topic``: loglikelihood multiple choice of the article's topic (business, entertainment, politics, sports,
   tech) from its headline and lead paragraph; ``acc``, ``acc_norm``.
 - ``bbc_headline``: ``generate_until`` the headline of an article's lead paragraph, greedy, up to a newline;
-  ``exact_match`` (case and punctuation ignored).
+  ``exact_match`` (lm-eval's, case and punctuation ignored) and ``rougeL`` (F-measure of Google's ``rouge_score``,
+  Porter-stemmed, as the ``bbc-headlines`` recipe scores its generations), per document in the task's
+  ``process_results`` (``bbc_metrics.py`` beside the configs: lm-eval registers no ROUGE metric of its own).
 
 Few-shot examples (``--num_fewshot``) come from the training articles (``fewshot_split: train``).
 """
@@ -22,13 +24,10 @@ import math
 import random
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from finetune.errors import FinetuneError
 
 SHIPPED_TASKS = ("bbc_topic", "bbc_headline")
-TASKS_VERSION = 1  # bumped when the shipped data or configs change: a new folder under the cache
+TASKS_VERSION = 2  # bumped when the shipped data or configs change: a new folder under the cache
 TOPICS = ("business", "entertainment", "politics", "sports", "tech")  # the corpus folders' names
 
 
@@ -70,13 +69,31 @@ filter_list:
     filter:
       - function: remove_whitespace
       - function: take_first
+process_results: !function bbc_metrics.process_results
 metric_list:
   - metric: exact_match
     aggregation: mean
     higher_is_better: true
-    ignore_case: true
-    ignore_punctuation: true
+  - metric: rougeL
+    aggregation: mean
+    higher_is_better: true
 """
+
+# bbc_headline's process_results, as lm-eval's own summarisation tasks score ROUGE (tasks/cnn_dailymail/utils.py):
+# one document's generation against its headline
+HEADLINE_METRICS = '''"""bbc_headline's per-document metrics (written by finetune.benchmarks)."""
+from lm_eval.api.metrics import exact_match_hf_evaluate
+from rouge_score import rouge_scorer
+
+_SCORER = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def process_results(doc, results):
+    prediction, reference = results[0], doc["headline"]
+    match = exact_match_hf_evaluate([prediction], [reference], ignore_case=True, ignore_punctuation=True)
+    return {"exact_match": float(match["exact_match"]),
+            "rougeL": _SCORER.score(reference, prediction)["rougeL"].fmeasure}
+'''
 
 
 def tasks_dir(cache: Path | None = None) -> Path:
@@ -95,6 +112,7 @@ def write_shipped_tasks(cache: Path | None = None) -> Path:
 
     root = tasks_dir(cache)
     wanted = [root / f"{name}{suffix}" for name in SHIPPED_TASKS for suffix in (".yaml", "-train.jsonl", "-test.jsonl")]
+    wanted.append(root / "bbc_metrics.py")
     if all(path.is_file() for path in wanted):
         return root
     data_dir = corpus_dir()
@@ -115,6 +133,7 @@ def write_shipped_tasks(cache: Path | None = None) -> Path:
     for task, body in (("bbc_topic", TOPIC_CONFIG), ("bbc_headline", HEADLINE_CONFIG)):
         files = {"train": root / f"{task}-train.jsonl", "test": root / f"{task}-test.jsonl"}
         _write(root / f"{task}.yaml", _task_yaml(task, files, body))
+    _write(root / "bbc_metrics.py", HEADLINE_METRICS)
     return root
 
 
@@ -125,29 +144,50 @@ def _write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+_MANAGERS: dict = {}  # (include paths, with lm-eval's own tasks) -> TaskManager: indexing lm-eval's tasks takes ~25 s
+
+
+def task_manager(tasks: list[str], include_path: str | None = None):
+    """An lm-eval ``TaskManager`` that knows ``tasks`` (the shipped ones written first, ``include_path`` added),
+    cached per process: without lm-eval's own tasks when the shipped and included ones cover ``tasks`` (indexing
+    lm-eval's thousands of task configs takes ~25 s on 2 cores), with them otherwise. Raises ``FinetuneError``
+    (one line) without lm-eval or for a task neither knows."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise FinetuneError("benchmarks need lm-evaluation-harness: pip install 'finetune[eval]' (or lm-eval).") from None
+    paths = (str(write_shipped_tasks()),) + ((include_path,) if include_path else ())
+    for defaults in (False, True):
+        key = (paths, defaults)
+        if key not in _MANAGERS:
+            _MANAGERS[key] = TaskManager(include_path=list(paths), include_defaults=defaults)
+        unknown = [t for t in tasks if not _MANAGERS[key].match_tasks([t])]
+        if not unknown:
+            return _MANAGERS[key]
+    raise FinetuneError(f"unknown lm-eval task(s) {', '.join(unknown)}. The shipped offline ones are "
+                        f"{', '.join(SHIPPED_TASKS)}; `lm-eval ls tasks` lists the others (most need the Hub).")
+
+
 def run_benchmarks(model, tokenizer, tasks: list[str], *, limit: float | None = None, num_fewshot: int | None = None,
                    apply_chat_template: bool = False, batch_size: int = 1, include_path: str | None = None,
                    device=None, log_samples: bool = True, seed: int = 0) -> dict:
     """lm-eval's ``simple_evaluate`` on ``model`` (a ``transformers`` causal LM or peft model, unwrapped; in eval
     mode for the benchmarks and put back in the mode it was in, the global random generators' states too) with
-    ``tokenizer``: ``tasks`` (lm-eval's task
-    names; the shipped ones included), ``limit`` (documents per task: a count, or a fraction below 1), ``num_fewshot``,
-    ``apply_chat_template``, ``batch_size`` (requests per forward), ``include_path`` (a folder of the user's task
-    configs), ``seed`` (lm-eval's random, numpy, torch and few-shot seeds). Returns lm-eval's results dict
-    (``results``, ``configs``, ``versions``, ``n-samples``, ``samples`` where ``log_samples``).
+    ``tokenizer``: ``tasks`` (lm-eval's task names; the shipped ones included), ``limit`` (documents per task: a
+    count, or a fraction below 1), ``num_fewshot``, ``apply_chat_template``, ``batch_size`` (requests per forward),
+    ``include_path`` (a folder of the user's task configs), ``seed`` (lm-eval's random, numpy, torch and few-shot
+    seeds). Returns lm-eval's results dict (``results``, ``configs``, ``versions``, ``n-samples``, ``samples`` where
+    ``log_samples``).
 
     Raises ``FinetuneError`` (one line) without lm-eval, for an unknown task, or for a task whose data cannot be
     fetched (the Hub unreachable and nothing cached)."""
+    import numpy as np
+    import torch
+
     try:
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise FinetuneError("benchmarks need lm-evaluation-harness: pip install 'finetune[eval]' (or lm-eval).") from None
-    paths = [str(write_shipped_tasks())] + ([include_path] if include_path else [])
-    manager = TaskManager(include_path=paths)
-    unknown = [t for t in tasks if not manager.match_tasks([t])]
-    if unknown:
-        raise FinetuneError(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}. The shipped offline ones are "
-                            f"{', '.join(SHIPPED_TASKS)}; `lm-eval ls tasks` lists the others (most need the Hub).")
+        manager = task_manager(tasks, include_path)
+    except FinetuneError as err:
+        raise FinetuneError(f"--tasks: {err}") from None
     device = str(device or next(model.parameters()).device)
     training = model.training
     model.eval()
@@ -215,3 +255,27 @@ def write_samples(results: dict, folder: Path) -> None:
         with open(folder / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record, default=handle_non_serializable, ensure_ascii=False) + "\n")
+
+
+def comparison_rows(tuned: dict[str, float], base: dict[str, float] | None) -> list[tuple[str, str, str, str]]:
+    """(metric, base, tuned, difference) rows of two ``flat_metrics`` dicts, values as "0.4500 ± 0.0497" (lm-eval's
+    standard errors; the difference's is sqrt(se_base^2 + se_tuned^2): the two scored on the same documents but
+    treated as independent, which overstates it where their errors correlate). A metric only the tuned model has
+    gets empty base and difference cells."""
+    base = base or {}
+
+    def show(value, se):
+        return f"{value:.4f}" + (f" ± {se:.4f}" if se is not None else "")
+
+    rows = []
+    for key, value in tuned.items():
+        if key.endswith("_stderr"):
+            continue
+        se = tuned.get(f"{key}_stderr")
+        if key in base:
+            b, bse = base[key], base.get(f"{key}_stderr")
+            dse = math.sqrt(se ** 2 + bse ** 2) if se is not None and bse is not None else None
+            rows.append((key, show(b, bse), show(value, se), show(value - b, dse)))
+        else:
+            rows.append((key, "", show(value, se), ""))
+    return rows

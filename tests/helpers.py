@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -210,3 +211,22 @@ def run_args_in_process(args: list[str]) -> dict:
             del os.environ["ACCELERATE_USE_CPU"]
         else:
             os.environ["ACCELERATE_USE_CPU"] = before
+
+
+def stop_during_window(monkeypatch, index: int):
+    """Send ourselves SIGTERM as the ``index``-th window of the run (0-based, over all epochs) starts:
+    an in-process preemption at a known point."""
+    import finetune.backends.accelerate as engine
+
+    original = engine.iter_windows
+    seen = {"n": 0}
+
+    def iter_windows(dataloader, n):
+        for window in original(dataloader, n):
+            if seen["n"] == index:
+                os.kill(os.getpid(), signal.SIGTERM)
+            seen["n"] += 1
+            yield window
+
+    monkeypatch.setattr(engine, "iter_windows", iter_windows)
+    return original

@@ -16,32 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_params, read_log, run_in_process, train_steps
+from helpers import load_params, read_log, run_in_process, stop_during_window, train_steps
 
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped
 
 # 40 samples, micro 2 x accumulation 3: 20 micro-batches -> windows 3,3,3,3,3,3,2 = 7 steps per epoch.
 RUN = dict(max_train_samples=40, max_eval_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=3,
            num_train_epochs=3, max_length=32, learning_rate=1e-3, warmup_steps=2, seed=11, eval_strategy="epoch")
-
-
-def _stop_during_window(monkeypatch, index: int):
-    """Send ourselves SIGTERM as the ``index``-th window of the run (0-based, over all epochs) starts:
-    an in-process preemption at a known point."""
-    import finetune.backends.accelerate as engine
-
-    original = engine.iter_windows
-    seen = {"n": 0}
-
-    def iter_windows(dataloader, n):
-        for window in original(dataloader, n):
-            if seen["n"] == index:
-                os.kill(os.getpid(), signal.SIGTERM)
-            seen["n"] += 1
-            yield window
-
-    monkeypatch.setattr(engine, "iter_windows", iter_windows)
-    return original
 
 
 def test_resume_mid_epoch_equals_uninterrupted(tmp_path, tiny_bert, monkeypatch):
@@ -51,7 +32,7 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path, tiny_bert, monkeypatch)
 
     full_metrics, full = run_in_process(tmp_path, "full", model_name_or_path=tiny_bert, **RUN)
     out = tmp_path / "killed"
-    original = _stop_during_window(monkeypatch, index=9)
+    original = stop_during_window(monkeypatch, index=9)
     with pytest.raises(TrainingStopped) as stopped:
         run_in_process(tmp_path, "killed", model_name_or_path=tiny_bert, **RUN)
     assert stopped.value.exit_code == 128 + signal.SIGTERM

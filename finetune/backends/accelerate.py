@@ -25,7 +25,7 @@ from finetune.errors import FinetuneError, NumericalError, TrainingStopped, toge
 from finetune.lifecycle import checkpoint as ckpt
 from finetune.lifecycle import elastic
 from finetune.lifecycle import run_state as lifecycle
-from finetune.lifecycle.evaluation import check_eval_set
+from finetune.lifecycle.evaluation import check_benchmark_tasks, check_eval_set
 from finetune.lifecycle.window import (
     EpochSeededLengthGroupedSampler,
     StepPlan,
@@ -82,6 +82,7 @@ def setup(config, recipe) -> Setup:
     engine.configure(config, per_machine=layout.per_machine)
     precision = engine.precision()
     task = run_task(recipe, config)
+    check_benchmark_tasks(config, task)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision, accelerator.main_process_first, task, accelerator.device)
     check_eval_set(len(datasets["validation"]), config)
@@ -214,6 +215,8 @@ class Loop:
         self.run.begin_training(self.built.model)
         if config.eval_on_start and self.progress.step == 0:
             self.evaluate(at_epoch_end=False)
+        if self.progress.evaluation_due:  # resumed from a signal's checkpoint: the evaluation the stop put off
+            self.evaluate(at_epoch_end=False)
         self.run.mark()
         return self
 
@@ -319,6 +322,8 @@ class Loop:
             accelerator.log({k: v for k, v in values.items() if v is not None}, step=step)
             self.progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{learning_rate:.2e}", **run.postfix(metrics))
         if stop_votes > 0:
+            # the evaluation due after this step waits for the resume (a preemption's grace is for the checkpoint)
+            self.progress.evaluation_due = run.evaluate_after_step(step)
             path = self.save("stopped by signal", push=False)  # the process ends now: no upload to wait for
             signum = stop.signum or signal.SIGTERM
             # every process raises here, at the same step (the vote was all-reduced); run.run leaves the group

@@ -20,7 +20,7 @@ from finetune.data import packing
 from finetune.engine import engine_class, engine_for
 from finetune.engine.precision import loss_scale, optimizer_step_skipped
 from finetune.lifecycle import checkpoint as ckpt
-from finetune.lifecycle.evaluation import check_eval_set
+from finetune.lifecycle.evaluation import check_benchmark_tasks, check_eval_set
 from finetune.lifecycle.run_state import RunState
 from finetune.lifecycle.window import (
     WindowCounts,
@@ -306,6 +306,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     args.save_on_each_node = layout.per_machine  # each machine's local main process keeps its own copy
     precision_hint = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
     task = run_task(recipe, config)
+    check_benchmark_tasks(config, task)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision_hint, lambda: args.main_process_first(desc="tokenize"), task, args.device)
     check_eval_set(len(datasets["validation"]), config)

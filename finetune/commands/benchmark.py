@@ -9,13 +9,14 @@ difference with its standard error.
 
 Writes ``<output_path>/eval_results.json`` (lm-eval's results, configs, versions, sample counts, seeds, and the
 chat template used) and ``<output_path>/samples_<task>.jsonl`` (lm-eval's per-document records: arguments,
-log-likelihoods or generations, metrics)."""
+log-likelihoods or generations, metrics). For a run directory (results in ``<run>/eval``), the run's model card gets
+a benchmarks section: base, tuned and the difference with standard errors."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import shutil
 from pathlib import Path
 
 from finetune.errors import FinetuneError, reports_errors
@@ -60,41 +61,20 @@ def evaluate_model(model_arg: str, args) -> dict:
                           include_path=args.include_path, device=args.device, seed=args.seed)
 
 
-def write_results(results: dict, output_path: Path) -> Path:
-    """``eval_results.json`` (everything but the per-document records) and one ``samples_<task>.jsonl`` per task;
-    returns the results file's path."""
+def write_results(results: dict, output_path: Path, model_arg: str) -> Path:
+    """``eval_results.json`` (everything but the per-document records, with ``finetune.model``: the ``--model`` or
+    ``--baseline`` it scored) and one ``samples_<task>.jsonl`` per task; returns the results file's path."""
     from lm_eval.utils import handle_non_serializable
 
     from finetune.benchmarks import write_samples
 
     output_path.mkdir(parents=True, exist_ok=True)
     summary = {k: v for k, v in results.items() if k != "samples"}
+    summary["finetune"] = {"model": model_arg}
     path = output_path / "eval_results.json"
     path.write_text(json.dumps(summary, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
     write_samples(results, output_path)
     return path
-
-
-def comparison_rows(tuned: dict, base: dict | None) -> list[tuple[str, str, str, str]]:
-    """(metric, base, tuned, difference) rows, values as "0.4500 ± 0.0497" (lm-eval's standard errors; the
-    difference's is sqrt(se_base^2 + se_tuned^2), the two scored on the same documents but treated as independent,
-    which overstates it where their errors correlate)."""
-    from finetune.benchmarks import flat_metrics
-
-    flat_tuned, flat_base = flat_metrics(tuned), flat_metrics(base) if base else {}
-    rows = []
-    for key, value in flat_tuned.items():
-        if key.endswith("_stderr"):
-            continue
-        se = flat_tuned.get(f"{key}_stderr")
-        show = (lambda v, s: f"{v:.4f}" + (f" ± {s:.4f}" if s is not None else ""))
-        if key in flat_base:
-            b, bse = flat_base[key], flat_base.get(f"{key}_stderr")
-            dse = math.sqrt(se ** 2 + bse ** 2) if se is not None and bse is not None else None
-            rows.append((key, show(b, bse), show(value, se), show(value - b, dse)))
-        else:
-            rows.append((key, "", show(value, se), ""))
-    return rows
 
 
 def default_output_path(model_arg: str) -> Path:
@@ -145,13 +125,18 @@ def main(argv: list[str] | None = None) -> int:
             raise FinetuneError(f"--limit {args.limit}: a count of documents is a whole number (or give a fraction "
                                 "below 1).")
         args.limit = int(args.limit)
+    from finetune.benchmarks import comparison_rows, flat_metrics
+    from finetune.lifecycle.card import BENCHMARKS, benchmarks_section, update_benchmarks_section
+
     tuned = evaluate_model(args.model, args)
     base = evaluate_model(args.baseline, args) if args.baseline else None
     out = Path(args.output_path) if args.output_path else default_output_path(args.model)
-    path = write_results(tuned, out)
+    path = write_results(tuned, out, args.model)
     if base is not None:
-        write_results(base, out / "baseline")
-    rows = comparison_rows(tuned, base)
+        write_results(base, out / "baseline", args.baseline)
+    else:  # an earlier --baseline's results no longer describe these (the card would pair them)
+        shutil.rmtree(out / "baseline", ignore_errors=True)
+    rows = comparison_rows(flat_metrics(tuned), flat_metrics(base) if base else None)
     width = max((len(r[0]) for r in rows), default=10)
     header = ("metric".ljust(width), "base".rjust(18), "tuned".rjust(18), "difference".rjust(18)) if base else (
         "metric".ljust(width), "value".rjust(18))
@@ -160,4 +145,20 @@ def main(argv: list[str] | None = None) -> int:
         print("  ".join((key.ljust(width), b.rjust(18), t.rjust(18), d.rjust(18)) if base else
                         (key.ljust(width), t.rjust(18))))
     print(f"results: {path}")
+    run_dir = _run_dir(args.model, out)
+    if run_dir is not None and update_benchmarks_section(run_dir / "README.md", benchmarks_section(run_dir)):
+        print(f"model card: {run_dir / 'README.md'} (section {BENCHMARKS!r})")
     return 0
+
+
+def _run_dir(model_arg: str, output_path: Path) -> Path | None:
+    """The run directory whose card shows these results: ``--model``'s when the results went to its ``eval/``
+    folder (the final model, not a checkpoint's), else None."""
+    if model_arg.endswith(".gguf"):
+        return None
+    from finetune.commands.predict import _resolve_model_dir
+
+    path, checkpoint = _resolve_model_dir(model_arg)
+    if checkpoint is not None or output_path.resolve() != (path / "eval").resolve():
+        return None
+    return path

@@ -66,7 +66,8 @@ def _eval_results(config, metrics: dict, recipe, hub, task: str) -> list[EvalRes
                "dataset_config": hub[1] if hub and len(hub) > 1 and hub[1] else None}
     specs, results = getattr(recipe, "METRICS", None) or {}, []
     for key, value in metrics.items():
-        if (key.startswith("eval_") and key not in _EVAL_BOOKKEEPING and not isinstance(value, bool)
+        if (key.startswith("eval_") and key not in _EVAL_BOOKKEEPING and not key.endswith("_stderr")
+                and not isinstance(value, bool)
                 and isinstance(value, (int, float)) and math.isfinite(value)):  # model-index values: finite numbers
             kind = key.removeprefix("eval_")
             args = dict(specs.get(kind) or {}) or None
@@ -214,6 +215,97 @@ def _evaluations(output_dir: Path) -> str:
                       "| ---: | ---: | " + " | ".join("---:" for _ in keys) + " |", *rows])
 
 
+BENCHMARKS = "Benchmarks (lm-evaluation-harness)"  # the section's title; finetune eval rewrites it in place
+_BENCHMARKS_END = "<!-- end of benchmarks -->"
+
+
+def _read_json(path: Path) -> dict:
+    """``path``'s JSON object, or {} where it is missing or unreadable."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def benchmark_table(tuned: dict, base: dict | None, names: tuple[str, str] = ("base", "tuned")) -> str:
+    """A Markdown table of ``benchmarks.comparison_rows``: metric, base, tuned and the difference, each with its
+    standard error; metric and the tuned value only without ``base``."""
+    from finetune.benchmarks import comparison_rows
+
+    rows = comparison_rows(tuned, base)
+    if base:
+        return "\n".join([f"| metric | {names[0]} | {names[1]} | difference |", "| --- | ---: | ---: | ---: |",
+                          *(f"| `{k}` | {b} | {t} | {d} |" for k, b, t, d in rows)])
+    return "\n".join(["| metric | value |", "| --- | ---: |", *(f"| `{k}` | {t} |" for k, _, t, _ in rows)])
+
+
+def benchmarks_section(output_dir: Path) -> str:
+    """The benchmarks section's text from what the run directory holds ("" where it holds none): the
+    ``--eval_tasks`` evaluations of ``log.jsonl`` (base: the one at step 0, ``--eval_on_start``; tuned: the best
+    step's under ``--load_best_model_at_end``, else the last), and ``finetune eval``'s ``eval/eval_results.json``
+    (beside ``eval/baseline/eval_results.json`` where it ran with ``--baseline``)."""
+    from finetune.benchmarks import flat_metrics
+
+    output_dir, parts = Path(output_dir), []
+    run_config = _read_json(output_dir / "run_config.json")
+    tasks = [t for t in str(run_config.get("eval_tasks") or "").split(",") if t]
+    try:
+        lines = (output_dir / "log.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    ours = lambda r: {k: v for k, v in r.items() if any(k.startswith(f"eval_{t}_") for t in tasks)}  # noqa: E731
+    records = [r for r in map(json.loads, filter(None, lines)) if "loss" not in r and ours(r)] if tasks else []
+    if records:
+        best = _read_json(output_dir / "metrics.json").get("best_step") if run_config.get(
+            "load_best_model_at_end") else None
+        tuned = next((r for r in records if r["step"] == best), records[-1])
+        base = records[0] if records[0]["step"] == 0 and tuned is not records[0] else None
+        limit, shots = run_config.get("eval_limit"), run_config.get("eval_num_fewshot")
+        what = (f"During training, `--eval_tasks {','.join(tasks)}`" + (f" on {_fmt(limit)} documents per task"
+                if limit is not None else "") + (f", {shots}-shot" if shots is not None else "") +
+                f", the model in eval mode: tuned is step {tuned['step']}"
+                + (" (the best model, kept)" if best is not None and tuned["step"] == best else " (the last evaluation)")
+                + (", base is step 0 (before the first optimizer step)." if base else
+                   "; no evaluation at step 0 to compare with (`--eval_on_start`)."))
+        parts.append(what + "\n\n" + benchmark_table(ours(tuned), ours(base) if base else None,
+                                                      ("base (step 0)", f"tuned (step {tuned['step']})")))
+    after = _read_json(output_dir / "eval" / "eval_results.json")
+    if after.get("results"):
+        baseline = _read_json(output_dir / "eval" / "baseline" / "eval_results.json")
+        counts = ", ".join(f"{t}: {n.get('effective')}" for t, n in (after.get("n-samples") or {}).items())
+        against = (baseline.get("finetune") or {}).get("model") if baseline.get("results") else None
+        parts.append(f"`finetune eval` on the final model (documents per task: {counts or '?'})"
+                     + (f", base `{against}`" if against else "") + ":\n\n"
+                     + benchmark_table(flat_metrics(after), flat_metrics(baseline) if against else None))
+    if not parts:
+        return ""
+    return "\n\n".join(parts) + ("\n\nStandard errors are lm-eval's (the sample standard deviation over documents "
+                                  "/ sqrt(n)); a difference's is sqrt(se_base^2 + se_tuned^2), the two treated as "
+                                  "independent.\n" + _BENCHMARKS_END)
+
+
+def update_benchmarks_section(card_path: Path, section: str) -> bool:
+    """Replace the benchmarks section of the card at ``card_path`` (``## <BENCHMARKS>`` up to its end marker) by
+    ``section``, or insert it before "## Training speed" (at the end where there is none); False where there is
+    no card. ``finetune eval`` calls it after writing its results to a run directory."""
+    try:
+        text = card_path.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    block = f"## {BENCHMARKS}\n\n{section}\n\n"
+    start = text.find(f"## {BENCHMARKS}\n")
+    if start >= 0:
+        end = text.find(_BENCHMARKS_END, start)
+        end = len(text) if end < 0 else end + len(_BENCHMARKS_END)
+        text = text[:start] + block.rstrip("\n") + text[end:]
+    else:
+        where = text.find("## Training speed")
+        text = text[:where] + block + text[where:] if where >= 0 else text.rstrip("\n") + "\n\n" + block
+    card_path.write_text(text, encoding="utf-8")
+    return True
+
+
 def _tracking(config, output_dir: Path) -> str:
     """Where the run's tracker wrote: TensorBoard's log directory (the folders of its event files under
     ``output_dir``, relative to it: ``runs/`` for the accelerate backend, ``checkpoints/runs/<time_host>`` for
@@ -294,6 +386,11 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
         keys = list(sections)
         keys.insert(keys.index("Evaluation results") + 1, "Evaluations during training")
         sections = {k: evaluations if k == "Evaluations during training" else sections[k] for k in keys}
+    benchmarks = benchmarks_section(output_dir)
+    if benchmarks:  # before the speed, as finetune eval inserts it (update_benchmarks_section)
+        keys = list(sections)
+        keys.insert(keys.index("Training speed"), BENCHMARKS)
+        sections = {k: benchmarks if k == BENCHMARKS else sections[k] for k in keys}
     if tracking:
         sections["Experiment tracking"] = tracking
     sections["Framework versions"] = "\n".join(f"- {name}: {version}" for name, version in framework_versions())

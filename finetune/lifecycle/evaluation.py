@@ -30,6 +30,22 @@ def check_eval_set(num_samples: int, config) -> None:
                               "--eval_strategy no.")
 
 
+def check_benchmark_tasks(config, task) -> None:
+    """Raise ``FinetuneError`` before anything is built where ``--eval_tasks`` cannot run: a task lm-eval does not
+    know (the shipped ones and lm-eval's own; ``benchmarks.task_manager``), or a model that is not a causal LM."""
+    if not config.eval_tasks:
+        return
+    if task.pipeline_tag != "text-generation":
+        raise FinetuneError(f"--eval_tasks scores causal language models; this run trains a {task.pipeline_tag} "
+                            "model. Drop --eval_tasks (the recipe's own metrics are evaluated).")
+    from finetune.benchmarks import task_manager
+
+    try:
+        task_manager([t for t in config.eval_tasks.split(",") if t])
+    except FinetuneError as err:
+        raise FinetuneError(f"--eval_tasks: {err}") from None
+
+
 def evaluate(accelerator, model, dataloader, task, metric_specs: dict, pack=None) -> dict:
     """Evaluate on every process, gather per-sample outputs (``gather_for_metrics``, which drops Accelerate's
     padding repeats) and score once with ``task.eval_metrics``: e.g. ``eval_loss`` (per sample, or per token for

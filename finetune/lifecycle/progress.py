@@ -35,6 +35,7 @@ class RunProgress:
     best_step: int | None = None
     evals_without_improvement: int = 0  # for --early_stopping_patience
     patience_best: float | None = None  # the best value of every evaluation (best_metric: of those kept)
+    evaluation_due: bool = False  # a signal stopped the run after a step due for evaluation: the resume runs it
     train_runtime: float = 0.0
     num_processes: int = 1
     step_meaning: dict = field(default_factory=dict)

@@ -278,6 +278,7 @@ class RunState:
         step, config = self.progress.step, self.config
         self.eval_runtime += seconds
         self.eval_results, self.last_eval_step = results, step
+        self.progress.evaluation_due = False
         epoch = self.plan.epoch_fraction(step)
         self.log.write({"step": step, "epoch": round(epoch, 4), **results})
         self.say(f"eval at step {step} (epoch {epoch:.2f}): " + ", ".join(
