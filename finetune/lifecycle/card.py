@@ -19,7 +19,8 @@ from finetune import __version__
 from finetune.engine.precision import PRECISION_NAMES
 
 # eval_* keys that describe the evaluation run, not the model's quality: in the body's table, not in eval_results
-_EVAL_BOOKKEEPING = {"eval_samples", "eval_tokens", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
+_EVAL_BOOKKEEPING = {"eval_samples", "eval_tokens", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
+                     "eval_benchmarks_runtime"}
 # (name in the card, distribution): the versions a run's card records, as TRL's lm_model_card.md does
 FRAMEWORKS = (("PyTorch", "torch"), ("Transformers", "transformers"), ("Accelerate", "accelerate"),
               ("Datasets", "datasets"), ("Tokenizers", "tokenizers"), ("huggingface_hub", "huggingface_hub"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.tasks import split_labels
 
+BENCHMARKS_RUNTIME = "eval_benchmarks_runtime"  # seconds the --eval_tasks benchmarks of one evaluation took
 GENERATIONS_FILE = "generations.jsonl"  # in the output dir: generated completions beside the references
 
 
@@ -134,7 +136,8 @@ def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step
     during, its mode restored after), on the main process, on the model the engine gives for generation (whole
     weights where it shards them; every process enters that collectively), its figures broadcast so that every rank
     logs and decides on the same ones. Returns
-    ``eval_<task>_<metric>`` values and standard errors ({} without ``--eval_tasks``); the main process writes
+    ``eval_<task>_<metric>`` values and standard errors, and ``eval_benchmarks_runtime`` (seconds, on the main
+    process) ({} without ``--eval_tasks``); the main process writes
     lm-eval's per-document records to ``<output_dir>/benchmarks/step_<step>/samples_<task>.jsonl``."""
     if not config.eval_tasks:
         return {}
@@ -146,10 +149,11 @@ def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step
     flat = [None]
     with engine_for(accelerator).generation_model(model) as scored:
         if accelerator.is_main_process:  # lm-eval returns its results on global rank 0 only (evaluator.py)
+            start = time.perf_counter()
             results = run_benchmarks(scored, tokenizer, tasks, limit=limit, num_fewshot=config.eval_num_fewshot,
                                      device=accelerator.device, seed=config.seed)
             write_samples(results, Path(output_dir) / "benchmarks" / f"step_{step:08d}")
-            flat = [flat_metrics(results)]
+            flat = [{**flat_metrics(results), BENCHMARKS_RUNTIME: time.perf_counter() - start}]
     if accelerator.num_processes > 1:  # every rank logs and decides (best model, early stopping) on the same figures
         broadcast_object_list(flat, from_process=0)
     return flat[0]
