@@ -211,6 +211,7 @@ def _evaluate(model, tokenizer, tasks, limit, num_fewshot, apply_chat_template, 
     its data errors as ``FinetuneError``."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.utils import hash_string
 
     try:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
@@ -218,6 +219,9 @@ def _evaluate(model, tokenizer, tasks, limit, num_fewshot, apply_chat_template, 
                                           log_samples=log_samples, apply_chat_template=apply_chat_template,
                                           task_manager=manager, random_seed=seed, numpy_random_seed=seed,
                                           torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
+        # what the command line's EvaluationTracker records (lm-eval loggers/evaluation_tracker.py, log_experiment_args)
+        template = lm.chat_template(apply_chat_template) if apply_chat_template else None
+        results["chat_template"], results["chat_template_sha"] = template, hash_string(template) if template else None
     except (ConnectionError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FinetuneError(f"--tasks {','.join(tasks)}: a task's data could not be loaded ({first}). Standard "

@@ -99,8 +99,11 @@ def test_the_gguf_base_scores_as_the_command_line_does(tmp_path):
 def test_the_headline_task_scores_rouge_l_as_the_recipe_does(tmp_path, chat_llama):
     """bbc_headline's per-document ROUGE-L is the bbc-headlines recipe's metric (finetune/metrics/rouge: Google's
     rouge_score, stemmed) on the filtered generation, and its exact match lm-eval's (case and punctuation
-    ignored); the task's figures are their means. The scorer itself on a known pair: 4 of 5 words in order."""
+    ignored); the task's figures are their means. The scorer itself on a known pair: 4 of 5 words in order. With
+    --apply_chat_template the results record the template, as the command line does."""
     import importlib.util
+
+    from transformers import AutoTokenizer
 
     from finetune.benchmarks import write_shipped_tasks
     from finetune.commands.benchmark import main
@@ -115,8 +118,13 @@ def test_the_headline_task_scores_rouge_l_as_the_recipe_does(tmp_path, chat_llam
         "exact_match": 1.0, "rougeL": 1.0}
 
     out = tmp_path / "headline"
-    assert main(["--model", chat_llama, "--tasks", "bbc_headline", "--limit", "3", "--output_path", str(out)]) == 0
-    results = json.loads((out / "eval_results.json").read_text())["results"]["bbc_headline"]
+    assert main(["--model", chat_llama, "--tasks", "bbc_headline", "--limit", "3", "--output_path", str(out),
+                 "--apply_chat_template"]) == 0
+    written = json.loads((out / "eval_results.json").read_text())
+    template = AutoTokenizer.from_pretrained(chat_llama).chat_template
+    assert written["chat_template"] == template and len(written["chat_template_sha"]) == 64  # as the CLI records it
+    assert "<|im_start|>user" in samples_arguments(out)  # the requests were rendered with it
+    results = written["results"]["bbc_headline"]
     samples = [json.loads(line) for line in (out / "samples_bbc_headline.jsonl").read_text().splitlines()]
     rouge = load_metric("rouge")
     for sample in samples:
@@ -124,3 +132,9 @@ def test_the_headline_task_scores_rouge_l_as_the_recipe_does(tmp_path, chat_llam
         assert sample["rougeL"] == pytest.approx(expected["rougeL"], abs=1e-12)
     assert results["rougeL,strip"] == pytest.approx(sum(s["rougeL"] for s in samples) / 3, abs=1e-12)
     assert results["exact_match,strip"] == sum(s["exact_match"] for s in samples) / 3
+
+
+def samples_arguments(out: Path) -> str:
+    """The first bbc_headline request's prompt, as lm-eval's per-document record holds it."""
+    record = json.loads((out / "samples_bbc_headline.jsonl").read_text().splitlines()[0])
+    return str(record["arguments"])
