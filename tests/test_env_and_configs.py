@@ -39,7 +39,14 @@ def test_env_prints_versions_machine_and_accelerate_config(tmp_path):
     """A fresh HF_HOME: no default Accelerate config; then one (accelerate's default_config_file is
     $HF_HOME/accelerate/default_config.yaml, accelerate/commands/config/config_args.py 29-40) and its settings."""
     home = tmp_path / "hf"
-    result = cli("env", cwd=tmp_path, HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_TOKEN="")
+    cache = tmp_path / "cache"  # the matmul peaks, as measured earlier (lifecycle/peak.py): env reads them
+    cache.mkdir()
+    key = "{} | {} | {} threads | torch {}".format
+    (cache / "matmul_peak.json").write_text(json.dumps({
+        key(finetune_env.cpu_model(), dtype, threads, torch.__version__): {"flops_per_second": flops, "size": 2048,
+                                                                           "measured": "then"}
+        for dtype, flops in (("float32", 81.3e9), ("bfloat16", 17.5e9)) for threads in range(1, 257)}))
+    result = cli("env", cwd=tmp_path, HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_TOKEN="", FINETUNE_CACHE=str(cache))
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert lines[0] == "Copy-and-paste the text below in your GitHub issue"
@@ -55,6 +62,11 @@ def test_env_prints_versions_machine_and_accelerate_config(tmp_path):
     assert cores and cores[0].startswith(f"- CPU cores: {os.cpu_count()} logical")
     assert cores[0].endswith(f"; {len(os.sched_getaffinity(0))} usable by this process")
     assert f"- CPU: {finetune_env.cpu_model()}" in lines
+    features = next(line for line in lines if line.startswith("- CPU features: "))
+    assert ("bf16 in hardware" in features) == bool({"avx512_bf16", "amx_bf16"} & set(finetune_env.cpu_features()))
+    if not torch.cuda.is_available():
+        peaks = next(line for line in lines if line.startswith("- Matmul peak (measured, cached): "))
+        assert peaks.endswith(": fp32 81.3 GFLOP/s, bf16 17.5 GFLOP/s (cpu, " + peaks.rsplit("(cpu, ", 1)[1])
     if not torch.cuda.is_available():
         assert "- GPUs: none" in lines
     assert "- Hugging Face Hub: https://huggingface.co; offline mode: True; token set: False" in lines

@@ -36,7 +36,12 @@ def test_token_rates_match_the_counts_in_the_log(tmp_path, tiny_llama, clm_texts
             sum(r[f"{kind}_tokens"] for r in timed) / seconds, rel=1e-3)
     assert metrics["throughput_steps"] == 3 and metrics["throughput_excludes_warmup"] is True
     assert metrics["train_padded_tokens"] > metrics["train_input_tokens"]  # variable lengths: padding exists
-    assert metrics["model_flops_per_second"] > 0 and "mfu" not in metrics  # a CPU has no known peak
+    assert metrics["model_flops_per_second"] > 0 and "mfu" not in metrics  # a CPU has no datasheet peak
+    # but a measured one (lifecycle/peak.py), and the achieved FLOP/s as shares of it
+    peak = metrics["measured_peak_flops_per_second"]
+    assert peak > 1e8 and metrics["measured_peak_source"].startswith("1 x measured: 2048^2 float32 matmul")
+    assert metrics["hfu_of_measured_peak"] == pytest.approx(metrics["hardware_flops_per_second"] / peak, abs=1e-4)
+    assert metrics["mfu_of_measured_peak"] == pytest.approx(metrics["model_flops_per_second"] / peak, abs=1e-4)
 
 
 def test_flops_per_token(tiny_llama):
@@ -80,6 +85,7 @@ def test_mfu_is_per_gpu_the_same_at_any_process_count(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
     monkeypatch.setattr(reporting, "peak_flops", lambda name, override=None: (1e8, "a 1e8 FLOP/s GPU"))
     monkeypatch.setattr(reporting, "peak_memory", lambda device: (0, "not measured"))
+    monkeypatch.setattr(reporting, "matmul_peak", lambda device, precision: None)  # no GPU here to measure
     model = _tiny_causal_lm()
     config = TrainConfig(recipe="bbc-news-clm", output_dir="unused", report_to="none")
     per_process = dict(timed_steps=3, timed_seconds=2.0, timed_samples=8, timed_padded_tokens=640,
@@ -170,3 +176,34 @@ def test_fsdp1_shards_count_whole(tmp_path, use_orig_params):
         seen = json.loads((tmp_path / f"counts.{rank}").read_text())
         assert seen["local"] < sum(p.numel() for p in whole.parameters())  # really sharded
         assert {"matmul": seen["matmul"], "counts": seen["counts"]} == expected
+
+
+def test_the_matmul_peak_is_measured_once_per_machine_precision_and_threads(tmp_path, monkeypatch):
+    """matmul_peak measures on the first call for a (device, dtype, threads, torch) key and reads the cache after;
+    the measurement draws nothing from the global generators; fp16 on a CPU has no peak (it does not run there);
+    the run summary prints the achieved share."""
+    from finetune.lifecycle import peak
+    from finetune.lifecycle.reporting import format_summary
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
+    calls = []
+    original = peak.measure_matmul
+    monkeypatch.setattr(peak, "measure_matmul", lambda device, dtype, size: calls.append(dtype) or original(
+        device, dtype, 256))
+    state = torch.get_rng_state()
+    first = peak.matmul_peak(torch.device("cpu"), "no")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert peak.matmul_peak(torch.device("cpu"), "no") == first and len(calls) == 1 and first[0] > 0
+    assert peak.matmul_peak(torch.device("cpu"), "fp16") is None
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        peak.matmul_peak(torch.device("cpu"), "no")
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2 and f"{threads} threads" in first[1]
+    summary = format_summary({"mixed_precision": "no", "num_processes": 2, "hardware_flops_per_second": 3.0e10,
+                              "model_flops_per_second": 2.5e10, "measured_peak_flops_per_second": 2.0e10,
+                              "hfu_of_measured_peak": 0.75}, "out")
+    assert "achieved FLOP/s            30.0 G (model 25.0 G) = 75% of the measured fp32 matmul peak (2 x 20.0 G)" \
+        in summary

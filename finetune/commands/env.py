@@ -10,18 +10,7 @@ import sys
 from pathlib import Path
 
 from finetune import __version__
-
-
-def cpu_model() -> str:
-    """The CPU's model name: ``/proc/cpuinfo``'s first ``model name`` (Linux), else ``platform.processor()``, else
-    "unknown"."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from finetune.machine import BF16_FLAGS, cpu_features, cpu_model
 
 
 def cpu_cores() -> str:
@@ -47,6 +36,22 @@ def gpus() -> list[str]:
         lines.append(f"{index}: {props.name}, {props.total_memory / 2**30:.1f} GiB, compute capability "
                      f"{props.major}.{props.minor}")
     return lines
+
+
+def matmul_peaks() -> str:
+    """This device's matmul peak per precision it runs (``lifecycle.peak.matmul_peak``: measured once, then cached),
+    in GFLOP/s with the threads it used: fp32 and bf16 on a CPU (fp16 does not run there), with fp16 on a GPU."""
+    import torch
+
+    from finetune.lifecycle.peak import matmul_peak
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    figures = []
+    for precision, name in (("no", "fp32"), ("bf16", "bf16"), ("fp16", "fp16")):
+        peak = matmul_peak(device, precision)
+        if peak is not None:
+            figures.append(f"{name} {peak[0] / 1e9:.1f} GFLOP/s")
+    return f"{', '.join(figures)} ({device.type}, {torch.get_num_threads()} threads)"
 
 
 def accelerate_default_config() -> tuple[str, dict | None]:
@@ -77,11 +82,17 @@ def environment() -> list[tuple[str, str]]:
         if name == "PyTorch":
             version += f" (CUDA build: {torch.version.cuda or 'none'}; CUDA available: {torch.cuda.is_available()})"
         info.append((f"{name} version", version))
-    info += [("CPU", cpu_model()), ("CPU cores", cpu_cores()),
+    features = cpu_features()
+    bf16 = ("bf16 in hardware" if {"avx512_bf16", "amx_bf16"} & set(features) else
+            "no avx512_bf16 or AMX: bf16 matmul is emulated")
+    info += [("CPU", cpu_model()), ("CPU features", f"{', '.join(features) or 'none of ' + ', '.join(BF16_FLAGS)} "
+                                                    f"({bf16})"),
+             ("CPU cores", cpu_cores()),
              ("System RAM", f"{psutil.virtual_memory().total / 2**30:.1f} GiB")]
     devices = gpus()
     info.append(("GPUs", "none" if not devices else f"{len(devices)}"))
     info += [(f"GPU {line.split(':', 1)[0]}", line.split(": ", 1)[1]) for line in devices]
+    info.append(("Matmul peak (measured, cached)", matmul_peaks()))
     info.append(("Hugging Face Hub", f"{constants.ENDPOINT}; offline mode: {constants.is_offline_mode()}; token "
                                      f"set: {get_token() is not None}"))
     return info

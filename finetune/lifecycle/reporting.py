@@ -20,6 +20,7 @@ from finetune.engine import parameter_counts
 from finetune.engine.precision import PRECISION_NAMES
 from finetune.lifecycle.card import write_model_card
 from finetune.lifecycle.flops import peak_flops, training_flops_per_token
+from finetune.lifecycle.peak import matmul_peak
 
 
 def packing_banner(config) -> str:
@@ -82,7 +83,7 @@ def device_peak(device) -> tuple[float, str] | None:
     return peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
-def throughput(state, runtime: float, model, config, device, num_processes: int = 1) -> dict:
+def throughput(state, runtime: float, model, config, device, num_processes: int = 1, precision: str = "no") -> dict:
     """The run's token counts and rates, named by what they count: ``padded`` tokens (input positions with
     padding: what the model computed on), ``input`` tokens (without padding), ``trained`` tokens (the loss's
     items: label tokens; causal LM only). Rates are over the timed steps (every optimizer step but the first of
@@ -91,7 +92,9 @@ def throughput(state, runtime: float, model, config, device, num_processes: int 
     with activation checkpointing's recompute; on a CUDA device with a known peak also ``mfu`` and ``hfu``: the
     FLOP/s of all ``num_processes`` processes (the counts are over all of them) over ``num_processes`` x one
     device's peak (PaLM appendix B: achieved over the whole system's peak), so the same per-GPU speed gives the
-    same MFU at any process count."""
+    same MFU at any process count. On any device also ``measured_peak_flops_per_second`` (one process's matmul peak
+    in ``precision``, measured: ``peak.matmul_peak``) and the model and hardware FLOP/s as shares of
+    ``num_processes`` x it: ``mfu_of_measured_peak``, ``hfu_of_measured_peak``."""
     timed = state.timed_steps > 0 and state.timed_seconds > 0
     seconds = state.timed_seconds if timed else runtime
     counts = {"padded": state.timed_padded_tokens if timed else state.padded_tokens_seen,
@@ -122,6 +125,13 @@ def throughput(state, runtime: float, model, config, device, num_processes: int 
         metrics.update(mfu=round(metrics["model_flops_per_second"] / system, 4),
                        hfu=round(metrics["hardware_flops_per_second"] / system, 4),
                        mfu_peak_source=f"{num_processes} x {peak[1]}")
+    measured = matmul_peak(device, precision)
+    if measured is not None:
+        system = num_processes * measured[0]
+        metrics.update(measured_peak_flops_per_second=round(measured[0], 1),
+                       mfu_of_measured_peak=round(metrics["model_flops_per_second"] / system, 4),
+                       hfu_of_measured_peak=round(metrics["hardware_flops_per_second"] / system, 4),
+                       measured_peak_source=f"{num_processes} x {measured[1]}")
     return metrics
 
 
@@ -160,7 +170,7 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
         "device": device.type,
         "train_runtime": round(runtime, 3),
         "train_samples_per_second": _rate(state.samples_seen, runtime),
-        **throughput(state, runtime, model, config, device, num_processes),
+        **throughput(state, runtime, model, config, device, num_processes, precision),
         **({"train_padding_fraction": round(1 - state.input_tokens_seen / state.padded_tokens_seen, 4)}
            if state.padded_tokens_seen else {}),
         "train_seconds_per_step": round(runtime / state.step, 4) if state.step else 0.0,
@@ -205,5 +215,10 @@ def format_summary(metrics: dict, output_dir: str) -> str:
         if key in metrics:
             value = metrics[key]
             lines.append(f"  {key:<26} {value:.4f}" if isinstance(value, float) else f"  {key:<26} {value}")
+    if "hfu_of_measured_peak" in metrics:  # what the device computed, against what its matmuls can
+        lines.append(f"  {'achieved FLOP/s':<26} {metrics['hardware_flops_per_second'] / 1e9:.1f} G (model "
+                     f"{metrics['model_flops_per_second'] / 1e9:.1f} G) = {metrics['hfu_of_measured_peak']:.0%} of "
+                     f"the measured {metrics['mixed_precision'] if metrics['mixed_precision'] != 'no' else 'fp32'} "
+                     f"matmul peak ({metrics['num_processes']} x {metrics['measured_peak_flops_per_second'] / 1e9:.1f} G)")
     lines += [f"  outputs in {output_dir}/: model + tokenizer, metrics.json, log.jsonl, run_config.json", "=" * 60]
     return "\n".join(lines)

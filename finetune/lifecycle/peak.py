@@ -1,0 +1,80 @@
+"""The device's matmul peak, measured: the FLOP/s of a large square matmul (2 n^3 FLOPs) in the precision a run
+trained in, on the threads it trained with, so that a run's achieved FLOP/s has a limit beside it on a CPU, where no
+datasheet gives one, as on a GPU. Measured once per machine, precision, thread count and torch version (a few
+seconds) and cached in ``~/.cache/finetune/matmul_peak.json``; a lock lets one process of a run measure while the
+others wait, so they do not share the cores during the measurement."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SIZES = {"cpu": 2048, "cuda": 8192}  # n: 17 GFLOP a matmul on a CPU (~0.1-0.2 s on 2 cores), 1.1 TFLOP on a GPU
+REPEATS = 5  # timed matmuls after 2 warm-up ones; the fastest is the peak
+
+
+def cache_path() -> Path:
+    """``~/.cache/finetune/matmul_peak.json`` (``FINETUNE_CACHE`` overrides the folder)."""
+    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "matmul_peak.json"
+
+
+def device_name(device: torch.device) -> str:
+    """The CPU's model name (``/proc/cpuinfo``) or the GPU's (``torch.cuda.get_device_name``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from finetune.machine import cpu_model
+
+    return cpu_model()
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, size: int, repeats: int = REPEATS) -> float:
+    """FLOP/s of the fastest of ``repeats`` ``size`` x ``size`` matmuls in ``dtype`` on ``device`` (2 size^3 FLOPs
+    each), after two warm-up ones, on torch's current threads. Its inputs come from a generator of its own (the
+    global ones, which order a run's data and dropout, are not drawn from)."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    best = float("inf")
+    for index in range(repeats + 2):
+        sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        if index >= 2:
+            best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def matmul_peak(device: torch.device, precision: str, refresh: bool = False) -> tuple[float, str] | None:
+    """(peak FLOP/s of one process's matmuls on ``device`` in ``precision`` ("no", "bf16", "fp16"), where it came
+    from): the cached measurement, or a new one (``measure_matmul``, written to ``cache_path()``). None for a
+    precision the device does not run (fp16 on a CPU) or a device other than cpu and cuda."""
+    from filelock import FileLock
+
+    dtype, size = DTYPES.get(precision), SIZES.get(device.type)
+    if dtype is None or size is None or (dtype == torch.float16 and device.type == "cpu"):
+        return None
+    name, threads = device_name(device), torch.get_num_threads()
+    key = f"{name} | {str(dtype).removeprefix('torch.')} | {threads} threads | torch {torch.__version__}"
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+        if refresh or key not in cached:
+            flops = measure_matmul(device, dtype, size)
+            cached[key] = {"flops_per_second": flops, "size": size, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(cached, indent=1) + "\n")
+            tmp.replace(path)
+    entry = cached[key]
+    return entry["flops_per_second"], (f"measured: {entry['size']}^2 {str(dtype).removeprefix('torch.')} matmul on "
+                                       f"{name}, {threads} threads ({path})")
