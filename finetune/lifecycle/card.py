@@ -263,6 +263,7 @@ def benchmarks_section(output_dir: Path) -> str:
         tuned = next((r for r in records if r["step"] == best), records[-1])
         base = records[0] if records[0]["step"] == 0 and tuned is not records[0] else None
         limit, shots = run_config.get("eval_limit"), run_config.get("eval_num_fewshot")
+        limit = int(limit) if isinstance(limit, float) and limit >= 1 else limit  # a count, stored as a float
         what = (f"During training, `--eval_tasks {','.join(tasks)}`" + (f" on {_fmt(limit)} documents per task"
                 if limit is not None else "") + (f", {shots}-shot" if shots is not None else "") +
                 f", the model in eval mode: tuned is step {tuned['step']}"
