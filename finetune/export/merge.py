@@ -8,6 +8,7 @@ import json
 import resource
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,27 +24,66 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclass
 class MergeResult:
     """What ``merge`` wrote and measured: ``folder``; ``weights_bytes``: the merged weights in memory (fp32, as merged);
-    ``layer_bytes``: the largest decoder layer's weights; ``peak_rss_increase_bytes``: the process's peak resident
-    memory during the merge above its resident memory before it (``ru_maxrss``); ``seconds``: its wall time;
-    ``eos_token_ids``: the generation config's stop tokens."""
+    ``layer_bytes``: the largest decoder layer's weights; ``peak_anon_increase_bytes``: the peak of the process's
+    anonymous resident memory (allocated, not file-backed: ``RssAnon``, sampled every 2 ms) during the merge above
+    its value before; ``peak_rss_increase_bytes``: the same for the whole resident set (``ru_maxrss``), which also
+    counts the clean page-cache pages of the safetensors files mapped while reading and writing them; ``seconds``:
+    the merge's wall time; ``eos_token_ids``: the generation config's stop tokens."""
 
     folder: Path
     weights_bytes: int
     layer_bytes: int
+    peak_anon_increase_bytes: int
     peak_rss_increase_bytes: int
     seconds: float
     eos_token_ids: list[int]
 
     @property
     def within_bound(self) -> bool:
-        """Whether the merge stayed within the memory of the weights plus one layer."""
-        return self.peak_rss_increase_bytes <= self.weights_bytes + self.layer_bytes
+        """Whether the merge's allocated memory stayed within the weights plus one layer."""
+        return self.peak_anon_increase_bytes <= self.weights_bytes + self.layer_bytes
 
 
 def _peak_rss_bytes() -> int:
     """This process's peak resident set size so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def anon_bytes() -> int:
+    """This process's anonymous resident memory (``/proc/self/status`` ``RssAnon``; elsewhere the whole RSS)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return psutil.Process().memory_info().rss
+
+
+class PeakMemory:
+    """A context that samples ``anon_bytes`` every ``interval`` seconds on a thread; ``peak_increase``: the largest
+    sample (and the value at exit) above the value at entry, in bytes."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.peak_increase = interval, 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak_increase = max(self.peak_increase, anon_bytes() - self.before)
+
+    def __enter__(self) -> PeakMemory:
+        self.before = anon_bytes()
+        self._thread = threading.Thread(target=self._sample, name="finetune-peak-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_increase = max(self.peak_increase, anon_bytes() - self.before)
 
 
 def largest_layer_bytes(model) -> int:
@@ -84,18 +124,30 @@ def merge(source: Source, folder: Path, dtype: str = "float32") -> MergeResult:
     ``MergeResult``; raises ``FinetuneError`` when the source cannot be loaded or the folder written."""
     import torch
 
-    before, started = psutil.Process().memory_info().rss, time.perf_counter()
     tokenizer = load_tokenizer_of(source)
-    model = unmerged(load_source(source))
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    layer = largest_layer_bytes(model)
-    if dtype != "float32":
-        model = model.to(getattr(torch, dtype))
-    stops = end_of_turn_token_ids(tokenizer)
-    model.config.eos_token_id = stops[0] if len(stops) == 1 else stops
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.eos_token_id = stops
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    before, started = psutil.Process().memory_info().rss, time.perf_counter()
+    with PeakMemory() as sampler:
+        model = unmerged(load_source(source))
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        layer = largest_layer_bytes(model)
+        if dtype != "float32":
+            model = model.to(getattr(torch, dtype))
+        stops = end_of_turn_token_ids(tokenizer)
+        model.config.eos_token_id = stops[0] if len(stops) == 1 else stops
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.eos_token_id = stops
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+        _save(model, tokenizer, source, folder)
+        del model
+    peak = max(0, _peak_rss_bytes() - before)
+    return MergeResult(folder=folder, weights_bytes=weights, layer_bytes=layer,
+                       peak_anon_increase_bytes=sampler.peak_increase, peak_rss_increase_bytes=peak,
+                       seconds=time.perf_counter() - started, eos_token_ids=stops)
+
+
+def _save(model, tokenizer, source: Source, folder: Path) -> None:
+    """``model`` and ``tokenizer`` saved into ``folder``, with the run's ``run_config.json``; ``FinetuneError`` when
+    the folder cannot be written."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(folder)
@@ -105,11 +157,6 @@ def merge(source: Source, folder: Path, dtype: str = "float32") -> MergeResult:
     except OSError as err:
         raise FinetuneError(f"could not write the merged model into {folder} ({err}). Pass --output_dir on a "
                             "writable disk with room for the weights.") from None
-    peak = max(0, _peak_rss_bytes() - before)
-    seconds = time.perf_counter() - started
-    del model
-    return MergeResult(folder=folder, weights_bytes=weights, layer_bytes=layer, peak_rss_increase_bytes=peak,
-                       seconds=seconds, eos_token_ids=stops)
 
 
 def saved_eos(folder: Path) -> list[int]:
