@@ -60,8 +60,8 @@ def _train(root: Path, name: str, model: str, files, **extra) -> Path:
     kw = dict(recipe="bbc-headlines", model_name_or_path=model, train_file=files[0], validation_file=files[1],
               max_length=96, learning_rate=3e-2, warmup_steps=0, disable_dropout=True, max_steps=4, save_steps=2,
               per_device_train_batch_size=4, gradient_accumulation_steps=1, eval_on_start=False, eval_strategy="no",
-              mixed_precision="no", seed=5, **extra)
-    return run_in_process(root, name, **kw)[1]
+              mixed_precision="no", seed=5)
+    return run_in_process(root, name, **{**kw, **extra})[1]
 
 
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
