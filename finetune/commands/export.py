@@ -136,7 +136,7 @@ def _machine() -> str:
 
 
 @reports_errors
-def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the export's steps in order, each a call
+def main(argv: list[str] | None = None) -> int:
     """``finetune export``; exit 0 (verified), 1 (beyond a tolerance: one ``error:`` line), 2 (bad input)."""
     args = build_parser().parse_args(argv)
     _check_args(args)
@@ -222,8 +222,8 @@ def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantiz
                                          (merged_tokenizer, gguf_tokenizer), inputs, gguf_tolerance,
                                          reference_outputs=greedy["merged"])
         comparisons.append(result)
-        shutil.copyfile(merged_dir / "run_config.json", folder / "run_config.json") if (
-            merged_dir / "run_config.json").is_file() else None
+        if (merged_dir / "run_config.json").is_file():  # beside the .gguf: predict renders prompts as the run did
+            shutil.copyfile(merged_dir / "run_config.json", folder / "run_config.json")
         files += [gguf_file.name]
         gguf_report = {"file": gguf_file.name, "outtype": args.gguf_outtype, "bytes": gguf_file.stat().st_size,
                        "convert_seconds": convert_seconds, "converter": str(tools),
