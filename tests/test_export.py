@@ -79,6 +79,15 @@ def converter_ready():
     return converter.converter_dir()
 
 
+@pytest.fixture(scope="module")
+def f32_export(tmp_path_factory, lora_run, converter_ready) -> tuple[dict, Path]:
+    """(export_report.json, folder) of ``--to gguf --gguf_outtype f32 --ollama`` of ``lora_run`` (exit 0)."""
+    folder = tmp_path_factory.mktemp("f32-export") / "x"
+    assert export_main(["--model", str(lora_run), "--to", "gguf", "--gguf_outtype", "f32", "--ollama",
+                        "--output_dir", str(folder)]) == 0
+    return json.loads((folder / REPORT).read_text()), folder
+
+
 def _export(capsys, *argv) -> tuple[int, str, dict | None, Path]:
     """Run ``finetune export`` in process; (exit code, stderr, export_report.json or None, the export folder)."""
     argv = list(map(str, argv))
@@ -148,15 +157,13 @@ def test_a_broken_merge_exits_1(tmp_path, capsys, monkeypatch, lora_run, broken)
     assert "NOT verified" in (folder / "README.md").read_text()
 
 
-def test_gguf_f32_round_trip_and_the_modelfile(tmp_path, capsys, lora_run, converter_ready):
+def test_gguf_f32_round_trip_and_the_modelfile(f32_export):
     """--to gguf --gguf_outtype f32 --ollama: the GGUF read back through transformers equals merged (relative logit
     difference within 1e-5, 100% top-1), greedy continuations identical across adapter, merged and GGUF; the
     Modelfile's TEMPLATE renders three conversations exactly as apply_chat_template does."""
     from transformers import AutoTokenizer
 
-    code, err, report, folder = _export(capsys, "--model", lora_run, "--to", "gguf", "--gguf_outtype", "f32",
-                                        "--ollama", "--output_dir", tmp_path / "x")
-    assert code == 0, err
+    report, folder = f32_export
     merged_vs_run, gguf_vs_merged = report["verification"]
     assert gguf_vs_merged["name"] == "gguf f32 vs merged" and gguf_vs_merged["passed"]
     assert gguf_vs_merged["relative_logit_diff"] <= 1e-5 and gguf_vs_merged["top1_agreement"] == 1.0
@@ -245,28 +252,39 @@ def test_quantize_types_run_llama_quantize(tmp_path, capsys, lora_run, converter
     assert report["gguf"]["quantize"] == str(stand_in) and report["verification"][1]["max_abs_logit_diff"] == 0.0
 
 
-def test_predict_and_eval_take_the_exports(tmp_path, capsys, lora_run, converter_ready):
+def test_predict_takes_the_exports(lora_run, f32_export):
     """finetune predict takes the merged folder and the .gguf file and writes what the run's adapter writes (greedy,
-    through the chat template); finetune eval's loader takes both, with logits equal to merged's (f32)."""
-    from finetune.commands.benchmark import load_for_eval
+    through the chat template: the run's run_config.json travels with both)."""
     from finetune.commands.predict import Predictor
 
-    code, err, report, folder = _export(capsys, "--model", lora_run, "--to", "gguf", "--gguf_outtype", "f32",
-                                        "--output_dir", tmp_path / "x")
-    assert code == 0, err
+    folder = f32_export[1]
     texts = ["the bank fell after the match", "ministers said the film won awards"]
     expected = Predictor(str(lora_run)).predict(texts, max_new_tokens=8)
+    assert all(r["generated"] for r in expected)
     for model in (folder / "merged", folder / "model-f32.gguf"):
         predictor = Predictor(str(model))
         assert predictor.chat and predictor.predict(texts, max_new_tokens=8) == expected
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    logits = []
+
+
+def test_eval_takes_the_exports(tmp_path, lora_run, f32_export):
+    """finetune eval (lm-evaluation-harness, bbc_topic, 3 documents) on the merged folder and on the .gguf file gives
+    the run's own per-choice log-likelihoods (1e-4) and accuracy."""
+    from finetune.commands.benchmark import main as eval_main
+
+    def scores(model: str, out: Path) -> tuple[float, dict]:
+        assert eval_main(["--model", model, "--tasks", "bbc_topic", "--limit", "3", "--output_path", str(out)]) == 0
+        results = json.loads((out / "eval_results.json").read_text())["results"]["bbc_topic"]
+        samples = [json.loads(line) for line in (out / "samples_bbc_topic.jsonl").read_text().splitlines()]
+        return results["acc,none"], {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in samples}
+
+    folder = f32_export[1]
+    run_acc, run_loglik = scores(str(lora_run), tmp_path / "run")
+    assert sorted(run_loglik) == [0, 1, 2]
     for model in (folder / "merged", folder / "model-f32.gguf"):
-        loaded, tokenizer, kind = load_for_eval(str(model))
-        assert tokenizer.chat_template
-        with torch.no_grad():
-            logits.append(loaded(input_ids=ids).logits)
-    assert torch.allclose(logits[0], logits[1], atol=1e-6, rtol=0)
+        acc, loglik = scores(str(model), tmp_path / model.name)
+        assert acc == run_acc
+        for doc, values in run_loglik.items():
+            assert loglik[doc] == pytest.approx(values, abs=1e-4), (model.name, doc)
 
 
 def test_a_template_that_is_not_per_message_is_refused(smol_llama):
