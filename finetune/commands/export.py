@@ -25,7 +25,7 @@ from finetune.errors import FinetuneError, VerificationFailed, reports_errors
 # difference relative to the largest logit, least top-1 agreement, largest mean KL in nats, greedy identical).
 MERGE_TOLERANCE = {"float32": (1e-5, 1.0, None, True), "bfloat16": (None, 0.99, None, False),
                    "float16": (None, 0.999, None, False)}
-GGUF_TOLERANCE = {"f32": (1e-5, 1.0, None, True), "f16": (None, 0.999, None, False),
+GGUF_TOLERANCE = {"f32": (1e-5, 1.0, None, True), "f16": (5e-3, 0.999, None, False),
                   "bf16": (None, 0.99, None, False), "q8_0": (None, 0.98, 0.01, False)}
 QUANTIZED_TOLERANCE = (None, None, 0.5, False)  # llama-quantize's types: not measured here; KL bound only
 
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "for bfloat16/float16)")
     parser.add_argument("--gguf_max_logit_diff", type=float, default=None,
                         help="GGUF vs merged: largest relative logit difference allowed, as "
-                             "--merge_max_logit_diff (default: 1e-5 for f32; reported only for the others)")
+                             "--merge_max_logit_diff (default: 1e-5 for f32, 5e-3 for f16 (1.8e-3 measured on "
+                             "SmolLM2-135M); reported only for the others)")
     parser.add_argument("--gguf_min_top1", type=float, default=None,
                         help="GGUF vs merged: least top-1 agreement (default: f32 1.0, f16 0.999, bf16 0.99, q8_0 0.98)")
     parser.add_argument("--gguf_max_kl", type=float, default=None,
