@@ -102,9 +102,12 @@ def verify_set(source, tokenizer, samples: int = DEFAULT_SAMPLES) -> VerifySet:
         return VerifySet(sequences, prompts, True, max_new, max_length)
     column = recipe.TEXT_COLUMNS[0]
     limit = max_length or 256
-    sequences = [tokenizer(row[column], truncation=True, max_length=limit)["input_ids"] for row in rows]
-    prompts = [tokenizer.decode(ids[: max(1, len(ids) // 2)]) for ids in sequences]
-    return VerifySet([s for s in sequences if s], prompts, False, max_new, max_length)
+    encoded = [tokenizer(row[column], truncation=True, max_length=limit)["input_ids"] for row in rows]
+    sequences = [ids for ids in encoded if len(ids) > 1]
+    if not sequences:
+        raise FinetuneError(f"the run's first {len(rows)} validation texts are empty: nothing to verify on.")
+    prompts = [tokenizer.decode(ids[: len(ids) // 2], skip_special_tokens=True) for ids in sequences]
+    return VerifySet(sequences, prompts, False, max_new, max_length)
 
 
 @torch.no_grad()
@@ -172,11 +175,12 @@ def greedy(model, tokenizer, inputs: VerifySet) -> list[str]:
         return generate_completions(model, tokenizer, inputs.prompts, inputs.max_new_tokens, 8, inputs.max_length)
     outputs = []
     for prompt in inputs.prompts:
-        ids = tokenizer(prompt, return_tensors="pt")
+        encoded = tokenizer(prompt, return_tensors="pt")  # a BERT-style tokenizer adds token_type_ids: not passed
         with torch.no_grad():
-            out = model.generate(**ids, max_new_tokens=inputs.max_new_tokens, do_sample=False,
+            out = model.generate(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
+                                 max_new_tokens=inputs.max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
-        outputs.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+        outputs.append(tokenizer.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip())
     return outputs
 
 
