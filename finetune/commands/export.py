@@ -225,7 +225,7 @@ def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantiz
         comparisons.append(result)
         if (merged_dir / "run_config.json").is_file():  # beside the .gguf: predict renders prompts as the run did
             shutil.copyfile(merged_dir / "run_config.json", folder / "run_config.json")
-        files += [gguf_file.name]
+        files += [gguf_file.name, "run_config.json"]
         gguf_report = {"file": gguf_file.name, "outtype": args.gguf_outtype, "bytes": gguf_file.stat().st_size,
                        "convert_seconds": convert_seconds, "converter": str(tools),
                        "quantize": str(quantize) if quantize else None}
