@@ -9,6 +9,7 @@
     finetune plan [accelerate launcher flags] --recipe NAME --total_batch_size B [training flags] [--time]
     finetune check-data --recipe NAME [data flags] [--samples K] [--accept_problems]
     finetune eval --model RUN_DIR --tasks T1,T2 [--limit N] [--num_fewshot k] [--baseline BASE]
+    finetune export --model RUN_DIR [--checkpoint step_N] --to merged|gguf [--gguf_outtype T] [--ollama]
 
 The commands are a table (``COMMANDS``: name, entry, launched through ``accelerate launch`` or not, help), from
 which ``finetune --help`` is written. Each command hands its arguments to the module that owns it; imports are lazy
@@ -74,6 +75,9 @@ lever, its memory (weights, gradients, optimizer state, activations) and whether
     Command("eval", "finetune.commands.benchmark:main", False,
             """benchmarks with lm-evaluation-harness, in process: finetune eval --model RUN_DIR|CHECKPOINT|ADAPTER|GGUF
 --tasks bbc_topic,bbc_headline [--limit N] [--num_fewshot k] [--baseline BASE] (finetune eval --help)"""),
+    Command("export", "finetune.commands.export:main", False,
+            """a run's model where it runs, verified against the run: finetune export --model RUN_DIR
+[--checkpoint step_N] --to merged|gguf [--gguf_outtype f32|f16|bf16|q8_0] [--ollama] (exit 1: beyond tolerance)"""),
     Command("check-data", "finetune.commands.check_data:main", False,
             """the data as training sees it, without the model's weights: samples with the trained tokens
 marked, lengths, truncation, padding, labels, and problems (leakage between the splits, empty

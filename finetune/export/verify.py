@@ -1,0 +1,201 @@
+"""Verification of an export on the run's own validation prompts: two models' next-token logits compared on the
+same token sequences (the largest absolute difference, top-1 agreement, mean per-token KL divergence) and their
+greedy continuations compared string for string; each comparison judged against its ``Tolerance``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from finetune.errors import FinetuneError
+
+DEFAULT_SAMPLES = 16
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+@dataclass
+class VerifySet:
+    """The inputs of every comparison: ``sequences``, token ids the models read teacher-forced (a validation row's
+    prompt and reference, as training encodes it); ``prompts``, what greedy decoding continues (message lists for a
+    chat run, strings otherwise); ``chat``; ``max_new_tokens``, ``max_length``: the run's generation settings."""
+
+    sequences: list[list[int]]
+    prompts: list
+    chat: bool
+    max_new_tokens: int
+    max_length: int | None
+
+    @property
+    def positions(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+
+@dataclass
+class Tolerance:
+    """What a comparison must meet (None: reported, not judged): ``max_logit_diff`` on the largest absolute logit
+    difference relative to the reference's logit scale, ``max|ref - test| / max(1, max|ref|)`` (fp32 rounding of a
+    merge grows with the logits' size: 1.6e-4 absolute on logits up to 41 measured, 3.9e-6 relative); ``min_top1`` on the fraction of positions whose argmax agrees; ``max_kl`` on the mean per-token KL(ref || test)
+    in nats; ``greedy_identical``: every greedy continuation equal."""
+
+    max_logit_diff: float | None = None
+    min_top1: float | None = None
+    max_kl: float | None = None
+    greedy_identical: bool = False
+
+
+@dataclass
+class Comparison:
+    """One comparison's figures (``measure``) and verdict (``judge``)."""
+
+    name: str
+    positions: int = 0
+    max_abs_logit_diff: float = 0.0
+    max_abs_ref_logit: float = 0.0
+    relative_logit_diff: float = 0.0
+    top1_agreement: float = 1.0
+    mean_kl: float = 0.0
+    greedy_identical: int = 0
+    greedy_total: int = 0
+    seconds: float = 0.0
+    tolerance: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def verify_set(source, tokenizer, samples: int = DEFAULT_SAMPLES) -> VerifySet:
+    """The first ``samples`` rows of the run's validation split (its ``run_config.json`` replayed: recipe, data flags,
+    ``max_eval_samples``), as the run evaluated them. Raises ``FinetuneError`` when the run's data cannot be loaded
+    or yields no rows."""
+    from finetune.config import parse_config
+    from finetune.data.chat import encode_row
+    from finetune.lifecycle.evaluation import reference_of
+    from finetune.recipes import load_recipe
+    from finetune.tasks import get_task
+    from finetune.tasks.builders import raw_datasets
+
+    config_file = source.run_dir / "run_config.json"
+    if not config_file.is_file():
+        raise FinetuneError(f"{source.run_dir} holds no run_config.json, so its validation prompts are unknown. "
+                            "Export the --output_dir of a finetune training run.")
+    config = parse_config(["--config", str(config_file)])
+    recipe = load_recipe(config.recipe)
+    task = get_task(recipe.TASK)
+    rows = raw_datasets(recipe, config, task, check=False)["validation"]
+    rows = rows.select(range(min(samples, len(rows))))
+    if len(rows) == 0:
+        raise FinetuneError(f"the run's validation split is empty: nothing to verify {source.name} on.")
+    spec = getattr(recipe, "GENERATION", None) or {}
+    max_new = int(spec.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+    max_length = config.max_length
+    if task.chat:
+        sequences = [encode_row(tokenizer, row, max_length, f"validation row {i}")["input_ids"]
+                     for i, row in enumerate(rows)]
+        prompts = [reference_of(row, f"validation row {i}")[0] for i, row in enumerate(rows)]
+        return VerifySet(sequences, prompts, True, max_new, max_length)
+    column = recipe.TEXT_COLUMNS[0]
+    limit = max_length or 256
+    encoded = [tokenizer(row[column], truncation=True, max_length=limit)["input_ids"] for row in rows]
+    sequences = [ids for ids in encoded if len(ids) > 1]
+    if not sequences:
+        raise FinetuneError(f"the run's first {len(rows)} validation texts are empty: nothing to verify on.")
+    prompts = [tokenizer.decode(ids[: len(ids) // 2], skip_special_tokens=True) for ids in sequences]
+    return VerifySet(sequences, prompts, False, max_new, max_length)
+
+
+@torch.no_grad()
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
+
+
+def measure(name: str, reference, candidate, tokenizers: tuple, inputs: VerifySet, tolerance: Tolerance,
+            reference_outputs: list[str] | None = None) -> tuple[Comparison, list[str]]:
+    """Compare ``candidate`` with ``reference`` (causal LMs) on ``inputs``: logits on every sequence position (fp32),
+    then greedy continuations (``greedy`` with ``tokenizers``: the reference's and the candidate's; those must encode
+    every prompt alike); ``reference_outputs`` reuses the reference's continuations. Returns the judged
+    ``Comparison`` and the candidate's continuations."""
+    started = time.perf_counter()
+    result = Comparison(name=name, tolerance=asdict(tolerance))
+    agree, kl_sum = 0, 0.0
+    for ids in inputs.sequences:
+        ref, test = _logits(reference, ids), _logits(candidate, ids)
+        if ref.shape != test.shape:
+            raise FinetuneError(f"{name}: the models' logits differ in shape ({tuple(ref.shape)} vs "
+                                f"{tuple(test.shape)}): not the same vocabulary.")
+        result.positions += ref.shape[0]
+        result.max_abs_logit_diff = max(result.max_abs_logit_diff, float((ref - test).abs().max()))
+        result.max_abs_ref_logit = max(result.max_abs_ref_logit, float(ref.abs().max()))
+        agree += int((ref.argmax(-1) == test.argmax(-1)).sum())
+        log_p, log_q = torch.log_softmax(ref, -1), torch.log_softmax(test, -1)
+        kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+    result.top1_agreement = agree / max(1, result.positions)
+    result.mean_kl = max(0.0, kl_sum / max(1, result.positions))  # float rounding can leave -1e-9 for equal models
+    result.relative_logit_diff = result.max_abs_logit_diff / max(1.0, result.max_abs_ref_logit)
+    ours = reference_outputs if reference_outputs is not None else greedy(reference, tokenizers[0], inputs)
+    theirs = greedy(candidate, tokenizers[1], inputs)
+    result.greedy_total = len(ours)
+    result.greedy_identical = sum(a == b for a, b in zip(ours, theirs))
+    judge(result, tolerance)
+    if tokenizers[0] is not tokenizers[1] and not same_tokens(tokenizers[0], tokenizers[1], inputs):
+        result.failures.append("the two tokenizers encode the prompts differently")
+    result.seconds = time.perf_counter() - started
+    return result, theirs
+
+
+def judge(result: Comparison, tolerance: Tolerance) -> Comparison:
+    """Fill ``result.failures`` with each bound of ``tolerance`` it breaks (one phrase each)."""
+    if tolerance.max_logit_diff is not None and not result.relative_logit_diff <= tolerance.max_logit_diff:
+        result.failures.append(f"largest logit difference {result.max_abs_logit_diff:.3g} ({result.relative_logit_diff:.3g}"
+                               f" of the largest logit {result.max_abs_ref_logit:.3g}) > {tolerance.max_logit_diff:.3g}")
+    if tolerance.min_top1 is not None and not result.top1_agreement >= tolerance.min_top1:
+        result.failures.append(f"top-1 agreement {result.top1_agreement:.4%} < {tolerance.min_top1:.4%}")
+    if tolerance.max_kl is not None and not result.mean_kl <= tolerance.max_kl:
+        result.failures.append(f"mean KL {result.mean_kl:.3g} > {tolerance.max_kl:.3g}")
+    if tolerance.greedy_identical and result.greedy_identical != result.greedy_total:
+        result.failures.append(f"greedy continuations differ on {result.greedy_total - result.greedy_identical} "
+                               f"of {result.greedy_total} prompts")
+    return result
+
+
+def greedy(model, tokenizer, inputs: VerifySet) -> list[str]:
+    """Greedy continuations of ``inputs.prompts`` by ``model``: for a chat run ``chat.generate_completions`` (as the
+    run's own evaluation generates: the chat template, stop at the end-of-turn token); otherwise the decoded new
+    tokens of ``model.generate`` (greedy)."""
+    if inputs.chat:
+        from finetune.data.chat import generate_completions
+
+        return generate_completions(model, tokenizer, inputs.prompts, inputs.max_new_tokens, 8, inputs.max_length)
+    outputs = []
+    for prompt in inputs.prompts:
+        encoded = tokenizer(prompt, return_tensors="pt")  # a BERT-style tokenizer adds token_type_ids: not passed
+        with torch.no_grad():
+            out = model.generate(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
+                                 max_new_tokens=inputs.max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        outputs.append(tokenizer.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return outputs
+
+
+def same_tokens(reference_tokenizer, candidate_tokenizer, inputs: VerifySet) -> bool:
+    """Whether both tokenizers give the same ids for every prompt rendered with the chat template (or as text)."""
+    for prompt in inputs.prompts:
+        if inputs.chat:
+            a, b = (t.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                    for t in (reference_tokenizer, candidate_tokenizer))
+            if a != b:
+                return False
+            text = a
+        else:
+            text = prompt
+        if (reference_tokenizer(text, add_special_tokens=False)["input_ids"]
+                != candidate_tokenizer(text, add_special_tokens=False)["input_ids"]):
+            return False
+    return True
