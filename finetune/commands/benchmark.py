@@ -19,6 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
+from finetune.benchmarks import task_names
 from finetune.errors import FinetuneError, reports_errors
 
 
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True,
                         help="a run's --output_dir, a checkpoint (<run>/checkpoints/step_N), a LoRA adapter "
                              "directory, or a .gguf file")
-    parser.add_argument("--tasks", required=True, type=lambda s: [t for t in s.split(",") if t],
+    parser.add_argument("--tasks", required=True, type=task_names,
                         help="lm-eval task names, comma-separated; shipped offline: bbc_topic, bbc_headline")
     parser.add_argument("--limit", type=float, default=None,
                         help="documents per task (a count; below 1: a fraction of the task), lm-eval's --limit")

@@ -246,11 +246,11 @@ def benchmarks_section(output_dir: Path) -> str:
     ``--eval_tasks`` evaluations of ``log.jsonl`` (base: the one at step 0, ``--eval_on_start``; tuned: the best
     step's under ``--load_best_model_at_end``, else the last), and ``finetune eval``'s ``eval/eval_results.json``
     (beside ``eval/baseline/eval_results.json`` where it ran with ``--baseline``)."""
-    from finetune.benchmarks import flat_metrics
+    from finetune.benchmarks import flat_metrics, task_names
 
     output_dir, parts = Path(output_dir), []
     run_config = _read_json(output_dir / "run_config.json")
-    tasks = [t for t in str(run_config.get("eval_tasks") or "").split(",") if t]
+    tasks = task_names(run_config.get("eval_tasks"))
     try:
         lines = (output_dir / "log.jsonl").read_text(encoding="utf-8").splitlines()
     except OSError:

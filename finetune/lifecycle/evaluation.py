@@ -40,10 +40,10 @@ def check_benchmark_tasks(config, task) -> None:
     if task.pipeline_tag != "text-generation":
         raise FinetuneError(f"--eval_tasks scores causal language models; this run trains a {task.pipeline_tag} "
                             "model. Drop --eval_tasks (the recipe's own metrics are evaluated).")
-    from finetune.benchmarks import task_manager
+    from finetune.benchmarks import task_manager, task_names
 
     try:
-        task_manager([t for t in config.eval_tasks.split(",") if t])
+        task_manager(task_names(config.eval_tasks))
     except FinetuneError as err:
         raise FinetuneError(f"--eval_tasks: {err}") from None
 
@@ -141,11 +141,11 @@ def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step
     lm-eval's per-document records to ``<output_dir>/benchmarks/step_<step>/samples_<task>.jsonl``."""
     if not config.eval_tasks:
         return {}
-    from finetune.benchmarks import flat_metrics, run_benchmarks, write_samples
+    from finetune.benchmarks import flat_metrics, run_benchmarks, task_names, write_samples
 
     limit = config.eval_limit
     limit = int(limit) if limit is not None and limit >= 1 else limit
-    tasks = [t for t in config.eval_tasks.split(",") if t]
+    tasks = task_names(config.eval_tasks)
     flat = [None]
     with engine_for(accelerator).generation_model(model) as scored:
         if accelerator.is_main_process:  # lm-eval returns its results on global rank 0 only (evaluator.py)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = {"cpu": 2048, "cuda": 8192}  # n: 17 GFLOP a matmul on a CPU (~0.1-0.2 s on 2 cores), 1.1 TFLOP on a GPU
 REPEATS = 5  # timed matmuls after 2 warm-up ones; the fastest is the peak
 
