@@ -30,9 +30,10 @@ def load_for_eval(model_arg: str):
     ``FinetuneError`` naming ``--model`` and the fix."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.commands.predict import _load_checkpoint_weights, _resolve_model_dir
+    from finetune.commands.predict import _resolve_model_dir
     from finetune.data.loading import load_causal_lm, load_tokenizer
     from finetune.data.lora import ADAPTER_CONFIG, load_adapter_model
+    from finetune.lifecycle.checkpoint import load_checkpoint_weights
 
     where = f"--model {model_arg!r}"
     if model_arg.endswith(".gguf"):
@@ -48,7 +49,7 @@ def load_for_eval(model_arg: str):
         raise FinetuneError(f"{where} could not be loaded as a causal LM: {str(err).splitlines()[0]} Benchmarks "
                             "score causal LMs (a bbc-news classifier has no language-model head).") from None
     if checkpoint is not None:
-        _load_checkpoint_weights(model, checkpoint, where)
+        load_checkpoint_weights(model, checkpoint, where)
     return model.eval(), load_tokenizer(str(path)), "checkpoint" if checkpoint is not None else "model"
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from finetune.errors import FinetuneError
-from finetune.lifecycle.checkpoint import MARKER, STATE_FILE, is_complete
+from finetune.lifecycle.checkpoint import MARKER, STATE_FILE, is_complete, load_checkpoint_weights
 from finetune.recipes import load_recipe
 
 # torch, transformers' pipelines, accelerate and peft are imported where they are used: together they take
@@ -130,31 +130,6 @@ def _load_adapter(path: Path, adapter: dict, where: str):
     return model, tokenizer
 
 
-def _load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
-    """Overwrite ``model``'s weights with ``checkpoint/model.safetensors`` (``Accelerator.save_state``: names
-    may carry DDP's ``module.`` or torch.compile's ``_orig_mod.`` prefix, and one of two tied tensors is
-    left out). Raises ``FinetuneError`` if the file is missing or does not fit the model."""
-    from safetensors.torch import load_file  # lazy: slow import (see the top)
-
-    file = checkpoint / "model.safetensors"
-    if not file.is_file():
-        raise FinetuneError(f"{where} holds no model.safetensors. Pass a checkpoint written by finetune, "
-                            "or the run's --output_dir.")
-    state = {}
-    for name, tensor in load_file(str(file)).items():
-        while name.startswith(("module.", "_orig_mod.")):
-            name = name.split(".", 1)[1]
-        state[name] = tensor
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    params = model.state_dict()
-    loaded = {params[name].data_ptr() for name in state if name in params}
-    missing = [name for name in missing if params[name].data_ptr() not in loaded]  # a tied copy is loaded too
-    if missing or unexpected:
-        raise FinetuneError(f"{where}: the checkpoint's weights do not fit the run's model ({len(missing)} missing, "
-                            f"{len(unexpected)} unexpected, e.g. {(missing + unexpected)[0]!r}). Pass a checkpoint "
-                            "of the run whose --output_dir holds it.")
-
-
 class Predictor:
     """A ``transformers.pipeline`` for ``model_dir`` (as ``predict`` takes it), for repeated ``predict`` calls.
     ``max_length``: truncation in tokens (default: the run's ``run_config.json``, else 128); ``device``: default
@@ -202,7 +177,7 @@ class Predictor:
             raise FinetuneError(f"--max_length {self.max_length} exceeds this model's position limit of {limit} "
                                 f"tokens; use --max_length {limit} or less.")
         if checkpoint is not None:
-            _load_checkpoint_weights(model, checkpoint, where)
+            load_checkpoint_weights(model, checkpoint, where)
         if self.kind == "generation":
             tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the continuation starts
             if tokenizer.pad_token is None:  # batches are padded (on the left: the pipeline sees to that)

@@ -150,7 +150,7 @@ def load_source(source: Source):
         raise FinetuneError(f"{source.model_dir} could not be loaded: {str(err).splitlines()[0]} (a LoRA run needs "
                             "its base model where adapter_config.json's base_model_name_or_path points).") from None
     if source.checkpoint is not None:  # names may carry DDP's or torch.compile's prefix: loaded by name again
-        from finetune.commands.predict import _load_checkpoint_weights
+        from finetune.lifecycle.checkpoint import load_checkpoint_weights
 
-        _load_checkpoint_weights(model, source.checkpoint, f"--checkpoint {source.checkpoint.name}")
+        load_checkpoint_weights(model, source.checkpoint, f"--checkpoint {source.checkpoint.name}")
     return model

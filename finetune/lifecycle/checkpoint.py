@@ -226,6 +226,31 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
+    """Overwrite ``model``'s weights with ``checkpoint/model.safetensors`` (``Accelerator.save_state``: names
+    may carry DDP's ``module.`` or torch.compile's ``_orig_mod.`` prefix, and one of two tied tensors is
+    left out). Raises ``FinetuneError`` if the file is missing or does not fit the model."""
+    from safetensors.torch import load_file  # lazy: this module is imported by light commands
+
+    file = checkpoint / "model.safetensors"
+    if not file.is_file():
+        raise FinetuneError(f"{where} holds no model.safetensors. Pass a checkpoint written by finetune, "
+                            "or the run's --output_dir.")
+    state = {}
+    for name, tensor in load_file(str(file)).items():
+        while name.startswith(("module.", "_orig_mod.")):
+            name = name.split(".", 1)[1]
+        state[name] = tensor
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = model.state_dict()
+    loaded = {params[name].data_ptr() for name in state if name in params}
+    missing = [name for name in missing if params[name].data_ptr() not in loaded]  # a tied copy is loaded too
+    if missing or unexpected:
+        raise FinetuneError(f"{where}: the checkpoint's weights do not fit the run's model ({len(missing)} missing, "
+                            f"{len(unexpected)} unexpected, e.g. {(missing + unexpected)[0]!r}). Pass a checkpoint "
+                            "of the run whose --output_dir holds it.")
+
+
 def _marker_text(step: int, manifest_sha256: str) -> str:
     return f"step {step}\n{MANIFEST} sha256 {manifest_sha256}\n"
 
