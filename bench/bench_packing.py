@@ -9,8 +9,11 @@ the sum of their times, so a step with long samples weighs what it costs (a medi
 
 - ``padded``: our collator's right-padded micro-batches (``tasks.CausalLMCollator`` / ``sft.SFTCollator``);
 - ``padding_free``: each micro-batch one row (``finetune.data.packing.Packer(None)``, ``--padding_free``);
-- ``packed``: the step's samples repacked by ``window_bfd`` (``--packing``): rows of at most ``--max_length``
-  tokens, grouped into micro-batches of at most the budget's positions;
+- ``packed``: the step's samples as ``--packing`` runs them (``window_bfd``): each step in the layout that the
+  cost measured on the model at the start predicts fastest (``finetune.data.packing_cost.measure``, as a run
+  measures it): the packed rows (rows of at most ``--max_length`` tokens, grouped into micro-batches of at most the
+  budget's positions), those micro-batches each as one row, or the step's own micro-batches each as one row;
+- ``packed_rows``: always the packed rows (``--packing`` before it chose a layout per window);
 - ``trl_padding_free``: TRL's ``DataCollatorForLanguageModeling(padding_free=True)`` on the same micro-batches;
 - ``trl_bfd``: TRL's ``pack_dataset(strategy="bfd", seq_length=max_length)`` on the step's samples, then its
   padding-free collator on micro-batches of m packed rows, each flattened into one row, as ``SFTTrainer`` does
@@ -37,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-MODES = ("padded", "padding_free", "packed", "trl_padding_free", "trl_bfd")
+MODES = ("padded", "padding_free", "packed", "packed_rows", "trl_padding_free", "trl_bfd")
 
 
 def step_batches(config, recipe, limit_steps: int):
@@ -93,16 +96,20 @@ def trl_micro_batches(mode: str, window: list[dict], row_length: int, pad_token_
     return [rows([packed[j] for j in range(i, min(i + m, len(packed)))]) for i in range(0, len(packed), m)]
 
 
-def micro_batches(mode: str, window: list[dict], budget: int, row_length: int, pad_token_id: int) -> list[dict]:
+def micro_batches(mode: str, window: list[dict], budget: int, row_length: int, pad_token_id: int,
+                  cost=None) -> tuple[list[dict], str]:
+    """(the micro-batches ``mode`` runs for ``window``, the layout: for ``packed``, the one ``cost`` chose)."""
     from finetune.data.packing import Packer
 
     if mode == "padded":
-        return window
+        return window, "padded"
     if mode == "padding_free":
-        return Packer(None)(window)
-    if mode == "packed":
-        return Packer("window_bfd", budget, row_length, pad_token_id)(window)
-    return trl_micro_batches(mode, window, row_length, pad_token_id)
+        return Packer(None)(window), "padding_free"
+    if mode in ("packed", "packed_rows"):
+        packer = Packer("window_bfd", budget, row_length, pad_token_id, cost=cost if mode == "packed" else None)
+        batches = packer(window)
+        return batches, next(name for name, n in packer.layouts.items() if n)
+    return trl_micro_batches(mode, window, row_length, pad_token_id), mode
 
 
 def run_step(model, task, batches: list[dict]) -> tuple[float, float, int, int]:
@@ -163,11 +170,20 @@ def main(argv=None) -> int:
     positions = {m: 0 for m in modes}
     counts = {"samples": 0, "input_tokens": 0, "trained_tokens": 0}
     micro = {m: [] for m in modes}
-    run_step(model, task, micro_batches("padded", steps[0], budget, row_length, pad))  # warm-up
+    from finetune.data import packing_cost
+
+    cost = packing_cost.measure(model, task.loss_sum, row_length, budget) if "packed" in modes else None
+    if cost is not None:
+        print(f"measured layout cost: {cost.describe()}", file=sys.stderr, flush=True)
+    chosen = []
+    run_step(model, task, micro_batches("padded", steps[0], budget, row_length, pad)[0])  # warm-up
     for window in steps:
         counts["samples"] += sum(b["input_ids"].shape[0] for b in window)
         counts["input_tokens"] += sum(int(b["attention_mask"].sum()) for b in window)
-        built = {m: micro_batches(m, window, budget, row_length, pad) for m in modes}
+        built, layouts = {}, {}
+        for m in modes:
+            built[m], layouts[m] = micro_batches(m, window, budget, row_length, pad, cost)
+        chosen.append(layouts.get("packed"))
         step_loss, timings = {}, {m: [] for m in modes}
         for _ in range(args.repeats):
             for m in (*modes, *reversed(modes)):
@@ -185,7 +201,11 @@ def main(argv=None) -> int:
     result = {"machine": info, "recipe": config.recipe, "model": config.model_name_or_path,
               "micro_batch": config.per_device_train_batch_size, "accumulation": config.gradient_accumulation_steps,
               "max_length": config.max_length, "budget": budget, "row_length": row_length, "steps": n_steps, "repeats": args.repeats,
-              "threads": torch.get_num_threads(), "modes": {}}
+              "threads": torch.get_num_threads(), "modes": {},
+              "layout_cost": None if cost is None else {"per_micro_batch": cost.per_micro_batch,
+                                                        "per_position": cost.per_position,
+                                                        "per_score": cost.per_score, "probes": cost.probes},
+              "packed_layouts": chosen}
     for m in modes:
         per_step = sum(seconds[m]) / n_steps
         result["modes"][m] = {
@@ -199,7 +219,9 @@ def main(argv=None) -> int:
     base = result["modes"]["padded"]["samples_per_s"]
     lines = [f"### {config.recipe}: micro-batch {config.per_device_train_batch_size} x {config.gradient_accumulation_steps}, "
              f"--max_length {config.max_length}, packed rows of at most {row_length} tokens, budget {budget} positions, {n_steps} steps x {args.repeats} ABBA repeat(s)",
-             format_machine(info), f"- torch threads: {torch.get_num_threads()}", "",
+             format_machine(info), f"- torch threads: {torch.get_num_threads()}",
+             *([f"- packed: the cost measured on the model, {cost.describe()}; layout per step: {', '.join(chosen)}"]
+               if cost is not None else []), "",
              "| mode | s/step (mean of per-step medians) | samples/s | x padded | input tok/s | computed tok/s | trained tok/s | "
              "micro-batches/step | padding | per-step losses |", "|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in result["modes"].items():

@@ -208,7 +208,7 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
     times (a median over steps would drop the costly steps of long samples)."""
     import importlib.util
 
-    modes = ["padded", "padding_free", "packed"]
+    modes = ["padded", "padding_free", "packed", "packed_rows"]
     if importlib.util.find_spec("trl") is not None:  # in [test] from Python 3.11 (trl 1.16 needs it)
         modes += ["trl_padding_free", "trl_bfd"]
     js = tmp_path / "packing.json"
@@ -226,6 +226,10 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
         assert r["samples_per_s"] * sum(r["step_seconds"]) == pytest.approx(3 * 4 * 2, rel=1e-3), mode
         positive(table_row(out, mode)[2])
     assert padded["padding_fraction"] > 0.2
+    cost = data["layout_cost"]  # measured on the model; each step of "packed" in the layout it predicts fastest
+    assert len(cost["probes"]) == 5 and min(cost["per_micro_batch"], cost["per_position"], cost["per_score"]) >= 0
+    assert len(data["packed_layouts"]) == 3 and set(data["packed_layouts"]) <= {"rows", "one_row", "padding_free"}
+    assert "layout per step: " + ", ".join(data["packed_layouts"]) in out
     for mode in modes[1:]:
         assert data["modes"][mode]["padding_fraction"] < padded["padding_fraction"] / 2, mode
         assert data["modes"][mode]["padded_tokens_per_s"] / data["modes"][mode]["input_tokens_per_s"] < \

@@ -556,10 +556,42 @@ def test_check_data_packing_line_counts_steps_and_padding():
     line = packing_line(config, [10, 2, 7, 5], 4)
     assert "2.0 micro-batches per step (max 2)" in line and "12 tokens per micro-batch" in line
     assert "29.4% of positions before, 0.0% after" in line
+    assert "padded 34, packed rows 24, one padding-free row per micro-batch 24; each step's layout is chosen" in line
     # rows of 12 under a 24-position budget: both rows in one micro-batch, no padding
     assert packing.packing_summary([[10, 2, 7, 5]], 2, 24, "window_bfd", 12)["micro_batches_per_step"] == 1
     # rows {9}, {6}: one micro-batch of 2 x 9 positions holding 15 tokens
     assert packing.packing_summary([[9, 6]], 2, 18, "window_bfd", 9)["padding_fraction_after"] == pytest.approx(1 / 6)
+
+
+def test_check_data_counts_the_steps_per_layout_by_the_kept_cost(tmp_path):
+    """``packing_summary`` with a cost chooses each step's layout as the packer does. One step of 9, 6, 1, 1 tokens,
+    micro-batch 2 (padded [9, 6] and [1, 1]: 20 positions), rows of 9 under 18 positions: packed rows [9] and
+    [6, 1, 1], one (2, 9) micro-batch (18 positions, 162 scores); as one row, 17 positions and 289 scores; the
+    micro-batches flattened, rows of 15 and 2 (17 positions, 229 scores). With ``packing_cost.json`` in
+    ``--output_dir``, check-data's line says it read that cost and counts the steps per layout."""
+    from types import SimpleNamespace
+
+    from finetune.commands.check_data import packing_line
+    from finetune.data import packing_cost
+
+    def layouts(*cost):
+        summary = packing.packing_summary([[9, 6, 1, 1]], 2, 18, "window_bfd", 9, cost=packing_cost.LayoutCost(*cost))
+        assert summary["positions"] == {"padded": 20, "rows": 18, "padding_free": 17}
+        return [name for name, n in summary["layouts"].items() if n]
+
+    assert layouts(0.0, 0.0, 1.0) == ["rows"]  # attention alone: 162 < 229 < 289
+    assert layouts(0.0, 1.0, 0.01) == ["padding_free"]  # 17 + 2.29 < 18 + 1.62 < 17 + 2.89
+    assert layouts(0.0, 1.0, 0.0) == ["one_row"]  # positions alone: 17 = 17 < 18, the tie to one_row
+    assert layouts(1.0, 0.0, 0.0) == ["one_row"]  # a micro-batch dear: 1 = 1 < 2, the tie to fewer positions
+    packing_cost.save(tmp_path, packing_cost.LayoutCost(0.0, 1.0, 0.0))
+    config = SimpleNamespace(train_sampling_strategy="random", seed=0, max_tokens_per_micro_batch=18,
+                             per_device_train_batch_size=2, max_length=9, block_size=None, packing=True,
+                             packing_strategy="window_bfd", padding_free=False, backend="accelerate",
+                             output_dir=str(tmp_path))
+    line = packing_line(config, [9, 6, 1, 1], 4)
+    assert f"steps per layout by the cost kept in {tmp_path / packing_cost.FILE}" in line
+    assert line.endswith("rows 0, one row 1, padding free 0")
+    assert "one padding-free row per micro-batch 17" in line
 
 
 def test_packed_with_lora_and_activation_checkpointing_gives_the_padded_adapter(tmp_path, tiny_llama, clm_texts):
@@ -605,3 +637,107 @@ def test_a_token_budget_under_the_trainer_backend_is_refused_with_one_line():
         parse_config(["--recipe", "bbc-news-clm", "--packing", "True", "--backend", "trainer",
                       "--max_tokens_per_micro_batch", "100"]).validate()
     assert "\n" not in str(raised.value)
+
+
+# ------------------------------------------------------------------------------------------ the layout per window
+def test_the_cost_fit_recovers_known_coefficients_and_never_goes_negative():
+    """``packing_cost._fit``: probe times made from known coefficients give them back; times that a negative term
+    would fit best give a fit with every term >= 0."""
+    from finetune.data.packing_cost import LayoutCost, _fit, probe_shapes
+
+    truth = LayoutCost(0.02, 3e-5, 4e-8)
+    shapes = probe_shapes(512, 8 * 512)
+    features = [(1.0, rows * per * n, rows * (per * n) ** 2) for rows, per, n in shapes]
+    seconds = [truth.seconds([per * n] * rows) for rows, per, n in shapes]
+    fitted = _fit(features, seconds)
+    assert fitted == pytest.approx((truth.per_micro_batch, truth.per_position, truth.per_score), rel=1e-6)
+    assert min(_fit(features, [1.0 - 1e-4 * f[1] for f in features])) >= 0.0
+
+
+def _window(tiny_llama, clm_texts, n=8, m=4):
+    padded, _ = _padded_and_row(tiny_llama, clm_texts, n=n)
+    return padded, [{k: v[i:i + m] for k, v in padded.items()} for i in range(0, n, m)]
+
+
+# The window (the first 8 texts at max_length 48, micro-batches of 4): samples of 7, 48, 23, 10 | 7, 23, 4, 15 tokens.
+# Packed rows: 48, 46, 43 tokens in one micro-batch of 3 x 48 positions (6,912 scores); one row of those: 137 positions
+# (18,769 scores); the window's micro-batches flattened: rows of 88 and 49 (10,145 scores), two micro-batches.
+@pytest.mark.parametrize("cost, layout", [
+    ((0.0, 1e-6, 1e-3), "rows"),          # attention dear: the shortest rows
+    ((0.0, 1.0, 1e-4), "padding_free"),   # positions dear, attention a little: no padding, rows of one micro-batch
+    ((1.0, 1e-6, 0.0), "one_row"),        # a micro-batch dear, attention free: fewest micro-batches, no padding
+    ((0.0, 1.0, 0.0), "one_row"),         # positions alone: no padding; the tie with padding_free goes to one_row
+])
+def test_packer_runs_each_window_in_the_layout_its_cost_predicts_fastest(tiny_llama, clm_texts, cost, layout):
+    """With a cost, ``--packing`` runs the layout the cost predicts fastest, with the window's samples and label
+    tokens in every layout; the padding-free layout never computes more positions than the window's tokens."""
+    from finetune.data.packing_cost import LayoutCost
+
+    task = CausalLM()
+    padded, window = _window(tiny_llama, clm_texts)
+    row = int(padded["attention_mask"].sum(dim=1).max())
+    pack = packing.Packer("window_bfd", 4 * row, row_length=row, pad_token_id=-1, cost=LayoutCost(*cost))
+    runs = pack(window)
+    assert pack.layouts[layout] == 1 and sum(pack.layouts.values()) == 1
+    assert sum(task.count_labels(r["labels"]) for r in runs) == task.count_labels(padded["labels"])
+    samples = unpad_all(runs) if layout != "rows" else [s for r in runs for s in _split(r)]
+    assert sorted(s["input_ids"].tolist() for s in samples) == sorted(s["input_ids"].tolist() for s in packing.unpad(padded))
+    if layout == "padding_free":
+        assert len(runs) == len(window) and sum(r["input_ids"].numel() for r in runs) == int(padded["attention_mask"].sum())
+
+
+def test_packed_rows_win_where_rows_are_cheap_and_are_never_taken_above_the_padded_positions(tiny_llama, clm_texts):
+    """A cost where a micro-batch is dear and attention dearer picks the packed rows; the same window with rows whose
+    positions exceed the padded window's never gets them, whatever the cost says."""
+    from finetune.data.packing_cost import LayoutCost
+
+    padded, window = _window(tiny_llama, clm_texts)
+    row = int(padded["attention_mask"].sum(dim=1).max())
+    rows_cost = LayoutCost(10.0, 0.0, 1e-3)
+    pack = packing.Packer("window_bfd", 4 * row, row_length=row, pad_token_id=-1, cost=rows_cost)
+    pack(window)
+    assert pack.layouts["rows"] == 1
+    lengths = [int(b["attention_mask"].sum()) for b in window]
+    groups = [[0], [1]]
+    assert pack.choose(window, [sum(lengths) + 10 ** 6, 1], groups) != "rows"  # more positions than padded
+
+
+def test_the_measured_cost_is_kept_in_the_output_dir_and_read_back(tiny_llama, clm_texts, tmp_path, monkeypatch):
+    """``packer_for`` with the run's loss measures the cost on the model (every coefficient >= 0, five probes),
+    keeps it in ``packing_cost.json``, says it on the banner; a second run in that output directory (a resume)
+    reads it back without measuring, so it chooses every window's layout as the first did."""
+    from types import SimpleNamespace
+
+    from finetune.data import packing_cost
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    config = SimpleNamespace(padding_free=False, packing=True, packing_strategy="window_bfd", max_length=48,
+                             block_size=None, max_tokens_per_micro_batch=None, per_device_train_batch_size=4,
+                             output_dir=str(tmp_path))
+    before = [p.detach().clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    pack = packing.packer_for(config, CausalLM(), model, loss_sum=CausalLM().loss_sum)
+    assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    cost = pack.cost
+    assert len(cost.probes) == 5 and min(cost.per_micro_batch, cost.per_position, cost.per_score) >= 0
+    assert "measured cost" in pack.note and (tmp_path / packing_cost.FILE).is_file()
+    _, window = _window(tiny_llama, clm_texts)
+    first = pack.choose(window, *_rows_and_groups(pack, window))
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(packing_cost, "measure", no_measuring)
+    again = packing.packer_for(config, CausalLM(), model, loss_sum=CausalLM().loss_sum)
+    assert again.cost == cost and again.choose(window, *_rows_and_groups(again, window)) == first
+    other = SimpleNamespace(**{**vars(config), "max_length": 32})  # another row length: measured anew
+    with pytest.raises(AssertionError, match="measured again"):
+        packing.packer_for(other, CausalLM(), model, loss_sum=CausalLM().loss_sum)
+
+
+def _rows_and_groups(pack, window):
+    samples = [s for batch in window for s in packing.unpad(batch)]
+    lengths = [sum(len(samples[i]["input_ids"]) for i in b)
+               for b in packing.balanced_rows([len(s["input_ids"]) for s in samples], pack.row_length)]
+    return lengths, packing.group_rows(lengths, pack.budget, None)

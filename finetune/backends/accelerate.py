@@ -105,11 +105,12 @@ def setup(config, recipe) -> Setup:
     eval_dataloader = DataLoader(datasets["validation"], shuffle=False, batch_size=config.per_device_eval_batch_size,
                                  **loader_options)
     prepared = engine.prepare(config, model, train_dataloader, eval_dataloader, lambda n: plan_steps(n, config))
+    micro_batch_loss = loss_function(task, config, accelerator)
     pack = packing.packer_for(config, task, accelerator.unwrap_model(prepared.model), engine,
-                              precision=precision)
+                              precision=precision, loss_sum=micro_batch_loss)
     return Setup(accelerator, engine, prepared.model, tokenizer, prepared.optimizer, prepared.scheduler,
                  prepared.train_dataloader, prepared.eval_dataloader, prepared.plan, precision, task, recipe.METRICS,
-                 raw_validation, layout, loss_function(task, config, accelerator), pack, datasets["train"])
+                 raw_validation, layout, micro_batch_loss, pack, datasets["train"])
 
 
 # ------------------------------------------------------------------------------------------ the loop

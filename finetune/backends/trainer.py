@@ -316,7 +316,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     if (config.padding_free or config.packing) and not engine_kind.shards_weights:
         model = model.to(args.device)
     pack = packing.packer_for(config, task, model, engine_kind, exact=True,
-                              precision=precision_hint)
+                              precision=precision_hint, loss_sum=task.loss_sum)
     processes = args.world_size
     plan = plan_steps(micro_batches_per_process(len(datasets["train"]), config.per_device_train_batch_size, processes),
                       config)

@@ -22,6 +22,7 @@ import json
 import re
 import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 import transformers
@@ -29,6 +30,7 @@ from transformers import GenerationConfig
 
 from finetune.argv import take_switch, take_values, wants_help
 from finetune.config import parse_config
+from finetune.data import packing_cost
 from finetune.data.chat import require_chat_template
 from finetune.data.loading import load_tokenizer
 from finetune.data.packing import budget as packing_budget
@@ -107,16 +109,29 @@ def packing_line(config, lengths: list[int], global_batch: int) -> str:
     (``packing.packing_summary``)."""
     order = [lengths[i] for i in training_order(lengths, config.train_sampling_strategy, global_batch, config.seed)]
     budget = packing_budget(config)
+    output_dir = getattr(config, "output_dir", None)
+    cost = packing_cost.load(output_dir, None) if config.packing and output_dir else None
     summary = packing_summary([order[i:i + global_batch] for i in range(0, len(order), global_batch)],
                               config.per_device_train_batch_size, budget if config.packing else None,
                               config.packing_strategy if config.packing else None, row_length(config),
-                              exact=config.backend == "trainer")
-    return (f"Packing ({flag_of(config)}" + (f", rows of at most {row_length(config)} tokens, at most {budget} "
+                              exact=config.backend == "trainer", cost=cost)
+    line = (f"Packing ({flag_of(config)}" + (f", rows of at most {row_length(config)} tokens, at most {budget} "
                                              "positions per micro-batch" if config.packing else "")
             + f"): {summary['micro_batches_per_step']:.1f} micro-batches per step (max "
             f"{summary['max_micro_batches_per_step']}), {summary['tokens_per_micro_batch']:.0f} tokens per micro-batch "
             f"(max {summary['max_tokens_per_micro_batch']}); padding {summary['padding_fraction_before']:.1%} of "
             f"positions before, {summary['padding_fraction_after']:.1%} after")
+    if not config.packing:
+        return line
+    positions = summary["positions"]
+    line += (f"\nPacking layouts, positions over the epoch: padded {positions['padded']:,}, packed rows "
+             f"{positions['rows']:,}, one padding-free row per micro-batch {positions['padding_free']:,}; ")
+    if cost is None:
+        return line + ("each step's layout is chosen at the start of training by the cost it measures on the model "
+                       "(the banner says it; then check-data reads it from --output_dir)")
+    layouts = ", ".join(f"{name.replace('_', ' ')} {count}" for name, count in summary["layouts"].items())
+    return line + (f"steps per layout by the cost kept in {Path(output_dir) / packing_cost.FILE} "
+                   f"({cost.describe()}): {layouts}")
 
 
 def padding_fraction(lengths: list[int] | list[tuple[int, ...]], micro_batch: int, strategy: str, global_batch: int,

@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from finetune.data import packing_cost
 from finetune.data.loading import IGNORE_INDEX
 from finetune.errors import FinetuneError
 
@@ -155,6 +156,27 @@ def group_rows(lengths: list[int], budget: int, count: int | None = None) -> lis
     return groups
 
 
+def choose_layout(cost, micro_batch_tokens: list[int], padded_positions: int, lengths: list[int],
+                  groups: list[list[int]]) -> tuple[str, dict[str, int]]:
+    """(the layout of ``LAYOUT_NAMES`` that ``cost``, a ``packing_cost.LayoutCost``, predicts fastest for a window,
+    each layout's positions). ``micro_batch_tokens``: the tokens of the window's padded micro-batches;
+    ``padded_positions``: their positions, padding included; ``lengths``: the packed rows' tokens; ``groups``: those
+    rows per micro-batch (``group_rows``). The packed rows are not taken with more positions than the padded window;
+    ties go to the fewer positions, then to the order of ``LAYOUT_NAMES``."""
+    positions = {"rows": sum(len(g) * max((lengths[i] for i in g), default=1) for g in groups),
+                 "one_row": sum(micro_batch_tokens), "padding_free": sum(micro_batch_tokens)}
+    seconds = {"rows": sum(cost.seconds([lengths[i] for i in g]) for g in groups),
+               "one_row": sum(cost.seconds([sum(lengths[i] for i in g)] if g else []) for g in groups),
+               "padding_free": sum(cost.seconds([n]) for n in micro_batch_tokens)}
+    allowed = [name for name in LAYOUT_NAMES if name != "rows" or positions["rows"] <= padded_positions]
+    return min(allowed, key=lambda name: (seconds[name], positions[name], LAYOUT_NAMES.index(name))), positions
+
+
+# the layouts a packed window can run in (``Packer.choose``): the packed rows, padded per micro-batch; the same
+# micro-batches each as one row; the window's own micro-batches each as one row (``--padding_free``)
+LAYOUT_NAMES = ("rows", "one_row", "padding_free")
+
+
 class Packer:
     """Turns an accumulation window (this process's list of padded micro-batches) into the micro-batches it runs.
 
@@ -169,13 +191,21 @@ class Packer:
     attention implementation that separates packed sequences only in a batch of one row (``flash_attention_2``:
     ``packer_for`` picks it from the per-sequence check).
 
+    ``cost`` (a measured ``packing_cost.LayoutCost``): per window, the layout it predicts fastest of three, all
+    the window's samples: the packed rows (above); the packed rows grouped the same way, each micro-batch's as one
+    row; or the window's own micro-batches each flattened into one row (``--padding_free``'s layout: no more
+    positions than the padding-free run). The packed rows are never taken with more positions than the padded
+    window. ``layouts`` counts the windows run in each (``LAYOUT_NAMES``).
+
     Returns a list of padding-free batches (``flatten`` rows or ``Rows``)."""
 
     def __init__(self, strategy: str | None, budget: int | None = None, row_length: int | None = None,
-                 pad_token_id: int = 0, exact: bool = False, one_row: bool = False):
+                 pad_token_id: int = 0, exact: bool = False, one_row: bool = False, cost=None):
         self.strategy, self.budget, self.pad_token_id, self.exact = strategy, budget, pad_token_id, exact
         self.row_length = min(row_length, budget) if row_length and budget else (row_length or budget)
         self.one_row = one_row or strategy is None
+        self.cost = cost if strategy and not one_row else None
+        self.layouts = dict.fromkeys(LAYOUT_NAMES, 0)
         # what the banner adds (the flags' own line is reporting.packing_banner): said when the layout is not the asked one
         self.note = ("Packing: each micro-batch's rows run as one row: this attention implementation keeps packed "
                      "sequences apart only in a one-row batch (per-sequence check)") if one_row and strategy else None
@@ -188,11 +218,23 @@ class Packer:
                 for b in balanced_rows([len(s["input_ids"]) for s in samples], self.row_length)]
         lengths = [sum(len(s["input_ids"]) for s in row) for row in rows]
         groups = group_rows(lengths, self.budget, len(window) if self.exact else None)
+        layout = "one_row" if self.one_row else self.choose(window, lengths, groups)
+        self.layouts[layout] += 1
         device = window[0]["input_ids"].device  # an empty micro-batch has no sample to take it from
-        if self.one_row:
+        if layout == "padding_free":
+            return [flatten(unpad(batch)) for batch in window]
+        if layout == "one_row":
             return [flatten([s for i in group for s in rows[i]]) if group else pack_rows([], self.pad_token_id, device)
                     for group in groups]
         return [pack_rows([rows[i] for i in group], self.pad_token_id, device) for group in groups]
+
+    def choose(self, window: list[dict], lengths: list[int], groups: list[list[int]]) -> str:
+        """``choose_layout`` for this window (``lengths``: its packed rows' tokens, ``groups``: those rows per
+        micro-batch): "rows" without a cost."""
+        if self.cost is None:
+            return "rows"
+        return choose_layout(self.cost, [int(batch["attention_mask"].sum()) for batch in window],
+                             sum(batch["input_ids"].numel() for batch in window), lengths, groups)[0]
 
     @property
     def eval_row_length(self) -> int | None:
@@ -228,14 +270,18 @@ def eval_outputs(forward, batch: dict, labels: torch.Tensor, task, row_length: i
 
 
 def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget: int | None,
-                    strategy: str | None, row_length: int | None = None, exact: bool = False) -> dict:
+                    strategy: str | None, row_length: int | None = None, exact: bool = False, cost=None) -> dict:
     """What packing does to a run's steps, for ``check-data`` and the banner, computed as ``Packer`` packs.
     ``lengths_per_step``: per optimizer step (of one process), the token lengths of its samples in order;
-    ``micro_batch``: samples per padded micro-batch; ``budget``, ``row_length`` and ``exact`` as ``Packer``'s.
-    Returns micro-batches per step (mean, max), input tokens per micro-batch (mean, max) and the padding
-    fraction (computed positions that hold no token) before (padded micro-batches) and after."""
+    ``micro_batch``: samples per padded micro-batch; ``budget``, ``row_length``, ``exact`` and ``cost`` as
+    ``Packer``'s. Returns micro-batches per step (mean, max), input tokens per micro-batch (mean, max), the padding
+    fraction (computed positions that hold no token) before (padded micro-batches) and after, the positions each
+    layout would compute (``positions``: padded, rows, padding_free) and the steps run in each layout
+    (``layouts``)."""
     padded = real = after = 0
     after_batches, after_tokens = [], []
+    layouts = dict.fromkeys(LAYOUT_NAMES, 0)
+    totals = {"padded": 0, "rows": 0, "padding_free": 0}
     for lengths in lengths_per_step:
         chunks = [lengths[i:i + micro_batch] for i in range(0, len(lengths), micro_batch)]
         padded += sum(max(c) * len(c) for c in chunks)
@@ -245,8 +291,21 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
         else:
             rows = [sum(lengths[i] for i in b) for b in balanced_rows(lengths, min(row_length or budget, budget))]
             groups = group_rows(rows, budget, len(chunks) if exact else None)
-            sizes = [sum(rows[i] for i in g) for g in groups]
-            positions = sum(len(g) * max((rows[i] for i in g), default=1) for g in groups)
+            layout, each = (choose_layout(cost, [sum(c) for c in chunks], sum(max(c) * len(c) for c in chunks), rows,
+                                          groups) if cost is not None else
+                            ("rows", {"rows": sum(len(g) * max((rows[i] for i in g), default=1) for g in groups)}))
+            layouts[layout] += 1
+            totals["rows"] += each["rows"]
+            if layout == "padding_free":
+                sizes, positions = [sum(c) for c in chunks], sum(lengths)
+            elif layout == "one_row":
+                sizes = [sum(rows[i] for i in g) for g in groups]
+                positions = sum(lengths)
+            else:
+                sizes = [sum(rows[i] for i in g) for g in groups]
+                positions = each["rows"]
+        totals["padded"] += sum(max(c) * len(c) for c in chunks)
+        totals["padding_free"] += sum(lengths)
         after_batches.append(len(sizes))
         after_tokens.extend(sizes)
         after += positions
@@ -255,7 +314,8 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
             "tokens_per_micro_batch": sum(after_tokens) / max(len(after_tokens), 1),
             "max_tokens_per_micro_batch": max(after_tokens, default=0),
             "padding_fraction_before": 1 - real / padded if padded else 0.0,
-            "padding_fraction_after": 1 - real / after if after else 0.0}
+            "padding_fraction_after": 1 - real / after if after else 0.0,
+            "positions": totals, "layouts": layouts}
 
 
 # ------------------------------------------------------------------------------------------ the per-sequence check
@@ -373,7 +433,28 @@ def flag_of(config) -> str:
     return f"--packing --packing_strategy {config.packing_strategy}" if config.packing else "--padding_free"
 
 
-def packer_for(config, task, model, engine=None, exact: bool = False, precision: str = "no") -> Packer | None:
+def layout_cost(config, model, loss_sum, precision: str = "no"):
+    """The ``packing_cost.LayoutCost`` a ``--packing`` run chooses its layouts by: the one kept in
+    ``config.output_dir`` for this model, row length, budget and precision when every process finds it there
+    (a resumed run), else measured now (``packing_cost.measure``, on every process, its probes in lockstep); each
+    coefficient is then the largest over the processes, so all choose alike, and the main process keeps it in the
+    output directory. Collective: every process must call it."""
+    from finetune import distributed
+
+    key = packing_cost.cost_key(model, row_length(config), budget(config), precision)
+    reduce = distributed.all_reduce_max(distributed.distributed_state())
+    cost = packing_cost.load(config.output_dir, key)
+    if reduce(0.0 if cost is not None else 1.0) > 0:  # a process has none: every process measures
+        cost = packing_cost.measure(model, loss_sum, row_length(config), budget(config), precision)
+    cost = packing_cost.LayoutCost(*(reduce(value) for value in (cost.per_micro_batch, cost.per_position,
+                                                                 cost.per_score)), probes=cost.probes, key=key)
+    if distributed.is_main_process():
+        packing_cost.save(config.output_dir, cost)
+    return cost
+
+
+def packer_for(config, task, model, engine=None, exact: bool = False, precision: str = "no",
+               loss_sum=None) -> Packer | None:
     """The ``Packer`` ``--padding_free`` / ``--packing`` ask for (None when neither), after the per-sequence check on
     ``model`` (the unwrapped model, before training). ``engine``: the run's engine (``finetune.engine``, an instance
     or its class; None: plain). ``exact``: a packed window keeps its number of micro-batches: asked by the Trainer
@@ -383,7 +464,9 @@ def packer_for(config, task, model, engine=None, exact: bool = False, precision:
     under that autocast, within that precision's tolerance (``separated_layouts``). Raises ``FinetuneError`` (one line, before anything is written) for a task other than causal
     LM/SFT, ``--max_tokens_per_micro_batch`` under such an engine (unused there), or a model that fails the
     check in the layout it would run (``--padding_free``: one row; ``--packing``: several rows per micro-batch, or
-    one row, ``Packer(one_row=True)``, where only that layout keeps the samples apart)."""
+    one row, ``Packer(one_row=True)``, where only that layout keeps the samples apart). ``loss_sum(model, batch)``:
+    the run's micro-batch loss; given, ``--packing`` chooses each window's layout by the cost measured with it
+    (``layout_cost``; collective), else it runs the packed rows."""
     if not (config.padding_free or config.packing):
         return None
     flag = flag_of(config)
@@ -411,5 +494,11 @@ def packer_for(config, task, model, engine=None, exact: bool = False, precision:
     if not config.packing:
         return Packer(None)
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    return Packer(config.packing_strategy, budget(config), row_length(config),
-                  pad_token_id=pad if isinstance(pad, int) else 0, exact=exact, one_row=one_row)
+    cost = layout_cost(config, model, loss_sum, precision) if loss_sum is not None and not one_row else None
+    packer = Packer(config.packing_strategy, budget(config), row_length(config),
+                    pad_token_id=pad if isinstance(pad, int) else 0, exact=exact, one_row=one_row, cost=cost)
+    if cost is not None:
+        packer.note = ("Packing: per window, the layout the measured cost predicts fastest (packed rows, their "
+                       "micro-batches as one row each, or the window's micro-batches as one row each); measured: "
+                       f"{cost.describe()}")
+    return packer
