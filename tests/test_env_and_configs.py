@@ -202,3 +202,23 @@ def test_both_spellings_of_the_flag_are_resolved_and_other_flags_kept(tmp_path, 
         "--num_processes", "2", "--config_file", str(CONFIGS / "multi_gpu.yaml"), "--multi_gpu"]
     assert resolve_config_flag(["--config_file=deepspeed_zero3.yaml"]) == [
         f"--config_file={CONFIGS / 'deepspeed_zero3.yaml'}"]
+
+
+def test_a_cpu_run_in_fp32_says_whether_bf16_would_help_from_the_cpu_flags():
+    """The banner's note for fp16 asked on a CPU (fp32 runs): native bf16 (AMX, AVX512-BF16) or emulated, from the
+    CPU's flags; the banner of such a run carries it."""
+    from finetune.lifecycle.reporting import cpu_bf16_note
+
+    assert cpu_bf16_note(["amx_bf16", "amx_tile", "avx512f"]).startswith("this CPU has AMX: --mixed_precision bf16")
+    assert "AMX and AVX512-BF16" in cpu_bf16_note(["avx512_bf16", "amx_bf16"])
+    assert cpu_bf16_note(["avx512f", "avx2"]).startswith("bf16 would not help here: this CPU has neither")
+    assert cpu_bf16_note([]).startswith("bf16 would not help here")
+    from finetune.config import parse_config
+    from finetune.lifecycle.reporting import run_banner
+    from finetune.lifecycle.window import StepPlan
+
+    config = parse_config(["--recipe", "bbc-news", "--mixed_precision", "fp16"])
+    plan = StepPlan(steps_per_epoch=2, micro_batches_per_epoch=4, max_steps=2, num_epochs=1)
+    banner = run_banner(config, 1, plan, "no", "cpu")
+    assert banner.endswith("so this run is fp32; " + cpu_bf16_note())
+    assert cpu_bf16_note() not in run_banner(config, 1, plan, "fp16", "cuda")

@@ -21,6 +21,7 @@ from finetune.engine.precision import PRECISION_NAMES
 from finetune.lifecycle.card import write_model_card
 from finetune.lifecycle.flops import peak_flops, training_flops_per_token
 from finetune.lifecycle.peak import matmul_peak
+from finetune.machine import cpu_features
 
 
 def packing_banner(config) -> str:
@@ -57,12 +58,27 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
     if precision != config.mixed_precision:
         text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")
+        if device_type == "cpu" and precision == "no":
+            text += "; " + cpu_bf16_note()
     if config.disable_dropout:  # said only when it is so: checked on the model as it will train
         left = dropout_left(model) if model is not None else None
         text += ("\nDropout: off (--disable_dropout; checked: no dropout module, attribute or config probability "
                  "above 0)" if left == [] else "\nDropout: --disable_dropout asked, but " +
                  ("the model was not checked" if left is None else f"still on: {', '.join(left[:5])}"))
     return text
+
+
+def cpu_bf16_note(features: list[str] | None = None) -> str:
+    """What ``--mixed_precision bf16`` would run on this CPU, from its flags (``machine.cpu_features``, or
+    ``features``): native bf16 matmuls (AVX512-BF16, AMX) or emulated ones, for the banner of a CPU run in fp32. The
+    measured figures per CPU: docs/benchmarks.md."""
+    features = cpu_features() if features is None else features
+    native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in features]
+    if native:
+        return (f"this CPU has {' and '.join(native)}: --mixed_precision bf16 runs its matmuls in bf16 "
+                "(faster there; measured per CPU in docs/benchmarks.md)")
+    return ("bf16 would not help here: this CPU has neither AVX512-BF16 nor AMX, so --mixed_precision bf16 would "
+            "run emulated bf16 matmuls, slower than fp32 (`finetune env` measures both)")
 
 
 def peak_memory(device) -> tuple[int, str]:
