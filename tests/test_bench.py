@@ -228,7 +228,7 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
     assert padded["padding_fraction"] > 0.2
     cost = data["layout_cost"]  # measured on the model; each step of "packed" in the layout it predicts fastest
     assert len(cost["probes"]) == 5 and min(cost["per_micro_batch"], cost["per_position"], cost["per_score"]) >= 0
-    assert len(data["packed_layouts"]) == 3 and set(data["packed_layouts"]) <= {"rows", "one_row", "padding_free"}
+    assert len(data["packed_layouts"]) == 3 and set(data["packed_layouts"]) <= {"rows", "one_row", "padding_free", "padded"}
     assert "layout per step: " + ", ".join(data["packed_layouts"]) in out
     for mode in modes[1:]:
         assert data["modes"][mode]["padding_fraction"] < padded["padding_fraction"] / 2, mode

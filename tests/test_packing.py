@@ -565,9 +565,9 @@ def test_check_data_packing_line_counts_steps_and_padding():
 
 def test_check_data_counts_the_steps_per_layout_by_the_kept_cost(tmp_path):
     """``packing_summary`` with a cost chooses each step's layout as the packer does. One step of 9, 6, 1, 1 tokens,
-    micro-batch 2 (padded [9, 6] and [1, 1]: 20 positions), rows of 9 under 18 positions: packed rows [9] and
-    [6, 1, 1], one (2, 9) micro-batch (18 positions, 162 scores); as one row, 17 positions and 289 scores; the
-    micro-batches flattened, rows of 15 and 2 (17 positions, 229 scores). With ``packing_cost.json`` in
+    micro-batch 2 (padded [9, 6] and [1, 1]: 20 positions, 164 scores), rows of 9 under 18 positions: packed rows
+    [9] and [6, 1, 1], one (2, 9) micro-batch (18 positions, 162 scores); as one row, 17 positions and 289 scores;
+    the micro-batches flattened, rows of 15 and 2 (17 positions, 229 scores). With ``packing_cost.json`` in
     ``--output_dir``, check-data's line says it read that cost and counts the steps per layout."""
     from types import SimpleNamespace
 
@@ -579,10 +579,13 @@ def test_check_data_counts_the_steps_per_layout_by_the_kept_cost(tmp_path):
         assert summary["positions"] == {"padded": 20, "rows": 18, "padding_free": 17}
         return [name for name, n in summary["layouts"].items() if n]
 
-    assert layouts(0.0, 0.0, 1.0) == ["rows"]  # attention alone: 162 < 229 < 289
+    assert layouts(0.0, 0.0, 1.0) == ["rows"]  # attention alone: 162 < 164 < 229 < 289
     assert layouts(0.0, 1.0, 0.01) == ["padding_free"]  # 17 + 2.29 < 18 + 1.62 < 17 + 2.89
     assert layouts(0.0, 1.0, 0.0) == ["one_row"]  # positions alone: 17 = 17 < 18, the tie to one_row
     assert layouts(1.0, 0.0, 0.0) == ["one_row"]  # a micro-batch dear: 1 = 1 < 2, the tie to fewer positions
+    # equal lengths pad nothing: packing [8, 8] rows only lengthens them (512 scores against the padded 256)
+    equal = packing.packing_summary([[8, 8, 8, 8]], 2, 32, "window_bfd", 16, cost=packing_cost.LayoutCost(0.0, 0.0, 1.0))
+    assert [name for name, n in equal["layouts"].items() if n] == ["padded"] and equal["padding_fraction_after"] == 0
     packing_cost.save(tmp_path, packing_cost.LayoutCost(0.0, 1.0, 0.0))
     config = SimpleNamespace(train_sampling_strategy="random", seed=0, max_tokens_per_micro_batch=18,
                              per_device_train_batch_size=2, max_length=9, block_size=None, packing=True,
@@ -590,7 +593,7 @@ def test_check_data_counts_the_steps_per_layout_by_the_kept_cost(tmp_path):
                              output_dir=str(tmp_path))
     line = packing_line(config, [9, 6, 1, 1], 4)
     assert f"steps per layout by the cost kept in {tmp_path / packing_cost.FILE}" in line
-    assert line.endswith("rows 0, one row 1, padding free 0")
+    assert line.endswith("rows 0, one row 1, padding free 0, padded 0")
     assert "one padding-free row per micro-batch 17" in line
 
 

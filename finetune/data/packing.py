@@ -156,25 +156,29 @@ def group_rows(lengths: list[int], budget: int, count: int | None = None) -> lis
     return groups
 
 
-def choose_layout(cost, micro_batch_tokens: list[int], padded_positions: int, lengths: list[int],
+def choose_layout(cost, micro_batch_tokens: list[int], padded_shapes: list[tuple[int, int]], lengths: list[int],
                   groups: list[list[int]]) -> tuple[str, dict[str, int]]:
     """(the layout of ``LAYOUT_NAMES`` that ``cost``, a ``packing_cost.LayoutCost``, predicts fastest for a window,
     each layout's positions). ``micro_batch_tokens``: the tokens of the window's padded micro-batches;
-    ``padded_positions``: their positions, padding included; ``lengths``: the packed rows' tokens; ``groups``: those
-    rows per micro-batch (``group_rows``). The packed rows are not taken with more positions than the padded window;
-    ties go to the fewer positions, then to the order of ``LAYOUT_NAMES``."""
+    ``padded_shapes``: their (rows, width) shapes; ``lengths``: the packed rows' tokens; ``groups``: those rows per
+    micro-batch (``group_rows``). The packed rows are not taken with more positions than the padded window; ties go
+    to the fewer positions, then to the order of ``LAYOUT_NAMES``."""
+    padded_positions = sum(rows * width for rows, width in padded_shapes)
     positions = {"rows": sum(len(g) * max((lengths[i] for i in g), default=1) for g in groups),
-                 "one_row": sum(micro_batch_tokens), "padding_free": sum(micro_batch_tokens)}
+                 "one_row": sum(micro_batch_tokens), "padding_free": sum(micro_batch_tokens),
+                 "padded": padded_positions}
     seconds = {"rows": sum(cost.seconds([lengths[i] for i in g]) for g in groups),
                "one_row": sum(cost.seconds([sum(lengths[i] for i in g)] if g else []) for g in groups),
-               "padding_free": sum(cost.seconds([n]) for n in micro_batch_tokens)}
+               "padding_free": sum(cost.seconds([n]) for n in micro_batch_tokens),
+               "padded": sum(cost.seconds([width] * rows) for rows, width in padded_shapes)}
     allowed = [name for name in LAYOUT_NAMES if name != "rows" or positions["rows"] <= padded_positions]
     return min(allowed, key=lambda name: (seconds[name], positions[name], LAYOUT_NAMES.index(name))), positions
 
 
 # the layouts a packed window can run in (``Packer.choose``): the packed rows, padded per micro-batch; the same
-# micro-batches each as one row; the window's own micro-batches each as one row (``--padding_free``)
-LAYOUT_NAMES = ("rows", "one_row", "padding_free")
+# micro-batches each as one row; the window's own micro-batches each as one row (``--padding_free``); the window's
+# padded micro-batches as they are
+LAYOUT_NAMES = ("rows", "one_row", "padding_free", "padded")
 
 
 class Packer:
@@ -191,11 +195,12 @@ class Packer:
     attention implementation that separates packed sequences only in a batch of one row (``flash_attention_2``:
     ``packer_for`` picks it from the per-sequence check).
 
-    ``cost`` (a measured ``packing_cost.LayoutCost``): per window, the layout it predicts fastest of three, all
+    ``cost`` (a measured ``packing_cost.LayoutCost``): per window, the layout it predicts fastest of four, all
     the window's samples: the packed rows (above); the packed rows grouped the same way, each micro-batch's as one
-    row; or the window's own micro-batches each flattened into one row (``--padding_free``'s layout: no more
-    positions than the padding-free run). The packed rows are never taken with more positions than the padded
-    window. ``layouts`` counts the windows run in each (``LAYOUT_NAMES``).
+    row; the window's own micro-batches each flattened into one row (``--padding_free``'s layout: no more
+    positions than the padding-free run); or the window's padded micro-batches as they are. The packed rows are
+    never taken with more positions than the padded window. ``layouts`` counts the windows run in each
+    (``LAYOUT_NAMES``).
 
     Returns a list of padding-free batches (``flatten`` rows or ``Rows``)."""
 
@@ -223,6 +228,8 @@ class Packer:
         device = window[0]["input_ids"].device  # an empty micro-batch has no sample to take it from
         if layout == "padding_free":
             return [flatten(unpad(batch)) for batch in window]
+        if layout == "padded":
+            return window
         if layout == "one_row":
             return [flatten([s for i in group for s in rows[i]]) if group else pack_rows([], self.pad_token_id, device)
                     for group in groups]
@@ -234,7 +241,7 @@ class Packer:
         if self.cost is None:
             return "rows"
         return choose_layout(self.cost, [int(batch["attention_mask"].sum()) for batch in window],
-                             sum(batch["input_ids"].numel() for batch in window), lengths, groups)[0]
+                             [tuple(batch["input_ids"].shape) for batch in window], lengths, groups)[0]
 
     @property
     def eval_row_length(self) -> int | None:
@@ -291,13 +298,15 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
         else:
             rows = [sum(lengths[i] for i in b) for b in balanced_rows(lengths, min(row_length or budget, budget))]
             groups = group_rows(rows, budget, len(chunks) if exact else None)
-            layout, each = (choose_layout(cost, [sum(c) for c in chunks], sum(max(c) * len(c) for c in chunks), rows,
+            layout, each = (choose_layout(cost, [sum(c) for c in chunks], [(len(c), max(c)) for c in chunks], rows,
                                           groups) if cost is not None else
                             ("rows", {"rows": sum(len(g) * max((rows[i] for i in g), default=1) for g in groups)}))
             layouts[layout] += 1
             totals["rows"] += each["rows"]
             if layout == "padding_free":
                 sizes, positions = [sum(c) for c in chunks], sum(lengths)
+            elif layout == "padded":
+                sizes, positions = [sum(c) for c in chunks], sum(max(c) * len(c) for c in chunks)
             elif layout == "one_row":
                 sizes = [sum(rows[i] for i in g) for g in groups]
                 positions = sum(lengths)
