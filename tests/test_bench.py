@@ -231,6 +231,9 @@ def test_bench_packing_smoke(capsys, tmp_path, tiny_llama, clm_texts):
     assert len(data["packed_layouts"]) == 3 and set(data["packed_layouts"]) <= {"rows", "one_row", "padding_free", "padded"}
     assert "layout per step: " + ", ".join(data["packed_layouts"]) in out
     for mode in modes[1:]:
+        if mode == "packed":  # the measured cost may keep a step padded (on this tiny model): never more positions
+            assert data["modes"][mode]["padding_fraction"] <= padded["padding_fraction"] + 1e-12
+            continue
         assert data["modes"][mode]["padding_fraction"] < padded["padding_fraction"] / 2, mode
         assert data["modes"][mode]["padded_tokens_per_s"] / data["modes"][mode]["input_tokens_per_s"] < \
             padded["padded_tokens_per_s"] / padded["input_tokens_per_s"], mode

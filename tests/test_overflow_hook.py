@@ -74,6 +74,25 @@ def test_only_the_faults_the_environment_asks_for_are_installed():
     assert hooked({OVERFLOW_STEPS_ENV: "2,3"}) == ["accelerate.accelerator"]
 
 
+def test_a_fixed_layout_cost_replaces_the_measurement(monkeypatch):
+    """``FAULT_LAYOUT_COST=A,B,C`` hooks ``finetune.data.packing_cost``: its ``measure`` then returns that cost, with
+    the key the real one gives, so a launched packed run chooses its layouts the same way on any machine."""
+    import torch
+    from faults.finetune_faults import LAYOUT_COST_ENV
+
+    from finetune.data import packing_cost
+
+    callbacks = []
+    install_on_import({LAYOUT_COST_ENV: "0,1e-6,2"}, after=lambda name, callback: callbacks.append((name, callback)))
+    assert [name for name, _ in callbacks] == ["finetune.data.packing_cost"]
+    monkeypatch.setattr(packing_cost, "measure", packing_cost.measure)  # undone after the test
+    callbacks[0][1](packing_cost)
+    model = torch.nn.Linear(2, 2)
+    cost = packing_cost.measure(model, None, 64, 128, "bf16")
+    assert (cost.per_micro_batch, cost.per_position, cost.per_score) == (0.0, 1e-6, 2.0)
+    assert cost.key == packing_cost.cost_key(model, 64, 128, "bf16")
+
+
 def test_the_fault_reaches_the_loop_at_that_step(tmp_path, tiny_bert, faults):
     from finetune.errors import NumericalError
 

@@ -338,13 +338,17 @@ def _relative(a: dict, b: dict) -> float:
     return diff / sum(float(b[k].double().norm() ** 2) for k in b) ** 0.5
 
 
-def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_llama, clm_texts):
+def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_llama, clm_texts, monkeypatch):
     """40 samples, 8 per step: padded 8 x 1; padding-free 2 x 4 (both backends); packed under a 96-position budget
     (several one-row micro-batches per step), at its default budget (8 rows of --max_length 64: micro-batches of
     several padded rows) and in the Trainer backend (2 x 4: four micro-batches per step, as Trainer counts them)
     take the same 5 optimizer steps: same samples, items and losses per step, and the same weights to float
     rounding (relative norm of the whole difference; Adam turns rounding noise on zero-gradient tensors into
-    lr-sized steps, docs/design-notes.md)."""
+    lr-sized steps, docs/design-notes.md). The layout cost is fixed (attention alone: the packed rows), so that the
+    packed runs run the rows on any machine."""
+    from finetune.data import packing_cost
+
+    monkeypatch.setattr(packing_cost, "measure", lambda *args, **kwargs: packing_cost.LayoutCost(0.0, 0.0, 1.0))
     kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], **CLM)
     _, ref = run_in_process(tmp_path, "ref", per_device_train_batch_size=8, gradient_accumulation_steps=1, **kw)
     runs = {name: run_in_process(tmp_path, name, **flags, **kw)[1] for name, flags in [
@@ -430,7 +434,8 @@ def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
     Trainer backend 2 micro-batches per step on each process): same samples, items, losses and weights. Each
     process all-reduces in exactly one backward per optimizer step, its last (DDP's comm hook observed by
     ``tests/faults`` ``install_sync_log``), and ends the process group in ``distributed.leave``
-    (``install_leave_log``)."""
+    (``install_leave_log``). The packed runs' layout cost is fixed (attention alone: the packed rows, whose count
+    differs between the processes), not measured."""
     from helpers import fault_env, launch, leave_records
 
     common = ["--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama, "--train_file", clm_texts[0],
@@ -447,7 +452,7 @@ def test_two_processes_packed_equals_padded(tmp_path, tiny_llama, clm_texts):
         outs[name], log = tmp_path / name, tmp_path / f"{name}-syncs"
         log.mkdir()
         result = launch(common + ["--output_dir", str(outs[name]), *extra], num_processes=2, timeout=900,
-                        env=fault_env(sync_log=str(log), leave_log=str(log)))
+                        env=fault_env(sync_log=str(log), leave_log=str(log), layout_cost="0,0,1"))
         assert result.returncode == 0, result.stderr[-3000:]
         # each process left the group once, its last owner gone with it (the model freed first: run.run)
         assert leave_records(log) == [{"group_started": True, "handle_alive": False}] * 2, name
@@ -706,9 +711,10 @@ def test_packed_rows_win_where_rows_are_cheap_and_are_never_taken_above_the_padd
 
 
 def test_the_measured_cost_is_kept_in_the_output_dir_and_read_back(tiny_llama, clm_texts, tmp_path, monkeypatch):
-    """``packer_for`` with the run's loss measures the cost on the model (every coefficient >= 0, five probes),
-    keeps it in ``packing_cost.json``, says it on the banner; a second run in that output directory (a resume)
-    reads it back without measuring, so it chooses every window's layout as the first did."""
+    """``packer_for`` with the run's loss measures the cost on the model (every coefficient >= 0, five probes; the
+    model's weights, gradients and the RNG untouched) and says it on the banner; ``keep`` writes it to
+    ``packing_cost.json``; a resumed run in that output directory reads it back without measuring, so it chooses
+    every window's layout as the first did; a fresh run, or another row length, measures anew."""
     from types import SimpleNamespace
 
     from finetune.data import packing_cost
@@ -724,7 +730,9 @@ def test_the_measured_cost_is_kept_in_the_output_dir_and_read_back(tiny_llama, c
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     cost = pack.cost
     assert len(cost.probes) == 5 and min(cost.per_micro_batch, cost.per_position, cost.per_score) >= 0
-    assert "measured cost" in pack.note and (tmp_path / packing_cost.FILE).is_file()
+    assert "measured cost" in pack.note and not (tmp_path / packing_cost.FILE).exists()
+    pack.keep(tmp_path)  # the backends, once the output directory is prepared
+    assert packing_cost.load(tmp_path, cost.key) == cost
     _, window = _window(tiny_llama, clm_texts)
     first = pack.choose(window, *_rows_and_groups(pack, window))
 
@@ -732,11 +740,12 @@ def test_the_measured_cost_is_kept_in_the_output_dir_and_read_back(tiny_llama, c
         raise AssertionError("measured again")
 
     monkeypatch.setattr(packing_cost, "measure", no_measuring)
-    again = packing.packer_for(config, CausalLM(), model, loss_sum=CausalLM().loss_sum)
+    resumed = SimpleNamespace(**{**vars(config), "resume_from_checkpoint": "latest"})
+    again = packing.packer_for(resumed, CausalLM(), model, loss_sum=CausalLM().loss_sum)
     assert again.cost == cost and again.choose(window, *_rows_and_groups(again, window)) == first
-    other = SimpleNamespace(**{**vars(config), "max_length": 32})  # another row length: measured anew
-    with pytest.raises(AssertionError, match="measured again"):
-        packing.packer_for(other, CausalLM(), model, loss_sum=CausalLM().loss_sum)
+    for fresh in (config, SimpleNamespace(**{**vars(resumed), "max_length": 32})):  # a fresh run; another row length
+        with pytest.raises(AssertionError, match="measured again"):
+            packing.packer_for(fresh, CausalLM(), model, loss_sum=CausalLM().loss_sum)
 
 
 def _rows_and_groups(pack, window):
@@ -744,3 +753,52 @@ def _rows_and_groups(pack, window):
     lengths = [sum(len(samples[i]["input_ids"]) for i in b)
                for b in packing.balanced_rows([len(s["input_ids"]) for s in samples], pack.row_length)]
     return lengths, packing.group_rows(lengths, pack.budget, None)
+
+
+def test_a_packed_run_resumed_chooses_its_layouts_as_before_and_ends_bit_identical(tmp_path, tiny_llama, clm_texts,
+                                                                                   monkeypatch):
+    """A --packing run stopped by SIGTERM during step 3 and resumed ends with the uninterrupted run's losses and
+    weights bit for bit: the resume reads the cost the run kept (``packing_cost.json``) and does not measure,
+    though a new measurement here would choose other layouts. The mutant that drops the kept cost before the
+    resume measures anew, runs other layouts and does not end bit-identical."""
+    from helpers import stop_during_window
+
+    import finetune.backends.accelerate as backend
+    from finetune.data import packing_cost
+    from finetune.errors import TrainingStopped
+
+    rows = packing_cost.LayoutCost(0.0, 0.0, 1.0)  # attention alone: the short packed rows
+    one_row = packing_cost.LayoutCost(1.0, 1e-6, 0.0)  # a micro-batch dear: one row per micro-batch, fewest
+    measured = []
+
+    def measure_as(cost):
+        def measure(*args, **kwargs):
+            measured.append(cost)
+            return cost
+        monkeypatch.setattr(packing_cost, "measure", measure)
+
+    kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1], packing=True,
+              per_device_train_batch_size=4, gradient_accumulation_steps=2, max_tokens_per_micro_batch=128,
+              checkpointing_steps=1, **CLM)
+    measure_as(rows)
+    _, full = run_in_process(tmp_path, "full", **kw)
+    for name in ("killed", "mutant"):
+        original = stop_during_window(monkeypatch, index=2)
+        with pytest.raises(TrainingStopped):
+            run_in_process(tmp_path, name, **kw)
+        monkeypatch.setattr(backend, "iter_windows", original)
+    assert measured == [rows] * 3
+    measure_as(one_row)  # what the resume would choose by, were it to measure
+    _, killed = run_in_process(tmp_path, "killed", resume_from_checkpoint="latest", **kw)
+    assert measured == [rows] * 3  # read back, not measured
+    assert [r["loss"] for r in train_steps(killed)] == [r["loss"] for r in train_steps(full)]
+    full_params, killed_params = load_params(full), load_params(killed)
+    assert all(torch.equal(full_params[k], killed_params[k]) for k in full_params)
+    (tmp_path / "mutant" / packing_cost.FILE).unlink()
+    _, mutant = run_in_process(tmp_path, "mutant", resume_from_checkpoint="latest", **kw)
+    assert measured == [rows] * 3 + [one_row]
+    after = [(r["padded_tokens"], r["input_tokens"]) for r in train_steps(mutant)][3:]
+    assert all(padded == tokens for padded, tokens in after)  # one row per micro-batch: no padding computed
+    assert any(r["padded_tokens"] > r["input_tokens"] for r in train_steps(full)[3:])  # the kept rows pad
+    mutant_params = load_params(mutant)
+    assert not all(torch.equal(full_params[k], mutant_params[k]) for k in full_params)

@@ -202,6 +202,8 @@ class Loop:
         config, accelerator = self.config, self.accelerator
         self.run.resume(accelerator, self._load)
         self.run.open()
+        if self.built.pack is not None and accelerator.is_main_process:
+            self.built.pack.keep(config.output_dir)  # the layout cost, for a resume to choose alike
         accelerator.wait_for_everyone()
         self.run.announce(self.built.model, accelerator.device.type, self.built.engine.note,
                       self.built.pack.note if self.built.pack else None)

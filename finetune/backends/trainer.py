@@ -326,6 +326,8 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
                    train_dataset=datasets["train"])
     resume_from = run.resume(state)  # Trainer loads the model, optimizer, schedule and RNG in Trainer.train
     run.open()  # a resumed run's log is cut back to its step
+    if pack is not None and state.is_main_process:
+        pack.keep(config.output_dir)  # the layout cost, for a resume to choose alike
     state.wait_for_everyone()
     callback = BookkeepingCallback(run)
     trainer = FinetuneTrainer(callback.account, task, plan.steps_per_epoch, callback.begin_window,

@@ -243,6 +243,12 @@ class Packer:
         return choose_layout(self.cost, [int(batch["attention_mask"].sum()) for batch in window],
                              [tuple(batch["input_ids"].shape) for batch in window], lengths, groups)[0]
 
+    def keep(self, output_dir) -> None:
+        """Write the measured cost (if any) to ``output_dir/packing_cost.json``, for a resume to choose alike. Called
+        by the main process once the output directory is prepared (``--overwrite_output_dir`` clears it)."""
+        if self.cost is not None:
+            packing_cost.save(output_dir, self.cost)
+
     @property
     def eval_row_length(self) -> int | None:
         """The row length ``eval_outputs`` packs evaluation batches into: None (one row) under ``one_row``."""
@@ -443,23 +449,20 @@ def flag_of(config) -> str:
 
 
 def layout_cost(config, model, loss_sum, precision: str = "no"):
-    """The ``packing_cost.LayoutCost`` a ``--packing`` run chooses its layouts by: the one kept in
-    ``config.output_dir`` for this model, row length, budget and precision when every process finds it there
-    (a resumed run), else measured now (``packing_cost.measure``, on every process, its probes in lockstep); each
-    coefficient is then the largest over the processes, so all choose alike, and the main process keeps it in the
-    output directory. Collective: every process must call it."""
+    """The ``packing_cost.LayoutCost`` a ``--packing`` run chooses its layouts by: for a resumed run
+    (``--resume_from_checkpoint``), the one the run kept in ``config.output_dir`` (``Packer.keep``) for this model,
+    row length, budget and precision, when every process finds it there; else measured now
+    (``packing_cost.measure``, on every process, its probes in lockstep). Each coefficient is the largest over the
+    processes, so all choose alike. Collective: every process must call it."""
     from finetune import distributed
 
     key = packing_cost.cost_key(model, row_length(config), budget(config), precision)
     reduce = distributed.all_reduce_max(distributed.distributed_state())
-    cost = packing_cost.load(config.output_dir, key)
+    cost = packing_cost.load(config.output_dir, key) if getattr(config, "resume_from_checkpoint", None) else None
     if reduce(0.0 if cost is not None else 1.0) > 0:  # a process has none: every process measures
         cost = packing_cost.measure(model, loss_sum, row_length(config), budget(config), precision)
-    cost = packing_cost.LayoutCost(*(reduce(value) for value in (cost.per_micro_batch, cost.per_position,
+    return packing_cost.LayoutCost(*(reduce(value) for value in (cost.per_micro_batch, cost.per_position,
                                                                  cost.per_score)), probes=cost.probes, key=key)
-    if distributed.is_main_process():
-        packing_cost.save(config.output_dir, cost)
-    return cost
 
 
 def packer_for(config, task, model, engine=None, exact: bool = False, precision: str = "no",

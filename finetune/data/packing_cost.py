@@ -4,9 +4,9 @@ attention's scores, which SDPA and eager attention compute over a whole row, its
 them), fitted to timed probes of the run's own model and loss. ``--packing`` asks it, per window, whether the packed
 rows or one padding-free row per micro-batch is faster (``packing.Packer``; docs/packing.md#the-layout-per-window).
 
-The fitted cost is kept in ``<output_dir>/packing_cost.json`` and read back by a run that finds it there for the same
-model shape, row length, budget, precision and attention, so a resumed run chooses every window's layout as the run
-it continues did (delete the file to measure again)."""
+The fitted cost is kept in ``<output_dir>/packing_cost.json`` and read back by a resumed run that finds it there for
+the same model shape, row length, budget, precision and attention, so it chooses every window's layout as the run it
+continues did; a fresh run measures anew."""
 
 from __future__ import annotations
 

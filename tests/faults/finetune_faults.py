@@ -53,6 +53,8 @@ LEARNING_RATE_ENV = "FAULT_LEARNING_RATE"  # ACCUMULATION:FACTOR: those runs tra
 SAVE_ERROR_ENV = "FAULT_SAVE_ERROR"  # TYPE@rankR@stepS: that rank's checkpoint write of step S raises TYPE
 SYNC_LOG_ENV = "FAULT_SYNC_LOG"  # a folder: each rank logs, per backward, whether DDP all-reduced in it
 LEAVE_LOG_ENV = "FAULT_LEAVE_LOG"  # a folder: each rank records whether leave() ended its process group's handle
+LAYOUT_COST_ENV = "FAULT_LAYOUT_COST"  # "A,B,C": --packing's measured layout cost is this one (seconds per
+# micro-batch, per position, per attention score), so a packed run's layouts do not depend on the machine's timings
 FAULTS_DIR = os.path.dirname(os.path.abspath(__file__))  # what goes first on a launched process's PYTHONPATH
 
 _STEPS_DONE = "_fault_optimizer_steps_done"  # attribute the overflow wrapper keeps on each Accelerator
@@ -376,6 +378,22 @@ def install_inexact_trainer_packer(set_attr=setattr, trainer_backend=None) -> No
     set_attr(trainer_backend, "packing", InexactPacking())
 
 
+def install_layout_cost(value: str, set_attr=setattr, cost_module=None) -> None:
+    """Replace ``finetune.data.packing_cost.measure`` (``cost_module``) with one that returns the ``LayoutCost`` of
+    ``value`` ("per micro-batch,per position,per score", seconds), with the key the real one gives: a packed run
+    then chooses its layouts the same way on every machine (the timings of a tiny model are noise)."""
+    if cost_module is None:
+        import finetune.data.packing_cost as cost_module
+    coefficients = [float(x) for x in value.split(",")]
+    if len(coefficients) != 3:
+        raise ValueError(f"{LAYOUT_COST_ENV} must be three numbers A,B,C, got {value!r}")
+
+    def measure(model, loss_sum, row_length, budget, precision="no", *args, **kwargs):
+        return cost_module.LayoutCost(*coefficients, key=cost_module.cost_key(model, row_length, budget, precision))
+
+    set_attr(cost_module, "measure", measure)
+
+
 def parse_learning_rate(value: str) -> tuple[int, float]:
     """``"4:1.5"`` -> (4, 1.5). Raises ``ValueError`` naming the expected form."""
     try:
@@ -429,6 +447,9 @@ def install_on_import(environ=None, after=after_import) -> None:
     leave_log = environ.get(LEAVE_LOG_ENV, "")
     if leave_log.strip():
         after("finetune.distributed", lambda module: install_leave_log(leave_log.strip(), distributed_module=module))
+    layout_cost = environ.get(LAYOUT_COST_ENV, "")
+    if layout_cost.strip():
+        after("finetune.data.packing_cost", lambda module: install_layout_cost(layout_cost, cost_module=module))
     save_error = environ.get(SAVE_ERROR_ENV, "")
     if save_error.strip():
         after("accelerate.checkpointing", lambda module: install_save_error(*parse_save_error(save_error)))
