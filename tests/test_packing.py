@@ -802,3 +802,18 @@ def test_a_packed_run_resumed_chooses_its_layouts_as_before_and_ends_bit_identic
     assert any(r["padded_tokens"] > r["input_tokens"] for r in train_steps(full)[3:])  # the kept rows pad
     mutant_params = load_params(mutant)
     assert not all(torch.equal(full_params[k], mutant_params[k]) for k in full_params)
+
+
+def test_a_window_kept_padded_trains_exactly_as_the_padded_run(tmp_path, tiny_llama, clm_texts, monkeypatch):
+    """Where the cost keeps every window padded (``choose_layout`` made to say so), a --packing run is the padded
+    run bit for bit: the same micro-batches reach the loop (attention mask, no position ids), in both backends."""
+    monkeypatch.setattr(packing, "choose_layout", lambda *args: ("padded", {}))
+    kw = dict(model_name_or_path=tiny_llama, train_file=clm_texts[0], validation_file=clm_texts[1],
+              per_device_train_batch_size=4, gradient_accumulation_steps=2, **CLM)
+    for backend in ("accelerate", "trainer"):
+        _, ref = run_in_process(tmp_path, f"ref-{backend}", backend=backend, **kw)
+        _, packed = run_in_process(tmp_path, f"packed-{backend}", backend=backend, packing=True, **kw)
+        assert [r["loss"] for r in train_steps(packed)] == [r["loss"] for r in train_steps(ref)], backend
+        assert [r["padded_tokens"] for r in train_steps(packed)] == [r["padded_tokens"] for r in train_steps(ref)]
+        a, b = load_params(packed), load_params(ref)
+        assert all(torch.equal(a[k], b[k]) for k in a), backend

@@ -294,7 +294,7 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
     padded = real = after = 0
     after_batches, after_tokens = [], []
     layouts = dict.fromkeys(LAYOUT_NAMES, 0)
-    totals = {"padded": 0, "rows": 0, "padding_free": 0}
+    totals = {"rows": 0, "padding_free": 0}
     for lengths in lengths_per_step:
         chunks = [lengths[i:i + micro_batch] for i in range(0, len(lengths), micro_batch)]
         padded += sum(max(c) * len(c) for c in chunks)
@@ -319,7 +319,6 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
             else:
                 sizes = [sum(rows[i] for i in g) for g in groups]
                 positions = each["rows"]
-        totals["padded"] += sum(max(c) * len(c) for c in chunks)
         totals["padding_free"] += sum(lengths)
         after_batches.append(len(sizes))
         after_tokens.extend(sizes)
@@ -330,7 +329,7 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
             "max_tokens_per_micro_batch": max(after_tokens, default=0),
             "padding_fraction_before": 1 - real / padded if padded else 0.0,
             "padding_fraction_after": 1 - real / after if after else 0.0,
-            "positions": totals, "layouts": layouts}
+            "positions": {"padded": padded, **totals}, "layouts": layouts}
 
 
 # ------------------------------------------------------------------------------------------ the per-sequence check
