@@ -442,3 +442,19 @@ def test_gpu_acceptance_names_why_a_run_failed():
         "error: non-finite loss at step 2"
     assert ga.failure_reason("Traceback\nValueError: bad value\n[timed out after 30 s]\n") == "ValueError: bad value"
     assert ga.failure_reason("") == "no output"
+
+
+def test_profile_step_smoke(capsys, tmp_path, tiny_bert, monkeypatch):
+    """profile_step on the tiny BERT, one optimizer step of 2 micro-batches: the shares it prints are shares (the
+    matmul share within (0, 1], the operators' shares summing to at most 1), its FLOP rate is the profiler's FLOP
+    count over the matmul kernels' time, set against the measured peak (a cache of this test's own)."""
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    out = run_bench_in_process(capsys, "profile_step.py", "--steps", "1", "--recipe", "bbc-news",
+                               "--model_name_or_path", tiny_bert, "--max_length", "32",
+                               "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")
+    assert "micro-batch 4 x 32 tokens x 2 micro-batches per step, fp32, adamw_torch, dropout on" in out
+    share = float(out.split("self CPU time in matmul kernels: ")[1].split("%")[0]) / 100
+    assert 0 < share <= 1
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| aten::") or line.startswith("| Opt")]
+    assert rows and sum(float(r[2].rstrip("%")) for r in rows) <= 100.5
+    assert "GFLOP/s while in them; measured peak" in out
