@@ -297,7 +297,8 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
     totals = {"rows": 0, "padding_free": 0}
     for lengths in lengths_per_step:
         chunks = [lengths[i:i + micro_batch] for i in range(0, len(lengths), micro_batch)]
-        padded += sum(max(c) * len(c) for c in chunks)
+        step_padded = sum(max(c) * len(c) for c in chunks)
+        padded += step_padded
         real += sum(lengths)
         if strategy is None:
             sizes, positions = [sum(c) for c in chunks], sum(lengths)
@@ -312,7 +313,7 @@ def packing_summary(lengths_per_step: list[list[int]], micro_batch: int, budget:
             if layout == "padding_free":
                 sizes, positions = [sum(c) for c in chunks], sum(lengths)
             elif layout == "padded":
-                sizes, positions = [sum(c) for c in chunks], sum(max(c) * len(c) for c in chunks)
+                sizes, positions = [sum(c) for c in chunks], step_padded
             elif layout == "one_row":
                 sizes = [sum(rows[i] for i in g) for g in groups]
                 positions = sum(lengths)

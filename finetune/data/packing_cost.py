@@ -1,8 +1,9 @@
 """What a packed micro-batch costs on this device, measured: the seconds of a training forward and backward as
 ``per_micro_batch + per_position x positions + per_score x sum over rows of row_length^2`` (the last term: the
 attention's scores, which SDPA and eager attention compute over a whole row, its block-diagonal mask only zeroing
-them), fitted to timed probes of the run's own model and loss. ``--packing`` asks it, per window, whether the packed
-rows or one padding-free row per micro-batch is faster (``packing.Packer``; docs/packing.md#the-layout-per-window).
+them), fitted to timed probes of the run's own model and loss. ``--packing`` asks it, per window, which layout is
+fastest: the packed rows, one padding-free row per micro-batch, or the padded window (``packing.choose_layout``;
+docs/packing.md#the-layout-per-window).
 
 The fitted cost is kept in ``<output_dir>/packing_cost.json`` and read back by a resumed run that finds it there for
 the same model shape, row length, budget, precision and attention, so it chooses every window's layout as the run it
@@ -18,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from finetune.data.loading import IGNORE_INDEX
 
 FILE = "packing_cost.json"
 FORMAT = 1
@@ -36,13 +39,12 @@ class LayoutCost:
     probes: tuple = ()
     key: str = ""
 
-    def seconds(self, row_lengths: list[int], width: int | None = None) -> float:
-        """Predicted seconds of one micro-batch of rows with these ``row_lengths`` (tokens), each right-padded to
-        ``width`` (default: the longest; ``packing.pack_rows``), so every row computes ``width`` positions and
-        ``width^2`` scores."""
+    def seconds(self, row_lengths: list[int]) -> float:
+        """Predicted seconds of one micro-batch of rows with these ``row_lengths`` (tokens), each right-padded to the
+        longest (``packing.pack_rows``), so every row computes that many positions and its square in scores."""
         if not row_lengths:
             return self.per_micro_batch
-        width = width or max(row_lengths)
+        width = max(row_lengths)
         return (self.per_micro_batch + self.per_position * width * len(row_lengths)
                 + self.per_score * width * width * len(row_lengths))
 
@@ -84,7 +86,7 @@ def _inputs(rows: int, per_row: int, tokens: int, vocab: int, device, generator)
     ids = torch.randint(1, max(vocab, 2), (rows, width), generator=generator).to(device)
     positions = torch.arange(tokens, device=device).repeat(per_row).expand(rows, width).contiguous()
     labels = ids.clone()
-    labels[:, ::tokens] = -100  # each sample's first label, as packing.flatten masks it
+    labels[:, ::tokens] = IGNORE_INDEX  # each sample's first label, as packing.flatten masks it
     return {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
 
 
