@@ -458,3 +458,48 @@ def test_profile_step_smoke(capsys, tmp_path, tiny_bert, monkeypatch):
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| aten::") or line.startswith("| Opt")]
     assert rows and sum(float(r[2].rstrip("%")) for r in rows) <= 100.5
     assert "GFLOP/s while in them; measured peak" in out
+
+
+def test_bench_bf16_recipes_plans_abba_skips_what_is_recorded_and_summarizes_per_cpu_kind():
+    """bench_bf16_recipes: the runs still missing, in ABBA order per seed; the per-seed ratio's median and the
+    metric's mean and spread per CPU kind; a seed measured in one precision only is not in the ratio."""
+    import bench_bf16_recipes as b
+
+    todo = b.plan(["a", "b"], [1, 2], ["no", "bf16"], done={("a", 1, "no")})
+    assert todo == [("a", 1, "bf16"), ("b", 1, "bf16"), ("b", 1, "no"), ("a", 2, "no"), ("a", 2, "bf16"),
+                    ("b", 2, "bf16"), ("b", 2, "no")]
+
+    def rec(kind, seed, precision, speed, acc):
+        return {"cpu_kind": kind, "recipe": "bbc-news", "seed": seed, "precision_requested": precision,
+                "precision_ran": precision, "train_samples_per_second": speed, "metric": "eval_accuracy",
+                "metric_value": acc, "hfu_of_measured_peak": None, "extra_args": []}
+
+    records = [rec("X", 1, "no", 10.0, 0.97), rec("X", 1, "bf16", 15.0, 0.96), rec("X", 2, "no", 12.0, 0.98),
+               rec("X", 2, "bf16", 24.0, 0.97), rec("X", 3, "no", 11.0, 0.99), rec("Y", 1, "no", 5.0, 0.5)]
+    table = b.summarize(records)
+    row = table["X"]["bbc-news"]
+    assert row["seeds_both"] == [1, 2] and row["ratios"] == [1.5, 2.0] and row["ratio_bf16_fp32"] == 1.75
+    assert row["fp32"]["samples_per_second"] == 11.0 and row["fp32"]["metric_mean"] == pytest.approx(0.98)
+    assert row["fp32"]["metric_stdev"] == pytest.approx(0.01) and row["bf16"]["metric_mean"] == pytest.approx(0.965)
+    assert table["Y"]["bbc-news"]["ratio_bf16_fp32"] is None and table["Y"]["bbc-news"]["bf16"]["metric_mean"] is None
+    text = b.render(table)
+    assert "## X" in text and "## Y" in text
+    cells = table_row(text, "bbc-news")
+    assert cells[1] == "2" and cells[4] == "1.75x" and cells[6].startswith("0.9800 ± 0.0100 (n=3)")
+
+
+def test_bench_bf16_recipes_smoke(tmp_path):
+    """bench_bf16_recipes --smoke, one seed, then again: the second call finds both runs recorded and runs none;
+    the records say which precision ran (bf16 asked on a CPU runs bf16 autocast, fp32 runs "no")."""
+    records, md = tmp_path / "r.json", tmp_path / "t.md"
+    args = ("--smoke", "--seeds", "42", "--records", str(records), "--markdown", str(md))
+    run_bench("bench_bf16_recipes.py", *args)
+    data = json.loads(records.read_text())
+    assert [(r["seed"], r["precision_requested"], r["precision_ran"]) for r in data] == [(42, "no", "no"),
+                                                                                       (42, "bf16", "bf16")]
+    assert all(finite(r["train_samples_per_second"]) and 0 <= r["metric_value"] <= 1 for r in data)
+    again = run_bench("bench_bf16_recipes.py", *args)
+    assert "0 run(s) to do, 2 recorded" in again.stderr and json.loads(records.read_text()) == data
+    cells = table_row(md.read_text(), "bbc-news")
+    assert cells[1] == "1" and positive(cells[4]) == pytest.approx(
+        data[1]["train_samples_per_second"] / data[0]["train_samples_per_second"], abs=0.006)
