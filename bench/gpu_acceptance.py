@@ -46,16 +46,14 @@ Running it on a lent one-GPU machine (offline; the tree that travels is at most 
     pip wheel deepspeed==0.19.8 --no-deps --no-build-isolation -w .gpu_carry/wheels   # source-only on PyPI:
     #   built here into a pure-Python wheel (its CUDA ops are compiled just in time, and none is needed:
     #   the run's optimizer is torch's AdamW)
-    # If --check on the device reports more missing (pyarrow, pandas, scikit-learn, scipy: not in the
-    # image's list above, and together larger than one carry), download those the same way into a third
-    # folder and carry it in its own call.
+    # If --check on the device reports more missing (pyarrow, pandas, scikit-learn, scipy: in the image as
+    # of 2026-11, larger than the carry limit leaves room for), download those the same way into the wheels.
 
-    # on the device: call 1 carries .gpu_carry/wheels (ignored paths travel only when named in `carry`)
-    # and installs them into .gpu_carry/pylib, then lists what is still missing:
-    python bench/gpu_acceptance.py --install_wheels .gpu_carry/wheels --check
-    # call 2 carries .gpu_carry/site and .gpu_carry/smollm2-135m (.gpu_carry/pylib, not named, stays there
-    # while the machine stays warm; the runs get it on their PYTHONPATH); writes the report where it comes back:
-    python bench/gpu_acceptance.py --markdown $OUT/gpu.md --json $OUT/gpu.json
+    # on the device, ONE call (a lent machine stays warm only about 30 s after a call, so nothing installed
+    # survives to a second one): carry .gpu_carry/site, .gpu_carry/smollm2-135m and .gpu_carry/wheels (about
+    # 59 MiB with the tree: the limit is 64), install the wheels into .gpu_carry/pylib and run every section:
+    python bench/gpu_acceptance.py --install_wheels .gpu_carry/wheels --markdown $OUT/gpu.md --json $OUT/gpu.json
+    # (--install_wheels ... --check instead only lists what is still missing.)
     # then copy $OUT/gpu.md to docs/gpu.md here.
 
 ``--smoke`` runs only the CPU-side logic in seconds (command building, parsing ``metrics.json`` and
@@ -545,10 +543,9 @@ def environment(smoke: bool) -> dict:
 
     versions = {"torch": torch.__version__, "CUDA": torch.version.cuda or "none"}
     for package in ("transformers", "accelerate", "deepspeed", "datasets", "peft"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = "not installed"
+        # the runs see the installed wheels first (PYTHONPATH: SITE, PYLIB, ...), so the report names those versions
+        found = list(importlib.metadata.distributions(name=package, path=[str(PYLIB), *sys.path]))
+        versions[package] = found[0].version if found else "not installed"
     if smoke:
         device, memory = "SMOKE (no GPU run)", None
     elif torch.cuda.is_available():
