@@ -452,7 +452,7 @@ def test_profile_step_smoke(capsys, tmp_path, tiny_bert, monkeypatch):
     out = run_bench_in_process(capsys, "profile_step.py", "--steps", "1", "--recipe", "bbc-news",
                                "--model_name_or_path", tiny_bert, "--max_length", "32",
                                "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")
-    assert "micro-batch 4 x 32 tokens x 2 micro-batches per step, fp32, adamw_torch, dropout on" in out
+    assert "micro-batch 4 x 32 tokens x 2 micro-batches per step, fp32, adamw_torch_fused, dropout off" in out  # the recipe's
     share = float(out.split("self CPU time in matmul kernels: ")[1].split("%")[0]) / 100
     assert 0 < share <= 1
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| aten::") or line.startswith("| Opt")]

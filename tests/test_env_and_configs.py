@@ -217,7 +217,8 @@ def test_a_cpu_run_in_fp32_says_whether_bf16_would_help_from_the_cpu_flags():
     from finetune.lifecycle.reporting import run_banner
     from finetune.lifecycle.window import StepPlan
 
-    config = parse_config(["--recipe", "bbc-news", "--mixed_precision", "fp16"])
+    # dropout on: with the recipe's --disable_dropout and no model given, the banner ends on "the model was not checked"
+    config = parse_config(["--recipe", "bbc-news", "--mixed_precision", "fp16", "--disable_dropout", "False"])
     plan = StepPlan(steps_per_epoch=2, micro_batches_per_epoch=4, max_steps=2, num_epochs=1)
     banner = run_banner(config, 1, plan, "no", "cpu")
     assert banner.endswith("so this run is fp32; " + cpu_bf16_note())

@@ -113,7 +113,7 @@ def _hyperparameters(config, metrics: dict) -> list[tuple[str, object]]:
         ("optimizer steps", metrics.get("optimizer_steps", "?")),
         ("max_grad_norm", config.max_grad_norm if config.max_grad_norm > 0 else "0 (no clipping)"),
         ("weight_decay", config.weight_decay),
-        ("optimizer", f"AdamW (betas {config.adam_beta1}, {config.adam_beta2}; eps {config.adam_epsilon})"),
+        ("optimizer", f"AdamW, `{config.optim}` (betas {config.adam_beta1}, {config.adam_beta2}; eps {config.adam_epsilon})"),
         ("max_length (tokens, truncation)", config.max_length), ("seed", config.seed),
         ("training engine", metrics.get("backend")),
         # a run with --disable_dropout trains only once every dropout is checked off (dropout.disable_dropout raises)
