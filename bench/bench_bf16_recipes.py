@@ -36,7 +36,6 @@ from finetune.machine import cpu_features, cpu_model  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = ("bbc-news", "bbc-headlines", "bbc-news-clm")
 METRIC = {"bbc-news": "eval_accuracy", "bbc-headlines": "eval_rougeL", "bbc-news-clm": "eval_perplexity"}
-LOWER_IS_BETTER = {"eval_perplexity", "eval_loss"}
 SEEDS = (42, 1, 2)
 LABEL = {"no": "fp32", "bf16": "bf16"}
 
