@@ -544,3 +544,28 @@ def test_the_cpu_budget_is_shared_by_the_processes_of_a_machine(tmp_path, tiny_b
         probe.close()
     assert seen[1][0] == 64 * 1024 and seen[4][0] == 16 * 1024
     assert seen[4][1] - seen[1][1] == trainable and seen[4][2] == seen[1][2]
+
+
+def test_the_probes_run_the_precision_the_run_trains_in(tiny_bert):
+    """A recipe asking fp16 trains in fp32 on a CPU (Accelerate turns autocast on only off the CPU); the probes must
+    measure and time that, not fp16 autocast (~50x slower on a CPU, and half the activation bytes): the memory
+    probe's bytes per sample under --mixed_precision fp16 equal those under no, and bf16's are smaller."""
+    import torch
+
+    from finetune.config import parse_config
+    from finetune.engine.precision import precision_that_runs
+    from finetune.planner.probes import Probe
+    from finetune.recipes import load_recipe
+
+    assert [precision_that_runs(p, "cpu") for p in ("no", "fp16", "bf16")] == ["no", "no", "bf16"]
+    assert [precision_that_runs(p, "cuda") for p in ("no", "fp16", "bf16")] == ["no", "fp16", "bf16"]
+    recipe = load_recipe("bbc-news")
+    per_sample = {}
+    for precision in ("no", "fp16", "bf16"):
+        config = parse_config(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--max_length", "32",
+                               "--mixed_precision", precision])
+        probe = Probe(config, recipe, torch.device("cpu"), Lever(activation_checkpointing=False, loss_chunk_size=None))
+        per_sample[precision] = (probe.per_sample_bytes, probe.dtype)
+        probe.close()
+    assert per_sample["fp16"] == per_sample["no"] and per_sample["no"][1] is None
+    assert per_sample["bf16"][1] is torch.bfloat16 and per_sample["bf16"][0] < per_sample["no"][0]

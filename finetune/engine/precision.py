@@ -23,6 +23,17 @@ def effective_mixed_precision(accelerator) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "no")
 
 
+def precision_that_runs(mixed_precision: str, device_type: str) -> str:
+    """The precision Accelerate will run for ``mixed_precision`` ("no", "fp16", "bf16") on a device of
+    ``device_type`` ("cpu", "cuda", ...), for code that runs before the Accelerator exists (the planner's probes):
+    "no" for fp16 on a CPU, where Accelerate turns neither autocast nor a GradScaler on (accelerate 1.15
+    ``accelerator.py`` lines 565-570: ``native_amp`` only where ``device.type != "cpu"``); bf16 runs on a CPU
+    (lines 585-590). A run measures it instead: ``effective_mixed_precision``."""
+    if mixed_precision == "fp16" and device_type == "cpu":
+        return "no"
+    return mixed_precision
+
+
 def check_precision_supported(mixed_precision: str) -> None:
     """Raise ``FinetuneError`` for bf16 on a CUDA device without bf16 (before Ampere); CPUs pass."""
     if mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
