@@ -39,8 +39,9 @@ def gpus() -> list[str]:
 
 
 def matmul_peaks() -> str:
-    """This device's matmul peak per precision it runs (``lifecycle.peak.matmul_peak``: measured once, then cached),
-    in GFLOP/s with the threads it used: fp32 and bf16 on a CPU (fp16 does not run there), with fp16 on a GPU."""
+    """This device's matmul peak per precision it runs (``lifecycle.peak.matmul_peak``: measured now, the best
+    measurement on this machine kept), in GFLOP/s with the threads it used: fp32 and bf16 on a CPU (fp16 does not
+    run there), with fp16 on a GPU."""
     import torch
 
     from finetune.lifecycle.peak import matmul_peak
@@ -48,7 +49,7 @@ def matmul_peaks() -> str:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     figures = []
     for precision, name in (("no", "fp32"), ("bf16", "bf16"), ("fp16", "fp16")):
-        peak = matmul_peak(device, precision)
+        peak = matmul_peak(device, precision, refresh=True)
         if peak is not None:
             figures.append(f"{name} {peak[0] / 1e9:.1f} GFLOP/s")
     return f"{', '.join(figures)} ({device.type}, {torch.get_num_threads()} threads)"
@@ -92,7 +93,7 @@ def environment() -> list[tuple[str, str]]:
     devices = gpus()
     info.append(("GPUs", "none" if not devices else f"{len(devices)}"))
     info += [(f"GPU {line.split(':', 1)[0]}", line.split(": ", 1)[1]) for line in devices]
-    info.append(("Matmul peak (measured, cached)", matmul_peaks()))
+    info.append(("Matmul peak (best measured)", matmul_peaks()))
     info.append(("Hugging Face Hub", f"{constants.ENDPOINT}; offline mode: {constants.is_offline_mode()}; token "
                                      f"set: {get_token() is not None}"))
     return info

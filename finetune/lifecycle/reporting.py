@@ -23,6 +23,8 @@ from finetune.lifecycle.flops import peak_flops, training_flops_per_token
 from finetune.lifecycle.peak import matmul_peak
 from finetune.machine import cpu_features
 
+REMEASURE_AFTER = 60.0  # seconds of timed training after which a run measures the matmul peak again
+
 
 def packing_banner(config) -> str:
     """The banner's packing line: padding-free micro-batches, or window-local packing and its token budget."""
@@ -109,7 +111,8 @@ def throughput(state, runtime: float, model, config, device, num_processes: int 
     FLOP/s of all ``num_processes`` processes (the counts are over all of them) over ``num_processes`` x one
     device's peak (PaLM appendix B: achieved over the whole system's peak), so the same per-GPU speed gives the
     same MFU at any process count. On any device also ``measured_peak_flops_per_second`` (one process's matmul peak
-    in ``precision``, measured: ``peak.matmul_peak``) and the model and hardware FLOP/s as shares of
+    in ``precision``: ``peak.matmul_peak``, the best measured on this machine, measured again after a run of
+    ``REMEASURE_AFTER`` seconds or more) and the model and hardware FLOP/s as shares of
     ``num_processes`` x it: ``mfu_of_measured_peak``, ``hfu_of_measured_peak``."""
     timed = state.timed_steps > 0 and state.timed_seconds > 0
     seconds = state.timed_seconds if timed else runtime
@@ -141,7 +144,9 @@ def throughput(state, runtime: float, model, config, device, num_processes: int 
         metrics.update(mfu=round(metrics["model_flops_per_second"] / system, 4),
                        hfu=round(metrics["hardware_flops_per_second"] / system, 4),
                        mfu_peak_source=f"{num_processes} x {peak[1]}")
-    measured = matmul_peak(device, precision)
+    # measured again after a run long enough for its FLOP/s to mean something (a second's matmuls, 2% of a minute),
+    # so the cached best follows the machine; a shorter run reads the cache
+    measured = matmul_peak(device, precision, refresh=seconds >= REMEASURE_AFTER)
     if measured is not None:
         system = num_processes * measured[0]
         metrics.update(measured_peak_flops_per_second=round(measured[0], 1),
@@ -234,7 +239,7 @@ def format_summary(metrics: dict, output_dir: str) -> str:
     if "hfu_of_measured_peak" in metrics:  # what the device computed, against what its matmuls can
         lines.append(f"  {'achieved FLOP/s':<26} {metrics['hardware_flops_per_second'] / 1e9:.1f} G (model "
                      f"{metrics['model_flops_per_second'] / 1e9:.1f} G) = {metrics['hfu_of_measured_peak']:.0%} of "
-                     f"the measured {metrics['mixed_precision'] if metrics['mixed_precision'] != 'no' else 'fp32'} "
+                     f"the best measured {metrics['mixed_precision'] if metrics['mixed_precision'] != 'no' else 'fp32'} "
                      f"matmul peak ({metrics['num_processes']} x {metrics['measured_peak_flops_per_second'] / 1e9:.1f} G)")
     lines += [f"  outputs in {output_dir}/: model + tokenizer, metrics.json, log.jsonl, run_config.json", "=" * 60]
     return "\n".join(lines)
