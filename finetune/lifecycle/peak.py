@@ -86,5 +86,5 @@ def matmul_peak(device: torch.device, precision: str, refresh: bool = False) -> 
     entry = cached[key]
     count = entry.get("measurements", 1)
     best_of = f"the best of {count} measurements of " if count > 1 else ""
-    return entry["flops_per_second"], (f"measured: {best_of}a {entry['size']}^2 {str(dtype).removeprefix('torch.')} matmul on {name}, "
-                                       f"{threads} threads ({path})")
+    matmul = f"{entry['size']}^2 {str(dtype).removeprefix('torch.')} matmul"
+    return entry["flops_per_second"], f"measured: {best_of}a {matmul} on {name}, {threads} threads ({path})"
