@@ -73,14 +73,15 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
 def cpu_bf16_note(features: list[str] | None = None) -> str:
     """What ``--mixed_precision bf16`` would run on this CPU, from its flags (``machine.cpu_features``, or
     ``features``): native bf16 matmuls (AVX512-BF16, AMX) or emulated ones, for the banner of a CPU run in fp32. The
-    measured figures per CPU: docs/benchmarks.md."""
+    measured figures per recipe and CPU kind: docs/bf16-recipes.md."""
     features = cpu_features() if features is None else features
     native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in features]
     if native:
         return (f"this CPU has {' and '.join(native)}: --mixed_precision bf16 runs its matmuls in bf16 "
-                "(faster there; measured per CPU in docs/benchmarks.md)")
+                "(faster there; measured per recipe and CPU kind in docs/bf16-recipes.md)")
     return ("bf16 would not help here: this CPU has neither AVX512-BF16 nor AMX, so --mixed_precision bf16 would "
-            "run emulated bf16 matmuls, slower than fp32 (`finetune env` measures both)")
+            "run emulated bf16 matmuls, slower than fp32 (`finetune env` measures both; per recipe: "
+            "docs/bf16-recipes.md)")
 
 
 def peak_memory(device) -> tuple[int, str]:
