@@ -419,7 +419,9 @@ def render(runs: list[Run], env: dict, smoke: bool, wall: float, workdir: Path |
         lines.extend(_table(headers, [row(run) + [_verdict(checks[run.key])] for run in by[name]]))
         lines.append("")
 
-    section("precision", "1. bbc-news main job: fp32, fp16, bf16 (recipe defaults: 8 x 4, 2 epochs, max_length 128)",
+    first = next((r.metrics for r in by.get("precision", []) if r.metrics), {})  # the recipe's defaults, as they ran
+    shape = f"{first.get('per_device_train_batch_size', '?')} x {first.get('gradient_accumulation_steps', '?')}"
+    section("precision", f"1. bbc-news main job: fp32, fp16, bf16 (recipe defaults: {shape}, 2 epochs, max_length 128)",
             ["run", "ran", "eval_accuracy", "eval_f1", "samples/s", "peak MiB", "MFU", "skipped steps", "result"],
             lambda r: [r.label, _precision_name((r.metrics or {}).get("mixed_precision")),
                        _cell((r.metrics or {}).get("eval_accuracy"), ".4f"), _cell((r.metrics or {}).get("eval_f1"), ".4f"),
