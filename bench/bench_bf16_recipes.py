@@ -118,7 +118,7 @@ def render(table: dict) -> str:
              "per-seed ratios bf16 / fp32; metric: mean ± standard deviation over seeds (perplexity: lower is "
              "better). The records, with every run's figures, are in [bf16-recipes.json](bf16-recipes.json). "
              "bbc-news's records of 2026-11-28 ran at micro-batch 8 x 4, its default then (16 x 2 since, the same "
-             "32 samples a step). The shares of the peak in the records of 2026-11-28 are over one measurement of "
+             "32 samples a step). The shares of the peak in the records taken before 10:00 on 2026-11-28 are over one measurement of "
              "it, not the best measured (docs/benchmarks.md, \"The peak moves\").", ""]
     for kind, recipes in table.items():
         lines += [f"## {kind}", "", "| recipe | seeds in both | fp32 samples/s | bf16 samples/s | bf16 / fp32 | metric | "
