@@ -15,6 +15,10 @@ order over the recipes, so drift on the machine falls on both.
 The table (``--markdown``) has one block per CPU kind (model and bf16 flags, ``finetune.machine``): per recipe, the
 seeds done in both precisions, median samples/s of each, the median of the per-seed ratios bf16 / fp32, and the
 metric's mean and spread in each. Where the recipe's metric is a loss or perplexity lower is better.
+
+The records (default: ``recipes/bf16_measured.json``, shipped with the package) also decide what a run that asks for
+fp16 trains in on a CPU of that kind (``finetune/engine/cpu_bf16.py``); a machine's own measurements go to
+``--records ~/.cache/finetune/bf16_measured.json``, which runs read too.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -31,24 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchlib as bl  # noqa: E402
 
-from finetune.machine import cpu_features, cpu_model  # noqa: E402
+from finetune.engine.cpu_bf16 import METRIC, RECORDS, load_records, summarize  # noqa: E402
+from finetune.machine import cpu_kind  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = ("bbc-news", "bbc-headlines", "bbc-news-clm")
-METRIC = {"bbc-news": "eval_accuracy", "bbc-headlines": "eval_rougeL", "bbc-news-clm": "eval_perplexity"}
 SEEDS = (42, 1, 2)
 LABEL = {"no": "fp32", "bf16": "bf16"}
-
-
-def cpu_kind() -> str:
-    """The CPU as the table groups it: model name and the bf16-relevant flags it has (``finetune.machine``)."""
-    flags = [f for f in cpu_features() if f in ("avx512_bf16", "amx_bf16")]
-    return f"{cpu_model()} ({', '.join(flags) if flags else 'no avx512_bf16, no AMX: bf16 emulated'})"
-
-
-def load_records(path: Path) -> list[dict]:
-    """The records of ``path`` (a JSON list), [] if it does not exist."""
-    return json.loads(path.read_text()) if path.is_file() else []
 
 
 def record_run(recipe: str, seed: int, precision: str, metrics: dict, kind: str, extra: list[str]) -> dict:
@@ -75,34 +67,6 @@ def plan(recipes, seeds, precisions, done: set) -> list[tuple[str, int, str]]:
     return todo
 
 
-def summarize(records: list[dict]) -> dict:
-    """Per CPU kind and recipe: the seeds measured in both precisions, median samples/s of each, the median
-    per-seed ratio bf16 / fp32, and the metric's values, mean and standard deviation (over seeds) per precision."""
-    out: dict = {}
-    for r in records:
-        out.setdefault(r["cpu_kind"], {}).setdefault(r["recipe"], {}).setdefault(r["precision_requested"], {})[r["seed"]] = r
-    table = {}
-    for kind, recipes in out.items():
-        for recipe, by_precision in recipes.items():
-            fp32, bf16 = by_precision.get("no", {}), by_precision.get("bf16", {})
-            both = sorted(set(fp32) & set(bf16))
-            row = {"seeds_both": both, "metric": METRIC.get(recipe, "eval_accuracy")}
-            for label, runs in (("fp32", fp32), ("bf16", bf16)):
-                values = [runs[s]["metric_value"] for s in sorted(runs) if runs[s]["metric_value"] is not None]
-                row[label] = {"seeds": sorted(runs), "precision_ran": sorted({runs[s]["precision_ran"] for s in runs}),
-                              "samples_per_second": statistics.median([runs[s]["train_samples_per_second"] for s in runs])
-                              if runs else None,
-                              "hfu_of_measured_peak": [runs[s]["hfu_of_measured_peak"] for s in sorted(runs)],
-                              "metric_values": values,
-                              "metric_mean": statistics.fmean(values) if values else None,
-                              "metric_stdev": statistics.stdev(values) if len(values) > 1 else None}
-            ratios = [bf16[s]["train_samples_per_second"] / fp32[s]["train_samples_per_second"] for s in both]
-            row["ratio_bf16_fp32"] = statistics.median(ratios) if ratios else None
-            row["ratios"] = ratios
-            table.setdefault(kind, {})[recipe] = row
-    return table
-
-
 def _metric_text(side: dict) -> str:
     if side["metric_mean"] is None:
         return "not run"
@@ -116,7 +80,9 @@ def render(table: dict) -> str:
              "Each recipe at its defaults, `--mixed_precision no` (fp32) against `--mixed_precision bf16`, one run per "
              "seed (42, 1, 2), evaluation included. samples/s: training only, median over seeds; ratio: median of the "
              "per-seed ratios bf16 / fp32; metric: mean ± standard deviation over seeds (perplexity: lower is "
-             "better). The records, with every run's figures, are in [bf16-recipes.json](bf16-recipes.json). "
+             "better). The records, with every run's figures, are in "
+             "[recipes/bf16_measured.json](../recipes/bf16_measured.json), which also decide whether a CPU run asked "
+             "for fp16 trains in bf16 (`finetune/engine/cpu_bf16.py`). "
              "bbc-news's records of 2026-11-28 ran at micro-batch 8 x 4, its default then (16 x 2 since, the same "
              "32 samples a step). The shares of the peak in the records taken before 10:00 on 2026-11-28 are over one measurement of "
              "it, not the best measured (docs/benchmarks.md, \"The peak moves\").", ""]
@@ -137,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds")
     p.add_argument("--precisions", default="no,bf16", help="comma-separated --mixed_precision values")
-    p.add_argument("--records", type=Path, default=REPO / "docs" / "bf16-recipes.json", help="the records (JSON), appended to")
+    p.add_argument("--records", type=Path, default=RECORDS, help="the records (JSON), appended to")
     p.add_argument("--markdown", type=Path, default=REPO / "docs" / "bf16-recipes.md", help="the table, rewritten")
     p.add_argument("--render", action="store_true", help="only rewrite --markdown from --records")
     p.add_argument("--extra_args", default="", help="more run.py flags for every run, as one quoted string")

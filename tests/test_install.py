@@ -127,6 +127,8 @@ def test_non_editable_install_runs_from_another_directory(tmp_path, tiny_bert, i
     # the Accelerate configs ship inside the package, for --config_file NAME from any directory
     assert (site / "finetune" / "accelerate_configs" / "multi_gpu.yaml").is_file()
     assert "\nfsdp2 " in recipes.stdout and "\nmulti_cpu_2proc " in recipes.stdout
+    # the bf16 measurements that decide an fp16 request on a CPU ship beside the recipes (finetune.engine.cpu_bf16)
+    assert (site / "finetune" / "recipes" / "bf16_measured.json").is_file()
 
     out = elsewhere / "run"
     train = subprocess.run([str(finetune), "train", "--recipe", "bbc-news", "--model_name_or_path", tiny_bert,

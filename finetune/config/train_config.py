@@ -64,6 +64,10 @@ class TrainConfig(ReproducibilityArguments, PreferenceArguments, LoraArguments, 
     # where mixed_precision came from: "--mixed_precision", "the accelerate config/launcher" or "the default";
     # a replay resolves it again
     precision_source: str | None = derived(None, replay=False)
+    # on a CPU, what the bf16 measurements for the recipe said of a requested fp16 (engine.cpu_bf16.choose), for the
+    # banner; and "fp16" where they turned it into bf16 (mixed_precision is then "bf16"); None where none applied
+    precision_choice: str | None = derived(None, replay=False)
+    mixed_precision_requested: str | None = derived(None, replay=False)
     # the batch planner's plan under --total_batch_size (planner.BatchPlan.to_dict: micro-batch, accumulation,
     # processes, total, the lever setting chosen under --auto_find_batch_size), set by finetune.run.apply_plan;
     # a replay takes it as recorded (read_config_file)

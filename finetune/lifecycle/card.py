@@ -89,6 +89,9 @@ def _precision(config, metrics: dict) -> str:
            f"{f' on {device}' if device else ''})."
     if requested == ran:
         return text
+    if requested == "fp16" and ran == "bf16" and metrics.get("precision_choice"):
+        return (f"{text}\n\n`--mixed_precision fp16` was requested, which a CPU does not run; "
+                f"{metrics['precision_choice']}.")
     why = ("fp16 does not run on CPU: Accelerate accepts the flag, but CPU autocast stays fp32, so"
            if requested == "fp16" and device in (None, "cpu") else
            f"autocast on {device or 'this device'} does not run {requested} (fp16 does not run on CPU at all), so")

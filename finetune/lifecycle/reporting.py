@@ -39,10 +39,12 @@ def packing_banner(config) -> str:
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
     """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
     processes, in samples), the optimizer steps (``plan``: a ``window.StepPlan``), and the precision
-    that really runs, with a plain note when it is not the one requested (fp16 on a CPU); under
+    that really runs, with a plain note when it is not the one requested (fp16 on a CPU: fp32, or bf16 where the
+    measurements chose it, ``config.precision_choice``); under
     ``--disable_dropout``, whether ``model`` really has no dropout left (``dropout.dropout_left``)."""
     n = config.gradient_accumulation_steps
     effective = config.per_device_train_batch_size * n * num_processes
+    requested = config.mixed_precision_requested or config.mixed_precision
     options = [name for name, on in (("torch.compile (inductor)", config.torch_compile),
                                      ("length-grouped batches", config.train_sampling_strategy == "group_by_length"))
                if on]
@@ -55,13 +57,15 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
             + (f"Parameters: {parameter_counts(model)[0]:,} trainable of {parameter_counts(model)[1]:,}"
                + (f" (LoRA r={config.lora_r}, alpha={config.lora_alpha})" if config.use_peft else "") + "\n"
                if model is not None else "")
-            + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {config.mixed_precision}, "
+            + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {requested}, "
               f"from {config.precision_source})")
-    if precision != config.mixed_precision:
-        text += (f" -- NOTE: mixed_precision={config.mixed_precision!r} was requested, but {device_type} autocast "
+    if config.mixed_precision_requested is not None and precision == config.mixed_precision:
+        text += f" -- NOTE: {device_type} autocast does not run fp16; {config.precision_choice}"
+    elif precision != config.mixed_precision:
+        text += (f" -- NOTE: mixed_precision={requested!r} was requested, but {device_type} autocast "
                  f"does not run it, so this run is {PRECISION_NAMES[precision]}")
         if device_type == "cpu" and precision == "no":
-            text += "; " + cpu_bf16_note()
+            text += "; " + (config.precision_choice or cpu_bf16_note())
     if config.disable_dropout:  # said only when it is so: checked on the model as it will train
         left = dropout_left(model) if model is not None else None
         text += ("\nDropout: off (--disable_dropout; checked: no dropout module, attribute or config probability "
@@ -72,13 +76,14 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
 
 def cpu_bf16_note(features: list[str] | None = None) -> str:
     """What ``--mixed_precision bf16`` would run on this CPU, from its flags (``machine.cpu_features``, or
-    ``features``): native bf16 matmuls (AVX512-BF16, AMX) or emulated ones, for the banner of a CPU run in fp32. The
-    measured figures per recipe and CPU kind: docs/bf16-recipes.md."""
+    ``features``): native bf16 matmuls (AVX512-BF16, AMX) or emulated ones, for the banner of a CPU run in fp32 where
+    no measurement for its recipe decided (``engine.cpu_bf16``). The measured figures: docs/bf16-recipes.md."""
     features = cpu_features() if features is None else features
     native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in features]
     if native:
-        return (f"this CPU has {' and '.join(native)}: --mixed_precision bf16 runs its matmuls in bf16 "
-                "(faster there; measured per recipe and CPU kind in docs/bf16-recipes.md)")
+        return (f"this CPU has {' and '.join(native)}: --mixed_precision bf16 runs its matmuls in bf16, often faster; "
+                "an fp16 request runs bf16 here once bench/bench_bf16_recipes.py has measured this recipe faster with "
+                "its metric held on this CPU kind (docs/precision.md)")
     return ("bf16 would not help here: this CPU has neither AVX512-BF16 nor AMX, so --mixed_precision bf16 would "
             "run emulated bf16 matmuls, slower than fp32 (`finetune env` measures both; per recipe: "
             "docs/bf16-recipes.md)")
@@ -187,7 +192,8 @@ def run_metrics(config, state, eval_results: dict, *, plan, num_processes: int, 
         "num_parameters": num_parameters,
         "trainable_parameters": trainable_parameters,
         "mixed_precision": precision,
-        "mixed_precision_requested": config.mixed_precision,
+        "mixed_precision_requested": config.mixed_precision_requested or config.mixed_precision,
+        "precision_choice": config.precision_choice,
         "backend": config.backend,
         "device": device.type,
         "train_runtime": round(runtime, 3),

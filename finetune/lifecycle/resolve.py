@@ -3,7 +3,8 @@ their own work, in this order, on every process.
 
 1. the recipe loaded and the config validated;
 2. the process group started with the run's collective timeout (``--ddp_timeout``), where the launcher asked for
-   several processes;
+   several processes; on a CPU, a requested fp16 turned into what the bf16 measurements for the recipe decide
+   (``engine.cpu_bf16.choose``: bf16 where it was measured faster with the metric held, else fp32, as Accelerate runs);
 3. for a command that writes a run (``train``, ``compare``): the output directory checked
    (``output.check_output_dir``), ``--push_to_hub`` checked (``hub.prepare``), and under
    ``--resume_from_checkpoint auto`` a finished run found (``metrics.json``: nothing to do), each agreed over the
@@ -22,6 +23,7 @@ from types import ModuleType
 import torch
 
 from finetune import distributed
+from finetune.engine import cpu_bf16
 from finetune.lifecycle import hub
 from finetune.lifecycle.output import check_output_dir, finished_metrics
 from finetune.planner import apply_plan, plan_for
@@ -82,6 +84,9 @@ def resolve(config, *, writes_run: bool = True, plans: bool = True) -> Resolutio
     config.validate()
     if distributed.world_size() > 1:  # the process group starts here, with the run's collective timeout
         distributed.process_state(timeout_seconds=config.ddp_timeout)
+    # on a CPU, a requested fp16 becomes what the bf16 measurements for the recipe decide, before the output dir is
+    # compared with a previous run's (which recorded the precision it trained in) and before the plan's probes
+    config = cpu_bf16.choose(config, recipe, distributed.process_state().device.type)
     push = None
     if writes_run:
         # the same outcome on every process: on machines of their own, one output dir can fail alone
