@@ -65,6 +65,15 @@ def test_the_shipped_records_keep_fp32_where_bf16_is_emulated():
         assert found.describe().startswith(f"bf16 not chosen, slower: measured for {recipe} at its default model")
 
 
+def test_env_summarizes_the_verdicts_of_this_cpu_kind():
+    both = records() + records(recipe="bbc-news-clm", metric="eval_perplexity", fp32_metric=(27.5, 27.6, 27.7),
+                               bf16_metric=(28.0, 28.1, 28.2)) + records(recipe="bbc-headlines", bf16=(2.0,) * 3)
+    assert cpu_bf16.summary(KIND, both) == (
+        "bbc-headlines fp32 (bf16 0.20x, slower); bbc-news bf16 (bf16 1.50x, metric held); bbc-news-clm fp32 (bf16 "
+        "1.50x, metric worse); other recipes fp32, not measured here (docs/precision.md)")
+    assert cpu_bf16.summary("Another CPU", both).startswith("no recipe measured on this CPU kind")
+
+
 def test_choose_turns_fp16_into_bf16_only_on_a_cpu_for_the_recipe_at_its_default_model():
     from finetune.config import parse_config
     from finetune.lifecycle.reporting import run_banner
@@ -110,22 +119,52 @@ def test_the_model_card_says_why_an_fp16_request_trained_in_bf16():
     assert "stays fp32" not in text
 
 
+def tiny_recipe(folder, model: str):
+    """A recipe file: bbc-news on ``model`` by default (the measurements count for a recipe at its default model)."""
+    path = folder / "tiny_news.py"
+    path.write_text(
+        "from finetune.recipes.bbc_news import DATASET, DEFAULTS as _BBC, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS, "
+        "load_raw_datasets  # noqa: F401\n"
+        "NAME = 'tiny-news'\nDESCRIPTION = 'bbc-news on a tiny BERT'\n"
+        f"DEFAULTS = {{**_BBC, 'model_name_or_path': {model!r}, 'max_length': 32, 'max_train_samples': 16, "
+        "'max_eval_samples': 8, 'per_device_train_batch_size': 4, 'max_steps': 2, 'eval_strategy': 'no'}\n")
+    return path
+
+
+def measured_here(cache):
+    """A FINETUNE_CACHE folder whose bf16 measurements say: tiny-news on this CPU kind, bf16 1.5x, metric held."""
+    cache.mkdir()
+    (cache / "bf16_measured.json").write_text(json.dumps(records(recipe="tiny-news", kind=cpu_kind())))
+    return cache
+
+
+@pytest.mark.integration
+def test_two_machines_of_which_one_measured_bf16_faster_both_train_fp32(tmp_path, tiny_bert):
+    """Two gloo "machines" through the real launcher, machine 0 with measurements that choose bf16, machine 1
+    without any: both train fp32 (one precision for every process), and machine 0's banner says why."""
+    from helpers import free_port, start_launch
+    from test_machines import wait_all
+
+    recipe_file, port = tiny_recipe(tmp_path, tiny_bert), free_port()
+    caches = (measured_here(tmp_path / "cache0"), tmp_path / "cache1")
+    machines = [start_launch(["--recipe", str(recipe_file), "--output_dir", str(tmp_path / f"m{rank}")],
+                             tmp_path / f"m{rank}", num_processes=2, machine=(rank, 2, port),
+                             env={"FINETUNE_CACHE": str(caches[rank])}) for rank in (0, 1)]
+    assert wait_all(machines, timeout=300) == [0, 0], (tmp_path / "m0.err").read_text()[-3000:]
+    said = (tmp_path / "m0.out").read_text()
+    assert "bf16 chosen, measured for tiny-news" in said and "; not taken: the CPU of another process keeps fp32" in said
+    for rank in (0, 1):
+        metrics = json.loads((tmp_path / f"m{rank}" / "metrics.json").read_text())
+        assert (metrics["mixed_precision"], metrics["mixed_precision_requested"]) == ("no", "fp16")
+
+
 @pytest.mark.integration
 def test_an_fp16_run_measured_faster_in_bf16_trains_exactly_as_a_bf16_run(tmp_path, tiny_bert):
     """The real CLI through ``accelerate launch``: a recipe whose records (this machine's own, in FINETUNE_CACHE) say
     bf16 wins here trains in bf16 when fp16 is asked, per-step losses equal to ``--mixed_precision bf16``'s, the
     choice in the banner and metrics.json; its rerun with ``--resume_from_checkpoint auto`` finds the same run; the
     Trainer backend chooses alike."""
-    recipe_file = tmp_path / "tiny_news.py"
-    recipe_file.write_text(
-        "from finetune.recipes.bbc_news import DATASET, DEFAULTS as _BBC, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS, "
-        "load_raw_datasets  # noqa: F401\n"
-        "NAME = 'tiny-news'\nDESCRIPTION = 'bbc-news on a tiny BERT'\n"
-        f"DEFAULTS = {{**_BBC, 'model_name_or_path': {tiny_bert!r}, 'max_length': 32, 'max_train_samples': 16, "
-        "'max_eval_samples': 8, 'per_device_train_batch_size': 4, 'max_steps': 2, 'eval_strategy': 'no'}\n")
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "bf16_measured.json").write_text(json.dumps(records(recipe="tiny-news", kind=cpu_kind())))
+    recipe_file, cache = tiny_recipe(tmp_path, tiny_bert), measured_here(tmp_path / "cache")
     out = tmp_path / "chosen"
     result = launch(["--recipe", str(recipe_file), "--output_dir", str(out)], env={"FINETUNE_CACHE": str(cache)})
     assert result.returncode == 0, result.stderr[-4000:]
@@ -148,3 +187,31 @@ def test_an_fp16_run_measured_faster_in_bf16_trains_exactly_as_a_bf16_run(tmp_pa
         patch.setenv("FINETUNE_CACHE", str(cache))
         metrics = run_args_in_process(["--recipe", str(recipe_file), "--backend", "trainer", "--output_dir", str(trainer)])
     assert (metrics["mixed_precision"], metrics["mixed_precision_requested"]) == ("bf16", "fp16")
+
+
+def test_every_process_trains_in_one_precision():
+    """Machines of different CPU kinds can choose differently: bf16 only where every process chose it
+    (``agreed``, over ``distributed.all_reduce_max``; here its stand-in, the other process's answer folded in)."""
+    from finetune.config import parse_config
+    from finetune.recipes import load_recipe
+
+    config = parse_config(["--recipe", "bbc-news"])
+    config.validate()
+    chosen = cpu_bf16.choose(config, load_recipe("bbc-news"), "cpu", records(kind=cpu_kind()))
+    assert cpu_bf16.agreed(config, chosen, lambda mine: max(mine, 0.0)) is chosen  # the other process chose bf16 too
+    kept = cpu_bf16.agreed(config, chosen, lambda mine: max(mine, 1.0))  # the other keeps fp32
+    assert (kept.mixed_precision, kept.mixed_precision_requested) == ("fp16", None)
+    assert kept.precision_choice.endswith("; not taken: the CPU of another process keeps fp32, and every process "
+                                          "trains in one precision")
+    assert cpu_bf16.agreed(config, config, lambda mine: mine) is config  # fp32 here: nothing to agree on
+
+
+def test_unreadable_measurements_are_one_error_naming_the_file(tmp_path):
+    from finetune.errors import FinetuneError
+
+    bad = tmp_path / "bf16_measured.json"
+    for text in ("{not json", '{"a": 1}', '[{"recipe": "bbc-news"}]'):
+        bad.write_text(text)
+        with pytest.raises(FinetuneError, match=f"the bf16 measurements in {bad} cannot be read .*: delete the file"):
+            cpu_bf16.load_records(bad)
+    assert cpu_bf16.load_records(tmp_path / "missing.json") == []

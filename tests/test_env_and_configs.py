@@ -46,6 +46,11 @@ def test_env_prints_versions_machine_and_accelerate_config(tmp_path):
         key(finetune_env.cpu_model(), dtype, threads, torch.__version__): {"flops_per_second": flops, "size": 2048,
                                                                            "measured": "then"}
         for dtype, flops in (("float32", 81.3e15), ("bfloat16", 17.5e15)) for threads in range(1, 257)}))
+    from test_cpu_bf16 import records  # this machine's own bf16 measurements: bbc-news 1.5x with the metric held
+
+    from finetune.machine import cpu_kind
+
+    (cache / "bf16_measured.json").write_text(json.dumps(records(kind=cpu_kind())))
     result = cli("env", cwd=tmp_path, HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_TOKEN="", FINETUNE_CACHE=str(cache))
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
@@ -73,6 +78,9 @@ def test_env_prints_versions_machine_and_accelerate_config(tmp_path):
             entry = cached[key(finetune_env.cpu_model(), dtype, threads, torch.__version__)]
             assert entry["flops_per_second"] == flops and entry["measurements"] == 2
             assert 1e8 < entry["last_flops_per_second"] < flops
+    fp16 = next(line for line in lines if line.startswith("- fp16 requested on this CPU trains in: "))
+    assert "bbc-news bf16 (bf16 1.50x, metric held)" in fp16 and fp16.endswith("other recipes fp32, not measured "
+                                                                              "here (docs/precision.md)")
     if not torch.cuda.is_available():
         assert "- GPUs: none" in lines
     assert "- Hugging Face Hub: https://huggingface.co; offline mode: True; token set: False" in lines

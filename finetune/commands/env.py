@@ -71,6 +71,7 @@ def environment() -> list[tuple[str, str]]:
     import torch
     from huggingface_hub import constants, get_token
 
+    from finetune.engine import cpu_bf16
     from finetune.lifecycle.card import framework_versions
 
     versions = dict(framework_versions())
@@ -94,6 +95,7 @@ def environment() -> list[tuple[str, str]]:
     info.append(("GPUs", "none" if not devices else f"{len(devices)}"))
     info += [(f"GPU {line.split(':', 1)[0]}", line.split(": ", 1)[1]) for line in devices]
     info.append(("Matmul peak (best measured)", matmul_peaks()))
+    info.append(("fp16 requested on this CPU trains in", cpu_bf16.summary()))
     info.append(("Hugging Face Hub", f"{constants.ENDPOINT}; offline mode: {constants.is_offline_mode()}; token "
                                      f"set: {get_token() is not None}"))
     return info

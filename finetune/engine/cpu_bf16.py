@@ -21,6 +21,7 @@ import statistics
 from importlib.resources import files
 from pathlib import Path
 
+from finetune.errors import FinetuneError
 from finetune.machine import cpu_kind
 
 # the shipped records: one per run of bench/bench_bf16_recipes.py (CPU kind, recipe, seed, precision, samples/s, metric)
@@ -29,6 +30,8 @@ RECORDS = Path(str(files("finetune.recipes") / "bf16_measured.json"))
 METRIC = {"bbc-news": "eval_accuracy", "bbc-headlines": "eval_rougeL", "bbc-news-clm": "eval_perplexity"}
 LOWER_IS_BETTER = ("eval_perplexity", "eval_loss")
 MIN_SEEDS = 3
+# what a record must hold (bench/bench_bf16_recipes.py's record_run writes more)
+_KEYS = frozenset({"cpu_kind", "recipe", "seed", "precision_requested", "train_samples_per_second", "metric_value"})
 # bf16 must beat fp32 by 5%: on the project's VM, runs of one configuration differ by 2-6% (docs/results.md)
 WIN_RATIO = 1.05
 
@@ -41,11 +44,18 @@ def user_records_path() -> Path:
 
 def load_records(*paths: Path) -> list[dict]:
     """The records of ``paths`` (JSON lists; default: the shipped ones, then this machine's own), in order; a file
-    that does not exist adds none. Raises ``json.JSONDecodeError`` for a file that is not JSON."""
+    that does not exist adds none. Raises ``FinetuneError`` for a file that is not a JSON list of records."""
     records = []
     for path in paths or (RECORDS, user_records_path()):
         if Path(path).is_file():
-            records += json.loads(Path(path).read_text())
+            try:
+                found = json.loads(Path(path).read_text())
+                if not isinstance(found, list) or not all(isinstance(r, dict) and _KEYS <= set(r) for r in found):
+                    raise ValueError(f"not a list of records with {', '.join(sorted(_KEYS))}")
+            except ValueError as err:
+                raise FinetuneError(f"the bf16 measurements in {path} cannot be read ({err}): delete the file, or "
+                                    "write it again with bench/bench_bf16_recipes.py --records.") from None
+            records += found
     return records
 
 
@@ -65,10 +75,10 @@ def summarize(records: list[dict]) -> dict:
             row = {"seeds_both": both, "metric": METRIC.get(recipe, "eval_accuracy")}
             for label, runs in (("fp32", fp32), ("bf16", bf16)):
                 values = [runs[s]["metric_value"] for s in sorted(runs) if runs[s]["metric_value"] is not None]
-                row[label] = {"seeds": sorted(runs), "precision_ran": sorted({runs[s]["precision_ran"] for s in runs}),
+                row[label] = {"seeds": sorted(runs), "precision_ran": sorted({str(runs[s].get("precision_ran")) for s in runs}),
                               "samples_per_second": statistics.median([runs[s]["train_samples_per_second"] for s in runs])
                               if runs else None,
-                              "hfu_of_measured_peak": [runs[s]["hfu_of_measured_peak"] for s in sorted(runs)],
+                              "hfu_of_measured_peak": [runs[s].get("hfu_of_measured_peak") for s in sorted(runs)],
                               "metric_values": values,
                               "metric_mean": statistics.fmean(values) if values else None,
                               "metric_stdev": statistics.stdev(values) if len(values) > 1 else None}
@@ -157,3 +167,32 @@ def choose(config, recipe, device_type: str, records: list[dict] | None = None):
     chosen = dataclasses.replace(config, **changes)
     chosen.validate()
     return chosen
+
+
+def summary(kind: str | None = None, records: list[dict] | None = None) -> str:
+    """One line for ``finetune env``: what an fp16 request trains in on CPU kind ``kind`` (this machine's by
+    default), per recipe with a ``Verdict`` (e.g. "bbc-news fp32 (bf16 0.31x, slower)"), or that none is measured."""
+    kind = cpu_kind() if kind is None else kind
+    records = load_records() if records is None else records
+    recipes = sorted({r["recipe"] for r in records if r["cpu_kind"] == kind and not r.get("extra_args")})
+    verdicts = [v for v in (verdict(recipe, kind, records) for recipe in recipes) if v is not None]
+    if not verdicts:
+        return ("no recipe measured on this CPU kind (bench/bench_bf16_recipes.py): an fp16 request runs fp32 "
+                "(docs/precision.md)")
+    parts = [f"{v.recipe} {'bf16' if v.runs_bf16 else 'fp32'} (bf16 {v.ratio:.2f}x, "
+             f"{'metric held' if v.runs_bf16 else 'slower' if not v.faster else 'metric worse'})" for v in verdicts]
+    return f"{'; '.join(parts)}; other recipes fp32, not measured here (docs/precision.md)"
+
+
+def agreed(requested, chosen, max_over_processes):
+    """``chosen`` (``choose``'s result for ``requested``) where every process chose alike, else ``requested``: bf16
+    only where every process's CPU kind chose it (machines of different kinds can disagree), so that every process
+    trains in one precision; the banner then says why bf16 was not taken. ``max_over_processes``:
+    ``distributed.all_reduce_max`` of the run's state (one call: collective, every process calls it once)."""
+    keeps_fp32 = max_over_processes(0.0 if chosen.mixed_precision_requested is not None else 1.0)
+    if chosen.mixed_precision_requested is None or keeps_fp32 == 0.0:
+        return chosen
+    kept = dataclasses.replace(requested, precision_choice=f"{chosen.precision_choice}; not taken: the CPU of another "
+                                                           "process keeps fp32, and every process trains in one precision")
+    kept.validate()
+    return kept

@@ -86,7 +86,11 @@ def resolve(config, *, writes_run: bool = True, plans: bool = True) -> Resolutio
         distributed.process_state(timeout_seconds=config.ddp_timeout)
     # on a CPU, a requested fp16 becomes what the bf16 measurements for the recipe decide, before the output dir is
     # compared with a previous run's (which recorded the precision it trained in) and before the plan's probes
-    config = cpu_bf16.choose(config, recipe, distributed.process_state().device.type)
+    state = distributed.process_state()
+    chosen = distributed.agree(lambda: cpu_bf16.choose(config, recipe, state.device.type), state)
+    if state.num_processes > 1:  # one precision for every process, whatever CPU each machine has
+        chosen = cpu_bf16.agreed(config, chosen, distributed.all_reduce_max(state))
+    config = chosen
     push = None
     if writes_run:
         # the same outcome on every process: on machines of their own, one output dir can fail alone
