@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchlib as bl  # noqa: E402
 
-from finetune.engine.cpu_bf16 import METRIC, RECORDS, load_records, summarize  # noqa: E402
+from finetune.engine.cpu_bf16 import METRIC, RECORDS, load_records, summarize, verdict  # noqa: E402
 from finetune.machine import cpu_kind  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,8 +74,9 @@ def _metric_text(side: dict) -> str:
     return f"{side['metric_mean']:.4f}{spread} (n={len(side['metric_values'])})"
 
 
-def render(table: dict) -> str:
-    """The Markdown table, one block per CPU kind."""
+def render(table: dict, records: list[dict] | None = None) -> str:
+    """The Markdown table, one block per CPU kind; with ``records`` (those ``table`` summarizes), what an fp16
+    request runs for each recipe (``finetune.engine.cpu_bf16.verdict``)."""
     lines = ["# bf16 against fp32 on CPUs, per recipe (bench/bench_bf16_recipes.py)", "",
              "Each recipe at its defaults, `--mixed_precision no` (fp32) against `--mixed_precision bf16`, one run per "
              "seed (42, 1, 2), evaluation included. samples/s: training only, median over seeds; ratio: median of the "
@@ -85,15 +86,21 @@ def render(table: dict) -> str:
              "for fp16 trains in bf16 (`finetune/engine/cpu_bf16.py`). "
              "bbc-news's records of 2026-11-28 ran at micro-batch 8 x 4, its default then (16 x 2 since, the same "
              "32 samples a step). The shares of the peak in the records taken before 10:00 on 2026-11-28 are over one measurement of "
-             "it, not the best measured (docs/benchmarks.md, \"The peak moves\").", ""]
+             "it, not the best measured (docs/benchmarks.md, \"The peak moves\"). On that Intel VM the cores' speed "
+             "moves up to 1.5x from one run to the next (bbc-headlines in fp32: 0.56 to 0.84 samples/s over three "
+             "seeds), so one seed's ratio is rough there; the per-seed ratios are in the table.", ""]
     for kind, recipes in table.items():
         lines += [f"## {kind}", "", "| recipe | seeds in both | fp32 samples/s | bf16 samples/s | bf16 / fp32 | metric | "
-                  "fp32 | bf16 |", "|---|---|---|---|---|---|---|---|"]
+                  "fp32 | bf16 | bf16 / fp32 per seed, in seed order | fp16 asked runs |", "|---|---|---|---|---|---|---|---|---|---|"]
         for recipe, row in recipes.items():
+            found = verdict(recipe, kind, records) if records is not None else None
+            runs = "not decided (fewer than 3 seeds)" if found is None else "bf16" if found.runs_bf16 else (
+                "fp32 (bf16 slower)" if not found.faster else "fp32 (metric worse)")
+            per_seed = ", ".join(f"{ratio:.2f}" for ratio in row["ratios"]) or "-"
             lines.append(f"| {recipe} | {len(row['seeds_both'])} | {bl.fmt(row['fp32']['samples_per_second'], '.2f')} | "
                          f"{bl.fmt(row['bf16']['samples_per_second'], '.2f')} | "
                          f"{bl.fmt(row['ratio_bf16_fp32'], '.2f', 'x')} | {row['metric']} | {_metric_text(row['fp32'])} | "
-                         f"{_metric_text(row['bf16'])} |")
+                         f"{_metric_text(row['bf16'])} | {per_seed} | {runs} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -146,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.records.write_text(json.dumps(records, indent=1) + "\n")
                 print(f" {record['train_samples_per_second']:.2f} samples/s, {record['metric']} "
                       f"{record['metric_value']}, ran {record['precision_ran']}", file=sys.stderr, flush=True)
-        table = summarize([r for r in records if not r["extra_args"] or args.smoke])
-        text = render(table)
+        used = [r for r in records if not r["extra_args"] or args.smoke]
+        text = render(summarize(used), used if not args.smoke else None)
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(text + "\n")
         print(text)

@@ -486,6 +486,10 @@ def test_bench_bf16_recipes_plans_abba_skips_what_is_recorded_and_summarizes_per
     assert "## X" in text and "## Y" in text
     cells = table_row(text, "bbc-news")
     assert cells[1] == "2" and cells[4] == "1.75x" and cells[6].startswith("0.9800 ± 0.0100 (n=3)")
+    # with the records: the per-seed ratios, and what an fp16 request runs (two seeds decide nothing; a third does)
+    assert table_row(b.render(table, records), "bbc-news")[8:10] == ["1.50, 2.00", "not decided (fewer than 3 seeds)"]
+    three = records + [rec("X", 3, "bf16", 16.5, 0.985)]
+    assert table_row(b.render(b.summarize(three), three), "bbc-news")[8:10] == ["1.50, 2.00, 1.50", "bf16"]
 
 
 def test_bench_bf16_recipes_smoke(tmp_path):
