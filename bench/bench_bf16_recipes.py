@@ -95,7 +95,7 @@ def render(table: dict, records: list[dict] | None = None) -> str:
         for recipe, row in recipes.items():
             found = verdict(recipe, kind, records) if records is not None else None
             runs = "not decided (fewer than 3 seeds)" if found is None else "bf16" if found.runs_bf16 else (
-                "fp32 (bf16 slower)" if not found.faster else "fp32 (metric worse)")
+                f"fp32 ({'bf16 ' if found.reason == 'slower' else ''}{found.reason})")
             per_seed = ", ".join(f"{ratio:.2f}" for ratio in row["ratios"]) or "-"
             lines.append(f"| {recipe} | {len(row['seeds_both'])} | {bl.fmt(row['fp32']['samples_per_second'], '.2f')} | "
                          f"{bl.fmt(row['bf16']['samples_per_second'], '.2f')} | "

@@ -34,12 +34,9 @@ def cpu_features() -> list[str]:
     return [flag for flag in BF16_FLAGS if flag in flags]
 
 
-def cpu_kind(model: str | None = None, features: list[str] | None = None) -> str:
-    """The CPU as bf16 measurements are grouped by it (``recipes/bf16_measured.json``, docs/bf16-recipes.md): its
+def cpu_kind() -> str:
+    """This CPU as bf16 measurements are grouped by it (``recipes/bf16_measured.json``, docs/bf16-recipes.md): its
     model name and which of avx512_bf16 and amx_bf16 it has, e.g. "Intel(R) Xeon(R) Processor @ 2.50GHz (no
-    avx512_bf16, no AMX: bf16 emulated)". ``model``/``features``: this machine's (``cpu_model``, ``cpu_features``)
-    unless given."""
-    model = cpu_model() if model is None else model
-    features = cpu_features() if features is None else features
-    flags = [f for f in features if f in ("avx512_bf16", "amx_bf16")]
-    return f"{model} ({', '.join(flags) if flags else 'no avx512_bf16, no AMX: bf16 emulated'})"
+    avx512_bf16, no AMX: bf16 emulated)"."""
+    flags = [f for f in cpu_features() if f in ("avx512_bf16", "amx_bf16")]
+    return f"{cpu_model()} ({', '.join(flags) if flags else 'no avx512_bf16, no AMX: bf16 emulated'})"

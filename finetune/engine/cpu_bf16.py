@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 from importlib.resources import files
 from pathlib import Path
 
+from finetune.data.fetch import default_cache_dir
 from finetune.errors import FinetuneError
 from finetune.machine import cpu_kind
 
@@ -37,9 +37,9 @@ WIN_RATIO = 1.05
 
 
 def user_records_path() -> Path:
-    """This machine's own records: ``bf16_measured.json`` in ``FINETUNE_CACHE`` (default ``~/.cache/finetune``),
-    written by ``bench/bench_bf16_recipes.py --records``."""
-    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "bf16_measured.json"
+    """This machine's own records: ``bf16_measured.json`` in the cache folder (``fetch.default_cache_dir``:
+    ``FINETUNE_CACHE``, default ``~/.cache/finetune``), written by ``bench/bench_bf16_recipes.py --records``."""
+    return default_cache_dir() / "bf16_measured.json"
 
 
 def load_records(*paths: Path) -> list[dict]:
@@ -120,6 +120,11 @@ class Verdict:
         """Requested fp16 runs bf16 on this CPU kind: faster, and the metric holds."""
         return self.faster and self.metric_holds
 
+    @property
+    def reason(self) -> str:
+        """Why, in two words: "metric held" (bf16 runs), "slower" or "metric worse" (fp32 runs)."""
+        return "metric held" if self.runs_bf16 else "slower" if not self.faster else "metric worse"
+
     def describe(self) -> str:
         """One clause: the measured figures and what they decide, for the banner."""
         figures = (f"{self.recipe} at its default model on this CPU kind, {self.seeds} seeds: bf16 {self.ratio:.2f}x "
@@ -179,8 +184,7 @@ def summary(kind: str | None = None, records: list[dict] | None = None) -> str:
     if not verdicts:
         return ("no recipe measured on this CPU kind (bench/bench_bf16_recipes.py): an fp16 request runs fp32 "
                 "(docs/precision.md)")
-    parts = [f"{v.recipe} {'bf16' if v.runs_bf16 else 'fp32'} (bf16 {v.ratio:.2f}x, "
-             f"{'metric held' if v.runs_bf16 else 'slower' if not v.faster else 'metric worse'})" for v in verdicts]
+    parts = [f"{v.recipe} {'bf16' if v.runs_bf16 else 'fp32'} (bf16 {v.ratio:.2f}x, {v.reason})" for v in verdicts]
     return f"{'; '.join(parts)}; other recipes fp32, not measured here (docs/precision.md)"
 
 

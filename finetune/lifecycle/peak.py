@@ -9,11 +9,12 @@ run measure while the others wait, so they do not share the cores during the mea
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from finetune.data.fetch import default_cache_dir
 
 DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = {"cpu": 2048, "cuda": 8192}  # n: 17 GFLOP a matmul on a CPU (~0.1-0.2 s on 2 cores), 1.1 TFLOP on a GPU
@@ -21,8 +22,9 @@ REPEATS = 5  # timed matmuls after 2 warm-up ones; the fastest is the peak
 
 
 def cache_path() -> Path:
-    """``~/.cache/finetune/matmul_peak.json`` (``FINETUNE_CACHE`` overrides the folder)."""
-    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "matmul_peak.json"
+    """``matmul_peak.json`` in the cache folder (``fetch.default_cache_dir``: ``FINETUNE_CACHE``, default
+    ``~/.cache/finetune``)."""
+    return default_cache_dir() / "matmul_peak.json"
 
 
 def device_name(device: torch.device) -> str:
