@@ -124,7 +124,8 @@ def recipes_command(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``finetune COMMAND ARGS`` through ``COMMANDS``; returns the exit code (2 for a usage error; a
     ``FinetuneError`` ends as one ``error:`` line). A launched command's ``--help`` is its entry's, in this
-    process: nothing is launched."""
+    process: nothing is launched (``train --help`` with its training flags, so the defaults shown are the recipe's
+    and the config file's)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -140,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     if not command.launched:
         return command.load()(rest)
     if wants_help(rest):
-        return command.load()(["--help"])
+        if name != "train":
+            return command.load()(["--help"])
+        from finetune.commands.launch import split_argv  # lazy, as below
+
+        return command.load()(split_argv(rest)[1])  # the training flags: --help shows their recipe's defaults
     from finetune.commands.launch import train_command  # lazy: `finetune --help` and `recipes` start without torch
 
     return train_command(rest, module=command.module)

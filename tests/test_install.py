@@ -113,7 +113,7 @@ def test_non_editable_install_runs_from_another_directory(tmp_path, tiny_bert, i
     # finetune.recipes (recipes/ in the repository) installs inside the package; no top-level `recipes`
     assert where[2:] == [str(site / "finetune" / "recipes" / "__init__.py"), "False", "None"]
     assert not (site / "recipes").exists() and not (site / "recipes.py").exists()
-    dist_info = site / "finetune-0.1.0.dist-info"
+    dist_info = site / "finetune_accelerate-0.1.0.dist-info"  # the distribution name, free on PyPI
     assert (dist_info / "top_level.txt").read_text().split() == ["finetune"]
     record = [line.split(",")[0] for line in (dist_info / "RECORD").read_text().splitlines()]
     assert {path.split("/")[0] for path in record} == {"finetune", dist_info.name, ".."}  # .. is bin/finetune

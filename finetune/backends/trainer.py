@@ -17,8 +17,9 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from finetune import distributed
 from finetune.data import packing
-from finetune.engine import engine_class, engine_for
+from finetune.engine import check_tracker, engine_class, engine_for, local_mlflow_store
 from finetune.engine.precision import loss_scale, optimizer_step_skipped
+from finetune.errors import FinetuneError
 from finetune.lifecycle import checkpoint as ckpt
 from finetune.lifecycle.evaluation import check_benchmark_tasks, check_eval_set
 from finetune.lifecycle.run_state import RunState
@@ -299,7 +300,12 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     checkpoints it writes (``checkpoint-<step>`` sealed by ``lifecycle.RunState.seal``), agreed on by every process
     (``lifecycle.RunState.resume``). ``observe(trainer)``: called once the Trainer is built, before it trains
     (``finetune.commands.verify`` reads its gradients and final weights). Raises ``FinetuneError`` as the accelerate
-    backend does."""
+    backend does, and for ``--report_to aim`` (transformers 5.24 has no Aim callback)."""
+    check_tracker(config.report_to)
+    if config.report_to == "aim":
+        raise FinetuneError("--report_to aim: transformers' Trainer has no Aim callback; use --backend accelerate "
+                            "(Accelerate's AimTracker) or another tracker.")
+    local_mlflow_store(config)
     args = training_arguments(config)
     state = args.distributed_state
     layout = distributed.plan_storage(state, config.output_dir)

@@ -99,7 +99,7 @@ def render_markdown(summary: dict, config, command: str) -> str:
 
 def pyplot():
     """``matplotlib.pyplot`` on the Agg backend, imported here (an optional extra, ``pip install
-    "finetune[compare]"``, needed by ``compare`` alone, and 0.4 s to import). Raises ``FinetuneError`` naming the
+    -e ".[compare]"``, needed by ``compare`` alone, and 0.4 s to import). Raises ``FinetuneError`` naming the
     install command when matplotlib is not installed."""
     try:
         import matplotlib
@@ -108,7 +108,7 @@ def pyplot():
         import matplotlib.pyplot as plt
     except ImportError:
         raise FinetuneError("--compare draws loss_curves.png with matplotlib, which is not installed: "
-                            'pip install "finetune[compare]" (or pip install matplotlib).') from None
+                            'pip install -e ".[compare]" in the clone, or pip install matplotlib.') from None
     return plt
 
 

@@ -103,8 +103,11 @@ class CadenceArguments:
         None, "Keep only the newest K checkpoints.",
         step=False, trainer="save_total_limit", same_run=False, verify=None,
     )
-    report_to: Literal["none", "tensorboard", "trackio", "wandb", "all"] = flag(
-        "none", "Experiment tracking through Accelerate's trackers (TensorBoard works offline).",
+    report_to: Literal["none", "all", "tensorboard", "wandb", "trackio", "comet_ml", "aim", "mlflow", "clearml",
+                       "dvclive", "swanlab"] = flag(
+        "none", "Experiment tracking through Accelerate's trackers (accelerate.utils.LoggerType; `all`: every one "
+        "installed). TensorBoard and MLflow work offline (MLflow into <output_dir>/mlruns unless MLFLOW_TRACKING_URI "
+        "is set).",
         step=False, trainer="report_to", verify="none",
     )
 

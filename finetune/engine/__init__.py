@@ -4,7 +4,9 @@ names FSDP or DeepSpeed; the rest asks ``engine_for(accelerator)`` (precision, p
 from __future__ import annotations
 
 import importlib.util
+import os
 from datetime import timedelta
+from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import (
@@ -22,9 +24,40 @@ from finetune.engine.precision import check_precision_supported
 from finetune.errors import FinetuneError
 
 __all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_class", "engine_for", "make_accelerator", "build_optimizer",
+           "check_tracker", "local_mlflow_store",
            "parameter_groups", "parameter_counts", "parameter_sizes", "parameter_shape"]
 
-_TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
+# Accelerate 1.15's trackers (accelerate.utils.LoggerType) and the package each imports (accelerate/tracking.py)
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "comet_ml": "comet_ml",
+                   "aim": "aim", "mlflow": "mlflow", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}
+
+
+def check_tracker(report_to: str) -> None:
+    """Raise ``FinetuneError`` when the ``--report_to`` tracker's package is not installed (``all`` takes those
+    that are, as Accelerate's ``filter_trackers`` does)."""
+    module = TRACKER_MODULES.get(report_to)
+    if module is None:
+        return
+    if importlib.util.find_spec(module) is None and not (module == "tensorboard" and
+                                                         importlib.util.find_spec("tensorboardX")):
+        raise FinetuneError(f"--report_to {report_to}: the {module} package is not installed "
+                            f"(pip install {module}), or use --report_to none.")
+
+
+def local_mlflow_store(config) -> str | None:
+    """Under ``--report_to mlflow`` (or ``all`` with mlflow installed) and no ``MLFLOW_TRACKING_URI``: point MLflow
+    at a local store in ``<output_dir>/mlruns`` (``sqlite:///.../mlruns/mlflow.db``, MLflow 3's local backend;
+    artifacts beside it), set in this process's environment, where Accelerate's ``MLflowTracker`` and transformers'
+    ``MLflowCallback`` read it. Returns the URI set, or None where none was (a tracking server named by the
+    environment is left as it is)."""
+    if config.report_to not in ("mlflow", "all") or os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    if config.report_to == "all" and importlib.util.find_spec("mlflow") is None:
+        return None
+    store = Path(config.output_dir).resolve() / "mlruns"
+    store.mkdir(parents=True, exist_ok=True)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{store / 'mlflow.db'}"
+    return os.environ["MLFLOW_TRACKING_URI"]
 
 
 def engine_class(distributed_type) -> type[PlainEngine]:
@@ -74,12 +107,8 @@ def make_accelerator(config) -> Accelerator:
     tracker whose package is not installed."""
     check_precision_supported(config.mixed_precision)
     log_with = None if config.report_to == "none" else config.report_to
-    if log_with in _TRACKER_MODULES:
-        module = _TRACKER_MODULES[log_with]
-        if importlib.util.find_spec(module) is None and not (module == "tensorboard" and
-                                                             importlib.util.find_spec("tensorboardX")):
-            raise FinetuneError(f"--report_to {log_with}: the {module} package is not installed "
-                                f"(pip install {module}), or use --report_to none.")
+    check_tracker(config.report_to)
+    local_mlflow_store(config)
     compile_options = {}
     if config.torch_compile:  # Accelerator.prepare wraps the model in torch.compile
         compile_options["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode)

@@ -5,6 +5,7 @@ trained, on what, how (as it ran), how well, and the command that reproduces it.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from finetune import __version__
+from finetune.engine import TRACKER_MODULES
 from finetune.engine.precision import PRECISION_NAMES
 
 # eval_* keys that describe the evaluation run, not the model's quality: in the body's table, not in eval_results
@@ -324,9 +326,12 @@ def _tracking(config, output_dir: Path) -> str:
         root = os.path.commonpath(events)  # TensorBoard reads the folders under it (hparams write a subfolder)
         lines.append(f"TensorBoard: logs in `{root}/` of the model directory (on the Hub: the *Training metrics* "
                      f"tab); locally `tensorboard --logdir {shlex.quote(str(output_dir / root))}`.")
-    others = [t for t in (("tensorboard", "trackio", "wandb") if config.report_to == "all" else (config.report_to,))
-              if t != "tensorboard"]
-    lines += [f"`--report_to {t}`: the run's metrics went to {t} (its run is not linked here)." for t in others]
+    named = ([t for t, module in TRACKER_MODULES.items() if importlib.util.find_spec(module)]
+             if config.report_to == "all" else [config.report_to])
+    for tracker in (t for t in named if t != "tensorboard"):
+        where = os.environ.get("MLFLOW_TRACKING_URI") if tracker == "mlflow" else None
+        lines.append(f"`--report_to {tracker}`: the run's metrics went to {tracker}"
+                     + (f" (tracking URI `{where}`)." if where else " (its run is not linked here)."))
     return "\n\n".join(lines)
 
 

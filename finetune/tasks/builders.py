@@ -37,7 +37,8 @@ def build_datasets(recipe, config, tokenizer, task):
 
 def raw_datasets(recipe, config, task, check: bool = True):
     """The run's raw ``train`` and ``validation`` splits (the recipe's, ``--dataset_name``, or ``--train_file``/
-    ``--validation_file``), subsampled to ``max_train_samples``/``max_eval_samples`` (first N after the split).
+    ``--validation_file``), subsampled to ``max_train_samples``/``max_eval_samples`` (first N after the split),
+    which is printed with the rows it keeps of how many.
     Instruction rows are checked where they came from (``check``; ``finetune check-data`` reports them instead).
     Raises the loaders' ``FinetuneError``s."""
     if config.dataset_name:
@@ -51,10 +52,15 @@ def raw_datasets(recipe, config, task, check: bool = True):
     if check:
         for split in raw.values():
             task.check_rows(split)
-    if config.max_train_samples is not None:
-        raw["train"] = raw["train"].select(range(min(config.max_train_samples, len(raw["train"]))))
-    if config.max_eval_samples is not None:
-        raw["validation"] = raw["validation"].select(range(min(config.max_eval_samples, len(raw["validation"]))))
+    for split, name, what in (("train", "max_train_samples", "training"), ("validation", "max_eval_samples",
+                                                                              "validation")):
+        limit, rows = getattr(config, name), len(raw[split])
+        if limit is not None and limit < rows:
+            raw[split] = raw[split].select(range(limit))
+            if is_main_process():  # a limit that changes what trains is said, never silent
+                source = "the recipe's default" if getattr(recipe, "DEFAULTS", {}).get(name) == limit else "yours"
+                print(f"Data: the first {limit:,} of {rows:,} {what} rows (--{name} {limit}: {source}; "
+                      f"--{name} N changes it)")
     return raw
 
 

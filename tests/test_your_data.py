@@ -1,0 +1,158 @@
+"""Your model, your data: TRL's precision switches, a recipe's row caps kept off data it did not ship, ``--help``
+showing the recipe's effective defaults, every Accelerate tracker (MLflow read back through its own client), and an
+install name that is this project's."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import read_log, run_in_process, train_steps
+
+from finetune.config import parse_config
+from finetune.errors import FinetuneError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--bf16"], "bf16"),
+    (["--fp16", "true"], "fp16"),
+    (["--bf16=True"], "bf16"),
+    (["--bf16", "false"], "no"),  # TRL's configs default to bf16: false alone means fp32
+    (["--bf16", "--output_dir", "x"], "bf16"),  # a bare switch takes no value
+    (["--bf16", "--mixed_precision", "bf16"], "bf16"),
+])
+def test_trl_precision_switches_set_mixed_precision(flags, expected):
+    assert parse_config(["--recipe", "bbc-news", *flags]).mixed_precision == expected
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--bf16", "--fp16"], "both true"),
+    (["--bf16", "--mixed_precision", "fp16"], "disagree"),
+    (["--fp16=maybe"], "expected true or false"),
+])
+def test_conflicting_precision_switches_are_one_error(flags, fragment):
+    with pytest.raises(FinetuneError, match=fragment):
+        parse_config(["--recipe", "bbc-news", *flags])
+
+
+def test_a_trl_yaml_bf16_key_sets_mixed_precision_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "sft.yaml"
+    path.write_text("bf16: true\nlearning_rate: 2.0e-5\n")
+    assert parse_config(["--recipe", "bbc-news", "--config", str(path)]).mixed_precision == "bf16"
+    assert parse_config(["--recipe", "bbc-news", "--config", str(path), "--mixed_precision", "no"]).mixed_precision == "no"
+    path.write_text("bf16: true\nmixed_precision: fp16\n")
+    with pytest.raises(FinetuneError, match="disagree"):
+        parse_config(["--recipe", "bbc-news", "--config", str(path)])
+
+
+def test_a_recipes_row_caps_never_apply_to_your_data(tmp_path):
+    """bbc-headlines caps its own corpus at 256/100 rows; a --train_file or --dataset_name (flag or file key) trains
+    every row unless a limit is given by the user."""
+    assert parse_config(["--recipe", "bbc-headlines"]).max_train_samples == 256
+    mine = ["--recipe", "bbc-headlines", "--train_file", str(tmp_path / "mine.jsonl")]
+    config = parse_config(mine)
+    assert (config.max_train_samples, config.max_eval_samples) == (None, None)
+    assert parse_config([*mine, "--max_train_samples", "7"]).max_train_samples == 7
+    path = tmp_path / "c.yaml"
+    path.write_text(f"dataset_name: {tmp_path}\nmax_eval_samples: 9\n")
+    config = parse_config(["--recipe", "bbc-headlines", "--config", str(path)])
+    assert (config.max_train_samples, config.max_eval_samples) == (None, 9)
+
+
+def test_help_shows_the_recipes_effective_defaults():
+    def default(*args):
+        out = subprocess.run([sys.executable, "-m", "finetune.cli", "train", *args, "--help"], capture_output=True,
+                             text=True, cwd=REPO, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return re.search(r"\n  --max_train_samples MAX_TRAIN_SAMPLES[^\n]*\n[^\n]*\(default: (\w+)\)", out.stdout, re.S).group(1)
+
+    assert default("--recipe", "bbc-headlines", "--num_processes", "1") == "256"  # a launcher flag beside it
+    assert default("--recipe", "bbc-headlines", "--train_file", "mine.jsonl") == "None"
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory) -> str:
+    from tiny_models import build_tiny_chat_llama
+
+    return str(build_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-llama")))
+
+
+def test_a_thousand_rows_of_yours_train_a_thousand_rows_per_epoch(tmp_path, chat_llama, capsys):
+    """1,000 ``messages`` rows with the bbc-headlines recipe (whose own corpus is capped at 256): one epoch is 1,000
+    samples, and no 'Data: the first' cap line is printed; the recipe's own data prints its cap."""
+    rows = [{"messages": [{"role": "user", "content": f"headline for story {i}"},
+                          {"role": "assistant", "content": f"story {i % 7}"}]} for i in range(1000)]
+    train, valid = tmp_path / "rows.jsonl", tmp_path / "valid.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    valid.write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    metrics, out = run_in_process(tmp_path, "mine", recipe="bbc-headlines", model_name_or_path=chat_llama,
+                                  train_file=str(train), validation_file=str(valid), per_device_train_batch_size=50,
+                                  gradient_accumulation_steps=2, max_steps=1, max_length=64, eval_strategy="no",
+                                  eval_on_start=False, mixed_precision="no")
+    printed = capsys.readouterr().out
+    assert "Optimizer steps: 10 per epoch (20 micro-batches per process)" in printed, printed[-3000:]
+    assert "Data: the first" not in printed
+    assert train_steps(out)[0]["samples"] == 100
+
+    from finetune.recipes import load_recipe
+    from finetune.tasks import run_task
+    from finetune.tasks.builders import raw_datasets
+
+    recipe = load_recipe("bbc-headlines")
+    config = parse_config(["--recipe", "bbc-headlines", "--max_eval_samples", "3"])
+    raw = raw_datasets(recipe, config, run_task(recipe, config), check=False)
+    assert (len(raw["train"]), len(raw["validation"])) == (256, 3)
+    printed = capsys.readouterr().out
+    assert re.search(r"Data: the first 256 of [\d,]+ training rows \(--max_train_samples 256: the recipe's default",
+                     printed), printed
+    assert re.search(r"Data: the first 3 of [\d,]+ validation rows \(--max_eval_samples 3: yours", printed), printed
+
+
+def test_report_to_takes_every_tracker_accelerate_knows():
+    import typing
+
+    from accelerate.utils import LoggerType
+
+    from finetune.config.cadence import CadenceArguments
+
+    choices = set(typing.get_args(typing.get_type_hints(CadenceArguments)["report_to"]))
+    assert choices == {t.value for t in LoggerType} | {"none"}
+
+
+def test_mlflow_run_holds_the_logged_metrics(tmp_path, tiny_bert, monkeypatch):
+    """--report_to mlflow with no MLFLOW_TRACKING_URI: a local store in <output_dir>/mlruns whose run, read back by
+    MLflow's own client, holds every step's train/loss of log.jsonl, the hyperparameters and the final eval."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # unset for the run; restored afterwards
+    metrics, out = run_in_process(tmp_path, "mlf", model_name_or_path=tiny_bert, report_to="mlflow",
+                                  max_train_samples=24, max_eval_samples=8, per_device_train_batch_size=4,
+                                  gradient_accumulation_steps=2, num_train_epochs=1, max_length=32)
+    store = out / "mlruns" / "mlflow.db"
+    assert store.is_file()
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{store}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    steps = train_steps(out)
+    assert [m.step for m in history] == [r["step"] for r in steps]
+    assert [m.value for m in history] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+    assert run.data.params["learning_rate"] == str(json.loads((out / "run_config.json").read_text())["learning_rate"])
+    assert run.data.metrics["eval/accuracy"] == pytest.approx(metrics["eval_accuracy"])
+    assert read_log(out)  # the log the tracker mirrors
+    assert "tracking URI `sqlite:///" in (out / "README.md").read_text()
+
+
+def test_no_page_installs_the_unrelated_finetune_distribution():
+    """``finetune`` on PyPI is another project: the distribution is ``finetune-accelerate``, and no page or message
+    tells a user to ``pip install finetune``."""
+    assert re.search(r'^name = "finetune-accelerate"', (REPO / "pyproject.toml").read_text(), re.M)
+    wrong = re.compile(r"pip install\s+['\"]?finetune(?![-\w])")
+    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "finetune").rglob("*.py")]
+    found = [f"{p.relative_to(REPO)}:{i}" for p in pages for i, line in enumerate(p.read_text().splitlines(), 1)
+             if wrong.search(line)]
+    assert found == []
