@@ -77,3 +77,16 @@ def test_the_readme_shows_the_verify_threshold_line():
     detects = [{"target": target, "threshold": size} for target, size in verify.SMALL_CONTROLS]
     text = " ".join((REPO / "README.md").read_text().split())
     assert f"**Verdict: exact: {verify.detects_line(detects)}**" in text
+
+
+def test_the_flag_reference_is_generated_and_current():
+    """docs/flags.md's table is ``finetune.config.reference.flags_table()``: every training flag has its row, as the
+    configuration gives it; a removed or stale row is named (the check's own mutant: one row taken out)."""
+    from finetune.config.reference import stale_rows
+
+    page = (REPO / "docs" / "flags.md").read_text()
+    assert stale_rows(page) == [], "regenerate: python -m finetune.config.reference (below docs/flags.md's marker)"
+    without = "\n".join(line for line in page.splitlines() if not line.startswith("| `--dataset_name`"))
+    assert stale_rows(without) == ["--dataset_name"]
+    assert stale_rows(page.replace("| `--lora_r` | LoRA adapters (peft) | `16` |", "| `--lora_r` | LoRA adapters (peft) | `8` |")) \
+        == ["--lora_r"]
