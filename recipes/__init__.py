@@ -39,6 +39,11 @@ RECIPES: dict[str, str] = {
     "bbc-lead-headlines": "finetune.recipes.bbc_lead_headlines",
     "glue-mrpc": "finetune.recipes.glue_mrpc",
     "wikitext-clm": "finetune.recipes.wikitext_clm",
+    # your model and your data, no data of their own (recipes/your_data.py); picked from the columns without --recipe
+    "sft": "finetune.recipes.sft",
+    "dpo": "finetune.recipes.dpo",
+    "clm": "finetune.recipes.clm",
+    "classify": "finetune.recipes.classify",
 }
 
 REQUIRED_ATTRIBUTES = ("NAME", "DESCRIPTION", "TASK", "DATASET", "NEEDS_HUB", "TEXT_COLUMNS", "METRICS", "DEFAULTS", "load_raw_datasets")
@@ -75,7 +80,7 @@ def list_recipes() -> str:
     rows = [("name", "task", "model", "dataset", "data source")]
     for name in sorted(RECIPES):
         r = load_recipe(name)
-        model = r.DEFAULTS.get("model_name_or_path", "?")
+        model = "yours" if getattr(r, "YOUR_DATA", False) else r.DEFAULTS.get("model_name_or_path", "?")
         if os.path.isabs(model):
             model = os.path.basename(os.path.dirname(model)) if os.path.basename(model) == "model" else model
         rows.append((name, r.TASK, model, r.DATASET, "needs hub" if r.NEEDS_HUB else "offline"))

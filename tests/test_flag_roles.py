@@ -172,8 +172,9 @@ def of_main(names) -> set:
 
 def test_the_lists_are_the_ones_main_kept_by_hand():
     assert MAIN_FIELDS <= set(TrainConfig.__dataclass_fields__)
-    # since then: the CPU bf16 choice's two (issue 41), defined after precision_source
-    assert DERIVED_FIELDS == (OLD_DERIVED_FIELDS[0], "precision_choice", "mixed_precision_requested",
+    # since then: the CPU bf16 choice's two (issue 41), defined after precision_source; the recipe chosen from your
+    # data's columns (issue 51)
+    assert DERIVED_FIELDS == (OLD_DERIVED_FIELDS[0], "precision_choice", "mixed_precision_requested", "recipe_source",
                               *OLD_DERIVED_FIELDS[1:])
     assert of_main(fields_with(replay=False)) == OLD_REPLAY_IGNORED
     assert of_main(output._IGNORED) == OLD_OUTPUT_IGNORED

@@ -19,7 +19,8 @@ def test_every_recipe_resolves(name):
     assert recipe.NAME == name
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert set(recipe.DEFAULTS) <= fields
-    config = parse_config(["--recipe", name])
+    yours = ["--model_name_or_path", "m", "--train_file", "d.jsonl"] if getattr(recipe, "YOUR_DATA", False) else []
+    config = parse_config(["--recipe", name, *yours])
     config.validate()
     for key, value in recipe.DEFAULTS.items():
         assert getattr(config, key) == value, key

@@ -45,7 +45,7 @@ def test_a_trl_yaml_bf16_key_sets_mixed_precision_and_the_command_line_wins(tmp_
     path = tmp_path / "sft.yaml"
     path.write_text("bf16: true\nlearning_rate: 2.0e-5\n")
     assert parse_config(["--recipe", "bbc-news", "--config", str(path)]).mixed_precision == "bf16"
-    assert parse_config(["--recipe", "bbc-news", "--config", str(path), "--mixed_precision", "no"]).mixed_precision == "no"
+    assert parse_config(["--recipe", "bbc-news", "--config", str(path), "--mixed_precision", "no", "--max_length", "64"]).mixed_precision == "no"
     path.write_text("bf16: true\nmixed_precision: fp16\n")
     with pytest.raises(FinetuneError, match="disagree"):
         parse_config(["--recipe", "bbc-news", "--config", str(path)])
@@ -83,22 +83,38 @@ def chat_llama(tmp_path_factory) -> str:
     return str(build_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-llama")))
 
 
+def _run_without_recipe(argv: list[str]) -> dict:
+    """``finetune train`` in this process with ``argv`` as given (no ``--recipe`` added)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from finetune.run import run
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    return run(parse_config(argv))
+
+
 def test_a_thousand_rows_of_yours_train_a_thousand_rows_per_epoch(tmp_path, chat_llama, capsys):
-    """1,000 ``messages`` rows with the bbc-headlines recipe (whose own corpus is capped at 256): one epoch is 1,000
-    samples, and no 'Data: the first' cap line is printed; the recipe's own data prints its cap."""
+    """No recipe: 1,000 ``messages`` rows on a tiny chat Llama train as SFT (the banner says so and from which
+    column), every row per epoch (no recipe's cap leaks: no 'Data: the first' line); a recipe's own data still
+    prints its cap with the rows kept of how many."""
     rows = [{"messages": [{"role": "user", "content": f"headline for story {i}"},
                           {"role": "assistant", "content": f"story {i % 7}"}]} for i in range(1000)]
     train, valid = tmp_path / "rows.jsonl", tmp_path / "valid.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     valid.write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
-    metrics, out = run_in_process(tmp_path, "mine", recipe="bbc-headlines", model_name_or_path=chat_llama,
-                                  train_file=str(train), validation_file=str(valid), per_device_train_batch_size=50,
-                                  gradient_accumulation_steps=2, max_steps=1, max_length=64, eval_strategy="no",
-                                  eval_on_start=False, mixed_precision="no")
+    out = tmp_path / "mine"
+    _run_without_recipe(["--model_name_or_path", chat_llama, "--train_file", str(train), "--validation_file",
+                         str(valid), "--output_dir", str(out), "--per_device_train_batch_size", "50",
+                         "--gradient_accumulation_steps", "2", "--max_steps", "1", "--eval_strategy", "no",
+                         "--mixed_precision", "no", "--max_length", "64"])
     printed = capsys.readouterr().out
+    assert f"Recipe: sft, chosen from the column(s) messages of --train_file {train}" in printed, printed[-3000:]
     assert "Optimizer steps: 10 per epoch (20 micro-batches per process)" in printed, printed[-3000:]
     assert "Data: the first" not in printed
     assert train_steps(out)[0]["samples"] == 100
+    assert json.loads((out / "run_config.json").read_text())["recipe"] == "sft"
 
     from finetune.recipes import load_recipe
     from finetune.tasks import run_task
@@ -112,6 +128,46 @@ def test_a_thousand_rows_of_yours_train_a_thousand_rows_per_epoch(tmp_path, chat
     assert re.search(r"Data: the first 256 of [\d,]+ training rows \(--max_train_samples 256: the recipe's default",
                      printed), printed
     assert re.search(r"Data: the first 3 of [\d,]+ validation rows \(--max_eval_samples 3: yours", printed), printed
+
+
+@pytest.mark.parametrize("row, flags, recipe", [
+    ({"messages": []}, [], "sft"),
+    ({"conversations": []}, [], "sft"),
+    ({"prompt": "p", "completion": "c"}, [], "sft"),
+    ({"prompt": "p", "chosen": "a", "rejected": "b"}, [], "dpo"),
+    ({"chosen": [], "rejected": []}, [], "dpo"),  # implicit prompt
+    ({"text": "t"}, [], "clm"),
+    ({"text": "t", "label": 1}, ["--task", "sequence-classification"], "classify"),
+    ({"text": "t", "label": 1}, ["--task", "causal-lm"], "clm"),
+])
+def test_the_recipe_follows_from_the_columns(tmp_path, row, flags, recipe):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    config = parse_config(["--model_name_or_path", "m", "--train_file", str(path), *flags])
+    assert config.recipe == recipe and config.recipe_source.startswith("from ")
+    assert parse_config(["--recipe", "bbc-news", "--train_file", str(path)]).recipe_source is None
+
+
+@pytest.mark.parametrize("row, flags, fragment", [
+    ({"text": "t", "label": 1}, [], "--task sequence-classification .* or --task causal-lm"),
+    ({"prompt": "p"}, [], "prompt-only rows"),
+    ({"question": "q"}, [], "columns question, none of TRL's formats"),
+    ({"text": "t"}, ["--task", "poetry"], "invalid choice|unknown"),
+])
+def test_columns_that_fit_no_format_are_one_error(tmp_path, row, flags, fragment):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises((FinetuneError, SystemExit)) as raised:
+        parse_config(["--model_name_or_path", "m", "--train_file", str(path), *flags])
+    if raised.type is FinetuneError:
+        assert re.search(fragment, str(raised.value)), raised.value
+
+
+def test_a_recipe_of_yours_needs_your_model_and_data(tmp_path):
+    with pytest.raises(FinetuneError, match="pass --model_name_or_path and --train_file or --dataset_name"):
+        parse_config(["--recipe", "sft"])
+    with pytest.raises(FinetuneError, match="--task causal-lm and --recipe sft .* disagree"):
+        parse_config(["--recipe", "sft", "--task", "causal-lm", "--model_name_or_path", "m", "--train_file", "x"])
 
 
 def test_report_to_takes_every_tracker_accelerate_knows():

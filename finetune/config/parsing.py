@@ -218,6 +218,50 @@ def _recipe_defaults(recipe, argv: list[str], file_values: dict) -> dict:
     return defaults
 
 
+def _last(argv: list[str], file_values: dict, name: str):
+    """A flag's value: the command line's last, else the config file's, else None."""
+    values = [v for v in take_values(argv, f"--{name}")[0] if v is not None]
+    return values[-1] if values else file_values.get(name)
+
+
+def _check_your_data_recipe(recipe, first, argv: list[str], file_values: dict) -> None:
+    """Raise ``FinetuneError`` where a recipe that ships no data (``YOUR_DATA``) lacks the model or the data, or
+    ``--task`` names another task than the recipe's."""
+    if first.task is not None and first.task != recipe.TASK:
+        raise FinetuneError(f"--task {first.task} and --recipe {first.recipe} (task {recipe.TASK}) disagree: "
+                            "pass one of them.")
+    if not getattr(recipe, "YOUR_DATA", False):
+        return
+    missing = [f"--{name}" for name in ("model_name_or_path",) if not _last(argv, file_values, name)]
+    if not (_last(argv, file_values, "train_file") or _last(argv, file_values, "dataset_name")):
+        missing.append("--train_file or --dataset_name")
+    if missing:
+        raise FinetuneError(f"recipe {first.recipe!r} trains your model on your data and ships neither: pass "
+                            f"{' and '.join(missing)}.")
+
+
+def _recipe_from_data(argv: list[str], file_values: dict) -> tuple[str, str] | None:
+    """(recipe, why) for a run given your data (``--train_file``/``--dataset_name``) and no recipe: from the data's
+    columns (``your_data.recipe_for_columns``), or ``--task``; None without data of yours. Raises its
+    ``FinetuneError``s."""
+    from finetune.config.your_data import dataset_columns, first_row_columns, recipe_for_columns
+
+    task, train_file, name = (_last(argv, file_values, n) for n in ("task", "train_file", "dataset_name"))
+    if train_file:
+        where = f"--train_file {train_file}"
+        columns = first_row_columns(train_file)
+    elif name:
+        where = f"--dataset_name {name}"
+        columns = dataset_columns(name, _last(argv, file_values, "dataset_train_split") or "train")
+        if columns is None and task is None:
+            raise FinetuneError(f"{where}: its columns cannot be read without loading it; pass --task "
+                                "sft|preference|causal-lm|sequence-classification or --recipe NAME.")
+    else:
+        return None
+    recipe, why = recipe_for_columns(columns or [], where, task)
+    return recipe, f"{why} of {where}"
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """Parse command-line flags into a ``TrainConfig``: the recipe's defaults, under a ``--config`` file's
     values (``read_config_file``), under the flags.
@@ -242,6 +286,9 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     derived = {k: file_values.pop(k) for k in DERIVED_FIELDS if k in file_values}
     if "recipe" in file_values and not given(argv, "--recipe"):
         argv = ["--recipe", str(file_values["recipe"]), *argv]
+    inferred = None if given(argv, "--recipe") else _recipe_from_data(argv, file_values)
+    if inferred is not None:
+        argv = ["--recipe", inferred[0], *argv]
     parser = _FlagParser(TrainConfig)
     _refuse_unknown_flags(parser, argv)
     (first,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
@@ -252,6 +299,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         if unknown:
             raise FinetuneError(f"recipe {first.recipe!r} sets unknown config fields: {', '.join(sorted(unknown))}")
         parser.set_defaults(**_recipe_defaults(recipe, argv, file_values))
+        _check_your_data_recipe(recipe, first, argv, file_values)
     parser.set_defaults(**file_values)
     if helping:  # the defaults shown are this run's: the recipe's, under the file's
         parser.print_help()
@@ -261,4 +309,6 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         config.batch_plan = derived["batch_plan"]  # the replayed run's plan, recorded again
     if config.output_dir is None:
         config.output_dir = f"outputs/{config.recipe.removesuffix('.py').replace('/', '_')}"
+    if inferred is not None:
+        config.recipe_source = f"from {inferred[1]}"
     return config

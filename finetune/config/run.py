@@ -15,8 +15,14 @@ class RunArguments:
     """The recipe, the output directory, the backend, resuming, the processes' timeouts."""
 
     recipe: str = flag(
-        "bbc-news", "Recipe name (see --list_recipes) or path/to/recipe.py.",
+        "bbc-news", "Recipe name (see --list_recipes) or path/to/recipe.py. Default: with --train_file or "
+        "--dataset_name, the one for the data's columns (sft, dpo, clm, classify), else bbc-news.",
         step=True, trainer=None,
+    )
+    task: Literal["sft", "preference", "causal-lm", "sequence-classification"] | None = flag(
+        None, "Your data without --recipe: the training style, where the columns leave it open (text + label). "
+        "Default: from the columns, as TRL's formats define them.",
+        step=False, trainer=None,
     )
     list_recipes: bool = flag(
         False, "Print the known recipes and exit.",

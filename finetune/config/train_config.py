@@ -68,6 +68,8 @@ class TrainConfig(ReproducibilityArguments, PreferenceArguments, LoraArguments, 
     # banner; and "fp16" where they turned it into bf16 (mixed_precision is then "bf16"); None where none applied
     precision_choice: str | None = derived(None, replay=False)
     mixed_precision_requested: str | None = derived(None, replay=False)
+    # how the recipe was chosen where --recipe was not given: from your data's columns (config.your_data), for the banner
+    recipe_source: str | None = derived(None, replay=False)
     # the batch planner's plan under --total_batch_size (planner.BatchPlan.to_dict: micro-batch, accumulation,
     # processes, total, the lever setting chosen under --auto_find_batch_size), set by finetune.run.apply_plan;
     # a replay takes it as recorded (read_config_file)

@@ -39,7 +39,8 @@ def packing_banner(config) -> str:
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
     """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
     processes, in samples), the optimizer steps (``plan``: a ``window.StepPlan``), and the precision
-    that really runs, with a plain note when it is not the one requested (fp16 on a CPU: fp32, or bf16 where the
+    that really runs, with a plain note when it is not the one requested; the recipe where your data's columns chose it
+    (``config.recipe_source``) (fp16 on a CPU: fp32, or bf16 where the
     measurements chose it, ``config.precision_choice``); under
     ``--disable_dropout``, whether ``model`` really has no dropout left (``dropout.dropout_left``)."""
     n = config.gradient_accumulation_steps
@@ -48,7 +49,9 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
     options = [name for name, on in (("torch.compile (inductor)", config.torch_compile),
                                      ("length-grouped batches", config.train_sampling_strategy == "group_by_length"))
                if on]
-    text = (f"Effective batch size: {config.per_device_train_batch_size} (micro-batch) x {n} (accumulation) x "
+    text = ((f"Recipe: {config.recipe}, chosen {config.recipe_source} (--task or --recipe chooses another)\n"
+             if config.recipe_source else "")
+            + f"Effective batch size: {config.per_device_train_batch_size} (micro-batch) x {n} (accumulation) x "
             f"{num_processes} (processes) = {effective} samples per optimizer step\n"
             f"Optimizer steps: {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches per "
             f"process), {plan.max_steps} in total over {plan.num_epochs} epoch(s) [{config.backend} backend]\n"

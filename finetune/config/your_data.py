@@ -1,0 +1,86 @@
+"""Training without a recipe: the recipe (and so the task) follows from the data's columns, as TRL's dataset formats
+define them (trl 1.16 ``trl/data_utils.py``: ``is_conversational``, the preference and language-modeling types).
+
+- ``messages`` or ``conversations`` (ShareGPT), or ``prompt`` + ``completion``: ``sft`` (completion-only loss);
+- ``chosen`` + ``rejected`` (with ``prompt``, or the prompt implicit in both): ``dpo``;
+- ``text``: ``clm``; ``text`` + ``label``: ``classify`` or ``clm``, which ``--task`` chooses;
+- anything else: one ``error:`` line listing the columns found and the formats.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+
+# --task: a task's name -> the recipe that trains it on your data
+TASK_RECIPES = {"sft": "sft", "preference": "dpo", "causal-lm": "clm", "sequence-classification": "classify"}
+
+
+def first_row_columns(path: str) -> list[str]:
+    """The column names of a data file's first row, reading as little as possible: a JSON-lines file's first line,
+    a JSON file's first record (an array of records, or a mapping of columns), a CSV file's header. Raises
+    ``FinetuneError`` for a missing or unreadable file."""
+    file = Path(path)
+    if not file.is_file():
+        raise FinetuneError(f"--train_file {path}: no such file.")
+    try:
+        if file.suffix == ".csv":
+            with file.open(newline="", encoding="utf-8") as handle:
+                return next(csv.reader(handle), [])
+        with file.open(encoding="utf-8") as handle:
+            first = next((line for line in handle if line.strip()), "")
+        try:
+            row = json.loads(first)
+        except json.JSONDecodeError:  # not JSON lines: one JSON document
+            row = json.loads(file.read_text(encoding="utf-8"))
+            row = row[0] if isinstance(row, list) and row else row
+        if isinstance(row, dict) and isinstance(row.get("data"), list) and row["data"]:  # {"data": [...]} files
+            row = row["data"][0]
+        return list(row) if isinstance(row, dict) else []
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FinetuneError(f"--train_file {path}: cannot read its first row as CSV or JSON ({err}).") from None
+
+
+def dataset_columns(name: str, split: str) -> list[str] | None:
+    """The columns of ``--dataset_name``'s ``split`` where they can be read locally (a ``save_to_disk`` folder, or
+    a folder of data files: its first file's first row); None for a Hub name, whose loader says what it needs."""
+    path = Path(name)
+    if not path.is_dir():
+        return None
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        import datasets  # lazy: flags are parsed without it
+
+        loaded = datasets.load_from_disk(str(path))
+        return list((loaded[split] if isinstance(loaded, datasets.DatasetDict) and split in loaded else
+                     next(iter(loaded.values())) if isinstance(loaded, datasets.DatasetDict) else loaded).column_names)
+    files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".csv") and p.is_file())
+    return first_row_columns(str(files[0])) if files else None
+
+
+def recipe_for_columns(columns: list[str], where: str, task: str | None = None) -> tuple[str, str]:
+    """(recipe, why) for data with ``columns`` (``where``: the flag and its value, for messages); ``task``: a task's
+    name from ``--task`` (``TASK_RECIPES``), which wins. Raises ``FinetuneError`` for an unknown task, columns no
+    format fits, or ``text`` + ``label`` without ``--task`` (listing the choices)."""
+    if task is not None:
+        if task not in TASK_RECIPES:
+            raise FinetuneError(f"--task {task}: unknown; choose one of {', '.join(TASK_RECIPES)}.")
+        return TASK_RECIPES[task], f"--task {task}"
+    found = set(columns)
+    for names, recipe in ((("messages",), "sft"), (("conversations",), "sft"), (("chosen", "rejected"), "dpo"),
+                          (("prompt", "completion"), "sft")):
+        if set(names) <= found:
+            return recipe, "the column(s) " + " + ".join(names)
+    if {"text", "label"} <= found:
+        raise FinetuneError(f"{where} has text + label columns: pass --task sequence-classification (a classifier "
+                            "head) or --task causal-lm (the text alone), or --recipe NAME.")
+    if "text" in found:
+        return "clm", "the column text"
+    if found == {"prompt"} or "prompt" in found:
+        raise FinetuneError(f"{where} has prompt-only rows (online RL, such as GRPO), which this version does not "
+                            "train: add completion (sft) or chosen + rejected (dpo) columns.")
+    raise FinetuneError(f"{where} has columns {', '.join(columns) or '(none)'}, none of TRL's formats: messages or "
+                        "conversations, prompt + completion (sft); prompt + chosen + rejected (dpo); text (clm); "
+                        "text + label with --task sequence-classification. Or pass --recipe NAME.")
