@@ -212,3 +212,66 @@ def test_no_page_installs_the_unrelated_finetune_distribution():
     found = [f"{p.relative_to(REPO)}:{i}" for p in pages for i, line in enumerate(p.read_text().splitlines(), 1)
              if wrong.search(line)]
     assert found == []
+
+
+SHAREGPT = [{"conversations": [{"from": "user", "value": f"what is story {i} about?"},
+                               {"from": "assistant", "value": f"topic {i % 5}, in {i % 3 + 1} words"}]}
+            for i in range(24)]
+# ChatML that writes the row's tools into a system turn (as tool-calling templates do), so that passing them shows
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_sharegpt_rows_convert_as_trl_converts_them():
+    import copy
+
+    trl = pytest.importorskip("trl")
+    from finetune.data.formats import to_chatml
+
+    row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "id": 3}
+    assert to_chatml(row) == trl.maybe_convert_to_chatml(copy.deepcopy(row))
+    assert to_chatml(row)["messages"][1] == {"role": "gpt", "content": "hello"}  # roles kept, as TRL keeps them
+
+
+def test_a_rows_tools_reach_the_chat_template(chat_llama):
+    """``tools`` (a list, or a JSON string as TRL parses it) are rendered by the template exactly as
+    ``apply_chat_template(messages, tools=...)`` renders them (TRL 1.16 sft_trainer.py tokenize_fn); the labels
+    still cover the assistant turn alone."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.chat import encode_row
+    from finetune.tasks import IGNORE_INDEX
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find a story",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "find story 3"}, {"role": "assistant", "content": "story 3 is sport"}]
+    expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+    for given in (tools, json.dumps(tools)):
+        encoded = encode_row(tokenizer, {"messages": messages, "tools": given}, max_length=512)
+        assert encoded["input_ids"] == list(expected)
+    plain = encode_row(tokenizer, {"messages": messages}, max_length=512)
+    assert len(plain["input_ids"]) < len(expected)
+    trained = [t for t in encoded["labels"] if t != IGNORE_INDEX]
+    assert trained == [t for t in plain["labels"] if t != IGNORE_INDEX]  # the same assistant tokens either way
+
+
+def test_sharegpt_data_without_a_recipe_trains_as_its_messages_do(tmp_path, chat_llama):
+    """No recipe, ShareGPT rows: SFT chosen from ``conversations``, and every step's loss equal to the same rows
+    written as ``messages`` (bit for bit: one conversion, the same tokens)."""
+    from finetune.data.formats import to_chatml
+
+    losses = {}
+    for form, rows in (("sharegpt", SHAREGPT), ("messages", [to_chatml(r) for r in SHAREGPT])):
+        path = tmp_path / f"{form}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = tmp_path / form
+        _run_without_recipe(["--model_name_or_path", chat_llama, "--train_file", str(path), "--output_dir", str(out),
+                             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                             "--max_steps", "2", "--eval_strategy", "no", "--mixed_precision", "no",
+                             "--max_length", "64", "--learning_rate", "1e-3"])
+        assert json.loads((out / "run_config.json").read_text())["recipe"] == "sft"
+        losses[form] = [r["loss"] for r in train_steps(out)]
+    assert len(losses["sharegpt"]) == 2 and losses["sharegpt"] == losses["messages"]

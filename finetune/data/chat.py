@@ -12,6 +12,7 @@ import datasets
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from finetune.data.formats import chatml_dataset, template_kwargs, to_chatml
 from finetune.data.loading import IGNORE_INDEX, ROW_COLUMN
 from finetune.errors import FinetuneError
 from finetune.metrics import load_metric
@@ -151,12 +152,13 @@ def require_chat_template(tokenizer) -> None:
                             f"has no chat template, so conversations cannot be rendered. Fix: {_NO_TEMPLATE_FIX}.")
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template (no special tokens beyond the template's)."""
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template (no special tokens beyond the template's);
+    ``kwargs``: the row's ``template_kwargs`` (``tools``, ``chat_template_kwargs``)."""
     if not messages:  # an empty conversation: apply_chat_template refuses it, the rendering is empty
         return []
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                              return_dict=True, **_SANITIZE)["input_ids"])
+                                              return_dict=True, **_SANITIZE, **kwargs)["input_ids"])
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -191,13 +193,13 @@ def _is_control_token(tokenizer, token_id: int) -> bool:
 
 
 def _turn_spans(tokenizer, messages: list[dict], trained: list[int], ids: list[int],
-                row_name: str) -> list[tuple[int, int]]:
+                row_name: str, kwargs: dict | None = None) -> list[tuple[int, int]]:
     """``[(start, end), ...]``: each trained turn's token range in ``ids``, its end-of-turn token included,
     the whitespace the template writes after it excluded (see docs/design-notes.md#sft)."""
     spans = []
     for turn in trained:
-        prompt = _render(tokenizer, messages[:turn], add_generation_prompt=True)
-        through = _render(tokenizer, messages[:turn + 1])
+        prompt = _render(tokenizer, messages[:turn], add_generation_prompt=True, **(kwargs or {}))
+        through = _render(tokenizer, messages[:turn + 1], **(kwargs or {}))
         _check_prefix(tokenizer, prompt, through, f"the prompt of assistant turn {turn} rendered with "
                       "add_generation_prompt=True", row_name)
         _check_prefix(tokenizer, through, ids, f"the conversation through assistant turn {turn}", row_name)
@@ -253,14 +255,15 @@ def _last_user_turn(messages: list[dict], before: int) -> int | None:
     return next((i for i in range(before - 1, -1, -1) if messages[i]["role"] == "user"), None)
 
 
-def _encode(tokenizer, messages: list[dict], trained: list[int], max_length: int, row_name: str) -> dict:
+def _encode(tokenizer, messages: list[dict], trained: list[int], max_length: int, row_name: str,
+            kwargs: dict | None = None) -> dict:
     require_chat_template(tokenizer)
     if max_length < 1:
         raise FinetuneError(f"max_length must be a positive number of tokens, got {max_length}.")
     messages, ids = _fit(tokenizer, messages, _last_user_turn(messages, trained[-1]), max_length,
-                         lambda m: _render(tokenizer, m), row_name, "the completion")
+                         lambda m: _render(tokenizer, m, **(kwargs or {})), row_name, "the completion")
     labels = [IGNORE_INDEX] * len(ids)
-    for start, end in _turn_spans(tokenizer, messages, trained, ids, row_name):
+    for start, end in _turn_spans(tokenizer, messages, trained, ids, row_name, kwargs):
         labels[start:end] = ids[start:end]
     return {"input_ids": ids, "labels": labels}
 
@@ -301,10 +304,12 @@ def encode_messages(tokenizer, messages, max_length: int) -> dict:
 
 
 def encode_row(tokenizer, row: dict, max_length: int, row_name: str = "row") -> dict:
-    """``encode_conversation`` or ``encode_messages`` for one dataset row in either TRL format; errors
+    """``encode_conversation`` or ``encode_messages`` for one dataset row in either TRL format (ShareGPT's converted
+    by ``to_chatml``), its ``tools`` and ``chat_template_kwargs`` passed to the template (``template_kwargs``); errors
     name ``row_name``."""
+    row = to_chatml(row)
     messages, trained = row_to_conversation(row, row_name)
-    return _encode(tokenizer, messages, trained, max_length, row_name)
+    return _encode(tokenizer, messages, trained, max_length, row_name, template_kwargs(row))
 
 
 def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering conversations"):
@@ -313,7 +318,7 @@ def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering co
     Raises ``FinetuneError`` naming the row (0-based) if malformed or of another format, or without chat template."""
     require_chat_template(tokenizer)
     if not isinstance(rows, datasets.Dataset):
-        rows = list(rows)
+        rows = [to_chatml(row) if isinstance(row, dict) else row for row in rows]
         formats = [row_format(row, f"row {i}") for i, row in enumerate(rows)]
         for i, row in enumerate(rows):  # validate before Arrow sees the rows: it would fail on mixed types
             if formats[i] != formats[0]:
@@ -321,6 +326,7 @@ def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering co
                                     "use one format for the whole dataset.")
             row_to_conversation(row, f"row {i}")
         rows = datasets.Dataset.from_list(rows)
+    rows = chatml_dataset(rows)
     if not len(rows):  # map would return no columns at all
         features = datasets.Features({k: datasets.List(datasets.Value("int64")) for k in ("input_ids", "labels")})
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
@@ -332,7 +338,8 @@ def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering co
     def encode(batch, indices):
         out = {"input_ids": [], "labels": []}
         for offset, index in enumerate(indices):
-            row = {c: batch[c][offset] for c in columns if c in ("prompt", "completion", "messages")}
+            row = {c: batch[c][offset] for c in columns
+                   if c in ("prompt", "completion", "messages", "tools", "chat_template_kwargs")}
             name = batch[ROW_COLUMN][offset] if ROW_COLUMN in columns else f"row {index}"
             encoded = encode_row(tokenizer, row, max_length, name)
             out["input_ids"].append(encoded["input_ids"])

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from finetune.data.dropout import disable_dropout as disable_dropout_in_model
 from finetune.data.dropout import zero_config_dropout
+from finetune.data.formats import chatml_dataset
 from finetune.data.gguf import load_gguf_causal_lm, load_gguf_tokenizer
 from finetune.errors import FinetuneError, HubUnreachableError
 
@@ -351,6 +352,8 @@ def load_named_dataset(name: str, config_name: str | None, train_split: str, tes
     where = f"--dataset_name {name} (split {train_split!r})"
     train = loaded[train_split]
     if conversations:
+        loaded = datasets.DatasetDict({k: chatml_dataset(v) for k, v in loaded.items()})  # ShareGPT, as TRL converts
+        train = loaded[train_split]
         columns = set(train.column_names)
         if not ({"prompt", "completion"} <= columns or "messages" in columns or {"chosen", "rejected"} <= columns):
             raise FinetuneError(f"{where} has columns {', '.join(train.column_names)}; conversation data needs "
@@ -459,6 +462,7 @@ def load_conversation_files(train_file: str, validation_file: str | None, cache_
             ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
         except Exception as err:  # the datasets library raises many types for malformed files
             raise FinetuneError(f"{flag} {path_str!r} could not be read as JSON lines: {err}") from None
+        ds = chatml_dataset(ds)  # ShareGPT's conversations of from/value, as TRL converts them
         names = set(ds.column_names)
         if not ({"chosen", "rejected"} <= names if preference else
                 ({"prompt", "completion"} <= names or "messages" in names)):
