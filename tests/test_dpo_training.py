@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,40 @@ def test_a_resume_reads_the_precomputed_reference_back_bit_for_bit(tmp_path, cha
     assert all(torch.equal(again[k], weights[k]) for k in weights)
 
 
+def test_reordered_pairs_get_their_own_reference_and_a_run_keeps_the_file_it_reads(tmp_path, chat_llama, pair_files,
+                                                                                   capsys):
+    """The reference columns are attached by position, so the file is keyed by the pairs in order: the same 10
+    pairs reversed in place and rerun with --overwrite_output_dir into the same directory compute their own
+    reference (step 1: ln 2 within 1e-6; another pair's reference gave 5.9), written after the directory is
+    cleared; a third run on them reads that file back (ln 2 again) and leaves it in place, byte for byte."""
+    train = tmp_path / "train.jsonl"
+    lines = open(pair_files[0]).read().splitlines(keepends=True)
+    train.write_text("".join(lines))
+    common = flags(chat_llama, (str(train), pair_files[1]), precompute_ref_log_probs=True, max_steps=1,
+                   eval_on_start=False, save_strategy="no")
+    _, out = run_in_process(tmp_path, "run", **common)
+    common["overwrite_output_dir"] = True
+    assert "computed into" in capsys.readouterr().out
+    first = {f.name for f in (out / "reference_logps").glob("train-*.safetensors")}
+    assert len(first) == 1
+
+    train.write_text("".join(reversed(lines)))  # the same pairs, reversed in place
+    for run, how in ((2, "computed into"), (3, "read back from")):
+        _, out = run_in_process(tmp_path, "run", **common)
+        printed = capsys.readouterr().out
+        assert train_steps(out)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6), run
+        line = next(line for line in printed.splitlines() if "reference log-probabilities of 10 train pairs" in line)
+        assert how in line, (run, line)
+        path = Path(line.split(f"{how} ", 1)[1])
+        assert path.name not in first, run  # not the first order's file
+        assert path.is_file(), run  # written after --overwrite_output_dir cleared the directory, kept by its reader
+        assert {f.name for f in (out / "reference_logps").glob("train-*")} == {path.name}, run
+        if run == 2:
+            written = path.read_bytes()
+        else:
+            assert path.read_bytes() == written
+
+
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])
 def test_any_split_of_the_pairs_gives_the_same_weights(tmp_path, chat_llama, pair_files, backend):
     """B = 4 pairs as 4 x 1, 2 x 2 and 1 x 4 over 10 pairs of unequal lengths (a partial last window of 2): the same
@@ -164,7 +199,7 @@ def test_any_split_of_the_pairs_gives_the_same_weights(tmp_path, chat_llama, pai
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])
 def test_two_processes_train_what_one_does(tmp_path, chat_llama, pair_files, backend):
     """2 processes x 1 pair x 2 micro-batches against one process's 4 x 1 (B = 4), with the epoch's last window
-    of 2 pairs and the precomputed reference (the main process computes, the other reads its file): the same
+    of 2 pairs and the precomputed reference (the main process computes, the other receives its columns): the same
     weights (rtol 1e-5) and per-step losses and rewards."""
     common = {**flags(chat_llama, pair_files, backend=backend, eval_on_start=False, precompute_ref_log_probs=True)}
     _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,

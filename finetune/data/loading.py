@@ -524,18 +524,29 @@ def _column_hashes(column, index: int):
 
 
 def training_set_identity(dataset) -> dict:
-    """What a checkpoint binds its run to (``checkpoint.step_meaning``): ``{"samples": rows, "fingerprint": 16 hex
-    digits}`` of the tokenized training set ``dataset`` (a ``datasets.Dataset``). The fingerprint is a sum modulo
-    2**64 of one hash per row over every column but the row names (``ROW_COLUMN``): independent of the rows' order
-    (a resume on another split of B reads the same rows in another order), changed by any token, label or
-    column of any row, by a row added, removed or repeated. Cost: one pass over the Arrow columns, vectorised."""
+    """What a checkpoint binds its run to (``checkpoint.step_meaning``) and what the precomputed reference is
+    keyed by (``tasks.reference``): ``{"samples": rows, "fingerprint": 16 hex digits, "order_fingerprint": 16 hex
+    digits}`` of the tokenized training set ``dataset`` (a ``datasets.Dataset``), from one hash per row over every
+    column but the row names (``ROW_COLUMN``; changed by any token, label or column of the row).
+
+    ``order_fingerprint``: the sum modulo 2**64 of each row's hash mixed with its position (splitmix64,
+    ``_mix``), so it also changes when rows swap places; the seeded epoch order is a permutation of row
+    positions, so a step means the same samples only on the same rows in the same order. ``fingerprint``: the
+    plain sum of the row hashes, independent of the order: with it a change is named as "the same rows in another
+    order" rather than "other rows", and checkpoints recorded before ``order_fingerprint`` are still checked
+    (``elastic.training_set_change``). Cost: one pass over the Arrow columns, vectorised (both from the same row
+    hashes)."""
     import numpy as np
 
     columns = sorted(name for name in dataset.column_names if name != ROW_COLUMN)
-    total = 0
+    rows_sum, ordered_sum, start = 0, 0, 0
+    salt = np.uint64(0xD1B54A32D192ED03)  # positions hash apart from every column's salt
     for table in dataset.select_columns(columns).with_format("arrow").iter(batch_size=8192):
         rows = np.zeros(table.num_rows, dtype=np.uint64)
         for index, name in enumerate(columns):
             rows = _mix(rows ^ _column_hashes(table.column(name), index))
-        total = (total + int(rows.sum(dtype=np.uint64))) & _MASK64
-    return {"samples": len(dataset), "fingerprint": f"{total:016x}"}
+        positions = np.arange(start, start + table.num_rows, dtype=np.uint64)
+        rows_sum = (rows_sum + int(rows.sum(dtype=np.uint64))) & _MASK64
+        ordered_sum = (ordered_sum + int(_mix(rows ^ _mix(positions + salt)).sum(dtype=np.uint64))) & _MASK64
+        start += table.num_rows
+    return {"samples": len(dataset), "fingerprint": f"{rows_sum:016x}", "order_fingerprint": f"{ordered_sum:016x}"}

@@ -69,11 +69,12 @@ def check_batch(saved: dict, meaning: dict, path, allow: bool) -> None:
         "start a fresh run in another --output_dir.")
 
 
-# The training set in a checkpoint's step meaning: its identity (``data.training_set_identity``: samples and an
-# order-independent fingerprint of the tokenized rows) and the flags that decide which rows are held out for
-# validation instead of trained on. A resume is bound to it (``training_set_change``).
+# The training set in a checkpoint's step meaning: its identity (``data.training_set_identity``: samples, a
+# fingerprint of the tokenized rows as a set and one of the rows in order) and the flags that decide which rows are
+# held out for validation instead of trained on. A resume is bound to it (``training_set_change``).
 DATA = "training_set"
 HELD_OUT_FLAGS = ("validation_file", "dataset_test_split")
+ORDER = "order_fingerprint"  # not in checkpoints recorded before it: those are compared as a set of rows
 
 
 def data_meaning(config, identity: dict | None) -> dict:
@@ -86,13 +87,21 @@ def data_meaning(config, identity: dict | None) -> dict:
 
 def training_set_change(saved: dict, meaning: dict) -> str | None:
     """How this launch's training set differs from the one checkpoint ``saved`` was trained on, as "25 training
-    samples, 20 in the checkpoint's run (--validation_file: checkpoint None, now 'dev.csv')", or None where it
-    is the same (equal sample counts and fingerprints) or the checkpoint predates the record (before round 5)."""
+    samples, 20 in the checkpoint's run (--validation_file: checkpoint None, now 'dev.csv')" or "the same 10
+    training samples as in the checkpoint's run, in another order (...)", or None where it is the same (equal
+    sample counts and fingerprints, and order fingerprints where the checkpoint records one) or the checkpoint
+    predates the record (before round 5)."""
     before, now = saved.get(DATA), meaning.get(DATA)
-    if not before or not now or (before["samples"], before["fingerprint"]) == (now["samples"], now["fingerprint"]):
+    if not before or not now:
+        return None
+    keys = ("samples", "fingerprint", ORDER) if ORDER in before else ("samples", "fingerprint")
+    if all(before[key] == now.get(key) for key in keys):
         return None
     if before["samples"] != now["samples"]:
         what = f"{now['samples']} training samples, {before['samples']} in the checkpoint's run"
+    elif before["fingerprint"] == now["fingerprint"]:
+        what = (f"the same {now['samples']} training samples as in the checkpoint's run, in another order (order "
+                f"fingerprint {now[ORDER]}, checkpoint {before[ORDER]})")
     else:
         what = (f"{now['samples']} training samples as in the checkpoint's run, but other ones (fingerprint "
                 f"{now['fingerprint']}, checkpoint {before['fingerprint']})")
@@ -112,11 +121,13 @@ def check_training_set(saved: dict, meaning: dict, path, allow: bool) -> str | N
     change = training_set_change(saved, meaning)
     if change is None or allow:
         return change
+    effect = "samples of the current epoch are trained twice or not at all"
+    if saved[DATA]["samples"] != meaning[DATA]["samples"]:
+        effect = f"the schedule is re-sized, and {effect}"
     raise FinetuneError(
         f"cannot resume from {path}: this launch trains on another training set: {change}. Resume with the "
         "checkpoint's data and flags, start a fresh run in another --output_dir, or pass "
-        "--ignore_checkpoint_mismatch to continue on the new data (the schedule is re-sized, and samples of the "
-        "current epoch are trained twice or not at all).")
+        f"--ignore_checkpoint_mismatch to continue on the new data ({effect}).")
 
 
 def step_differences(saved: dict, meaning: dict) -> list[str]:

@@ -112,14 +112,16 @@ class RunState:
                 + (f". So {'; '.join(effects)}." if effects else "."))
 
     def open(self) -> None:
-        """Prepare ``--output_dir``: cleared for a fresh ``--overwrite_output_dir`` run, ``run_config.json``, a
-        resumed run's ``log.jsonl`` cut back to its step and appended to (``run_log``)."""
+        """Prepare ``--output_dir``: cleared for a fresh ``--overwrite_output_dir`` run, ``run_config.json``, the
+        files the task derived from the model (``task.keep``: precomputed reference log-probabilities), a resumed
+        run's ``log.jsonl`` cut back to its step and appended to (``run_log``)."""
         resume_step = self.progress.step if self.resume_from is not None else None
         if self.writes:
             if self.config.overwrite_output_dir and resume_step is None:
                 clear_output_dir(self.output_dir)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "run_config.json").write_text(self.config.to_json() + "\n")
+            self.task.keep(self.output_dir)  # what attach derived (precomputed reference), after the clearing
             if resume_step is not None:
                 restore_log(self.output_dir / LOG_FILE, resume_step)
         self.log = JsonlLog(self.output_dir / LOG_FILE, self.writes, append=resume_step is not None)

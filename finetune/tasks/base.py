@@ -65,6 +65,11 @@ class Task(Protocol):
         tokenized ``DatasetDict`` the run trains on (with precomputed columns, where the task adds any). ``device``:
         where to compute; ``precision``: as the run computes ("no", "fp16", "bf16")."""
 
+    def keep(self, output_dir) -> None:
+        """Write what ``attach`` derived for the run's directory (a preference task's precomputed reference
+        log-probabilities) into ``output_dir``, once it is prepared (``lifecycle.RunState.open``: after
+        ``--overwrite_output_dir`` cleared it), by the processes that write it."""
+
     def item_lengths(self, dataset) -> list[int]:
         """Tokens per item of a tokenized split, in order (``--train_sampling_strategy group_by_length``)."""
 
@@ -129,6 +134,9 @@ class SingleRunTask:
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
         """Nothing to derive from the built model: ``tokenized`` unchanged."""
         return tokenized
+
+    def keep(self, output_dir) -> None:
+        """Nothing derived to write."""
 
     def item_lengths(self, dataset) -> list[int]:
         """Tokens per item of a tokenized split (``--train_sampling_strategy group_by_length``)."""

@@ -20,6 +20,7 @@ from finetune.data.loading import IGNORE_INDEX, load_conversation_files, rows_na
 from finetune.data.lora import ADAPTER_CONFIG, load_adapter_model
 from finetune.data.preference import PAIR_SIDES, PairCheck, check_pair, check_pair_rows, pairs_to_features
 from finetune.errors import FinetuneError
+from finetune.tasks import reference as precomputed_reference
 from finetune.tasks.base import Finding, unwrapped
 from finetune.tasks.causal_lm import CausalLM
 from finetune.tasks.preference_loss import (
@@ -29,7 +30,6 @@ from finetune.tasks.preference_loss import (
     pair_metric_sums,
     pair_metric_vector,
 )
-from finetune.tasks.reference import precomputed
 from finetune.tasks.sft import SFTCollator
 
 _CAUSAL_LM = CausalLM()
@@ -151,6 +151,7 @@ class PreferenceTask:
         self.precompute = precompute
         self._metric_sums = None  # (6,) float64: the window's PAIR_METRICS sums so far
         self.autocast_dtype = None  # the policy's autocast dtype under fp16/bf16 (attach)
+        self.reference_files = {}  # precomputed log-probabilities to write once the output dir is prepared (keep)
 
     def for_run(self, config) -> "PreferenceTask":
         """A new task for a run of ``config``: its ``--loss_type``, ``--beta``, ``--label_smoothing`` and
@@ -198,17 +199,24 @@ class PreferenceTask:
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
         """Give the run its reference, once the model is built (``builders.build_components``), and return the
         tokenized splits the run trains on. ``--precompute_ref_log_probs``: every pair's reference
-        log-probabilities added as ``REFERENCE_COLUMNS`` (``reference.precomputed``: read from, or computed once into,
-        ``<output_dir>/reference_logps``); else under ``--use_peft`` the policy with its adapter disabled; else a
-        frozen copy of ``model`` (eval mode, no gradients). ``precision`` (as it runs: "no", "fp16", "bf16"): the
-        reference's forwards run under the autocast the policy's run under, so that at the first step the two
-        compute the same numbers."""
+        log-probabilities added as ``REFERENCE_COLUMNS`` (``reference.precomputed``: read from
+        ``<output_dir>/reference_logps``, or computed once and written there by ``keep``); else under ``--use_peft``
+        the policy with its adapter disabled; else a frozen copy of ``model`` (eval mode, no gradients).
+        ``precision`` (as it runs: "no", "fp16", "bf16"): the reference's forwards run under the autocast the
+        policy's run under, so that at the first step the two compute the same numbers."""
         self.autocast_dtype = AUTOCAST.get(precision)
         if self.precompute:
-            return precomputed(self, model, tokenized, collator, config, main_process_first, device)
+            tokenized, self.reference_files = precomputed_reference.precomputed(self, model, tokenized, collator,
+                                                                                config, device)
+            return tokenized
         if not config.use_peft:
             self.reference_model = frozen_copy(model)
         return tokenized
+
+    def keep(self, output_dir) -> None:
+        """Write the precomputed reference log-probabilities ``attach`` computed into ``output_dir`` (prepared:
+        ``reference.keep``); nothing for another reference."""
+        precomputed_reference.keep(output_dir, self.reference_files)
 
     def item_lengths(self, dataset) -> list[int]:
         """Tokens per pair: its longer side (what the pair pads its micro-batch to), for group_by_length."""
