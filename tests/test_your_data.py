@@ -137,6 +137,7 @@ def test_a_thousand_rows_of_yours_train_a_thousand_rows_per_epoch(tmp_path, chat
     ({"prompt": "p", "chosen": "a", "rejected": "b"}, [], "dpo"),
     ({"chosen": [], "rejected": []}, [], "dpo"),  # implicit prompt
     ({"text": "t"}, [], "clm"),
+    ({"text": "t", "label": 1}, [], "clm"),  # as trl sft reads imdb-like rows
     ({"text": "t", "label": 1}, ["--task", "sequence-classification"], "classify"),
     ({"text": "t", "label": 1}, ["--task", "causal-lm"], "clm"),
 ])
@@ -149,7 +150,7 @@ def test_the_recipe_follows_from_the_columns(tmp_path, row, flags, recipe):
 
 
 @pytest.mark.parametrize("row, flags, fragment", [
-    ({"text": "t", "label": 1}, [], "--task sequence-classification .* or --task causal-lm"),
+    ({"text": "t", "messages": []}, [], r"several formats \(messages \(sft\); text \(clm\)\): pass --task"),
     ({"prompt": "p"}, [], "prompt-only rows"),
     ({"question": "q"}, [], "columns question, none of TRL's formats"),
     ({"text": "t"}, ["--task", "poetry"], "invalid choice|unknown"),

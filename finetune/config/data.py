@@ -3,11 +3,60 @@ into tokens, in which order it is trained, and how it is loaded."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
 from finetune.config.flags import check_positive_int, flag
 from finetune.errors import FinetuneError
+
+# TRL 1.16's DatasetConfig fields (trl/scripts/utils.py) and DatasetMixtureConfig's besides `datasets`
+SOURCE_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")
+MIXTURE_KEYS = ("datasets", "streaming", "test_split_size")
+
+
+def canonical_mixture(value) -> str:
+    """A mixture (JSON text, a dict with ``datasets``, or the list of sources) checked and written as canonical JSON
+    (sorted keys, TRL's defaults filled in: ``split`` "train"), so that equal mixtures compare equal in a step's
+    meaning. Raises ``FinetuneError`` naming the source and key for a missing ``path``, an unknown key, a fraction
+    set on some sources only or not positive, ``streaming`` (not supported), or a bad ``test_split_size``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise FinetuneError(f"--dataset_mixture: not JSON ({err}); give a list of sources or put a `datasets:` "
+                                "section in a --config file.") from None
+    mixture = {"datasets": value} if isinstance(value, list) else dict(value or {})
+    unknown = sorted(set(mixture) - set(MIXTURE_KEYS))
+    if unknown:
+        raise FinetuneError(f"the dataset mixture: unknown key(s) {', '.join(unknown)} (TRL's are "
+                            f"{', '.join(MIXTURE_KEYS)}).")
+    if mixture.get("streaming"):
+        raise FinetuneError("the dataset mixture: streaming is not supported (a run's step meaning counts its rows); "
+                            "drop `streaming: true`.")
+    sources = mixture.get("datasets")
+    if not isinstance(sources, list) or not sources:
+        raise FinetuneError("the dataset mixture: `datasets:` must be a non-empty list of sources, each with a path.")
+    checked = []
+    for i, source in enumerate(sources):
+        if not isinstance(source, dict) or not isinstance(source.get("path"), str):
+            raise FinetuneError(f"the dataset mixture: datasets[{i}] needs a `path` (a folder, a Hub name, or a file "
+                                "builder such as json with data_files).")
+        bad = sorted(set(source) - set(SOURCE_KEYS))
+        if bad:
+            raise FinetuneError(f"the dataset mixture: datasets[{i}] ({source['path']}) has unknown key(s) "
+                                f"{', '.join(bad)} (TRL's DatasetConfig has {', '.join(SOURCE_KEYS)}).")
+        checked.append({"split": "train", **{k: v for k, v in source.items() if v is not None}})
+    fractions = [s.get("fraction") for s in checked]
+    if any(f is not None for f in fractions) and (any(f is None for f in fractions) or
+                                                 any(not isinstance(f, (int, float)) or f <= 0 for f in fractions)):
+        raise FinetuneError("the dataset mixture: `fraction` must be set for every source or none, each above 0 "
+                            f"(got {fractions}), as TRL's DatasetMixtureConfig requires.")
+    size = mixture.get("test_split_size")
+    if size is not None and not ((isinstance(size, float) and 0 < size < 1) or (isinstance(size, int) and size >= 1)):
+        raise FinetuneError(f"the dataset mixture: test_split_size must be a fraction in (0, 1) or a row count, "
+                            f"got {size!r}.")
+    return json.dumps({"datasets": checked, "test_split_size": size}, sort_keys=True)
 
 
 @dataclass
@@ -26,6 +75,13 @@ class DataArguments:
         None,
         "A dataset by name (TRL's flag): a folder written by save_to_disk, a folder of "
         "data files, or a Hub name (needs the Hub).",
+        step=True, trainer=None,
+    )
+    dataset_mixture: str | None = flag(
+        None,
+        "Several datasets in one run, as TRL's `datasets:` section (in a --config file, or this flag as JSON): "
+        "a list of {path, name, data_dir, data_files, split, columns, fraction}, plus test_split_size; fractions "
+        "keep the rows TRL's mixture keeps (normalized, no source oversampled).",
         step=True, trainer=None,
     )
     dataset_config: str | None = flag(
@@ -92,3 +148,8 @@ class DataArguments:
             raise FinetuneError("--validation_file needs --train_file as well (or drop it to use the recipe's data).")
         if self.dataset_name and self.train_file:
             raise FinetuneError("--dataset_name and --train_file both name the training data: pass one of them.")
+        if self.dataset_mixture is not None:
+            if self.dataset_name or self.train_file:
+                raise FinetuneError("--dataset_mixture (datasets:) and --dataset_name/--train_file both name the "
+                                    "training data: pass one of them.")
+            self.dataset_mixture = canonical_mixture(self.dataset_mixture)

@@ -112,12 +112,21 @@ def read_config_file(path: str, world_size: int = 1) -> dict:
                             f"as --config_file {path} (Accelerate's launcher flag); --config takes training flags.")
     replay = "precision_source" in values or Path(path).name == "run_config.json"
     values = _file_precision_switches(values, path)
+    if isinstance(values.get("dataset_mixture"), (dict, list)):  # TRL's section under its own name
+        from finetune.config.data import canonical_mixture
+
+        values["dataset_mixture"] = canonical_mixture(values["dataset_mixture"])
+    values = _file_mixture(values, path)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    for key in values:
-        if key not in fields:
+    unknown = [key for key in values if key not in fields]
+    if unknown:  # each named, never silently ignored (a TRL YAML's keys that we do not implement included)
+        def hint(key: str) -> str:
             close = difflib.get_close_matches(key, sorted(fields - set(DERIVED_FIELDS)), n=1, cutoff=0.6)
-            raise FinetuneError(f"--config {path}: unknown key {key!r}."
-                                + (f" Did you mean {close[0]}?" if close else " Keys are the training flags' names."))
+            return f"{key!r}" + (f" (did you mean {close[0]}?)" if close else "")
+
+        raise FinetuneError(f"--config {path}: unknown key{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(hint(k) for k in unknown)}. Keys are the training flags' names "
+                            "(finetune train --help; docs/flags.md).")
     if replay:
         values = {k: v for k, v in values.items() if roles(k).replay}  # where it writes, whether it resumes: ours
         plan = values.get("batch_plan")
@@ -135,6 +144,7 @@ _PRECISION_SWITCHES = ("bf16", "fp16")
 _TRUE, _FALSE = ("true", "yes", "1", "t", "y"), ("false", "no", "0", "f", "n")
 # A recipe's limits on its own data, never applied to data the recipe did not ship (--train_file, --dataset_name)
 RECIPE_DATA_LIMITS = ("max_train_samples", "max_eval_samples")
+YOUR_DATA_FLAGS = ("train_file", "dataset_name", "dataset_mixture")
 
 
 def _switch_value(name: str, value, where: str) -> bool:
@@ -206,12 +216,27 @@ def _file_precision_switches(values: dict, path: str) -> dict:
     return values
 
 
+def _file_mixture(values: dict, path: str) -> dict:
+    """A config file's TRL ``datasets:`` section (with its ``streaming``/``test_split_size`` keys), or a
+    ``dataset_mixture:`` mapping of them, as the file's ``dataset_mixture`` (``data.canonical_mixture`` checks it).
+    Raises ``FinetuneError`` for both at once."""
+    from finetune.config.data import MIXTURE_KEYS, canonical_mixture
+
+    section = {k: values.pop(k) for k in MIXTURE_KEYS if k in values}
+    if not section:
+        return values
+    if isinstance(values.get("dataset_mixture"), (dict, list)):
+        raise FinetuneError(f"--config {path}: both `datasets:` and `dataset_mixture:`; keep one of them.")
+    values["dataset_mixture"] = canonical_mixture(section)
+    return values
+
+
 def _recipe_defaults(recipe, argv: list[str], file_values: dict) -> dict:
     """The recipe's ``DEFAULTS`` for this run: without its data limits (``RECIPE_DATA_LIMITS``) where the run
     trains on data the recipe did not ship (``--train_file``/``--dataset_name``, on the command line or in the
     file): a recipe's row cap is for its own corpus, never a user's."""
     defaults = dict(recipe.DEFAULTS)
-    own_data = any(given(argv, f"--{name}") or file_values.get(name) for name in ("train_file", "dataset_name"))
+    own_data = any(given(argv, f"--{name}") or file_values.get(name) for name in YOUR_DATA_FLAGS)
     if own_data:
         for name in RECIPE_DATA_LIMITS:
             defaults.pop(name, None)
@@ -233,7 +258,7 @@ def _check_your_data_recipe(recipe, first, argv: list[str], file_values: dict) -
     if not getattr(recipe, "YOUR_DATA", False):
         return
     missing = [f"--{name}" for name in ("model_name_or_path",) if not _last(argv, file_values, name)]
-    if not (_last(argv, file_values, "train_file") or _last(argv, file_values, "dataset_name")):
+    if not any(_last(argv, file_values, name) for name in YOUR_DATA_FLAGS):
         missing.append("--train_file or --dataset_name")
     if missing:
         raise FinetuneError(f"recipe {first.recipe!r} trains your model on your data and ships neither: pass "
@@ -244,10 +269,17 @@ def _recipe_from_data(argv: list[str], file_values: dict) -> tuple[str, str] | N
     """(recipe, why) for a run given your data (``--train_file``/``--dataset_name``) and no recipe: from the data's
     columns (``your_data.recipe_for_columns``), or ``--task``; None without data of yours. Raises its
     ``FinetuneError``s."""
-    from finetune.config.your_data import dataset_columns, first_row_columns, recipe_for_columns
+    from finetune.config.your_data import dataset_columns, first_row_columns, mixture_columns, recipe_for_columns
 
-    task, train_file, name = (_last(argv, file_values, n) for n in ("task", "train_file", "dataset_name"))
-    if train_file:
+    task, train_file, name, mixture = (_last(argv, file_values, n) for n in ("task", "train_file", "dataset_name",
+                                                                            "dataset_mixture"))
+    if mixture:
+        where = "the dataset mixture's first source"
+        columns = mixture_columns(mixture)
+        if columns is None and task is None:
+            raise FinetuneError(f"{where}: its columns cannot be read without loading it; pass --task "
+                                "sft|preference|causal-lm|sequence-classification or --recipe NAME.")
+    elif train_file:
         where = f"--train_file {train_file}"
         columns = first_row_columns(train_file)
     elif name:

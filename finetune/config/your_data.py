@@ -3,8 +3,9 @@ define them (trl 1.16 ``trl/data_utils.py``: ``is_conversational``, the preferen
 
 - ``messages`` or ``conversations`` (ShareGPT), or ``prompt`` + ``completion``: ``sft`` (completion-only loss);
 - ``chosen`` + ``rejected`` (with ``prompt``, or the prompt implicit in both): ``dpo``;
-- ``text``: ``clm``; ``text`` + ``label``: ``classify`` or ``clm``, which ``--task`` chooses;
-- anything else: one ``error:`` line listing the columns found and the formats.
+- ``text``: ``clm`` (with ``label`` too, as ``trl sft`` reads such data: ``--task sequence-classification`` for a
+  classifier);
+- columns of two formats at once, or of none: one ``error:`` line listing the columns found and the choices.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ def dataset_columns(name: str, split: str) -> list[str] | None:
     return first_row_columns(str(files[0])) if files else None
 
 
+def mixture_columns(mixture: str) -> list[str] | None:
+    """The columns of a dataset mixture's first source (``--dataset_mixture``'s canonical JSON) where they can be read
+    locally: its selected ``columns``, a local ``data_files`` file's first row, or a local folder's; None otherwise."""
+    source = json.loads(mixture)["datasets"][0]
+    if source.get("columns"):
+        return list(source["columns"])
+    files = source.get("data_files")
+    first = files if isinstance(files, str) else files[0] if isinstance(files, list) and files else None
+    if isinstance(files, dict):
+        first = next(iter(files.values()), None)
+        first = first[0] if isinstance(first, list) else first
+    if isinstance(first, str) and Path(first).is_file():
+        return first_row_columns(first)
+    return dataset_columns(source["path"], source.get("split") or "train")
+
+
 def recipe_for_columns(columns: list[str], where: str, task: str | None = None) -> tuple[str, str]:
     """(recipe, why) for data with ``columns`` (``where``: the flag and its value, for messages); ``task``: a task's
     name from ``--task`` (``TASK_RECIPES``), which wins. Raises ``FinetuneError`` for an unknown task, columns no
@@ -69,16 +86,21 @@ def recipe_for_columns(columns: list[str], where: str, task: str | None = None) 
             raise FinetuneError(f"--task {task}: unknown; choose one of {', '.join(TASK_RECIPES)}.")
         return TASK_RECIPES[task], f"--task {task}"
     found = set(columns)
-    for names, recipe in ((("messages",), "sft"), (("conversations",), "sft"), (("chosen", "rejected"), "dpo"),
-                          (("prompt", "completion"), "sft")):
-        if set(names) <= found:
-            return recipe, "the column(s) " + " + ".join(names)
-    if {"text", "label"} <= found:
-        raise FinetuneError(f"{where} has text + label columns: pass --task sequence-classification (a classifier "
-                            "head) or --task causal-lm (the text alone), or --recipe NAME.")
-    if "text" in found:
-        return "clm", "the column text"
-    if found == {"prompt"} or "prompt" in found:
+    formats = [(names, recipe) for names, recipe in ((("messages",), "sft"), (("conversations",), "sft"),
+                                                       (("chosen", "rejected"), "dpo"), (("prompt", "completion"), "sft"),
+                                                       (("text",), "clm")) if set(names) <= found]
+    if len({recipe for _, recipe in formats}) > 1:
+        shown = "; ".join(" + ".join(names) + f" ({recipe})" for names, recipe in formats)
+        raise FinetuneError(f"{where} has columns of several formats ({shown}): pass --task "
+                            "sft|preference|causal-lm|sequence-classification or --recipe NAME, or keep one format's "
+                            "columns.")
+    if formats:
+        names, recipe = formats[0]
+        why = "the column(s) " + " + ".join(names)
+        if recipe == "clm" and "label" in found:
+            why += " (label unused: --task sequence-classification trains a classifier)"
+        return recipe, why
+    if "prompt" in found:
         raise FinetuneError(f"{where} has prompt-only rows (online RL, such as GRPO), which this version does not "
                             "train: add completion (sft) or chosen + rejected (dpo) columns.")
     raise FinetuneError(f"{where} has columns {', '.join(columns) or '(none)'}, none of TRL's formats: messages or "

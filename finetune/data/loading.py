@@ -318,32 +318,38 @@ def _class_labels(ds, where: str):
         LABEL_COLUMN, datasets.ClassLabel(names=names))
 
 
-def load_named_dataset(name: str, config_name: str | None, train_split: str, test_split: str, text_columns,  # noqa: C901 - over the budget; to split
-                       cache_dir=None, *, class_labels: bool, conversations: bool):
-    """``--dataset_name`` (TRL's flags): a ``save_to_disk`` folder (``dataset_dict.json``/``state.json``) through
-    ``datasets.load_from_disk``, else ``datasets.load_dataset`` (a local data folder, or a Hub name, which needs
-    the Hub). Returns a DatasetDict (``train``, ``validation``) as ``load_data_files`` does: classification gets a
-    ``ClassLabel`` ``label`` (``class_labels``: a ClassLabel's names kept), conversations (``conversations``: the
-    task's ``chat``) keep their prompt/completion or messages; without
-    ``test_split``, 20% of the train split is held out (stratified for classification, seed 42). Raises
-    ``FinetuneError`` for a missing split or column (listing what the dataset has) or an unreadable dataset, and
-    ``HubUnreachableError`` offline for a Hub name."""
+def _load_by_name(name: str, config_name: str | None, cache_dir=None):
+    """``--dataset_name`` loaded: a ``save_to_disk`` folder (``dataset_dict.json``/``state.json``) through
+    ``datasets.load_from_disk``, else ``datasets.load_dataset`` (a local data folder, or a Hub name, which needs the
+    Hub). Raises ``FinetuneError`` for an unreadable dataset and ``HubUnreachableError`` offline for a Hub name."""
     path = Path(name)
     try:
         if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
-            loaded = datasets.load_from_disk(str(path))
-        else:
-            if not path.exists() and name.startswith((".", "/", "~")):
-                raise FinetuneError(f"--dataset_name {name}: no such folder. Pass a folder written by "
-                                    "Dataset.save_to_disk, a folder of data files, or a Hub dataset name.")
-            if not path.exists():
-                require_hub(f"--dataset_name {name}", "pass a local folder as --dataset_name (one written by "
-                            "Dataset.save_to_disk, or a folder of data files), or --train_file")
-            loaded = datasets.load_dataset(name, config_name, cache_dir=cache_dir)
+            return datasets.load_from_disk(str(path))
+        if not path.exists() and name.startswith((".", "/", "~")):
+            raise FinetuneError(f"--dataset_name {name}: no such folder. Pass a folder written by "
+                                "Dataset.save_to_disk, a folder of data files, or a Hub dataset name.")
+        if not path.exists():
+            require_hub(f"--dataset_name {name}", "pass a local folder as --dataset_name (one written by "
+                        "Dataset.save_to_disk, or a folder of data files), or --train_file")
+        return datasets.load_dataset(name, config_name, cache_dir=cache_dir)
     except FinetuneError:
         raise
     except Exception as err:  # the datasets library raises many types for unreadable data
         raise FinetuneError(f"--dataset_name {name} could not be loaded: {err}") from None
+
+
+def load_named_dataset(name: str, config_name: str | None, train_split: str, test_split: str, text_columns,  # noqa: C901 - over the budget; to split
+                       cache_dir=None, *, class_labels: bool, conversations: bool, loaded=None):
+    """``--dataset_name`` (TRL's flags), loaded by ``_load_by_name`` (or ``loaded``, a dataset already loaded: a
+    mixture's, ``data.mixture``, whose rows may already carry their names). Returns a DatasetDict (``train``,
+    ``validation``) as ``load_data_files`` does: classification gets a ``ClassLabel`` ``label`` (``class_labels``: a
+    ClassLabel's names kept), conversations (``conversations``: the task's ``chat``) keep their prompt/completion or
+    messages (ShareGPT's converted); without ``test_split``, 20% of the train split is held out (stratified for
+    classification, seed 42). Raises ``FinetuneError`` for a missing split or column (listing what the dataset has)
+    or an unreadable dataset, and ``HubUnreachableError`` offline for a Hub name."""
+    if loaded is None:
+        loaded = _load_by_name(name, config_name, cache_dir)
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({train_split: loaded})
     if train_split not in loaded:
@@ -372,6 +378,9 @@ def load_named_dataset(name: str, config_name: str | None, train_split: str, tes
         if ds is None:
             continue
         names = [f"--dataset_name {name} split {split!r} row {i}" for i in range(len(ds))]
+        if ROW_COLUMN in ds.column_names:  # named where they came from (a mixture's sources)
+            names = ds[ROW_COLUMN]
+            ds = ds.remove_columns(ROW_COLUMN)
         if needed:
             ds = ds.select_columns(needed)
             check_rows(ds, names, text_columns, class_labels)

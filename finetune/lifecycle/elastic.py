@@ -108,6 +108,8 @@ def training_set_change(saved: dict, meaning: dict) -> str | None:
     flags = [f"--{name}: checkpoint {before.get(name)!r}, now {now.get(name)!r}" for name in HELD_OUT_FLAGS
              if before.get(name) != now.get(name)]
     source = [f"--{name} {meaning[name]!r}" for name in ("train_file", "dataset_name") if meaning.get(name)]
+    if meaning.get("dataset_mixture"):  # which source changed is in the two mixtures; the flag names them
+        source = ["--dataset_mixture (the datasets: section)"]
     if flags:
         return f"{what} ({'; '.join(flags)}: another split of rows held out for validation)"
     return f"{what} (the data of {source[0] if source else 'the recipe'} changed)"

@@ -21,6 +21,7 @@ from finetune.data.loading import (
     load_tokenizer,
 )
 from finetune.data.lora import apply_lora
+from finetune.data.mixture import load_mixture
 from finetune.distributed import is_main_process
 from finetune.errors import FinetuneError
 
@@ -41,7 +42,15 @@ def raw_datasets(recipe, config, task, check: bool = True):
     which is printed with the rows it keeps of how many.
     Instruction rows are checked where they came from (``check``; ``finetune check-data`` reports them instead).
     Raises the loaders' ``FinetuneError``s."""
-    if config.dataset_name:
+    if config.dataset_mixture:
+        loaded, kept = load_mixture(json.loads(config.dataset_mixture), config.cache_dir)
+        if is_main_process():  # what each source gives, as a limit that changes what trains is said
+            total = sum(n for _, n, _ in kept)
+            print("Data: a mixture of " + "; ".join(f"{name} {n:,} of {rows:,} rows ({n / total:.1%})"
+                                                    for name, n, rows in kept))
+        raw = load_named_dataset("(the dataset mixture)", None, "train", "test", recipe.TEXT_COLUMNS, config.cache_dir,
+                                 class_labels=task.class_labels, conversations=task.chat, loaded=loaded)
+    elif config.dataset_name:
         raw = load_named_dataset(config.dataset_name, config.dataset_config, config.dataset_train_split,
                                  config.dataset_test_split, recipe.TEXT_COLUMNS, config.cache_dir,
                                  class_labels=task.class_labels, conversations=task.chat)
