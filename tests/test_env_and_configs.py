@@ -68,7 +68,12 @@ def test_env_prints_versions_machine_and_accelerate_config(tmp_path):
     assert cores[0].endswith(f"; {len(os.sched_getaffinity(0))} usable by this process")
     assert f"- CPU: {finetune_env.cpu_model()}" in lines
     features = next(line for line in lines if line.startswith("- CPU features: "))
-    assert ("bf16 in hardware" in features) == bool({"avx512_bf16", "amx_bf16"} & set(finetune_env.cpu_features()))
+    from finetune.machine import bf16_support
+
+    assert features.endswith(f"(bf16 matmul {bf16_support()})")
+    bf16 = next(line for line in lines if line.startswith("- bf16 on this CPU: "))  # the cached best peaks' ratio
+    assert bf16 == f"- bf16 on this CPU: {bf16_support()}; measured bf16 matmul peak {17.5 / 81.3:.3g}x fp32's (1.75e+07 " \
+        "against 8.13e+07 GFLOP/s, lifecycle/peak.py)"
     if not torch.cuda.is_available():
         peaks = next(line for line in lines if line.startswith("- Matmul peak (best measured): "))
         assert peaks.endswith(": fp32 81300000.0 GFLOP/s, bf16 17500000.0 GFLOP/s (cpu, " + peaks.rsplit("(cpu, ", 1)[1])
@@ -224,10 +229,14 @@ def test_a_cpu_run_in_fp32_says_whether_bf16_would_help_from_the_cpu_flags():
     CPU's flags; the banner of such a run carries it."""
     from finetune.lifecycle.reporting import cpu_bf16_note
 
-    assert cpu_bf16_note(["amx_bf16", "amx_tile", "avx512f"]).startswith("this CPU has AMX: --mixed_precision bf16")
-    assert "AMX and AVX512-BF16" in cpu_bf16_note(["avx512_bf16", "amx_bf16"])
-    assert cpu_bf16_note(["avx512f", "avx2"]).startswith("bf16 would not help here: this CPU has neither")
-    assert cpu_bf16_note([]).startswith("bf16 would not help here")
+    assert cpu_bf16_note(["amx_bf16", "amx_tile", "avx512f"], "DEFAULT").startswith(
+        "this CPU has AMX: --mixed_precision bf16")
+    assert "AMX and AVX512-BF16" in cpu_bf16_note(["avx512_bf16", "amx_bf16"], "DEFAULT")
+    assert cpu_bf16_note(["avx512f", "avx2"], "DEFAULT").startswith(
+        "bf16 would not help here: bf16 matmuls are emulated (no avx512_bf16, no AMX) on this CPU")
+    assert cpu_bf16_note([], "DEFAULT").startswith("bf16 would not help here")
+    assert cpu_bf16_note(["avx512_bf16"], "AVX2").startswith("bf16 would not help here: bf16 matmuls are emulated "
+                                                             "(ONEDNN_MAX_CPU_ISA=AVX2 leaves out AVX512-BF16)")
     from finetune.config import parse_config
     from finetune.lifecycle.reporting import run_banner
     from finetune.lifecycle.window import StepPlan

@@ -748,6 +748,24 @@ def test_the_measured_cost_is_kept_in_the_output_dir_and_read_back(tiny_llama, c
             packing.packer_for(fresh, CausalLM(), model, loss_sum=CausalLM().loss_sum)
 
 
+def test_the_layout_probes_are_shortened_to_cost_seconds_whatever_the_precision(tiny_llama, monkeypatch):
+    """Issue 50: the layout probes ran at the run's row length whatever a pass cost (emulated bf16 on a CPU without
+    bf16 instructions: hundreds of times fp32's). The first probe's time now predicts the others', and rows are
+    shortened in proportion where they would exceed ``PROBE_SECONDS``; the fit still gives every coefficient."""
+    from finetune.data import packing_cost
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    monkeypatch.setattr(packing_cost, "PROBE_SECONDS", 0.0, raising=False)  # every pass too dear: the shortest rows
+    cost = packing_cost.measure(model, CausalLM().loss_sum, 48, 4 * 48, "bf16")
+    assert len(cost.probes) == 5 and max(tokens for _, tokens, _, _ in cost.probes) == 2 * 8  # MIN_PROBE_TOKENS
+    assert min(cost.per_micro_batch, cost.per_position, cost.per_score) >= 0 and "rows<=48" in cost.key
+    # the five probes hold 13 times the first one's positions: 10 s for the first predicts 130 s, so 3 s of probes
+    # take rows of 512 x 3 / 130 = 11 tokens; a fast first probe keeps the run's rows
+    assert packing_cost.probe_length(512, 4096, first_seconds=10.0, seconds=3.0) == 11
+    assert packing_cost.probe_length(512, 4096, first_seconds=0.01, seconds=3.0) == 512
+    assert packing_cost.probe_length(512, 4096, first_seconds=1e4, seconds=3.0) == packing_cost.MIN_PROBE_TOKENS
+
+
 def _rows_and_groups(pack, window):
     samples = [s for batch in window for s in packing.unpad(batch)]
     lengths = [sum(len(samples[i]["input_ids"]) for i in b)

@@ -191,11 +191,42 @@ def test_routed_experts_in_bf16_without_the_auxiliary_loss_are_exact(tmp_path):
                               "--train_file", texts[0], "--validation_file", texts[1], "--max_length", "96",
                               "--mixed_precision", "bf16")
     assert_exact(code, report, floor_below=1e-2)
-    by_way = {r["way"]: r for r in report["rows"]}
-    for split, floor in (("2 x 2", "4 x 1, in chunks of 2"), ("1 x 4", "4 x 1, in chunks of 1")):
-        assert by_way[split]["loss_difference"] == pytest.approx(by_way[floor]["loss_difference"], rel=1e-3)
-        assert by_way[split]["gradient_difference"] > 1e-4  # bf16 rounding of other shapes, its floor's
+    assert_splits_within_their_floors(report)
     assert [d["threshold"] for d in report["detects"]] == [0.01, 0.015]
+
+
+def assert_splits_within_their_floors(report: dict) -> None:
+    """What verify guarantees of a bf16 split with a floor in chunks of its own micro-batch size (issue 36): the
+    floor is measured (a bf16 departure, not fp32's minimum), the tolerance is ``FLOOR_FACTOR`` x the largest floor,
+    and the split's loss and gradients depart by no more than it. Not that the split equals its floor: that holds
+    where the CPU's kernels sum a chunk and a micro-batch of one shape in one order (Intel's), not on every CPU
+    (issue 50: an AVX2-only AMD EPYC, 5.07e-7 against its floor's 6.51e-7)."""
+    by_way = {r["way"]: r for r in report["rows"]}
+    floors = [r["loss_difference"] for r in rows(report, "floor") + rows(report, "chunked")]
+    assert report["tolerance"]["losses"] == pytest.approx(max(verify.FLOOR_FACTOR * max(floors), verify.MIN_TOLERANCE))
+    for split, floor in (("2 x 2", "4 x 1, in chunks of 2"), ("1 x 4", "4 x 1, in chunks of 1")):
+        assert by_way[floor]["gradient_difference"] > 1e-4  # bf16 rounding of the split's shapes, measured
+        assert by_way[split]["gradient_difference"] > 1e-4  # bf16 rounding of other shapes than the reference's
+        assert by_way[split]["loss_difference"] <= report["tolerance"]["losses"], (split, by_way[split])
+        assert by_way[split]["gradient_difference"] <= report["tolerance"]["gradients"], (split, by_way[split])
+
+
+def test_the_bf16_split_check_asserts_the_guarantee_not_one_cpus_summation_order():
+    """Issue 50: the check above asserted each split's bf16 loss departure equal to its floor's within 1e-3, which
+    failed on an AVX2-only CPU (5.07e-7 against 6.51e-7) while the verdict was exact. Here: those figures pass; the
+    issue-36 failure (a split's loss 4.25 x its floor, beyond the tolerance) does not."""
+    def report(split_losses: tuple[float, float]) -> dict:
+        floors = {"4 x 1, samples reordered": ("floor", 3.1e-7), "4 x 1, in chunks of 2": ("chunked", 6.51e-7),
+                  "4 x 1, in chunks of 1": ("chunked", 5.9e-7)}
+        made = [{"way": way, "role": role, "loss_difference": loss, "gradient_difference": 2e-3}
+                for way, (role, loss) in floors.items()]
+        made += [{"way": way, "role": "split", "loss_difference": loss, "gradient_difference": 3e-3}
+                 for way, loss in zip(("2 x 2", "1 x 4"), split_losses)]
+        return {"rows": made, "tolerance": {"losses": 2 * 6.51e-7, "gradients": 8e-3}}
+
+    assert_splits_within_their_floors(report((5.07e-7, 5.9e-7)))  # the AVX2-only CPU's: exact
+    with pytest.raises(AssertionError):
+        assert_splits_within_their_floors(report((4.25 * 6.51e-7, 5.9e-7)))
 
 
 def test_one_step_in_bf16_on_the_clean_engine_is_exact(tmp_path, tiny_llama, clm_texts):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from finetune import __version__
-from finetune.machine import BF16_FLAGS, cpu_features, cpu_model
+from finetune.machine import BF16_FLAGS, bf16_support, cpu_features, cpu_model
 
 
 def cpu_cores() -> str:
@@ -40,8 +40,8 @@ def gpus() -> list[str]:
 
 def matmul_peaks() -> str:
     """This device's matmul peak per precision it runs (``lifecycle.peak.matmul_peak``: measured now, the best
-    measurement on this machine kept), in GFLOP/s with the threads it used: fp32 and bf16 on a CPU (fp16 does not
-    run there), with fp16 on a GPU."""
+    measurement on this machine kept; a few seconds each, whatever the precision), in GFLOP/s with the threads it
+    used: fp32 and bf16 on a CPU (fp16 does not run there), with fp16 on a GPU."""
     import torch
 
     from finetune.lifecycle.peak import matmul_peak
@@ -73,6 +73,7 @@ def environment() -> list[tuple[str, str]]:
 
     from finetune.engine import cpu_bf16
     from finetune.lifecycle.card import framework_versions
+    from finetune.lifecycle.reporting import cpu_bf16_line
 
     versions = dict(framework_versions())
     info = [("`finetune` version", f"{__version__} ({Path(__file__).resolve().parents[1]})"),
@@ -85,16 +86,15 @@ def environment() -> list[tuple[str, str]]:
             version += f" (CUDA build: {torch.version.cuda or 'none'}; CUDA available: {torch.cuda.is_available()})"
         info.append((f"{name} version", version))
     features = cpu_features()
-    bf16 = ("bf16 in hardware" if {"avx512_bf16", "amx_bf16"} & set(features) else
-            "no avx512_bf16 or AMX: bf16 matmul is emulated")
     info += [("CPU", cpu_model()), ("CPU features", f"{', '.join(features) or 'none of ' + ', '.join(BF16_FLAGS)} "
-                                                    f"({bf16})"),
+                                                    f"(bf16 matmul {bf16_support(features)})"),
              ("CPU cores", cpu_cores()),
              ("System RAM", f"{psutil.virtual_memory().total / 2**30:.1f} GiB")]
     devices = gpus()
     info.append(("GPUs", "none" if not devices else f"{len(devices)}"))
     info += [(f"GPU {line.split(':', 1)[0]}", line.split(": ", 1)[1]) for line in devices]
     info.append(("Matmul peak (best measured)", matmul_peaks()))
+    info.append(("bf16 on this CPU", cpu_bf16_line("no")))
     info.append(("fp16 requested on this CPU trains in", cpu_bf16.summary()))
     info.append(("Hugging Face Hub", f"{constants.ENDPOINT}; offline mode: {constants.is_offline_mode()}; token "
                                      f"set: {get_token() is not None}"))

@@ -24,6 +24,8 @@ from finetune.data.loading import IGNORE_INDEX
 
 FILE = "packing_cost.json"
 FORMAT = 1
+PROBE_SECONDS = 3.0  # what the probes may cost together, about (one pass each; short ones are repeated once)
+MIN_PROBE_TOKENS = 8  # the shortest row a shortened probe uses (probe_length)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,22 @@ def probe_shapes(row_length: int, budget: int) -> list[tuple[int, int, int]]:
     return [(1, 1, half), (1, 1, row_length), (2, 1, row_length), (1, 2, row_length), (2, 1, half)]
 
 
+def probe_length(row_length: int, budget: int, first_seconds: float, seconds: float | None = None) -> int:
+    """The row length (tokens) the probes use: ``row_length``, or shorter where their passes, predicted from the
+    first probe's ``first_seconds`` (its warm-up: ``probe_shapes``' first shape) in proportion to positions, would
+    take more than ``seconds`` (default ``PROBE_SECONDS``; an emulated bf16 matmul is hundreds of times slower than fp32's): shortened in
+    proportion (the attention scores' share shrinks faster, so the prediction errs long), at least
+    ``MIN_PROBE_TOKENS``. The coefficients fitted at the shorter rows are per position and per score, so they hold
+    for the run's rows as well."""
+    seconds = PROBE_SECONDS if seconds is None else seconds
+    shapes = probe_shapes(row_length, budget)
+    positions = [rows * per_row * tokens for rows, per_row, tokens in shapes]
+    predicted = first_seconds * sum(positions) / positions[0]
+    if predicted <= seconds:
+        return row_length
+    return max(MIN_PROBE_TOKENS, min(row_length, int(row_length * seconds / predicted)))
+
+
 def _inputs(rows: int, per_row: int, tokens: int, vocab: int, device, generator) -> dict:
     width = per_row * tokens
     ids = torch.randint(1, max(vocab, 2), (rows, width), generator=generator).to(device)
@@ -115,7 +133,8 @@ def measure(model, loss_sum, row_length: int, budget: int, precision: str = "no"
     """Time a training forward and backward (``loss_sum(model, batch)`` then ``backward``) of ``model`` on each of
     ``probe_shapes`` (random token ids, packed positions, under the autocast of ``precision``: "no", "fp16",
     "bf16") after one warm-up pass: the fastest of ``repeats`` timings where one takes under ``quick`` seconds, else
-    one timing (a long probe's noise is small beside it); and fit ``LayoutCost`` to them. The
+    one timing (a long probe's noise is small beside it); and fit ``LayoutCost`` to them. The probes' rows are
+    ``probe_length``'s, shortened from ``row_length`` where the warm-up predicts them over ``PROBE_SECONDS``. The
     model is left as it was: its gradients (set back), its mode (train during the probes, as training runs) and the
     random number generators (forked). Every process must call it with the same arguments (a sharded model's
     forward gathers over them)."""
@@ -144,8 +163,11 @@ def measure(model, loss_sum, row_length: int, budget: int, precision: str = "no"
                     p.grad = None
                 return time.perf_counter() - started
 
-            run(probe_shapes(row_length, budget)[0])  # warm-up: first-call allocations and kernel choices
-            for shape in probe_shapes(row_length, budget):
+            first = run(probe_shapes(row_length, budget)[0])  # warm-up: first-call allocations and kernel choices
+            length = probe_length(row_length, budget, first)
+            if length < row_length:
+                run(probe_shapes(length, budget)[0])  # warm-up at the shorter rows
+            for shape in probe_shapes(length, budget):
                 seconds = run(shape)
                 if seconds < quick:
                     seconds = min([seconds] + [run(shape) for _ in range(repeats - 1)])

@@ -20,8 +20,8 @@ from finetune.engine import parameter_counts
 from finetune.engine.precision import PRECISION_NAMES
 from finetune.lifecycle.card import write_model_card
 from finetune.lifecycle.flops import peak_flops, training_flops_per_token
-from finetune.lifecycle.peak import matmul_peak
-from finetune.machine import cpu_features
+from finetune.lifecycle.peak import bf16_ratio, matmul_peak
+from finetune.machine import bf16_support, native_bf16
 
 REMEASURE_AFTER = 60.0  # seconds of timed training after which a run measures the matmul peak again
 
@@ -39,9 +39,10 @@ def packing_banner(config) -> str:
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
     """What the run will do, printed at start: the effective batch size (micro-batch x accumulation x
     processes, in samples), the optimizer steps (``plan``: a ``window.StepPlan``), and the precision
-    that really runs, with a plain note when it is not the one requested; the recipe where your data's columns chose it
-    (``config.recipe_source``) (fp16 on a CPU: fp32, or bf16 where the
-    measurements chose it, ``config.precision_choice``); under
+    that really runs, with a plain note when it is not the one requested (fp16 on a CPU: fp32, or bf16 where the
+    measurements chose it, ``config.precision_choice``); on a CPU where bf16 or fp16 is requested or bf16 runs,
+    how the CPU runs bf16 and its measured matmul ratio (``cpu_bf16_line``); the recipe where your data's columns
+    chose it (``config.recipe_source``); under
     ``--disable_dropout``, whether ``model`` really has no dropout left (``dropout.dropout_left``)."""
     n = config.gradient_accumulation_steps
     effective = config.per_device_train_batch_size * n * num_processes
@@ -60,6 +61,7 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
             + (f"Parameters: {parameter_counts(model)[0]:,} trainable of {parameter_counts(model)[1]:,}"
                + (f" (LoRA r={config.lora_r}, alpha={config.lora_alpha})" if config.use_peft else "") + "\n"
                if model is not None else "")
+            + (f"CPU bf16: {cpu_bf16_line(precision)}\n" if device_type == "cpu" and "no" != requested else "")
             + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {requested}, "
               f"from {config.precision_source})")
     if config.mixed_precision_requested is not None and precision == config.mixed_precision:
@@ -77,18 +79,33 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
     return text
 
 
-def cpu_bf16_note(features: list[str] | None = None) -> str:
-    """What ``--mixed_precision bf16`` would run on this CPU, from its flags (``machine.cpu_features``, or
-    ``features``): native bf16 matmuls (AVX512-BF16, AMX) or emulated ones, for the banner of a CPU run in fp32 where
-    no measurement for its recipe decided (``engine.cpu_bf16``). The measured figures: docs/bf16-recipes.md."""
-    features = cpu_features() if features is None else features
-    native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in features]
+def cpu_bf16_line(precision: str, features: list[str] | None = None, max_isa: str | None = None,
+                  ratio: tuple[float, float, float] | None = None) -> str:
+    """The banner's line on bf16 for a CPU run in ``precision`` (what runs: "no", "bf16"): native or emulated
+    (``machine.bf16_support`` of ``features`` and ``max_isa``, default this machine's) and bf16's matmul peak over
+    fp32's, ``ratio`` (default ``peak.bf16_ratio`` on the CPU: cached, else measured in a few seconds); where bf16
+    runs emulated, that fp32 is the faster choice."""
+    ratio = bf16_ratio(torch.device("cpu")) if ratio is None else ratio
+    support = bf16_support(features, max_isa)
+    text = (f"{support}; measured bf16 matmul peak {ratio[0]:.3g}x fp32's ({ratio[1] / 1e9:.3g} against "
+            f"{ratio[2] / 1e9:.3g} GFLOP/s, lifecycle/peak.py)")
+    if precision == "bf16" and not native_bf16(features, max_isa):
+        text += "; --mixed_precision no trains faster on this CPU"
+    return text
+
+
+def cpu_bf16_note(features: list[str] | None = None, max_isa: str | None = None) -> str:
+    """What ``--mixed_precision bf16`` would run on this CPU, from its flags (``machine.native_bf16`` of
+    ``features`` and oneDNN's cap ``max_isa``, default this machine's): native bf16 matmuls (AVX512-BF16, AMX) or
+    emulated ones, for the banner of a CPU run in fp32 where no measurement for its recipe decided
+    (``engine.cpu_bf16``). The measured figures: docs/bf16-recipes.md."""
+    native = native_bf16(features, max_isa)
     if native:
-        return (f"this CPU has {' and '.join(native)}: --mixed_precision bf16 runs its matmuls in bf16, often faster; "
-                "an fp16 request runs bf16 here once bench/bench_bf16_recipes.py has measured this recipe faster with "
-                "its metric held on this CPU kind (docs/precision.md)")
-    return ("bf16 would not help here: this CPU has neither AVX512-BF16 nor AMX, so --mixed_precision bf16 would "
-            "run emulated bf16 matmuls, slower than fp32 (`finetune env` measures both; per recipe: "
+        return (f"this CPU has {' and '.join(sorted(native))}: --mixed_precision bf16 runs its matmuls in bf16, often "
+                "faster; an fp16 request runs bf16 here once bench/bench_bf16_recipes.py has measured this recipe "
+                "faster with its metric held on this CPU kind (docs/precision.md)")
+    return (f"bf16 would not help here: bf16 matmuls are {bf16_support(features, max_isa)} on this CPU, so "
+            "--mixed_precision bf16 would run them slower than fp32 (`finetune env` measures both; per recipe: "
             "docs/bf16-recipes.md)")
 
 
