@@ -5,6 +5,7 @@ refused by name when the mixture changed."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import train_steps
@@ -98,3 +99,22 @@ def test_unknown_trl_keys_are_each_named(tmp_path):
     with pytest.raises(FinetuneError, match=r"unknown keys 'use_liger_kernel', 'learnig_rate' \(did you mean "
                                             r"learning_rate\?\), 'assistant_only_loss'"):
         parse_config(["--config", str(path)])
+
+
+def test_check_data_shows_each_sources_rows_tokens_and_share(tmp_path, sources, capsys):
+    from tiny_models import build_tiny_chat_llama
+
+    from finetune.commands.check_data import main
+
+    model = str(build_tiny_chat_llama(tmp_path / "model"))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model_name_or_path: {model}\ndatasets:\n  - path: json\n    data_files: {sources[0]}\n"
+                      f"  - path: json\n    data_files: {sources[1]}\n")
+    assert main(["--config", str(config), "--samples", "0", "--max_length", "64"]) == 0
+    printed = capsys.readouterr().out
+    found = re.findall(r"datasets\[(\d)\] \(.*?\): (\d+) rows, ([\d,]+) tokens, (\d+) trained \(([\d.]+)%\)", printed)
+    assert [f[0] for f in found] == ["0", "1"], printed
+    rows = [int(f[1]) for f in found]
+    assert sum(rows) == 64 and 0 < rows[0] < 30 and 0 < rows[1] < 50  # 80 rows, 20% held out, both sources in it
+    trained = [int(f[3]) for f in found]
+    assert [float(f[4]) for f in found] == pytest.approx([100 * t / sum(trained) for t in trained], abs=0.05)

@@ -32,7 +32,8 @@ from finetune.argv import take_switch, take_values, wants_help
 from finetune.config import parse_config
 from finetune.data import packing_cost
 from finetune.data.chat import require_chat_template
-from finetune.data.loading import load_tokenizer
+from finetune.data.loading import ROW_COLUMN, load_tokenizer
+from finetune.data.mixture import source_name
 from finetune.data.packing import budget as packing_budget
 from finetune.data.packing import flag_of, packing_summary, row_length
 from finetune.errors import FinetuneError
@@ -179,6 +180,29 @@ def by_sequence(values: dict[str, list], show) -> str:
     return "; ".join(f"{name} {show(v)}" if name else show(v) for name, v in values.items())
 
 
+def mixture_lines(config, raw_train, sequences: list[dict]) -> str:
+    """Per source of a dataset mixture, over the training split: rows, tokens, trained tokens and its share of the
+    trained tokens (``sequences``: each sample's ``task.sequences``, one per raw row; where tokenizing made more or
+    fewer samples than rows, rows alone)."""
+    mixture = json.loads(config.dataset_mixture)
+    rows = raw_train[ROW_COLUMN] if ROW_COLUMN in raw_train.column_names else []
+    per_row = len(rows) == len(sequences)
+    stats = {source_name(i, s): [0, 0, 0] for i, s in enumerate(mixture["datasets"])}
+    for k, row in enumerate(rows):
+        entry = stats[row.rsplit(" row ", 1)[0]]
+        entry[0] += 1
+        if per_row:
+            entry[1] += sum(len(ids) for ids, _ in sequences[k].values())
+            entry[2] += sum(sum(mask) for _, mask in sequences[k].values())
+    trained = sum(e[2] for e in stats.values()) or 1
+    lines = ["Mixture (training split): " + ("rows, tokens, trained tokens, share of trained tokens" if per_row
+                                             else "rows")]
+    for name, (n, tokens, kept) in stats.items():
+        lines.append(f"  {name}: {n:,} rows" + (f", {tokens:,} tokens, {kept:,} trained ({kept / trained:.1%})"
+                                                 if per_row else ""))
+    return "\n".join(lines)
+
+
 def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int, bool]]]:  # noqa: C901 - over the budget; to split
     """The report (text) and the problems it looked for, (name, count, fatal: makes the run wrong). Raises
     ``FinetuneError`` for data that cannot be read (a malformed row: its file and line)."""
@@ -232,6 +256,8 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int,
                  f"{padding_fraction(sample_lengths, config.per_device_train_batch_size, config.train_sampling_strategy, global_batch, config.seed):.1%} of positions")
     if config.padding_free or config.packing:
         lines.append(packing_line(config, [sum(length) for length in sample_lengths], global_batch))
+    if config.dataset_mixture:
+        lines.append(mixture_lines(config, raw["train"], sequences))
     problems = []
     if task.class_labels:
         labels = getattr(raw["train"].features.get("label"), "names", None)
