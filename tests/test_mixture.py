@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 from helpers import train_steps
 
 from finetune.config import parse_config
@@ -118,3 +119,39 @@ def test_check_data_shows_each_sources_rows_tokens_and_share(tmp_path, sources, 
     assert sum(rows) == 64 and 0 < rows[0] < 30 and 0 < rows[1] < 50  # 80 rows, 20% held out, both sources in it
     trained = [int(f[3]) for f in found]
     assert [float(f[4]) for f in found] == pytest.approx([100 * t / sum(trained) for t in trained], abs=0.05)
+
+
+def test_a_mixture_stopped_by_sigterm_mid_epoch_resumes_bit_identical(tmp_path, sources, monkeypatch):
+    """Two sources at fractions 0.3/0.7, 3 epochs of 7 steps; SIGTERM as window 9 starts (epoch 1, mid-epoch):
+    resumed from 'latest', every step's loss and the final weights equal the uninterrupted run's, bit for bit."""
+    import signal
+
+    from helpers import load_params, stop_during_window
+    from test_your_data import _run_without_recipe
+    from tiny_models import build_tiny_chat_llama
+
+    import finetune.backends.accelerate as engine
+    from finetune.errors import TrainingStopped
+
+    model = str(build_tiny_chat_llama(tmp_path / "model"))
+    config = tmp_path / "mix.yaml"
+    config.write_text(f"model_name_or_path: {model}\nlearning_rate: 1.0e-3\nmixed_precision: 'no'\n"
+                      f"datasets:\n  - path: json\n    data_files: {sources[0]}\n    fraction: 0.3\n"
+                      f"  - path: json\n    data_files: {sources[1]}\n    fraction: 0.7\n")
+
+    def argv(name, *extra):
+        return ["--config", str(config), "--output_dir", str(tmp_path / name), "--per_device_train_batch_size", "4",
+                "--gradient_accumulation_steps", "2", "--num_train_epochs", "3", "--max_length", "64",
+                "--eval_strategy", "no", "--seed", "7", *extra]
+
+    _run_without_recipe(argv("full"))
+    original = stop_during_window(monkeypatch, index=9)
+    with pytest.raises(TrainingStopped) as stopped:
+        _run_without_recipe(argv("stopped"))
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    monkeypatch.setattr(engine, "iter_windows", original)
+    _run_without_recipe(argv("stopped", "--resume_from_checkpoint", "latest"))
+    full, resumed = train_steps(tmp_path / "full"), train_steps(tmp_path / "stopped")
+    assert len(full) == 21 and [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    a, b = load_params(tmp_path / "full"), load_params(tmp_path / "stopped")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
