@@ -31,11 +31,6 @@ TASKS_VERSION = 2  # bumped when the shipped data or configs change: a new folde
 TOPICS = ("business", "entertainment", "politics", "sports", "tech")  # the corpus folders' names
 
 
-def task_names(text: str | None) -> list[str]:
-    """lm-eval task names of a comma-separated ``--tasks``/``--eval_tasks`` value (empty names dropped)."""
-    return [name for name in (text or "").split(",") if name]
-
-
 def _lead(body: str) -> str:
     """An article body's first non-empty line (its lead paragraph), stripped."""
     return next((line.strip() for line in body.strip().splitlines() if line.strip()), "")

@@ -134,6 +134,19 @@ def test_the_headline_task_scores_rouge_l_as_the_recipe_does(tmp_path, chat_llam
     assert results["exact_match,strip"] == sum(s["exact_match"] for s in samples) / 3
 
 
+def test_an_empty_task_list_is_refused_in_one_line(tmp_path, chat_llama, capsys):
+    """--tasks "," names no task: exit 2 with one ``error:`` line, nothing written (before: lm-eval's ValueError
+    traceback after the model was loaded)."""
+    from finetune.commands.benchmark import main
+
+    out = tmp_path / "empty"
+    assert main(["--model", chat_llama, "--tasks", ",", "--output_path", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["error: --tasks ',' names no task: give lm-eval task names, comma-separated "
+                                "(shipped offline: bbc_topic, bbc_headline)."], err[-2000:]
+    assert not out.exists()
+
+
 def samples_arguments(out: Path) -> str:
     """The first bbc_headline request's prompt, as lm-eval's per-document record holds it."""
     record = json.loads((out / "samples_bbc_headline.jsonl").read_text().splitlines()[0])

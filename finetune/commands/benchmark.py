@@ -19,7 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
-from finetune.benchmarks import task_names
+from finetune.config.cadence import task_names
 from finetune.errors import FinetuneError, reports_errors
 
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True,
                         help="a run's --output_dir, a checkpoint (<run>/checkpoints/step_N), a LoRA adapter "
                              "directory, or a .gguf file")
-    parser.add_argument("--tasks", required=True, type=task_names,
+    parser.add_argument("--tasks", required=True,
                         help="lm-eval task names, comma-separated; shipped offline: bbc_topic, bbc_headline")
     parser.add_argument("--limit", type=float, default=None,
                         help="documents per task (a count; below 1: a fraction of the task), lm-eval's --limit")
@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``finetune eval``; exit 0, or 2 after one ``error:`` line (``FinetuneError``)."""
     args = build_parser().parse_args(argv)
+    if not task_names(args.tasks):
+        raise FinetuneError(f"--tasks {args.tasks!r} names no task: give lm-eval task names, comma-separated "
+                            "(shipped offline: bbc_topic, bbc_headline).")
+    args.tasks = task_names(args.tasks)
     if args.limit is not None and args.limit <= 0:
         raise FinetuneError(f"--limit must be positive (documents per task, or a fraction below 1), got {args.limit}.")
     if args.limit is not None and args.limit >= 1:

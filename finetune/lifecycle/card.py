@@ -249,7 +249,8 @@ def benchmarks_section(output_dir: Path) -> str:
     ``--eval_tasks`` evaluations of ``log.jsonl`` (base: the one at step 0, ``--eval_on_start``; tuned: the best
     step's under ``--load_best_model_at_end``, else the last), and ``finetune eval``'s ``eval/eval_results.json``
     (beside ``eval/baseline/eval_results.json`` where it ran with ``--baseline``)."""
-    from finetune.benchmarks import flat_metrics, task_names
+    from finetune.benchmarks import flat_metrics
+    from finetune.config.cadence import task_names
 
     output_dir, parts = Path(output_dir), []
     run_config = _read_json(output_dir / "run_config.json")
