@@ -6,12 +6,11 @@ checkpoint and early stopping follow the logged benchmark; 2 processes log what 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 from helpers import load_params, read_log, run_in_process, stop_during_window, train_steps
-from lm_eval_helpers import LIMIT, in_loop, loglikelihoods, ours, sft_rows
+from lm_eval_helpers import LIMIT, in_loop, loglikelihoods, ours, paired_se, sft_rows
 from tiny_models import build_tiny_chat_llama
 
 from finetune.errors import FinetuneError, TrainingStopped
@@ -121,8 +120,9 @@ def test_the_best_benchmark_checkpoint_is_kept_and_early_stopping_stops_where_th
     for metric in ("acc", "acc_norm"):
         key = f"eval_bbc_topic_{metric}"
         b, t, bs, ts = base[key], tuned[key], base[f"{key}_stderr"], tuned[f"{key}_stderr"]
-        assert (f"| `{key}` | {b:.4f} ± {bs:.4f} | {t:.4f} ± {ts:.4f} | {t - b:.4f} ± "
-                f"{math.sqrt(bs ** 2 + ts ** 2):.4f} |") in card
+        se = paired_se(run / "benchmarks" / f"step_{best:08d}" / "samples_bbc_topic.jsonl",
+                       run / "benchmarks" / "step_00000000" / "samples_bbc_topic.jsonl", metric)  # paired
+        assert f"| `{key}` | {b:.4f} ± {bs:.4f} | {t:.4f} ± {ts:.4f} | {t - b:.4f} ± {se:.4f} |" in card
 
     stopped = in_loop(tmp_path, "stopped", chat_llama, eval_tasks="bbc_topic", eval_limit=LIMIT, disable_dropout=True,
                       load_best_model_at_end=True, metric_for_best_model="eval_bbc_topic_acc_norm",
