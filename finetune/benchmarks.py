@@ -31,11 +31,6 @@ TASKS_VERSION = 2  # bumped when the shipped data or configs change: a new folde
 TOPICS = ("business", "entertainment", "politics", "sports", "tech")  # the corpus folders' names
 
 
-def task_names(text: str | None) -> list[str]:
-    """lm-eval task names of a comma-separated ``--tasks``/``--eval_tasks`` value (empty names dropped)."""
-    return [name for name in (text or "").split(",") if name]
-
-
 def _lead(body: str) -> str:
     """An article body's first non-empty line (its lead paragraph), stripped."""
     return next((line.strip() for line in body.strip().splitlines() if line.strip()), "")
@@ -266,12 +261,67 @@ def write_samples(results: dict, folder: Path) -> None:
                 f.write(json.dumps(record, default=handle_non_serializable, ensure_ascii=False) + "\n")
 
 
-def comparison_rows(tuned: dict[str, float], base: dict[str, float] | None) -> list[tuple[str, str, str, str]]:
+def read_samples(folder: Path) -> dict[str, list[dict]]:
+    """The per-document records ``write_samples`` wrote into ``folder``: task -> lm-eval's records ({} where there
+    are none; an unreadable file is left out)."""
+    samples = {}
+    for path in sorted(Path(folder).glob("samples_*.jsonl")):
+        try:
+            samples[path.stem.removeprefix("samples_")] = [
+                json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, ValueError):
+            continue
+    return samples
+
+
+def document_values(samples: dict[str, list[dict]] | None) -> dict[str, dict[tuple, float]]:
+    """Each metric's per-document values in lm-eval's records (``results["samples"]``, or ``read_samples``), named
+    as ``flat_metrics`` names the task's figure: ``eval_<task>_<metric>`` -> {(doc_id, doc_hash): value}. A record
+    holds one filter's values (its ``filter``) of the metrics it lists (``metrics``); values that are not numbers
+    (a corpus-level metric's per-document parts, e.g. BLEU's) are left out."""
+    values: dict[str, dict[tuple, float]] = {}
+    for task, records in (samples or {}).items():
+        for record in records:
+            filter_name = record.get("filter", "none")
+            for metric in record.get("metrics") or ():
+                value = record.get(metric)
+                if not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
+                    continue
+                name = metric if filter_name == "none" else f"{metric}_{filter_name}"
+                values.setdefault(f"eval_{task}_{name}", {})[(record.get("doc_id"), record.get("doc_hash"))] = float(
+                    value)
+    return values
+
+
+def paired_stderr(tuned: dict[tuple, float] | None, base: dict[tuple, float] | None) -> float | None:
+    """The standard error of the mean of per-document differences (tuned - base) of one metric, ``tuned`` and
+    ``base`` being ``document_values`` entries: sqrt(sum((d_i - mean d)^2) / (n - 1)) / sqrt(n), lm-eval's
+    ``mean_stderr`` (api/metrics.py) on the differences. None where the two hold different documents (doc_id and
+    doc_hash) or fewer than 2."""
+    if not tuned or not base or tuned.keys() != base.keys() or len(tuned) < 2:
+        return None
+    differences = [tuned[doc] - base[doc] for doc in tuned]
+    n = len(differences)
+    mean = sum(differences) / n
+    return math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1)) / math.sqrt(n)
+
+
+def _mean_of(documents: dict[tuple, float] | None, figure: float) -> bool:
+    """Whether ``figure`` (a task's metric) is the mean of its per-document values (1e-9): the metrics a paired
+    standard error applies to (a corpus-level metric, or a value lm-eval aggregated otherwise, is not)."""
+    return bool(documents) and math.isclose(sum(documents.values()) / len(documents), figure, rel_tol=1e-9,
+                                            abs_tol=1e-9)
+
+
+def comparison_rows(tuned: dict[str, float], base: dict[str, float] | None,
+                    documents: tuple[dict, dict] | None = None) -> list[tuple[str, str, str, str]]:
     """(metric, base, tuned, difference) rows of two ``flat_metrics`` dicts, values as "0.4500 ± 0.0497" (lm-eval's
-    standard errors; the difference's is sqrt(se_base^2 + se_tuned^2): the two scored on the same documents but
-    treated as independent, which overstates it where their errors correlate). A metric only the tuned model has
-    gets empty base and difference cells."""
+    standard errors). The difference's standard error is paired (``paired_stderr``) where ``documents`` (the two
+    models' ``document_values``, tuned's first) hold the metric on the same documents with the figures their means;
+    otherwise sqrt(se_base^2 + se_tuned^2), the two treated as independent, and the cell says "(unpaired)". A metric
+    only the tuned model has gets empty base and difference cells."""
     base = base or {}
+    tuned_docs, base_docs = documents or ({}, {})
 
     def show(value, se):
         return f"{value:.4f}" + (f" ± {se:.4f}" if se is not None else "")
@@ -283,8 +333,14 @@ def comparison_rows(tuned: dict[str, float], base: dict[str, float] | None) -> l
         se = tuned.get(f"{key}_stderr")
         if key in base:
             b, bse = base[key], base.get(f"{key}_stderr")
-            dse = math.sqrt(se ** 2 + bse ** 2) if se is not None and bse is not None else None
-            rows.append((key, show(b, bse), show(value, se), show(value - b, dse)))
+            paired = (paired_stderr(tuned_docs.get(key), base_docs.get(key))
+                      if _mean_of(tuned_docs.get(key), value) and _mean_of(base_docs.get(key), b) else None)
+            if paired is not None:
+                difference = show(value - b, paired)
+            else:
+                dse = math.sqrt(se ** 2 + bse ** 2) if se is not None and bse is not None else None
+                difference = show(value - b, dse) + (" (unpaired)" if dse is not None else "")
+            rows.append((key, show(b, bse), show(value, se), difference))
         else:
             rows.append((key, "", show(value, se), ""))
     return rows

@@ -97,7 +97,8 @@ def launch_env(env: dict | None = None) -> dict:
 
 
 def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None = None,
-              sync_log: str | None = None, leave_log: str | None = None, layout_cost: str | None = None) -> dict:
+              sync_log: str | None = None, leave_log: str | None = None, layout_cost: str | None = None,
+              slow_benchmark: float | None = None) -> dict:
     """The environment additions that make a launched process inject faults (``tests/faults``): its folder
     first on ``PYTHONPATH`` (before this process's), so its ``sitecustomize`` runs, and the variables it
     reads: ``cpu_fp16``: fp16 on a CPU really runs fp16; ``overflow_steps``: those optimizer steps (1-based)
@@ -105,7 +106,8 @@ def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None 
     write of that step fails); ``sync_log``: a folder where each rank logs which backwards DDP all-reduced in
     (``install_sync_log``); ``leave_log``: a folder where each rank records whether ``distributed.leave``
     ended its process group (``install_leave_log``; ``leave_records`` reads them); ``layout_cost``: "A,B,C", the
-    layout cost ``--packing`` gets instead of measuring (``install_layout_cost``). Pass the result as ``env=``
+    layout cost ``--packing`` gets instead of measuring (``install_layout_cost``); ``slow_benchmark``: seconds
+    each lm-eval forward or generation sleeps first (``install_slow_benchmark``). Pass the result as ``env=``
     to ``launch``, ``run_script`` and the like."""
     from faults.finetune_faults import (
         CPU_FP16_ENV,
@@ -114,6 +116,7 @@ def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None 
         LEAVE_LOG_ENV,
         OVERFLOW_STEPS_ENV,
         SAVE_ERROR_ENV,
+        SLOW_BENCHMARK_ENV,
         SYNC_LOG_ENV,
     )
 
@@ -130,6 +133,8 @@ def fault_env(cpu_fp16: bool = False, overflow_steps=(), save_error: str | None 
         env[LEAVE_LOG_ENV] = leave_log
     if layout_cost:
         env[LAYOUT_COST_ENV] = layout_cost
+    if slow_benchmark:
+        env[SLOW_BENCHMARK_ENV] = str(slow_benchmark)
     return env
 
 

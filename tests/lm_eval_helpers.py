@@ -4,6 +4,8 @@ rows the in-loop runs train on, lm-eval's per-document log-likelihoods read back
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 from helpers import run_in_process
@@ -46,3 +48,13 @@ def in_loop(tmp_path: Path, name: str, model: str, **extra) -> Path:
         eval_steps=1, save_strategy="steps", save_steps=1, eval_on_start=False, max_eval_samples=2,
         mixed_precision="no"), **extra})
     return run
+
+
+def paired_se(tuned: Path, base: Path, metric: str) -> float:
+    """The standard error of the mean per-document difference of ``metric`` between two ``samples_<task>.jsonl``
+    files of the same documents (statistics.stdev, n - 1, / sqrt(n)), computed here independently of the package."""
+    values = [{s["doc_id"]: float(s[metric]) for s in map(json.loads, path.read_text().splitlines())}
+              for path in (tuned, base)]
+    assert sorted(values[0]) == sorted(values[1])
+    differences = [values[0][d] - values[1][d] for d in values[0]]
+    return statistics.stdev(differences) / math.sqrt(len(differences))

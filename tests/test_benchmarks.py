@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_in_process
-from lm_eval_helpers import LIMIT, loglikelihoods, ours, sft_rows
+from lm_eval_helpers import LIMIT, loglikelihoods, ours, paired_se, sft_rows
 from tiny_models import build_tiny_chat_llama
 
 pytest.importorskip("lm_eval", reason="finetune eval needs lm-eval (the [eval] extra, installed by [test])")
@@ -53,7 +53,8 @@ def test_a_trained_run_scores_as_the_command_line_does(tmp_path, chat_llama):
                             eval_on_start=False, max_eval_samples=2, mixed_precision="no", disable_dropout=True)
     assert_equal(ours(str(run), tmp_path / "ours"), command_line(f"pretrained={run}", tmp_path / "cli"))
 
-    # into the run's eval/ folder with --baseline: the card gets base, tuned and the difference with its stderr
+    # into the run's eval/ folder with --baseline: the card gets base, tuned and the difference with its stderr,
+    # paired over the per-document records
     ours(str(run), run / "eval", "--baseline", chat_llama)
     tuned, base = (json.loads((run / "eval" / f).read_text())["results"]["bbc_topic"]
                    for f in ("eval_results.json", "baseline/eval_results.json"))
@@ -64,8 +65,9 @@ def test_a_trained_run_scores_as_the_command_line_does(tmp_path, chat_llama):
     for metric in ("acc", "acc_norm"):
         t, b = tuned[f"{metric},none"], base[f"{metric},none"]
         ts, bs = tuned[f"{metric}_stderr,none"], base[f"{metric}_stderr,none"]
-        row = (f"| `eval_bbc_topic_{metric}` | {b:.4f} ± {bs:.4f} | {t:.4f} ± {ts:.4f} | "
-               f"{t - b:.4f} ± {math.sqrt(ts ** 2 + bs ** 2):.4f} |")
+        se = paired_se(run / "eval" / "samples_bbc_topic.jsonl", run / "eval" / "baseline" / "samples_bbc_topic.jsonl",
+                       metric)
+        row = f"| `eval_bbc_topic_{metric}` | {b:.4f} ± {bs:.4f} | {t:.4f} ± {ts:.4f} | {t - b:.4f} ± {se:.4f} |"
         assert row in section, (row, section)
     assert card.index("## Benchmarks") < card.index("## Training speed")
     ours(str(run), run / "eval")  # again, without a baseline: the section is replaced, not added
@@ -132,6 +134,59 @@ def test_the_headline_task_scores_rouge_l_as_the_recipe_does(tmp_path, chat_llam
         assert sample["rougeL"] == pytest.approx(expected["rougeL"], abs=1e-12)
     assert results["rougeL,strip"] == pytest.approx(sum(s["rougeL"] for s in samples) / 3, abs=1e-12)
     assert results["exact_match,strip"] == sum(s["exact_match"] for s in samples) / 3
+
+
+def test_an_empty_task_list_is_refused_in_one_line(tmp_path, chat_llama, capsys):
+    """--tasks "," names no task: exit 2 with one ``error:`` line, nothing written (before: lm-eval's ValueError
+    traceback after the model was loaded)."""
+    from finetune.commands.benchmark import main
+
+    out = tmp_path / "empty"
+    assert main(["--model", chat_llama, "--tasks", ",", "--output_path", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["error: --tasks ',' names no task: give lm-eval task names, comma-separated "
+                                "(shipped offline: bbc_topic, bbc_headline)."], err[-2000:]
+    assert not out.exists()
+
+
+def test_a_model_against_itself_differs_by_zero_with_a_paired_standard_error_of_zero(tmp_path, chat_llama, capsys):
+    """--baseline the model itself: every document's difference is 0, so the difference's standard error (paired,
+    from lm-eval's per-document records) is exactly 0. Before: sqrt(se^2 + se^2), "0.0000 ± 0.2357" here."""
+    from finetune.commands.benchmark import main
+
+    assert main(["--model", chat_llama, "--tasks", "bbc_topic", "--limit", str(LIMIT), "--output_path",
+                 str(tmp_path / "self"), "--baseline", chat_llama]) == 0
+    rows = {line.split()[0]: [c.strip() for c in line.split("  ") if c.strip()][1:]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("eval_")}
+    for metric in ("eval_bbc_topic_acc", "eval_bbc_topic_acc_norm"):
+        base, tuned, difference = rows[metric]
+        assert base == tuned and not base.endswith("± 0.0000")  # an unpaired standard error would not be 0
+        assert difference == "0.0000 ± 0.0000", rows
+
+
+def test_the_paired_standard_error_of_known_documents():
+    """5 documents, acc tuned 1,1,0,1,0 and base 0,1,0,0,0: differences 1,0,0,1,0 (mean 0.4, sample variance 0.3),
+    paired SE sqrt(0.3 / 5) = 0.2449; unpaired sqrt(0.3/5 + 0.2/5) = 0.3162, used (and marked) where a document
+    differs (its doc_hash) or a figure is not the mean of its documents."""
+    from finetune.benchmarks import comparison_rows, document_values
+
+    def records(values, hashes="abcde"):
+        return {"bbc_topic": [{"doc_id": i, "doc_hash": h, "filter": "none", "metrics": ["acc"], "acc": v}
+                              for i, (v, h) in enumerate(zip(values, hashes))]}
+
+    tuned = {"eval_bbc_topic_acc": 0.6, "eval_bbc_topic_acc_stderr": math.sqrt(0.3 / 5)}
+    base = {"eval_bbc_topic_acc": 0.2, "eval_bbc_topic_acc_stderr": math.sqrt(0.2 / 5)}
+    docs = document_values(records([1.0, 1.0, 0.0, 1.0, 0.0])), document_values(records([0.0, 1.0, 0.0, 0.0, 0.0]))
+    assert docs[0] == {"eval_bbc_topic_acc": {(0, "a"): 1.0, (1, "b"): 1.0, (2, "c"): 0.0, (3, "d"): 1.0,
+                                              (4, "e"): 0.0}}
+    assert comparison_rows(tuned, base, docs) == [("eval_bbc_topic_acc", "0.2000 ± 0.2000", "0.6000 ± 0.2449",
+                                                   "0.4000 ± 0.2449")]
+    assert math.sqrt(0.3 / 5) == pytest.approx(0.2449, abs=5e-5)
+    unpaired = "0.4000 ± 0.3162 (unpaired)"
+    other = document_values(records([0.0, 1.0, 0.0, 0.0, 0.0], hashes="abcdX"))  # the fifth document is another
+    assert comparison_rows(tuned, base, (docs[0], other))[0][3] == unpaired
+    assert comparison_rows(tuned, {**base, "eval_bbc_topic_acc": 0.25}, docs)[0][3] == "0.3500 ± 0.3162 (unpaired)"
+    assert comparison_rows(tuned, base)[0][3] == unpaired  # no per-document records
 
 
 def samples_arguments(out: Path) -> str:

@@ -6,12 +6,11 @@ checkpoint and early stopping follow the logged benchmark; 2 processes log what 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 from helpers import load_params, read_log, run_in_process, stop_during_window, train_steps
-from lm_eval_helpers import LIMIT, in_loop, loglikelihoods, ours, sft_rows
+from lm_eval_helpers import LIMIT, in_loop, loglikelihoods, ours, paired_se, sft_rows
 from tiny_models import build_tiny_chat_llama
 
 from finetune.errors import FinetuneError, TrainingStopped
@@ -121,8 +120,9 @@ def test_the_best_benchmark_checkpoint_is_kept_and_early_stopping_stops_where_th
     for metric in ("acc", "acc_norm"):
         key = f"eval_bbc_topic_{metric}"
         b, t, bs, ts = base[key], tuned[key], base[f"{key}_stderr"], tuned[f"{key}_stderr"]
-        assert (f"| `{key}` | {b:.4f} ± {bs:.4f} | {t:.4f} ± {ts:.4f} | {t - b:.4f} ± "
-                f"{math.sqrt(bs ** 2 + ts ** 2):.4f} |") in card
+        se = paired_se(run / "benchmarks" / f"step_{best:08d}" / "samples_bbc_topic.jsonl",
+                       run / "benchmarks" / "step_00000000" / "samples_bbc_topic.jsonl", metric)  # paired
+        assert f"| `{key}` | {b:.4f} ± {bs:.4f} | {t:.4f} ± {ts:.4f} | {t - b:.4f} ± {se:.4f} |" in card
 
     stopped = in_loop(tmp_path, "stopped", chat_llama, eval_tasks="bbc_topic", eval_limit=LIMIT, disable_dropout=True,
                       load_best_model_at_end=True, metric_for_best_model="eval_bbc_topic_acc_norm",
@@ -141,6 +141,21 @@ def test_an_unknown_task_or_a_classifier_fails_before_training(tmp_path, chat_ll
     assert not (tmp_path / "unknown" / "log.jsonl").exists()
     with pytest.raises(FinetuneError, match="--eval_tasks scores causal language models"):
         run_in_process(tmp_path, "classifier", model_name_or_path=tiny_bert, eval_tasks="bbc_topic")
+
+
+def test_an_empty_task_list_is_refused_in_one_line_before_anything_is_written(tmp_path, chat_llama, capsys):
+    """--eval_tasks "," names no task: exit 2 with one ``error:`` line and no output directory, as ``finetune eval
+    --tasks ","`` (tests/test_benchmarks.py). Before, it passed the up-front check (no unknown task among none),
+    trained, and died at the first evaluation with lm-eval's ValueError traceback."""
+    from finetune.run import main
+
+    out = tmp_path / "empty"
+    assert main(["--recipe", "bbc-headlines", "--model_name_or_path", chat_llama, "--train_file",
+                 str(sft_rows(tmp_path)), "--output_dir", str(out), "--max_steps", "1", "--eval_tasks", ","]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["error: --eval_tasks ',' names no task: give lm-eval task names, comma-separated "
+                                "(shipped offline: bbc_topic, bbc_headline), or drop --eval_tasks."], err[-2000:]
+    assert not out.exists()
 
 
 def test_two_processes_benchmark_what_one_does(tmp_path, chat_llama):
@@ -165,3 +180,48 @@ def test_two_processes_benchmark_what_one_does(tmp_path, chat_llama):
     for step in (1, 2):
         docs = [benchmarked(out, step) for out in (one, two)]
         assert all(docs[0][d] == pytest.approx(docs[1][d], rel=1e-5) for d in docs[0])
+
+
+def test_two_processes_wait_for_a_benchmark_that_outlasts_the_collective_timeout(tmp_path, chat_llama):
+    """--ddp_timeout 2 s and a benchmark that takes longer (lm-eval's forwards slowed from tests/faults: 10 forwards
+    x 0.4 s): the main process runs it while the other waits outside the training's collective timeout, and both
+    go on with its figures: the run completes, keeps the best step by the benchmark's metric (every process
+    decides on it), and logs the mean of the benchmark's logged documents. Before, the waiting rank's broadcast
+    timed out after 2 s ("Timed out waiting 2000ms for recv"), exit 1."""
+    from helpers import fault_env, launch
+
+    from finetune.lifecycle.evaluation import BENCHMARKS_RUNTIME
+
+    out = tmp_path / "two"
+    flags = dict(recipe="bbc-headlines", model_name_or_path=chat_llama, train_file=str(sft_rows(tmp_path)),
+                 validation_file=str(sft_rows(tmp_path)), max_steps=1, per_device_train_batch_size=1, max_length=96,
+                 learning_rate=3e-2, warmup_steps=0, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                 save_steps=1, eval_on_start=False, max_eval_samples=2, mixed_precision="no", disable_dropout=True,
+                 eval_tasks="bbc_topic", eval_limit=2, load_best_model_at_end=True,
+                 metric_for_best_model="eval_bbc_topic_acc", ddp_timeout=2, output_dir=str(out))
+    args = [a for key, value in flags.items() for a in (f"--{key}", str(value))]
+    result = launch(args, num_processes=2, env=fault_env(slow_benchmark=0.4))
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = next(r for r in read_log(out) if "eval_bbc_topic_acc" in r)
+    assert record[BENCHMARKS_RUNTIME] > 2  # the benchmark did outlast --ddp_timeout
+    samples = [json.loads(line) for line in (out / "benchmarks" / "step_00000001" / "samples_bbc_topic.jsonl")
+               .read_text().splitlines()]
+    assert len(samples) == 2 and record["eval_bbc_topic_acc"] == sum(s["acc"] for s in samples) / 2
+    assert json.loads((out / "metrics.json").read_text())["best_step"] == 1
+
+
+def test_a_failed_wait_for_the_benchmark_names_it(monkeypatch):
+    """Where rank 0's figures do not arrive (it ended during the benchmark, or the wait's bound passed), the waiting
+    process's error names --eval_tasks, its tasks and that --ddp_timeout does not bound the wait."""
+    from finetune.lifecycle import evaluation
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:22930.\nmore")
+
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broken)
+    with pytest.raises(FinetuneError) as failed:
+        evaluation._share_from_main([None], None, ["bbc_topic", "bbc_headline"])
+    assert str(failed.value) == (
+        "--eval_tasks bbc_topic,bbc_headline: the benchmark's figures did not reach every process ([gloo/transport/"
+        "tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:22930.). The main process runs the benchmark while "
+        "the others wait for it, not bounded by --ddp_timeout; a process that ended has its own error above.")

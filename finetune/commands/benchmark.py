@@ -2,7 +2,7 @@
 GGUF file, in process (``finetune.benchmarks.run_benchmarks``), with lm-eval's names for its flags (``--tasks``,
 ``--limit``, ``--num_fewshot``, ``--apply_chat_template``, ``--batch_size``, ``--include_path``,
 ``--output_path``). ``--baseline`` scores a second model on the same documents and prints base, tuned and the
-difference with its standard error.
+difference with its standard error (paired: over the per-document differences).
 
     finetune eval --model outputs/bbc-headlines --tasks bbc_topic,bbc_headline --limit 100
     finetune eval --model outputs/lora-run --tasks bbc_topic --baseline ~/.cache/finetune/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -19,7 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
-from finetune.benchmarks import task_names
+from finetune.config.cadence import task_names
 from finetune.errors import FinetuneError, reports_errors
 
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True,
                         help="a run's --output_dir, a checkpoint (<run>/checkpoints/step_N), a LoRA adapter "
                              "directory, or a .gguf file")
-    parser.add_argument("--tasks", required=True, type=task_names,
+    parser.add_argument("--tasks", required=True,
                         help="lm-eval task names, comma-separated; shipped offline: bbc_topic, bbc_headline")
     parser.add_argument("--limit", type=float, default=None,
                         help="documents per task (a count; below 1: a fraction of the task), lm-eval's --limit")
@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``finetune eval``; exit 0, or 2 after one ``error:`` line (``FinetuneError``)."""
     args = build_parser().parse_args(argv)
+    if not task_names(args.tasks):
+        raise FinetuneError(f"--tasks {args.tasks!r} names no task: give lm-eval task names, comma-separated "
+                            "(shipped offline: bbc_topic, bbc_headline).")
+    args.tasks = task_names(args.tasks)
     if args.limit is not None and args.limit <= 0:
         raise FinetuneError(f"--limit must be positive (documents per task, or a fraction below 1), got {args.limit}.")
     if args.limit is not None and args.limit >= 1:
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             raise FinetuneError(f"--limit {args.limit}: a count of documents is a whole number (or give a fraction "
                                 "below 1).")
         args.limit = int(args.limit)
-    from finetune.benchmarks import comparison_rows, flat_metrics
+    from finetune.benchmarks import comparison_rows, document_values, flat_metrics
     from finetune.lifecycle.card import BENCHMARKS, benchmarks_section, update_benchmarks_section
 
     tuned = evaluate_model(args.model, args)
@@ -138,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         write_results(base, out / "baseline", args.baseline)
     else:  # an earlier --baseline's results no longer describe these (the card would pair them)
         shutil.rmtree(out / "baseline", ignore_errors=True)
-    rows = comparison_rows(flat_metrics(tuned), flat_metrics(base) if base else None)
+    rows = comparison_rows(flat_metrics(tuned), flat_metrics(base) if base else None,
+                           (document_values(tuned.get("samples")), document_values(base.get("samples"))) if base
+                           else None)
     width = max((len(r[0]) for r in rows), default=10)
     header = ("metric".ljust(width), "base".rjust(18), "tuned".rjust(18), "difference".rjust(18)) if base else (
         "metric".ljust(width), "value".rjust(18))

@@ -17,6 +17,12 @@ def or_trainer_save_steps(save_steps: float | None) -> float:
     return 500 if save_steps is None else save_steps
 
 
+def task_names(text: str | None) -> list[str]:
+    """lm-eval task names of a comma-separated ``--tasks``/``--eval_tasks`` value (each stripped, empty names
+    dropped): ``"bbc_topic, bbc_headline"`` -> ``["bbc_topic", "bbc_headline"]``, ``","`` -> ``[]``."""
+    return [name.strip() for name in (text or "").split(",") if name.strip()]
+
+
 @dataclass
 class CadenceArguments:
     """Evaluation, checkpoints, the best model and early stopping, logging and experiment tracking."""
@@ -155,6 +161,9 @@ class CadenceArguments:
             if not self.load_best_model_at_end:
                 raise FinetuneError("--early_stopping_patience needs --load_best_model_at_end (as Trainer's "
                                     "EarlyStoppingCallback): otherwise the run would end on a worse model.")
+        if self.eval_tasks is not None and not task_names(self.eval_tasks):
+            raise FinetuneError(f"--eval_tasks {self.eval_tasks!r} names no task: give lm-eval task names, "
+                                "comma-separated (shipped offline: bbc_topic, bbc_headline), or drop --eval_tasks.")
         if (self.eval_limit is not None or self.eval_num_fewshot is not None) and not self.eval_tasks:
             raise FinetuneError("--eval_limit and --eval_num_fewshot are for --eval_tasks: add --eval_tasks T1,T2 or "
                                 "drop them.")

@@ -234,12 +234,15 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def benchmark_table(tuned: dict, base: dict | None, names: tuple[str, str] = ("base", "tuned")) -> str:
+def benchmark_table(tuned: dict, base: dict | None, names: tuple[str, str] = ("base", "tuned"),
+                    documents: tuple[Path, Path] | None = None) -> str:
     """A Markdown table of ``benchmarks.comparison_rows``: metric, base, tuned and the difference, each with its
-    standard error; metric and the tuned value only without ``base``."""
-    from finetune.benchmarks import comparison_rows
+    standard error (the difference's paired over the per-document records in ``documents``: the folders of tuned's
+    and base's ``samples_<task>.jsonl``); metric and the tuned value only without ``base``."""
+    from finetune.benchmarks import comparison_rows, document_values, read_samples
 
-    rows = comparison_rows(tuned, base)
+    rows = comparison_rows(tuned, base, tuple(document_values(read_samples(f)) for f in documents)
+                           if base and documents else None)
     if base:
         return "\n".join([f"| metric | {names[0]} | {names[1]} | difference |", "| --- | ---: | ---: | ---: |",
                           *(f"| `{k}` | {b} | {t} | {d} |" for k, b, t, d in rows)])
@@ -251,7 +254,8 @@ def benchmarks_section(output_dir: Path) -> str:
     ``--eval_tasks`` evaluations of ``log.jsonl`` (base: the one at step 0, ``--eval_on_start``; tuned: the best
     step's under ``--load_best_model_at_end``, else the last), and ``finetune eval``'s ``eval/eval_results.json``
     (beside ``eval/baseline/eval_results.json`` where it ran with ``--baseline``)."""
-    from finetune.benchmarks import flat_metrics, task_names
+    from finetune.benchmarks import flat_metrics
+    from finetune.config.cadence import task_names
 
     output_dir, parts = Path(output_dir), []
     run_config = _read_json(output_dir / "run_config.json")
@@ -275,8 +279,10 @@ def benchmarks_section(output_dir: Path) -> str:
                 + (" (the best model, kept)" if best is not None and tuned["step"] == best else " (the last evaluation)")
                 + (", base is step 0 (before the first optimizer step)." if base else
                    "; no evaluation at step 0 to compare with (`--eval_on_start`)."))
+        steps = output_dir / "benchmarks"
         parts.append(what + "\n\n" + benchmark_table(ours(tuned), ours(base) if base else None,
-                                                      ("base (step 0)", f"tuned (step {tuned['step']})")))
+                                                      ("base (step 0)", f"tuned (step {tuned['step']})"),
+                                                      (steps / f"step_{tuned['step']:08d}", steps / "step_00000000")))
     after = _read_json(output_dir / "eval" / "eval_results.json")
     if after.get("results"):
         baseline = _read_json(output_dir / "eval" / "baseline" / "eval_results.json")
@@ -284,12 +290,14 @@ def benchmarks_section(output_dir: Path) -> str:
         against = (baseline.get("finetune") or {}).get("model") if baseline.get("results") else None
         parts.append(f"`finetune eval` on the final model (documents per task: {counts or '?'})"
                      + (f", base `{against}`" if against else "") + ":\n\n"
-                     + benchmark_table(flat_metrics(after), flat_metrics(baseline) if against else None))
+                     + benchmark_table(flat_metrics(after), flat_metrics(baseline) if against else None,
+                                       documents=(output_dir / "eval", output_dir / "eval" / "baseline")))
     if not parts:
         return ""
     return "\n\n".join(parts) + ("\n\nStandard errors are lm-eval's (the sample standard deviation over documents "
-                                  "/ sqrt(n)); a difference's is sqrt(se_base^2 + se_tuned^2), the two treated as "
-                                  "independent.\n" + _BENCHMARKS_END)
+                                  "/ sqrt(n)); a difference's is paired: that of the per-document differences, "
+                                  "from lm-eval's per-document records (marked unpaired where the two were not "
+                                  "scored on the same documents: sqrt(se_base^2 + se_tuned^2)).\n" + _BENCHMARKS_END)
 
 
 def update_benchmarks_section(card_path: Path, section: str) -> bool:

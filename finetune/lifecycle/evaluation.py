@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import gather_object
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.data import packing
@@ -19,6 +20,10 @@ from finetune.errors import FinetuneError
 from finetune.tasks import split_labels
 
 BENCHMARKS_RUNTIME = "eval_benchmarks_runtime"  # seconds the --eval_tasks benchmarks of one evaluation took
+# How long the other processes wait for the main process's --eval_tasks benchmarks: lm-eval's own bound for its
+# distributed runs (lm_eval/models/huggingface.py: InitProcessGroupKwargs(timeout=timedelta(weeks=52))), not
+# --ddp_timeout, which bounds the training's collectives (a benchmark of hundreds of generations takes minutes)
+BENCHMARK_WAIT = timedelta(weeks=52)
 GENERATIONS_FILE = "generations.jsonl"  # in the output dir: generated completions beside the references
 
 
@@ -40,7 +45,8 @@ def check_benchmark_tasks(config, task) -> None:
     if task.pipeline_tag != "text-generation":
         raise FinetuneError(f"--eval_tasks scores causal language models; this run trains a {task.pipeline_tag} "
                             "model. Drop --eval_tasks (the recipe's own metrics are evaluated).")
-    from finetune.benchmarks import task_manager, task_names
+    from finetune.benchmarks import task_manager
+    from finetune.config.cadence import task_names
 
     try:
         task_manager(task_names(config.eval_tasks))
@@ -135,18 +141,22 @@ def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step
     """``--eval_tasks``: lm-evaluation-harness on the model being trained (``benchmarks.run_benchmarks``; eval mode
     during, its mode restored after), on the main process, on the model the engine gives for generation (whole
     weights where it shards them; every process enters that collectively), its figures broadcast so that every rank
-    logs and decides on the same ones. Returns
-    ``eval_<task>_<metric>`` values and standard errors, and ``eval_benchmarks_runtime`` (seconds, on the main
-    process) ({} without ``--eval_tasks``); the main process writes
-    lm-eval's per-document records to ``<output_dir>/benchmarks/step_<step>/samples_<task>.jsonl``."""
+    logs and decides on the same ones. The other processes wait for them in a group of their own
+    (``benchmark_wait_group``), not bounded by ``--ddp_timeout``: a benchmark may take longer than any collective
+    should. Returns ``eval_<task>_<metric>`` values and standard errors, and ``eval_benchmarks_runtime`` (seconds,
+    on the main process) ({} without ``--eval_tasks``); the main process writes lm-eval's per-document records to
+    ``<output_dir>/benchmarks/step_<step>/samples_<task>.jsonl``. Raises ``FinetuneError`` naming the tasks where the
+    figures do not reach every process (a process ended during the benchmark)."""
     if not config.eval_tasks:
         return {}
-    from finetune.benchmarks import flat_metrics, run_benchmarks, task_names, write_samples
+    from finetune.benchmarks import flat_metrics, run_benchmarks, write_samples
+    from finetune.config.cadence import task_names
 
     limit = config.eval_limit
     limit = int(limit) if limit is not None and limit >= 1 else limit
     tasks = task_names(config.eval_tasks)
     flat = [None]
+    group = benchmark_wait_group() if accelerator.num_processes > 1 else None  # before the main process starts
     with engine_for(accelerator).generation_model(model) as scored:
         if accelerator.is_main_process:  # lm-eval returns its results on global rank 0 only (evaluator.py)
             start = time.perf_counter()
@@ -154,9 +164,30 @@ def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step
                                      device=accelerator.device, seed=config.seed)
             write_samples(results, Path(output_dir) / "benchmarks" / f"step_{step:08d}")
             flat = [{**flat_metrics(results), BENCHMARKS_RUNTIME: time.perf_counter() - start}]
-    if accelerator.num_processes > 1:  # every rank logs and decides (best model, early stopping) on the same figures
-        broadcast_object_list(flat, from_process=0)
+        if group is not None:  # inside the context: its exit may be collective under --ddp_timeout
+            _share_from_main(flat, group, tasks)
     return flat[0]
+
+
+def benchmark_wait_group():
+    """A new gloo group of every process whose collectives time out after ``BENCHMARK_WAIT`` instead of
+    ``--ddp_timeout`` (the default group's): where the other processes wait while the main one runs the benchmarks.
+    Collective (``torch.distributed.new_group``): every process calls it at the same point; the caller destroys it
+    (``destroy_process_group(group)``) when done."""
+    return torch.distributed.new_group(backend="gloo", timeout=BENCHMARK_WAIT)
+
+
+def _share_from_main(flat: list, group, tasks: list[str]) -> None:
+    """``flat`` (a one-item list) broadcast from the main process over ``group``, which is then destroyed. Raises
+    ``FinetuneError`` naming ``tasks`` where the broadcast fails (a process ended, or ``BENCHMARK_WAIT`` passed)."""
+    try:
+        torch.distributed.broadcast_object_list(flat, src=0, group=group)
+    except RuntimeError as err:  # gloo's errors (DistBackendError among them) are RuntimeErrors
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise FinetuneError(f"--eval_tasks {','.join(tasks)}: the benchmark's figures did not reach every process "
+                            f"({first}). The main process runs the benchmark while the others wait for it, not "
+                            "bounded by --ddp_timeout; a process that ended has its own error above.") from None
+    torch.distributed.destroy_process_group(group)
 
 
 def write_generations(output_dir: Path, rows, predictions: list[str]) -> None:

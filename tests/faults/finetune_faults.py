@@ -2,7 +2,7 @@
 to produce on demand, injected from outside the package by wrapping methods of ``accelerate.Accelerator``
 (and, for fp16 in the Trainer backend, one finetune function); ``finetune/`` has no test hook of its own.
 
-Four faults, and one observer (``FAULT_SYNC_LOG``, ``install_sync_log``: which backwards DDP all-reduced in):
+Five faults, and one observer (``FAULT_SYNC_LOG``, ``install_sync_log``: which backwards DDP all-reduced in):
 
 - CPU fp16 (``FAULT_CPU_FP16=1``): an ``Accelerator`` created with ``mixed_precision="fp16"`` on a CPU
   (Accelerate 1.15 leaves it ``native_amp=False`` and ``scaler=None``: it runs fp32) gets what Accelerate
@@ -26,6 +26,10 @@ Four faults, and one observer (``FAULT_SYNC_LOG``, ``install_sync_log``: which b
 - a diverging learning rate (``FAULT_LEARNING_RATE=4:1.5``): runs with that many accumulation steps get
   their learning rate multiplied by that factor: one split of ``finetune verify`` then trains other weights,
   which verify must catch. Wraps ``finetune.engine.plain.build_optimizer`` (AdamW of the plain/DDP engine).
+- a slow benchmark (``FAULT_SLOW_BENCHMARK=0.5``): every forward lm-eval's ``HFLM`` runs (``_model_call``: each
+  batch of log-likelihood requests) and every generation (``_model_generate``) first sleeps that many seconds, so
+  an ``--eval_tasks`` benchmark of a tiny model on a few documents outlasts a short ``--ddp_timeout``, as a real
+  benchmark of hundreds of documents outlasts the default. Wraps ``lm_eval.models.huggingface.HFLM``.
 
 Two ways in:
 
@@ -53,6 +57,7 @@ LEARNING_RATE_ENV = "FAULT_LEARNING_RATE"  # ACCUMULATION:FACTOR: those runs tra
 SAVE_ERROR_ENV = "FAULT_SAVE_ERROR"  # TYPE@rankR@stepS: that rank's checkpoint write of step S raises TYPE
 SYNC_LOG_ENV = "FAULT_SYNC_LOG"  # a folder: each rank logs, per backward, whether DDP all-reduced in it
 LEAVE_LOG_ENV = "FAULT_LEAVE_LOG"  # a folder: each rank records whether leave() ended its process group's handle
+SLOW_BENCHMARK_ENV = "FAULT_SLOW_BENCHMARK"  # seconds each lm-eval HFLM forward or generation sleeps first
 LAYOUT_COST_ENV = "FAULT_LAYOUT_COST"  # "A,B,C": --packing's measured layout cost is this one (seconds per
 # micro-batch, per position, per attention score), so a packed run's layouts do not depend on the machine's timings
 FAULTS_DIR = os.path.dirname(os.path.abspath(__file__))  # what goes first on a launched process's PYTHONPATH
@@ -394,6 +399,23 @@ def install_layout_cost(value: str, set_attr=setattr, cost_module=None) -> None:
     set_attr(cost_module, "measure", measure)
 
 
+def install_slow_benchmark(seconds: float, set_attr=setattr, hflm_class=None) -> None:
+    """Make lm-eval's ``HFLM`` (``hflm_class``) sleep ``seconds`` before each forward (``_model_call``) and each
+    generation (``_model_generate``): a benchmark that takes as long as one over many documents."""
+    import time
+
+    if hflm_class is None:
+        from lm_eval.models.huggingface import HFLM as hflm_class
+    for name in ("_model_call", "_model_generate"):
+        original = getattr(hflm_class, name)
+
+        def slowed(self, *args, _original=original, **kwargs):
+            time.sleep(seconds)
+            return _original(self, *args, **kwargs)
+
+        set_attr(hflm_class, name, functools.wraps(original)(slowed))
+
+
 def parse_learning_rate(value: str) -> tuple[int, float]:
     """``"4:1.5"`` -> (4, 1.5). Raises ``ValueError`` naming the expected form."""
     try:
@@ -420,7 +442,8 @@ def install_on_import(environ=None, after=after_import) -> None:
     the module it wraps (``after``: ``after_import``). ``FAULT_CPU_FP16=1``: ``install_cpu_fp16`` on
     ``accelerate.accelerator`` and ``install_trainer_fp16`` on ``finetune.backends.trainer``;
     ``FAULT_OVERFLOW_STEPS``: ``install_overflow`` on ``accelerate.accelerator``; ``FAULT_SAVE_ERROR``:
-    ``install_save_error`` on ``accelerate.checkpointing``. Nothing is imported, and nothing changes, when no
+    ``install_save_error`` on ``accelerate.checkpointing``; ``FAULT_SLOW_BENCHMARK``: ``install_slow_benchmark`` on
+    ``lm_eval.models.huggingface``. Nothing is imported, and nothing changes, when no
     fault is asked for. A malformed ``FAULT_OVERFLOW_STEPS`` or ``FAULT_SAVE_ERROR`` fails the import of
     accelerate, loudly (an error in ``sitecustomize`` itself would only be printed)."""
     environ = os.environ if environ is None else environ
@@ -450,6 +473,10 @@ def install_on_import(environ=None, after=after_import) -> None:
     layout_cost = environ.get(LAYOUT_COST_ENV, "")
     if layout_cost.strip():
         after("finetune.data.packing_cost", lambda module: install_layout_cost(layout_cost, cost_module=module))
+    slow_benchmark = environ.get(SLOW_BENCHMARK_ENV, "")
+    if slow_benchmark.strip():
+        after("lm_eval.models.huggingface",
+              lambda module: install_slow_benchmark(float(slow_benchmark), hflm_class=module.HFLM))
     save_error = environ.get(SAVE_ERROR_ENV, "")
     if save_error.strip():
         after("accelerate.checkpointing", lambda module: install_save_error(*parse_save_error(save_error)))
