@@ -155,7 +155,7 @@ def task_manager(tasks: list[str], include_path: str | None = None):
     try:
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise FinetuneError("benchmarks need lm-evaluation-harness: pip install -e ".[eval]" in the clone (or pip install lm-eval).") from None
+        raise FinetuneError('benchmarks need lm-evaluation-harness: pip install -e ".[eval]" in the clone (or pip install lm-eval).') from None
     paths = (str(write_shipped_tasks()),) + ((include_path,) if include_path else ())
     for defaults in (False, True):
         key = (paths, defaults)
