@@ -82,11 +82,11 @@ def render(table: dict, records: list[dict] | None = None) -> str:
              "seed (42, 1, 2), evaluation included. samples/s: training only, median over seeds; ratio: median of the "
              "per-seed ratios bf16 / fp32; metric: mean ± standard deviation over seeds (perplexity: lower is "
              "better). The records, with every run's figures, are in "
-             "[recipes/bf16_measured.json](../recipes/bf16_measured.json), which also decide whether a CPU run asked "
+             "`recipes/bf16_measured.json`, which also decide whether a CPU run asked "
              "for fp16 trains in bf16 (`finetune/engine/cpu_bf16.py`). "
              "bbc-news's records of 2026-11-28 ran at micro-batch 8 x 4, its default then (16 x 2 since, the same "
              "32 samples a step). The shares of the peak in the records taken before 10:00 on 2026-11-28 are over one measurement of "
-             "it, not the best measured (docs/benchmarks.md, \"The peak moves\"). On that Intel VM the cores' speed "
+             "it, not the best measured (docs/speed.md, \"The peak moves\"). On that Intel VM the cores' speed "
              "moves up to 1.5x from one run to the next (bbc-headlines in fp32: 0.56 to 0.84 samples/s over three "
              "seeds), so one seed's ratio is rough there; the per-seed ratios are in the table.", ""]
     for kind, recipes in table.items():

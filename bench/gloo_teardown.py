@@ -7,7 +7,7 @@ and call ``finetune.distributed.leave()`` (``gc.collect``, a barrier, then ``des
 import it, and ``torch.distributed.nn`` before the group starts, as ``distributed.process_state`` does. The two
 ways alternate (ABBA). Printed: per way, the launches that failed, and (counted apart) the launches whose output holds
 "terminate called without an active exception". Run: ``python bench/gloo_teardown.py --trials 40``.
-Figures: docs/robustness.md.
+Figures: docs/resume.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ for _ in range(3):
 if dist.get_rank() == 0:
     time.sleep(float(sys.argv[2]))
 if sys.argv[3] == "with":
-    del model  # leave() after the model is dropped, as the commands do (docs/robustness.md#leaving-the-process-group)
+    del model  # leave() after the model is dropped, as the commands do (docs/resume.md#leaving-the-process-group)
     leave()
 """
 

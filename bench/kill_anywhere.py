@@ -16,7 +16,7 @@ kills is timed inside a checkpoint write: the script polls the checkpoints folde
 save makes (``.tmp-step_N``, and ``.replaced-``/``.deleting-`` while it prunes) and kills once one appears; no
 hook in the product. ``--backend trainer``: the same campaign on the Trainer backend, where Trainer writes its
 ``checkpoint-N`` into ``.tmp-checkpoint/`` and the lifecycle seals it and renames it into place
-(docs/lifecycle.md); a save is in progress while that folder (or ``.replaced-``/``.deleting-checkpoint-N``) is
+(docs/backends.md); a save is in progress while that folder (or ``.replaced-``/``.deleting-checkpoint-N``) is
 there. A kill counts as inside a save when such a folder is still there after every process is
 gone. After each trial the output directory is checked as a resume would (``checkpoint.find_resume_checkpoint``:
 every ``COMPLETE`` checkpoint must verify against its manifest) and the next trial resumes it; a trial that does
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the elastic variant
-ELASTIC_FLOOR = 1e-6  # verify's floor in fp32: relative difference of the whole model (docs/elastic-resume.md)
+ELASTIC_FLOOR = 1e-6  # verify's floor in fp32: relative difference of the whole model (docs/resume.md)
 
 
 def elastic_run_args(model: str, out: Path, args, processes: int) -> list[str]:

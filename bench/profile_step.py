@@ -7,7 +7,7 @@ peak (``finetune.lifecycle.peak``).
 
     python bench/profile_step.py --recipe bbc-news [--steps 3] [--mixed_precision bf16] [training flags]
 
-Figures: docs/benchmarks.md.
+Figures: docs/speed.md.
 """
 
 from __future__ import annotations

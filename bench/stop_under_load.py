@@ -10,7 +10,7 @@ neighbour's job. A trial whose launcher has not ended ``--grace`` seconds after 
 
 Printed: per trial the seconds from SIGTERM to the launcher's end; then the hangs, and the median and maximum.
 Exit status 0 when nothing hung. Run: ``python bench/stop_under_load.py --trials 36 --busy 4``; CI runs
-``--smoke`` (one trial, nothing busy). Figures: docs/robustness.md#leaving-the-process-group.
+``--smoke`` (one trial, nothing busy). Figures: docs/resume.md#leaving-the-process-group.
 """
 
 from __future__ import annotations

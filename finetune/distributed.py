@@ -69,7 +69,7 @@ def leave() -> None:
     """End this process's part in its process group once every process is done (a command that finished, a run
     stopped by a signal, or ``--resume_from_checkpoint auto`` over a finished run), after dropping its
     ``DistributedDataParallel`` models: ``gc.collect``, a barrier, then ``destroy_process_group``, which then
-    releases the group's last owner and joins gloo's threads here. Why: docs/robustness.md#leaving-the-process-group.
+    releases the group's last owner and joins gloo's threads here. Why: docs/resume.md#leaving-the-process-group.
     Nothing without a process group; a second call does nothing."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         gc.collect()  # a model in a reference cycle goes now, while the group's Python handles still own the group
@@ -82,7 +82,7 @@ def leaving_together(work: Callable[[], T]) -> T:
     numerical error, a failed checkpoint write, an empty window, an agreed check), leave the process group first
     (``leave``, as a finished command does), then raise it. Its traceback and chained exceptions are dropped before
     ``leave``: their frames may hold the model, whose DDP ``Reducer`` must not outlive the group's Python handle
-    (docs/robustness.md#leaving-the-process-group). Any other exception is raised as it is, without a barrier:
+    (docs/resume.md#leaving-the-process-group). Any other exception is raised as it is, without a barrier:
     this process may be failing alone. A command that returns leaves the group itself."""
     try:
         return work()

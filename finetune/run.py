@@ -62,7 +62,7 @@ def run(config) -> dict | None:
     metrics = distributed.leaving_together(lambda: backend.train(resolution.config, resolution.recipe,
                                                                  process_start=PROCESS_START, hub=resolution.hub))
     # The run's last collective is behind us: every process leaves the group together, not at interpreter exit
-    # (docs/robustness.md#leaving-the-process-group), and before the main process's final push, which may
+    # (docs/resume.md#leaving-the-process-group), and before the main process's final push, which may
     # outlast --ddp_timeout.
     distributed.leave()
     if resolution.hub is not None:

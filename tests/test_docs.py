@@ -5,6 +5,7 @@ five-minute read and keeps the test command CI runs (``.ci/run`` reads the line 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from helpers import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && ruff check . && python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder'
+TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test,docs]" && ruff check . && NO_MKDOCS_2_WARNING=1 mkdocs build --strict -d /tmp/finetune-site && python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder'
 
 
 def anchors(page: Path) -> set[str]:
@@ -139,7 +140,7 @@ def test_the_verify_page_shows_the_threshold_line():
     from finetune.commands import verify
 
     detects = [{"target": target, "threshold": size} for target, size in verify.SMALL_CONTROLS]
-    text = " ".join((REPO / "docs" / "verify-your-setup.md").read_text().split())
+    text = " ".join((REPO / "docs" / "verify.md").read_text().split())
     assert f"**Verdict: exact: {verify.detects_line(detects)}**" in text
 
 
@@ -154,3 +155,34 @@ def test_the_flag_reference_is_generated_and_current():
     assert stale_rows(without) == ["--dataset_name"]
     assert stale_rows(page.replace("| `--lora_r` | LoRA adapters (peft) | `16` |", "| `--lora_r` | LoRA adapters (peft) | `8` |")) \
         == ["--lora_r"]
+
+
+def test_the_site_builds_strict_and_fails_on_a_broken_link(tmp_path):
+    """``mkdocs build --strict`` (CI runs it) passes on docs/ as it is, and fails on a copy with one broken link, or
+    with one page left out of the navigation."""
+    import os
+    import shutil
+    import subprocess
+
+    pytest.importorskip("mkdocs")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+
+    def build(root: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                              capture_output=True, text=True, cwd=root, env=env, timeout=300)
+
+    assert build(REPO).returncode == 0
+    for name, change in (("link", lambda d: (d / "docs" / "plan.md").write_text(
+                             (d / "docs" / "plan.md").read_text() + "\n[gone](no-such-page.md)\n")),
+                         ("nav", lambda d: (d / "docs" / "extra.md").write_text("# Not in the navigation\n"))):
+        copy = tmp_path / name
+        shutil.copytree(REPO / "docs", copy / "docs")
+        shutil.copy(REPO / "mkdocs.yml", copy / "mkdocs.yml")
+        change(copy)
+        result = build(copy)
+        assert result.returncode != 0, name
+        assert ("no-such-page.md" if name == "link" else "extra.md") in result.stdout + result.stderr
+
+
+def test_the_docs_are_at_most_22_pages():
+    assert len(list((REPO / "docs").glob("*.md"))) <= 22

@@ -1,4 +1,4 @@
-"""FSDP2 checkpoints resume on another process count (issue 28, docs/elastic-resume.md): the library reshards them.
+"""FSDP2 checkpoints resume on another process count (issue 28, docs/resume.md): the library reshards them.
 
 Accelerate runs no FSDP on a CPU (it turns it into MULTI_CPU), so the save and load run here are Accelerate's own
 functions (accelerate 1.15 ``utils/fsdp_utils.py``: ``save_fsdp_model``, ``save_fsdp_optimizer``,

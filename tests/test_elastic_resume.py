@@ -1,4 +1,4 @@
-"""Elastic resume through the real CLI (docs/elastic-resume.md): a run on 2 gloo processes checkpointed at step 7 and
+"""Elastic resume through the real CLI (docs/resume.md): a run on 2 gloo processes checkpointed at step 7 and
 resumed on 1 process with another split of the same effective batch trains the uninterrupted run's samples in
 every step (the log's sample-id hashes), its losses to 1e-6 and its weights within the noise floor (dropout off);
 the same for a micro-batch change on one process (4 x 2 -> 2 x 4) and for 1 process resumed on 2. The positive control resumes with the old
@@ -88,7 +88,7 @@ def test_two_processes_resumed_on_one_and_the_old_skip_as_control(tmp_path, tiny
         assert abs(mine["loss"] - theirs["loss"]) <= 1e-6, (mine, theirs)
     floor_gap = _relative_gap(load_params(resumed), load_params(reference))
     print(f"2 processes (2 x 2) -> 1 (2 x 4) at step {STOP}: relative weight gap {floor_gap:.3g}, largest loss "
-          f"difference {max(abs(a['loss'] - b['loss']) for a, b in zip(steps, full)):.3g}")  # docs/elastic-resume.md
+          f"difference {max(abs(a['loss'] - b['loss']) for a, b in zip(steps, full)):.3g}")  # docs/resume.md
     assert floor_gap < FLOOR, floor_gap
 
     # the positive control: the old skip, micro-batches per process carried over unchanged (4 here, 8 are due)

@@ -1,9 +1,9 @@
 """The kill-anywhere campaign's CI variant (``bench/kill_anywhere.py --smoke``): five SIGKILLs at seeded moments,
 two of them inside a checkpoint write, through the real launcher; every directory stays resumable, nothing hangs,
 and the run resumed after every kill ends with the uninterrupted run's weights and losses, bit for bit. The full
-campaign (30 kills on one process, 10 on two) runs from ``bench/``; its report is docs/robustness.md. The Trainer
+campaign (30 kills on one process, 10 on two) runs from ``bench/``; its report is docs/resume.md. The Trainer
 variant (``--backend trainer``) makes the same kills on the Trainer backend, whose checkpoints Trainer writes in
-place and the lifecycle seals (docs/lifecycle.md): resumed from its own checkpoints, bit for bit too."""
+place and the lifecycle seals (docs/backends.md): resumed from its own checkpoints, bit for bit too."""
 
 from __future__ import annotations
 

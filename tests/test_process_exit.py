@@ -2,7 +2,7 @@
 (``distributed.leave``: ``gc.collect``, a barrier, then ``destroy_process_group``) once its work is done and its
 models are dropped, so none exits with its gloo group alive while a peer is still busy (which can abort it in
 interpreter teardown, exit -6), and the group's gloo threads are joined inside ``leave`` (a model still alive would
-join them later with the GIL held, which can hang: docs/robustness.md#leaving-the-process-group)."""
+join them later with the GIL held, which can hang: docs/resume.md#leaving-the-process-group)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A SLURM job requeued onto another number of nodes resumes (issue 28; examples/slurm, docs/elastic-resume.md):
+"""A SLURM job requeued onto another number of nodes resumes (issue 28; examples/slurm, docs/resume.md):
 the multi-node script's own command line (``--resume_from_checkpoint auto``, ``--num_processes`` from
 ``SLURM_NNODES``) with ``--total_batch_size`` in ``FINETUNE_ARGS``, so that the planner splits the same effective
 batch B for whatever process count the job gets. The job's first start is stood in for by the same flags run in

@@ -4,7 +4,7 @@ only the loop differs. Our loss divides each micro-batch's summed loss by the wi
 lifecycle both backends share (``lifecycle.RunState``: records, cadence, evaluation, resume, final outputs), to
 which ``BookkeepingCallback`` forwards Trainer's events. What is this backend's own: the ``TrainingArguments``
 mapping, the window's item count and loss (``FinetuneTrainer``), the fp16 skip held out of Trainer's schedule, and
-sealing Trainer's ``checkpoint-N`` folders into our resume format. See docs/lifecycle.md.
+sealing Trainer's ``checkpoint-N`` folders into our resume format. See docs/backends.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Elastic resume: a step means B samples of the epoch's seeded order, not how B is split, so a checkpoint resumes
-on another process count or micro-batch plan with the same effective batch B (docs/elastic-resume.md).
+on another process count or micro-batch plan with the same effective batch B (docs/resume.md).
 
 Why it is exact: Accelerate's sharded dataloader gives global micro-batch i of the seeded order to process
 i mod P (accelerate 1.15 ``data_loader.py`` ``BatchSamplerShard._iter_with_no_split``), so an accumulation window

@@ -4,7 +4,7 @@ datasheet gives one, as on a GPU. Measured per machine, precision, thread count 
 size whose matmuls fit ``PROBE_SECONDS`` (``probe_size``: an emulated bf16 matmul on a CPU without bf16 instructions
 is hundreds of times slower than fp32's, so no fixed size suits both), and cached in ``~/.cache/finetune/matmul_peak.json``, which keeps the best measurement seen: a measurement taken
 while something else used the cores (a shared virtual machine's neighbours move it 1.5x from second to second,
-docs/benchmarks.md "The peak moves") can only lower a run's share, never inflate it. A lock lets one process of a
+docs/speed.md "The peak moves") can only lower a run's share, never inflate it. A lock lets one process of a
 run measure while the others wait, so they do not share the cores during the measurement."""
 
 from __future__ import annotations

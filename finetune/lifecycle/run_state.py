@@ -4,7 +4,7 @@ and save cadence, the best model, early stopping, fp16 skips), the resume (one c
 process), evaluation with generation and the rule of which evaluated model is kept, the step and save timers
 (``preemption.SaveBudget``), the banner and the final outputs. Both backends hold one: the accelerate backend's ``train.Loop``
 asks it around the visible loop, the Trainer backend's thin callback forwards Trainer's events to it. Units: optimizer steps, samples and tokens over all processes, seconds. See
-docs/lifecycle.md.
+docs/backends.md.
 """
 
 from __future__ import annotations

@@ -266,7 +266,7 @@ def choose_plan(total_batch_size: int, num_processes: int, probes: dict, max_ove
     (``probes``' order, ``probes.levers``: no checkpointing and the plain loss first; micro-batch descending),
     a later plan replaces the one chosen so far only if ``PROBE_MARGIN`` faster: the probes time forward and
     backward alone and do not see a smaller micro-batch's per-micro-batch costs (loading, collating, the
-    loop). Measurements behind both rules: docs/benchmarks.md, "Memory levers" and "The batch planner under
+    loop). Measurements behind both rules: docs/speed.md, "Memory levers" and "The batch planner under
     two budgets".
 
     Returns (the chosen ``Candidate``, every ``Candidate`` in table order: settings as given, micro-batch

@@ -115,7 +115,7 @@ class Probe:
       beside the model: ``task.resident_bytes``, a preference task's frozen reference), gradients and AdamW's
       two moments 3x the trainable parameter bytes (``estimate(m)``). Transient buffers (a layer's temporaries,
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
-      and a budget needs a margin (docs/benchmarks.md, "The batch planner under two budgets").
+      and a budget needs a margin (docs/speed.md, "The batch planner under two budgets").
     - ``seconds_per_sample(m)``: one warm-up and one to three timed forward/backward passes at micro-batch m
       (seconds per sample; the optimizer step, once per optimizer step whatever the plan, is left out).
     Raises ``FinetuneError`` when the budget leaves no room at all.

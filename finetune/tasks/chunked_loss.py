@@ -1,7 +1,7 @@
 """Chunked cross-entropy for causal LMs: the next-token loss from the final hidden states through the
 output embedding, ``chunk_size`` label tokens at a time, so the (batch, seq, vocab) logits never exist.
 Ideas from torchtune ``LinearCrossEntropyLoss``, TRL ``chunked_nll`` and Liger-Kernel's ``FusedLinearCrossEntropy``
-(not their code). Design: docs/design-notes.md#chunked_loss; measurements: docs/benchmarks.md."""
+(not their code). Design: docs/design-notes.md#chunked_loss; measurements: docs/speed.md."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ def loss_function(task, config, accelerator):
     back to ``task.loss_sum``, or raises ``FinetuneError`` if ``--loss_chunk_size`` was given."""
     chunk = config.loss_chunk_size
     if chunk is None:
-        chunk = DEFAULT_CHUNK_SIZE if accelerator.device.type == "cpu" else 0  # measured: docs/benchmarks.md
+        chunk = DEFAULT_CHUNK_SIZE if accelerator.device.type == "cpu" else 0  # measured: docs/speed.md
     if not chunk or not task.chunked_loss:
         return task.loss_sum
     strict, fallback, engine = config.loss_chunk_size is not None, [], engine_for(accelerator)

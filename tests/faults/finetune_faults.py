@@ -231,7 +231,7 @@ def install_leave_log(folder: str, set_attr=setattr, distributed_module=None) ->
     ``FOLDER/leave-rank<RANK>-<n>.json``: ``{"group_started": whether a process group was up, "handle_alive":
     whether its Python handle (``torch.distributed.group.WORLD``, held through a weak reference) outlived the
     call}``. A dead handle means nothing else held the group: ``destroy_process_group`` released its last owner,
-    so gloo's worker threads were joined inside ``leave`` (docs/robustness.md#leaving-the-process-group)."""
+    so gloo's worker threads were joined inside ``leave`` (docs/resume.md#leaving-the-process-group)."""
     import importlib
     import json
     import weakref
