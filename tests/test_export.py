@@ -218,7 +218,9 @@ def test_checkpoints_of_both_backends_and_a_full_run(tmp_path, tmp_path_factory,
 
 def test_a_plain_causal_lm_run_exports(tmp_path, capsys, tiny_llama, clm_texts):
     """A full run of plain language modelling (no chat template: texts, continued greedily from their first half)
-    exports merged and verifies exactly; --ollama is refused for it (no chat template to derive a TEMPLATE from)."""
+    exports merged and verifies exactly, on its validation texts as the run encodes them (--block_size 32: the 12
+    texts joined and cut into 6 blocks of 32 tokens); --ollama is refused for it (no chat template to derive a
+    TEMPLATE from)."""
     train, valid = clm_texts
     _, run = run_in_process(tmp_path, "clm", recipe="wikitext-clm", model_name_or_path=tiny_llama, train_file=train,
                             validation_file=valid, block_size=32, max_length=64, max_steps=2, warmup_steps=0,
@@ -227,7 +229,8 @@ def test_a_plain_causal_lm_run_exports(tmp_path, capsys, tiny_llama, clm_texts):
     code, err, report, _ = _export(capsys, "--model", run, "--to", "merged", "--output_dir", tmp_path / "x")
     assert code == 0, err
     (merged_vs_run,) = report["verification"]
-    assert merged_vs_run["max_abs_logit_diff"] == 0.0 and merged_vs_run["greedy_identical"] == 12
+    assert (report["verify_samples"], report["positions"]) == (6, 6 * 32)
+    assert merged_vs_run["max_abs_logit_diff"] == 0.0 and merged_vs_run["greedy_identical"] == 6
 
 
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, lora_run, monkeypatch):

@@ -193,7 +193,7 @@ def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantiz
     from finetune.export.merge import merge
     from finetune.export.ollama import modelfile
     from finetune.export.report import write_card, write_report
-    from finetune.export.source import load_source, load_tokenizer_of
+    from finetune.export.source import load_tokenizer_of, rebuild_run_model
     from finetune.export.verify import measure, verify_set
 
     merged_dir = folder / "merged"
@@ -206,7 +206,7 @@ def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantiz
 
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
     merged_tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
-    model = load_source(source)
+    model = rebuild_run_model(source)  # not through load_source, which the merge used: the check must see its faults
     comparisons, greedy = [], {}
     result, greedy["merged"] = measure("merged vs run", model, merged, (tokenizer, merged_tokenizer), inputs,
                                        merge_tolerance)

@@ -438,7 +438,7 @@ def tokenize_for_causal_lm(raw, tokenizer, text_columns, max_length: int, block_
         usable = len(ids) // block_size * block_size
         return {"input_ids": [ids[i:i + block_size] for i in range(0, usable, block_size)]}
 
-    columns = raw["train"].column_names
+    columns = next(iter(raw.values())).column_names  # every split has the text columns; any split may be given
     # block grouping crosses row boundaries within a map batch; 1,000 texts a batch keeps tails rare
     return raw.map(encode, batched=True, batch_size=1000, remove_columns=columns, desc="Tokenizing")
 

@@ -62,7 +62,9 @@ def save_pretrained_here(model, path, **kwargs) -> None:
 def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_dir: Path, base_name_or_path: str,
                  is_main_process: bool, merge: bool) -> None:
     """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer) into
-    ``output_dir``; a ``.gguf`` base is de-quantized once into ``output_dir/base_model``, ``merge`` also writes
+    ``output_dir``; a base that is no plain model (``is_derived_base``: a ``.gguf`` file, de-quantized; an earlier
+    run's adapter directory, merged) is written once into ``output_dir/base_model`` and the adapter config points
+    there, so any loader (peft's own too) loads the model the adapter was trained on; ``merge`` also writes
     ``output_dir/merged``. ``state_dict``: the gathered full state dict, or None (see docs/design-notes.md#lora)."""
     from peft import TaskType  # lazy: see the top
 
@@ -73,10 +75,8 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
     if model.peft_config["default"].task_type == TaskType.SEQ_CLS:
         # the labels (num_labels, id2label) live in the trained config, not the base model's
         model.get_base_model().config.save_pretrained(output_dir)
-    if base_name_or_path.endswith(".gguf"):
-        from finetune.data.gguf import load_gguf_causal_lm  # lazy: see the top
-
-        base, _ = load_gguf_causal_lm(base_name_or_path)
+    if is_derived_base(base_name_or_path):
+        base = load_base_model(base_name_or_path)  # built again as the run's task built it
         save_pretrained_here(base, output_dir / BASE_DIR)
         tokenizer.save_pretrained(output_dir / BASE_DIR)
         path = output_dir / ADAPTER_CONFIG
@@ -89,18 +89,55 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
         tokenizer.save_pretrained(output_dir / "merged")
 
 
-def load_adapter_model(path) -> PeftModel:
-    """The base model of ``path``'s ``adapter_config.json`` with the adapter applied (``PeftModel.from_pretrained``).
-    Raises ``OSError``/``ValueError`` (transformers', peft's) when either cannot be loaded."""
+def load_adapter_model(path, dtype=None) -> PeftModel:
+    """The base model of ``path``'s ``adapter_config.json`` (``load_base_model``) with the adapter applied
+    (``PeftModel.from_pretrained``), in ``dtype`` (a ``torch.dtype``; None: transformers' default). Raises
+    ``OSError``/``ValueError`` (transformers', peft's) when either cannot be loaded."""
     from peft import PeftModel, TaskType  # lazy: see the top
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     path = Path(path)
     adapter = json.loads((path / ADAPTER_CONFIG).read_text())
     base_path = adapter["base_model_name_or_path"]
     if adapter.get("task_type") == TaskType.SEQ_CLS:
         config = AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
-        base = AutoModelForSequenceClassification.from_pretrained(base_path, config=config)
+        base = AutoModelForSequenceClassification.from_pretrained(base_path, config=config,
+                                                                  **({"dtype": dtype} if dtype else {}))
     else:
-        base = AutoModelForCausalLM.from_pretrained(base_path)
+        base = load_base_model(base_path, dtype)
     return PeftModel.from_pretrained(base, str(path))
+
+
+def is_derived_base(name_or_path: str) -> bool:
+    """Whether the model at ``name_or_path`` is built rather than loaded by ``from_pretrained``: a ``.gguf`` file
+    (de-quantized) or an adapter directory (merged into its base: ``load_merged_adapter``)."""
+    return str(name_or_path).endswith(".gguf") or (Path(name_or_path) / ADAPTER_CONFIG).is_file()
+
+
+def load_base_model(name_or_path: str, dtype=None):
+    """The causal LM an adapter's ``base_model_name_or_path`` names, in ``dtype`` (None: as transformers loads it):
+    a hub id or model directory, a ``.gguf`` file (de-quantized, ``gguf.load_gguf_causal_lm``), or an adapter
+    directory (``load_merged_adapter``: an adapter trained on an earlier run's adapter, such as DPO's on an SFT
+    run's, records that run's adapter directory). Raises ``OSError``/``ValueError`` when it cannot be loaded."""
+    from transformers import AutoModelForCausalLM  # lazy: see the top
+
+    if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
+        return load_merged_adapter(name_or_path, dtype)
+    if str(name_or_path).endswith(".gguf"):
+        from finetune.data.gguf import load_gguf_causal_lm  # lazy: see the top
+
+        model, _ = load_gguf_causal_lm(name_or_path)
+        return model.to(dtype) if dtype else model
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **({"dtype": dtype} if dtype else {}))
+
+
+def load_merged_adapter(path, dtype=None):
+    """The model a causal-LM adapter directory ``path`` stands for: its base with the adapter merged in (peft's
+    ``merge_and_unload``; ``load_adapter_model``), every parameter trainable, and named after ``path`` (absolute:
+    ``name_or_path``, which peft's ``get_peft_model`` records as a new adapter's ``base_model_name_or_path``), so
+    that an adapter trained on it names what it was trained on and ``load_base_model`` rebuilds it the same way.
+    Raises ``OSError``/``ValueError`` when the adapter or its base cannot be loaded."""
+    model = load_adapter_model(path, dtype).merge_and_unload()
+    model.requires_grad_(True)  # peft froze the base for its adapter; merged, it is all one model
+    model.name_or_path = str(Path(path).resolve())
+    return model

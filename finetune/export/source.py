@@ -123,16 +123,13 @@ def load_tokenizer_of(source: Source):
 
 
 def load_base(path: str):
-    """The fp32 causal LM at ``path`` (a model folder or a .gguf file), eval mode."""
+    """The fp32 causal LM at ``path`` (a model folder, a .gguf file, or an earlier run's adapter directory merged:
+    ``lora.load_base_model``), eval mode."""
     import torch
 
-    from finetune.data.loading import load_causal_lm
+    from finetune.data.lora import load_base_model
 
-    if path.endswith(".gguf"):
-        return load_causal_lm(path).float().eval()
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_base_model(path, torch.float32).float().eval()
 
 
 def load_source(source: Source):
@@ -154,3 +151,40 @@ def load_source(source: Source):
 
         load_checkpoint_weights(model, source.checkpoint, f"--checkpoint {source.checkpoint.name}")
     return model
+
+
+def rebuild_run_model(source: Source):
+    """The run's model rebuilt as training built it, for verification, without the loader ``load_source`` (whose
+    resolution of a LoRA adapter's base is what is being checked): for LoRA, ``run_config.json`` replayed through
+    ``tasks.builders.build_model`` (the task's own ``load_model`` of ``--model_name_or_path``, then the run's LoRA
+    flags), the adapter's saved weights loaded into it; a full run's folder holds the whole model, so it is
+    ``load_source``. fp32, eval mode. Raises ``FinetuneError`` when the run cannot be rebuilt or its adapter's
+    weights do not fit the rebuilt adapter."""
+    if not source.lora:
+        return load_source(source)
+    from peft import get_peft_model_state_dict, load_peft_weights, set_peft_model_state_dict
+
+    from finetune.config import parse_config
+    from finetune.recipes import load_recipe
+    from finetune.tasks import run_task
+    from finetune.tasks.builders import build_model
+
+    if not (source.run_dir / "run_config.json").is_file():
+        raise FinetuneError(f"{source.run_dir} holds no run_config.json, so the model it trained cannot be rebuilt "
+                            "to verify against. Export the --output_dir of a finetune training run.")
+    config = parse_config(["--config", str(source.run_dir / "run_config.json")])
+    recipe = load_recipe(config.recipe)
+    try:
+        model = build_model(config, run_task(recipe, config), recipe=recipe)
+        weights = load_peft_weights(str(source.model_dir), device="cpu")
+    except (OSError, ValueError) as err:
+        raise FinetuneError(f"the model of {source.name} could not be rebuilt from its run_config.json "
+                            f"({str(err).splitlines()[0]}): --model_name_or_path {config.model_name_or_path} must "
+                            "still be where the run loaded it from.") from None
+    expected = set(get_peft_model_state_dict(model))
+    result = set_peft_model_state_dict(model, weights)
+    if result.unexpected_keys or set(weights) != expected:
+        raise FinetuneError(f"{source.model_dir}'s adapter weights do not fit the adapter its run_config.json "
+                            f"builds ({len(expected ^ set(weights))} tensors differ). Export the run whose "
+                            "--output_dir holds it.")
+    return model.float().eval()

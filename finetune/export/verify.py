@@ -72,10 +72,13 @@ class Comparison:
 
 def verify_set(source, tokenizer, samples: int = DEFAULT_SAMPLES) -> VerifySet:
     """The first ``samples`` rows of the run's validation split (its ``run_config.json`` replayed: recipe, data flags,
-    ``max_eval_samples``), as the run evaluated them. Raises ``FinetuneError`` when the run's data cannot be loaded
-    or yields no rows."""
+    ``max_eval_samples``), encoded by the run's task as training encodes them (``task.tokenize``; every sequence of a
+    row, ``task.sequences``: both sides of a preference pair); the prompts greedy decoding continues are the rows'
+    (``evaluation.reference_of``) for a chat task, else each sequence's first half. Raises ``FinetuneError`` when
+    the run's data cannot be loaded or encoded, or yields no rows."""
+    import datasets
+
     from finetune.config import parse_config
-    from finetune.data.chat import encode_row
     from finetune.lifecycle.evaluation import reference_of
     from finetune.recipes import load_recipe
     from finetune.tasks import get_task
@@ -95,17 +98,15 @@ def verify_set(source, tokenizer, samples: int = DEFAULT_SAMPLES) -> VerifySet:
     spec = getattr(recipe, "GENERATION", None) or {}
     max_new = int(spec.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     max_length = config.max_length
+    tokenized = task.tokenize(datasets.DatasetDict({"validation": rows}), tokenizer, config,
+                              recipe.TEXT_COLUMNS)["validation"]
+    sequences = [ids for row in tokenized for ids, _ in task.sequences(row).values() if len(ids) > 1]
+    if not sequences:
+        raise FinetuneError(f"the run's first {len(rows)} validation rows encode to no sequence of 2 tokens or more: "
+                            "nothing to verify on.")
     if task.chat:
-        sequences = [encode_row(tokenizer, row, max_length, f"validation row {i}")["input_ids"]
-                     for i, row in enumerate(rows)]
         prompts = [reference_of(row, f"validation row {i}")[0] for i, row in enumerate(rows)]
         return VerifySet(sequences, prompts, True, max_new, max_length)
-    column = recipe.TEXT_COLUMNS[0]
-    limit = max_length or 256
-    encoded = [tokenizer(row[column], truncation=True, max_length=limit)["input_ids"] for row in rows]
-    sequences = [ids for ids in encoded if len(ids) > 1]
-    if not sequences:
-        raise FinetuneError(f"the run's first {len(rows)} validation texts are empty: nothing to verify on.")
     prompts = [tokenizer.decode(ids[: len(ids) // 2], skip_special_tokens=True) for ids in sequences]
     return VerifySet(sequences, prompts, False, max_new, max_length)
 

@@ -17,7 +17,7 @@ import datasets
 import torch
 
 from finetune.data.loading import IGNORE_INDEX, load_conversation_files, rows_named, set_attention
-from finetune.data.lora import ADAPTER_CONFIG, load_adapter_model
+from finetune.data.lora import ADAPTER_CONFIG, load_merged_adapter
 from finetune.data.preference import PAIR_SIDES, PairCheck, check_pair, check_pair_rows, pairs_to_features
 from finetune.errors import FinetuneError
 from finetune.tasks import reference as precomputed_reference
@@ -162,14 +162,15 @@ class PreferenceTask:
     def load_model(self, config, label_names=None):
         """The causal LM of ``--model_name_or_path`` (``CausalLM.load_model``): a hub id, a model directory (an SFT
         run's, or its merged copy), a de-quantized ``.gguf`` file, or an SFT run's LoRA adapter directory
-        (``adapter_config.json``), loaded on its base and merged in (``lora.load_adapter_model``, peft's
+        (``adapter_config.json``), loaded on its base and merged in (``lora.load_merged_adapter``, peft's
         ``merge_and_unload``): the starting model, and so the reference (its frozen copy, or the base under a new
-        ``--use_peft`` adapter), is the SFT model, never the base under its adapter. Raises ``FinetuneError`` for an
-        adapter directory whose base cannot be loaded."""
+        ``--use_peft`` adapter), is the SFT model, never the base under its adapter; a new adapter names the SFT
+        adapter directory as its base (``lora.load_merged_adapter``), and the run's final adapter the merged SFT model
+        written beside it (``lora.save_adapter``). Raises ``FinetuneError`` for an adapter directory whose base
+        cannot be loaded."""
         if (Path(config.model_name_or_path) / ADAPTER_CONFIG).is_file():
             try:
-                model = load_adapter_model(config.model_name_or_path).merge_and_unload()
-                model.requires_grad_(True)  # peft froze the base for its adapter; merged, it is all one model
+                model = load_merged_adapter(config.model_name_or_path)
             except (OSError, ValueError) as err:
                 raise FinetuneError(f"--model_name_or_path {config.model_name_or_path} is a LoRA adapter whose base "
                                     f"could not be loaded: {str(err).splitlines()[0]} Point the adapter's "
