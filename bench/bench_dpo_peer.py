@@ -63,8 +63,8 @@ WORDS = "the market rose as shares in the bank fell after the match ended with a
 def smollm2_dir(work_dir: Path) -> str:
     """The recipes' SmolLM2-135M-Instruct GGUF file de-quantized to fp32 and saved with its tokenizer (chat
     template included) into ``work_dir/smollm2-135m``, once: both trainers load this directory."""
-    from finetune.data.fetch import smollm2_gguf_path
-    from finetune.data.gguf import load_gguf_causal_lm
+    from finetune.models.fetch import smollm2_gguf_path
+    from finetune.models.gguf import load_gguf_causal_lm
 
     out = work_dir / "smollm2-135m"
     if not (out / "config.json").is_file():
@@ -81,8 +81,8 @@ def smollm2_small_dir(work_dir: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.data.fetch import smollm2_gguf_path
-    from finetune.data.gguf import load_gguf_tokenizer
+    from finetune.models.fetch import smollm2_gguf_path
+    from finetune.models.gguf import load_gguf_tokenizer
 
     out = work_dir / "smollm2-small"
     if not (out / "config.json").is_file():

@@ -244,9 +244,9 @@ def max_rss_bytes() -> int:
 
 
 def convert_gguf(source: str, dest: str) -> None:
-    """De-quantize a ``.gguf`` causal LM once (``finetune.data.loading.load_causal_lm``, fp32) and save it as a model
+    """De-quantize a ``.gguf`` causal LM once (``finetune.models.loading.load_causal_lm``, fp32) and save it as a model
     directory at ``dest``, so workers load it fast and without the de-quantization's own peak."""
-    from finetune.data.loading import load_causal_lm
+    from finetune.models.loading import load_causal_lm
 
     load_causal_lm(source).save_pretrained(dest)
 
@@ -408,7 +408,7 @@ def prepare_models(args, workdir: Path) -> dict:
     """Model paths per task (``cls``, ``clm``): the smoke tiny models, the flags', or the defaults (a ``.gguf``
     is de-quantized once into ``workdir`` by a subprocess). A missing model is None, with ``<task>_missing``
     saying why."""
-    from finetune.data.fetch import FETCH_COMMAND, smollm2_gguf_path
+    from finetune.models.fetch import FETCH_COMMAND, smollm2_gguf_path
 
     models: dict = {}
     needs_cls = "bbc" in args.suites
@@ -484,7 +484,7 @@ def _exit_text(code) -> str:
 
 
 # Imported once by the fork server, so each forked worker starts with them loaded (and no model, no tensor).
-FORKSERVER_PRELOAD = ["torch", "psutil", "transformers", "peft", "finetune.data.loading", "finetune.tasks", "finetune.data.lora",
+FORKSERVER_PRELOAD = ["torch", "psutil", "transformers", "peft", "finetune.data.loading", "finetune.tasks", "finetune.models.lora",
                       "finetune.tasks.builders", "finetune.planner"]
 _CONTEXT = None
 

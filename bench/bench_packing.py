@@ -47,7 +47,7 @@ def step_batches(config, recipe, limit_steps: int):
     """(model, task, list of steps: each a list of padded micro-batches, as the training loop sees them)."""
     from torch.utils.data import DataLoader
 
-    from finetune.data.loading import load_tokenizer
+    from finetune.models.loading import load_tokenizer
     from finetune.tasks import get_task
     from finetune.tasks.builders import build_datasets, build_model
 

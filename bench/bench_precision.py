@@ -30,7 +30,7 @@ PRECISIONS = ("no", "fp16", "bf16")
 PRECISION_LABEL = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 RECIPES = ("bbc-news", "bbc-news-clm")
 
-from finetune.lifecycle.flops import peak_flops  # noqa: E402  (the table is shared with the engine)
+from finetune.outputs.flops import peak_flops  # noqa: E402  (the table is shared with the engine)
 
 
 def model_flops_per_second(num_parameters: int | None, tokens_per_second: float | None) -> float | None:
@@ -96,7 +96,7 @@ def clm_model_problem(model: str) -> str | None:
         return (f"bbc-news-clm skipped: its model file {model} is missing. Fetch it with "
                 "`python -m finetune.fetch smollm2-gguf` (or pass --clm_model_name_or_path).")
     if model.lower().endswith(".gguf"):
-        from finetune.data.fetch import gguf_package_available
+        from finetune.models.fetch import gguf_package_available
 
         if not gguf_package_available():
             return "bbc-news-clm skipped: reading a .gguf model needs the `gguf` package (`pip install gguf`)."

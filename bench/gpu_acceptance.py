@@ -410,7 +410,7 @@ def render(runs: list[Run], env: dict, smoke: bool, wall: float, workdir: Path |
              "weights (the precision named is the autocast/DeepSpeed compute precision); bbc-news-clm uses "
              "SmolLM2-135M's architecture and tokenizer with random weights (speed and a falling loss, not quality).",
              "- Peak memory is `torch.cuda.max_memory_allocated` of the training process; MFU = 6 x parameters x "
-             "input tokens/s over the GPU's dense bf16/fp16 peak (finetune/lifecycle/flops.py, NVIDIA datasheets).", ""]
+             "input tokens/s over the GPU's dense bf16/fp16 peak (finetune/outputs/flops.py, NVIDIA datasheets).", ""]
 
     def section(name: str, heading: str, headers: list[str], row) -> None:
         if name not in by:
@@ -612,8 +612,8 @@ def prepare(with_wheels: bool) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from finetune.data.fetch import smollm2_gguf_path
-    from finetune.data.loading import load_tokenizer
+    from finetune.models.fetch import smollm2_gguf_path
+    from finetune.models.loading import load_tokenizer
     from finetune.recipes.bbc_news import corpus_dir, default_model_path
 
     src = Path(default_model_path())

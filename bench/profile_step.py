@@ -3,7 +3,7 @@
 token ids, then AdamW), in the precision asked, after two warm-up steps. Prints the step's seconds, the share of self CPU time in matrix multiplications
 (``aten::mm``/``addmm``/``bmm``/``_scaled_dot_product*``/``linear`` kernels) against everything else, the
 top operators, and the matmul FLOP/s those kernels reached (the profiler's FLOP counts) beside the measured matmul
-peak (``finetune.lifecycle.peak``).
+peak (``finetune.outputs.peak``).
 
     python bench/profile_step.py --recipe bbc-news [--steps 3] [--mixed_precision bf16] [training flags]
 
@@ -30,9 +30,9 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from finetune.config import parse_config
-    from finetune.data.loading import load_tokenizer
-    from finetune.lifecycle.peak import matmul_peak
     from finetune.machine import cpu_features, cpu_model
+    from finetune.models.loading import load_tokenizer
+    from finetune.outputs.peak import matmul_peak
     from finetune.recipes import load_recipe
     from finetune.tasks import get_task
     from finetune.tasks.builders import build_model

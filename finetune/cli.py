@@ -72,7 +72,7 @@ launch: finetune verify [launcher flags] --recipe NAME [flags] [--verify_steps K
     Command("plan", "finetune.commands.plan:main", True,
             """the batch planner's table without training: every exact plan of --total_batch_size under every
 lever, its memory (weights, gradients, optimizer state, activations) and whether it fits; --time"""),
-    Command("eval", "finetune.commands.benchmark:main", False,
+    Command("eval", "finetune.commands.eval:main", False,
             """benchmarks with lm-evaluation-harness, in process: finetune eval --model RUN_DIR|CHECKPOINT|ADAPTER|GGUF
 --tasks bbc_topic,bbc_headline [--limit N] [--num_fewshot k] [--baseline BASE] (finetune eval --help)"""),
     Command("export", "finetune.commands.export:main", False,

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     metrics = run(config)
     from finetune import distributed  # lazy (imported by run() already)
-    from finetune.lifecycle.reporting import format_summary
+    from finetune.outputs.reporting import format_summary
 
     if metrics is not None and distributed.is_main_process():
         print(format_summary(metrics, config.output_dir))

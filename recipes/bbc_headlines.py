@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from finetune.data.fetch import smollm2_gguf_path
+from finetune.models.fetch import smollm2_gguf_path
 from finetune.recipes.bbc_news import _articles, corpus_dir
 
 NAME = "bbc-headlines"

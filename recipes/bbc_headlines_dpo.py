@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 
-from finetune.data.fetch import smollm2_gguf_path
+from finetune.models.fetch import smollm2_gguf_path
 from finetune.recipes.bbc_headlines import GENERATION as SFT_GENERATION
 from finetune.recipes.bbc_headlines import build_prompt, dedup_articles
 from finetune.recipes.bbc_news import _articles, corpus_dir

@@ -18,7 +18,7 @@ Metrics: eval loss per headline token and perplexity, ROUGE-L and exact match of
 
 from __future__ import annotations
 
-from finetune.data.fetch import smollm2_gguf_path
+from finetune.models.fetch import smollm2_gguf_path
 from finetune.recipes.bbc_headlines import dedup_articles
 from finetune.recipes.bbc_news import _articles, corpus_dir
 

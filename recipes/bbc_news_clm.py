@@ -21,7 +21,7 @@ METRICS: dict = {}  # the causal-lm task reports eval_loss (per token) and eval_
 
 
 def _default_model() -> str:
-    from finetune.data.fetch import smollm2_gguf_path
+    from finetune.models.fetch import smollm2_gguf_path
 
     return str(smollm2_gguf_path())
 

@@ -21,7 +21,7 @@ def loglikelihoods(path: Path) -> dict[int, list[float]]:
 
 def ours(model: str, out: Path, *extra: str, limit: int = LIMIT) -> tuple[dict, dict]:
     """``finetune eval`` on ``bbc_topic``: (lm-eval's results of the task, doc_id -> per-choice log-likelihoods)."""
-    from finetune.commands.benchmark import main
+    from finetune.commands.eval import main
 
     assert main(["--model", model, "--tasks", "bbc_topic", "--limit", str(limit), "--output_path", str(out),
                  *extra]) == 0

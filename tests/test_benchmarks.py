@@ -25,7 +25,7 @@ def chat_llama(tmp_path_factory) -> str:
 
 def command_line(model_args: str, out: Path) -> tuple[dict, dict]:
     """The ``lm-eval run`` command line on the same task config (the shipped one), documents and seed."""
-    from finetune.benchmarks import write_shipped_tasks
+    from finetune.outputs.lm_eval import write_shipped_tasks
 
     result = subprocess.run(
         [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args", f"{model_args},dtype=float32",
@@ -88,7 +88,7 @@ def test_a_lora_adapter_directory_scores_as_the_command_line_does(tmp_path, chat
 
 
 def test_the_gguf_base_scores_as_the_command_line_does(tmp_path):
-    from finetune.data.fetch import smollm2_gguf_path
+    from finetune.models.fetch import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     if not path.is_file():
@@ -107,9 +107,9 @@ def test_the_headline_task_scores_rouge_l_as_the_recipe_does(tmp_path, chat_llam
 
     from transformers import AutoTokenizer
 
-    from finetune.benchmarks import write_shipped_tasks
-    from finetune.commands.benchmark import main
+    from finetune.commands.eval import main
     from finetune.metrics import load_metric
+    from finetune.outputs.lm_eval import write_shipped_tasks
 
     spec = importlib.util.spec_from_file_location("bbc_metrics", write_shipped_tasks() / "bbc_metrics.py")
     module = importlib.util.module_from_spec(spec)
@@ -139,7 +139,7 @@ def test_the_headline_task_scores_rouge_l_as_the_recipe_does(tmp_path, chat_llam
 def test_an_empty_task_list_is_refused_in_one_line(tmp_path, chat_llama, capsys):
     """--tasks "," names no task: exit 2 with one ``error:`` line, nothing written (before: lm-eval's ValueError
     traceback after the model was loaded)."""
-    from finetune.commands.benchmark import main
+    from finetune.commands.eval import main
 
     out = tmp_path / "empty"
     assert main(["--model", chat_llama, "--tasks", ",", "--output_path", str(out)]) == 2
@@ -152,7 +152,7 @@ def test_an_empty_task_list_is_refused_in_one_line(tmp_path, chat_llama, capsys)
 def test_a_model_against_itself_differs_by_zero_with_a_paired_standard_error_of_zero(tmp_path, chat_llama, capsys):
     """--baseline the model itself: every document's difference is 0, so the difference's standard error (paired,
     from lm-eval's per-document records) is exactly 0. Before: sqrt(se^2 + se^2), "0.0000 ± 0.2357" here."""
-    from finetune.commands.benchmark import main
+    from finetune.commands.eval import main
 
     assert main(["--model", chat_llama, "--tasks", "bbc_topic", "--limit", str(LIMIT), "--output_path",
                  str(tmp_path / "self"), "--baseline", chat_llama]) == 0
@@ -168,7 +168,7 @@ def test_the_paired_standard_error_of_known_documents():
     """5 documents, acc tuned 1,1,0,1,0 and base 0,1,0,0,0: differences 1,0,0,1,0 (mean 0.4, sample variance 0.3),
     paired SE sqrt(0.3 / 5) = 0.2449; unpaired sqrt(0.3/5 + 0.2/5) = 0.3162, used (and marked) where a document
     differs (its doc_hash) or a figure is not the mean of its documents."""
-    from finetune.benchmarks import comparison_rows, document_values
+    from finetune.outputs.lm_eval import comparison_rows, document_values
 
     def records(values, hashes="abcde"):
         return {"bbc_topic": [{"doc_id": i, "doc_hash": h, "filter": "none", "metrics": ["acc"], "acc": v}

@@ -13,7 +13,7 @@ import pytest
 from tiny_models import build_tiny_chat_llama
 
 from finetune.commands.check_data import duplicates, main, padding_fraction
-from finetune.data.fetch import smollm2_gguf_path
+from finetune.models.fetch import smollm2_gguf_path
 
 WORDS = "the market rose as shares in the bank fell after the match ended with a late goal".split()
 

@@ -90,7 +90,7 @@ def test_effective_precision_is_measured():
 def test_offline_hub_model_fails_fast(monkeypatch):
     import time
 
-    from finetune.data.loading import load_tokenizer
+    from finetune.models.loading import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
@@ -100,7 +100,7 @@ def test_offline_hub_model_fails_fast(monkeypatch):
 
 
 def test_model_path_that_is_not_a_model(tmp_path):
-    from finetune.data.loading import load_tokenizer
+    from finetune.models.loading import load_tokenizer
 
     with pytest.raises(FinetuneError, match="not a Hugging Face model directory"):
         load_tokenizer(str(tmp_path))

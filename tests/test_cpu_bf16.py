@@ -76,8 +76,8 @@ def test_env_summarizes_the_verdicts_of_this_cpu_kind():
 
 def test_choose_turns_fp16_into_bf16_only_on_a_cpu_for_the_recipe_at_its_default_model():
     from finetune.config import parse_config
-    from finetune.lifecycle.reporting import run_banner
     from finetune.lifecycle.window import StepPlan
+    from finetune.outputs.reporting import run_banner
     from finetune.recipes import load_recipe
 
     recipe, plan = load_recipe("bbc-news"), StepPlan(steps_per_epoch=2, micro_batches_per_epoch=4, max_steps=2, num_epochs=1)
@@ -110,7 +110,7 @@ def test_choose_turns_fp16_into_bf16_only_on_a_cpu_for_the_recipe_at_its_default
 
 def test_the_model_card_says_why_an_fp16_request_trained_in_bf16():
     from finetune.config import parse_config
-    from finetune.lifecycle.card import _precision
+    from finetune.outputs.card import _precision
 
     why = "bf16 chosen, measured for bbc-news at its default model on this CPU kind, 3 seeds: ..."
     text = _precision(parse_config(["--recipe", "bbc-news"]), {"mixed_precision": "bf16", "device": "cpu",
@@ -227,8 +227,8 @@ def test_native_or_emulated_bf16_is_read_from_the_flags_and_onednns_cap(monkeypa
     (its flags, and oneDNN's cap ``ONEDNN_MAX_CPU_ISA``, which hides them) and the measured matmul ratio."""
     from finetune import machine
     from finetune.config import parse_config
-    from finetune.lifecycle import reporting
     from finetune.lifecycle.window import StepPlan
+    from finetune.outputs import reporting
 
     fields = {"model name": "AMD EPYC 7B12", "flags": AVX2_ONLY}
     monkeypatch.setattr(machine, "_cpuinfo_field", lambda name: fields.get(name))
@@ -240,7 +240,7 @@ def test_native_or_emulated_bf16_is_read_from_the_flags_and_onednns_cap(monkeypa
     banner = reporting.run_banner(parse_config(["--recipe", "bbc-news", "--mixed_precision", "bf16"]), 1, plan, "bf16",
                                   "cpu")
     assert ("\nCPU bf16: emulated (no avx512_bf16, no AMX); measured bf16 matmul peak 0.00163x fp32's (0.28 against "
-            "172 GFLOP/s, lifecycle/peak.py); --mixed_precision no trains faster on this CPU\nPrecision: bf16") in banner
+            "172 GFLOP/s, outputs/peak.py); --mixed_precision no trains faster on this CPU\nPrecision: bf16") in banner
     fp16 = reporting.run_banner(parse_config(["--recipe", "bbc-news"]), 1, plan, "no", "cpu")
     assert "CPU bf16: emulated (no avx512_bf16, no AMX); measured bf16 matmul peak 0.00163x fp32's" in fp16
     assert "trains faster" not in fp16 and "CPU bf16" not in reporting.run_banner(
@@ -263,7 +263,7 @@ def test_native_or_emulated_bf16_is_read_from_the_flags_and_onednns_cap(monkeypa
     assert reporting.cpu_bf16_line("bf16").startswith("emulated (ONEDNN_MAX_CPU_ISA=AVX2 leaves out AVX512-BF16)")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert reporting.cpu_bf16_line("bf16") == ("native (AVX512-BF16); measured bf16 matmul peak 0.00163x fp32's "
-                                               "(0.28 against 172 GFLOP/s, lifecycle/peak.py)")
+                                               "(0.28 against 172 GFLOP/s, outputs/peak.py)")
 
 
 def test_the_matmul_peak_costs_seconds_whatever_the_matmuls_speed(tmp_path, monkeypatch):
@@ -275,7 +275,7 @@ def test_the_matmul_peak_costs_seconds_whatever_the_matmuls_speed(tmp_path, monk
 
     import torch
 
-    from finetune.lifecycle import peak
+    from finetune.outputs import peak
 
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
     clock, real_mm = [0.0], torch.mm

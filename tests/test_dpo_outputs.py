@@ -126,7 +126,7 @@ def test_dpo_from_an_sft_adapter_loads_as_trained_in_predict_eval_and_export(tmp
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.commands.benchmark import load_for_eval
+    from finetune.commands.eval import load_for_eval
     from finetune.commands.predict import Predictor
     from finetune.export.source import load_source, resolve_source
 
@@ -165,8 +165,8 @@ def test_a_preference_run_exports_verified_on_both_sides_of_its_validation_pairs
     prompts); no EXPORT_INCOMPLETE is left."""
     from datasets import load_dataset
 
-    from finetune.data.loading import load_tokenizer
     from finetune.data.preference import pairs_to_features
+    from finetune.models.loading import load_tokenizer
 
     _, run = run_in_process(tmp_path, "dpo-full", **dpo_flags(chat_llama, data))
     folder = tmp_path / "export"

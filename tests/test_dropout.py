@@ -12,7 +12,7 @@ import torch
 from families import BY_NAME, CAUSAL_LM, FAMILIES, build
 
 from finetune.config import parse_config
-from finetune.data.loading import load_tokenizer
+from finetune.models.loading import load_tokenizer
 from finetune.tasks import get_task
 from finetune.tasks.builders import build_model
 
@@ -57,7 +57,7 @@ def test_gpt2_with_disable_dropout_gives_the_same_logits_twice(gpt2_dir):
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_every_family_has_no_dropout_left(tmp_path, family):
     """Each family of the matrix (dropout 0.1 under its own names): nothing left, two passes equal."""
-    from finetune.data.dropout import dropout_left
+    from finetune.models.dropout import dropout_left
 
     model_dir = build(family, tmp_path / family)
     model = built(model_dir, BY_NAME[family].task, "--disable_dropout")
@@ -69,7 +69,7 @@ def test_every_family_has_no_dropout_left(tmp_path, family):
 def test_float_attributes_read_at_call_time_are_zeroed(tmp_path):
     """Llama copies config.attention_dropout into each attention module at init and passes it to SDPA in
     training; Bloom copies hidden_dropout and calls F.dropout with it: no nn.Dropout module holds either."""
-    from finetune.data.dropout import disable_dropout
+    from finetune.models.dropout import disable_dropout
 
     for family, attribute in (("llama", "attention_dropout"), ("bloom", "hidden_dropout")):
         model = built(build(family, tmp_path / family), CAUSAL_LM)
@@ -81,7 +81,7 @@ def test_float_attributes_read_at_call_time_are_zeroed(tmp_path):
 
 
 def test_non_probabilities_are_left_alone():
-    from finetune.data.dropout import is_dropout_probability
+    from finetune.models.dropout import is_dropout_probability
 
     assert is_dropout_probability("resid_pdrop", 0.1) and is_dropout_probability("layerdrop", 0.2)
     assert is_dropout_probability("drop_path_rate", 1.0) and is_dropout_probability("hidden_dropout_prob", 0.1)
@@ -108,8 +108,8 @@ def test_lora_dropout_is_off_too(tmp_path, gpt2_dir):
 
 def test_a_dropout_it_cannot_turn_off_is_refused(gpt2_dir):
     """A family's own dropout class, not a torch Dropout, with a probability under a name without "drop"."""
-    from finetune.data.dropout import disable_dropout, dropout_left
     from finetune.errors import FinetuneError
+    from finetune.models.dropout import disable_dropout, dropout_left
 
     class StableDropout(torch.nn.Module):
         def __init__(self):
@@ -124,8 +124,8 @@ def test_a_dropout_it_cannot_turn_off_is_refused(gpt2_dir):
 
 
 def test_the_banner_says_dropout_is_off_only_when_it_is(gpt2_dir):
-    from finetune.lifecycle.reporting import run_banner
     from finetune.lifecycle.window import StepPlan
+    from finetune.outputs.reporting import run_banner
 
     config = parse_config(["--recipe", "bbc-news-clm", "--model_name_or_path", str(gpt2_dir), "--disable_dropout"])
     plan = StepPlan(steps_per_epoch=2, micro_batches_per_epoch=4, max_steps=2, num_epochs=1)

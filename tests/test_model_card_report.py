@@ -15,7 +15,7 @@ from helpers import read_log, run_in_process
 from huggingface_hub import ModelCard
 
 import finetune
-from finetune.lifecycle.card import framework_versions
+from finetune.outputs.card import framework_versions
 
 RUN = dict(max_train_samples=24, max_eval_samples=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
            max_steps=3, max_length=32, eval_strategy="steps", eval_steps=1, report_to="tensorboard")
@@ -89,7 +89,7 @@ def test_run_config_in_a_collapsed_block(run):
 
 def test_a_run_without_tracker_or_evaluation_log_has_neither_section(run, tmp_path):
     from finetune.config import TrainConfig
-    from finetune.lifecycle.card import render_model_card
+    from finetune.outputs.card import render_model_card
     from finetune.recipes import load_recipe
 
     config = TrainConfig(**{**json.loads((run / "run_config.json").read_text()), "report_to": "none"})

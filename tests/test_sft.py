@@ -76,11 +76,11 @@ def test_labels_are_exactly_the_completion_and_im_end(tok):
 
 
 def test_real_smollm2_template_labels_headline_and_im_end():
-    from finetune.data.fetch import gguf_package_available, smollm2_gguf_path
+    from finetune.models.fetch import gguf_package_available, smollm2_gguf_path
 
     if not gguf_package_available() or not smollm2_gguf_path().is_file():
         pytest.skip("SmolLM2 GGUF not fetched (python -m finetune.fetch smollm2-gguf)")
-    from finetune.data.gguf import load_gguf_tokenizer
+    from finetune.models.gguf import load_gguf_tokenizer
 
     smollm2 = load_gguf_tokenizer(smollm2_gguf_path())
     encoded = encode_conversation(smollm2, f"{INSTRUCTION}\n\n{ARTICLE}", HEADLINE, max_length=96)

@@ -19,7 +19,7 @@ def test_dataloader_workers_give_identical_training(tmp_path, tiny_bert):
 
 
 def test_mfu_formula_and_named_peaks():
-    from finetune.lifecycle.flops import model_flops_utilization, peak_flops
+    from finetune.outputs.flops import model_flops_utilization, peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3")[0] == 989.4e12
     assert "datasheet" in peak_flops("NVIDIA H200")[1]

@@ -13,7 +13,7 @@ import torch
 from helpers import read_log, run_in_process
 from transformers import AutoModelForCausalLM
 
-from finetune.lifecycle.flops import matmul_parameters, training_flops_per_token
+from finetune.outputs.flops import matmul_parameters, training_flops_per_token
 
 
 @pytest.mark.parametrize("backend", ["accelerate", "trainer"])
@@ -38,7 +38,7 @@ def test_token_rates_match_the_counts_in_the_log(tmp_path, tiny_llama, clm_texts
     assert metrics["throughput_steps"] == 3 and metrics["throughput_excludes_warmup"] is True
     assert metrics["train_padded_tokens"] > metrics["train_input_tokens"]  # variable lengths: padding exists
     assert metrics["model_flops_per_second"] > 0 and "mfu" not in metrics  # a CPU has no datasheet peak
-    # but a measured one (lifecycle/peak.py), and the achieved FLOP/s as shares of it
+    # but a measured one (outputs/peak.py), and the achieved FLOP/s as shares of it
     peak = metrics["measured_peak_flops_per_second"]
     source = metrics["measured_peak_source"]
     assert peak > 1e8 and source.startswith("1 x measured: ") and "a 2048^2 float32 matmul on " in source
@@ -80,8 +80,8 @@ def test_mfu_is_per_gpu_the_same_at_any_process_count(monkeypatch):
     """The same speed on each GPU is the same MFU on 1 or 2 processes: the counts are over all processes, so
     they are divided by num_processes x one GPU's peak (before the fix: P = 2 reported twice P = 1's)."""
     from finetune.config import TrainConfig
-    from finetune.lifecycle import reporting
     from finetune.lifecycle.checkpoint import RunProgress
+    from finetune.outputs import reporting
 
     # a CUDA device whose peak is 1e8 FLOP/s (a CPU has none): scaled to the tiny model, so MFU is far from 0
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
@@ -112,8 +112,8 @@ def test_a_run_of_a_minute_or_more_measures_the_peak_again(monkeypatch):
     """The run's share is over the best peak measured on the machine; a run whose timed steps took
     ``REMEASURE_AFTER`` seconds or more measures it again (the cache keeps the best), a shorter one reads the cache."""
     from finetune.config import TrainConfig
-    from finetune.lifecycle import reporting
     from finetune.lifecycle.checkpoint import RunProgress
+    from finetune.outputs import reporting
 
     asked = []
     monkeypatch.setattr(reporting, "matmul_peak", lambda device, precision, refresh=False: asked.append(refresh) or (
@@ -204,8 +204,8 @@ def test_the_matmul_peak_is_measured_once_per_machine_precision_and_threads(tmp_
     """matmul_peak measures on the first call for a (device, dtype, threads, torch) key and reads the cache after;
     the measurement draws nothing from the global generators; fp16 on a CPU has no peak (it does not run there);
     the run summary prints the achieved share."""
-    from finetune.lifecycle import peak
-    from finetune.lifecycle.reporting import format_summary
+    from finetune.outputs import peak
+    from finetune.outputs.reporting import format_summary
 
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
     calls = []

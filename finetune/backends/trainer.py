@@ -296,7 +296,7 @@ class HubCallback(TrainerCallback):
 def train(config, recipe, process_start: float | None = None, hub=None, observe=None) -> dict:
     """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate backend
     (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``, model card); return the metrics.
-    Units as in ``finetune.backends.accelerate.train``; ``hub`` (a ``finetune.lifecycle.hub.HubPush`` or None) as there. Resumes from the
+    Units as in ``finetune.backends.accelerate.train``; ``hub`` (a ``finetune.outputs.hub.HubPush`` or None) as there. Resumes from the
     checkpoints it writes (``checkpoint-<step>`` sealed by ``lifecycle.RunState.seal``), agreed on by every process
     (``lifecycle.RunState.resume``). ``observe(trainer)``: called once the Trainer is built, before it trains
     (``finetune.commands.verify`` reads its gradients and final weights). Raises ``FinetuneError`` as the accelerate

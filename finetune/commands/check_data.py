@@ -32,12 +32,13 @@ from finetune.argv import take_switch, take_values, wants_help
 from finetune.config import parse_config
 from finetune.data import packing_cost
 from finetune.data.chat import require_chat_template
-from finetune.data.loading import ROW_COLUMN, load_tokenizer
+from finetune.data.loading import ROW_COLUMN
 from finetune.data.mixture import source_name
 from finetune.data.packing import budget as packing_budget
 from finetune.data.packing import flag_of, packing_summary, row_length
 from finetune.errors import FinetuneError
 from finetune.lifecycle.window import EpochSeededLengthGroupedSampler
+from finetune.models.loading import load_tokenizer
 from finetune.recipes import load_recipe
 from finetune.tasks import get_task
 from finetune.tasks.builders import raw_datasets

@@ -44,7 +44,7 @@ def matmul_peaks() -> str:
     used: fp32 and bf16 on a CPU (fp16 does not run there), with fp16 on a GPU."""
     import torch
 
-    from finetune.lifecycle.peak import matmul_peak
+    from finetune.outputs.peak import matmul_peak
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     figures = []
@@ -72,8 +72,8 @@ def environment() -> list[tuple[str, str]]:
     from huggingface_hub import constants, get_token
 
     from finetune.engine import cpu_bf16
-    from finetune.lifecycle.card import framework_versions
-    from finetune.lifecycle.reporting import cpu_bf16_line
+    from finetune.outputs.card import framework_versions
+    from finetune.outputs.reporting import cpu_bf16_line
 
     versions = dict(framework_versions())
     info = [("`finetune` version", f"{__version__} ({Path(__file__).resolve().parents[1]})"),

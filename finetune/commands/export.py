@@ -123,7 +123,7 @@ def _prepare_hub(args, folder: Path):
         return None
     from types import SimpleNamespace
 
-    from finetune.lifecycle.hub import prepare
+    from finetune.outputs.hub import prepare
 
     return prepare(SimpleNamespace(push_to_hub=True, hub_model_id=args.hub_model_id, output_dir=str(folder),
                                    hub_private_repo=args.hub_private_repo, hub_strategy="end"))
@@ -188,13 +188,13 @@ def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantiz
     comparison is beyond its tolerance)."""
     import torch
 
-    from finetune.data.gguf import load_gguf_causal_lm
     from finetune.export import converter
     from finetune.export.merge import merge
     from finetune.export.ollama import modelfile
     from finetune.export.report import write_card, write_report
     from finetune.export.source import load_tokenizer_of, rebuild_run_model
     from finetune.export.verify import measure, verify_set
+    from finetune.models.gguf import load_gguf_causal_lm
 
     merged_dir = folder / "merged"
     if merged_dir.exists():

@@ -117,7 +117,7 @@ def _load_adapter(path: Path, adapter: dict, where: str):
     model's. Raises ``FinetuneError`` without peft, or naming the base model if loading fails."""
     from transformers import AutoTokenizer  # lazy: slow import (see the top)
 
-    from finetune.data.lora import load_adapter_model  # lazy: slow import (see the top)
+    from finetune.models.lora import load_adapter_model  # lazy: slow import (see the top)
 
     base = adapter.get("base_model_name_or_path")
     try:
@@ -153,7 +153,7 @@ class Predictor:
             raise FinetuneError(f"--max_length must be a positive integer, got {self.max_length!r}.")
         try:
             if gguf:
-                from finetune.data.gguf import load_gguf_causal_lm  # lazy: slow import (see the top)
+                from finetune.models.gguf import load_gguf_causal_lm  # lazy: slow import (see the top)
 
                 self.kind = "generation"
                 model, tokenizer = load_gguf_causal_lm(path)

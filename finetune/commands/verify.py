@@ -36,12 +36,12 @@ from finetune.argv import given, take_values, wants_help
 from finetune.backends import accelerate as accelerate_backend
 from finetune.backends import trainer as trainer_backend
 from finetune.config import check_settings, parse_config
-from finetune.data.loading import load_tokenizer
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError, NumericalError, reports_errors, together
 from finetune.lifecycle.elastic import SAMPLE_IDS
 from finetune.lifecycle.resolve import resolve
 from finetune.lifecycle.run_log import read_log
+from finetune.models.loading import load_tokenizer
 from finetune.tasks import get_task, split_labels
 from finetune.tasks.builders import build_datasets, raw_datasets
 

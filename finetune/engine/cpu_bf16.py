@@ -20,9 +20,9 @@ import statistics
 from importlib.resources import files
 from pathlib import Path
 
-from finetune.data.fetch import default_cache_dir
 from finetune.errors import FinetuneError
 from finetune.machine import cpu_kind
+from finetune.models.fetch import default_cache_dir
 
 # the shipped records: one per run of bench/bench_bf16_recipes.py (CPU kind, recipe, seed, precision, samples/s, metric)
 RECORDS = Path(str(files("finetune.recipes") / "bf16_measured.json"))

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from finetune.data.lora import is_peft_model, save_adapter, save_pretrained_here
 from finetune.engine.precision import effective_mixed_precision
 from finetune.errors import FinetuneError
+from finetune.models.lora import is_peft_model, save_adapter, save_pretrained_here
 
 # transformers' get_scheduler is imported where a schedule is built: its module (transformers.optimization) imports
 # transformers.trainer_utils, which imports peft, seconds that the batch planner's probes do not need.

@@ -1,6 +1,6 @@
 """llama.cpp's HF -> GGUF converter, without building llama.cpp: ``convert_hf_to_gguf.py``, its ``gguf-py/`` and
 ``conversion/`` taken from the ``llama-cpp-python`` source distribution on PyPI (fetched with pip, SHA-256 checked,
-cached as ``finetune.data.fetch`` caches SmolLM2's GGUF), or from a llama.cpp checkout (``--llama_cpp_dir``). The
+cached as ``finetune.models.fetch`` caches SmolLM2's GGUF), or from a llama.cpp checkout (``--llama_cpp_dir``). The
 converter runs as a subprocess; types it cannot write (k-quants, q4_0, ...) need llama.cpp's compiled
 ``llama-quantize``, found in ``--llama_cpp_dir`` or on the PATH, and are refused with one ``error:`` line without it."""
 
@@ -16,8 +16,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from finetune.data.fetch import default_cache_dir, sha256_file
 from finetune.errors import FinetuneError
+from finetune.models.fetch import default_cache_dir, sha256_file
 
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
 LLAMA_CPP_VERSION = "0.3.36"

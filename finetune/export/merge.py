@@ -102,7 +102,7 @@ def largest_layer_bytes(model) -> int:
 def unmerged(model):
     """The plain model of ``model``: peft's ``merge_and_unload()`` for a ``PeftModel`` (the LoRA update added into the
     base weights in place, layer by layer, the LoRA modules removed), else ``model`` itself."""
-    from finetune.data.lora import is_peft_model
+    from finetune.models.lora import is_peft_model
 
     return model.merge_and_unload() if is_peft_model(model) else model
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from finetune.errors import FinetuneError
 from finetune.lifecycle.checkpoint import MARKER, checkpoints_dir, is_complete
 
-ADAPTER_CONFIG = "adapter_config.json"  # finetune.data.lora's name, without importing peft here
-BASE_DIR = "base_model"  # finetune.data.lora.BASE_DIR: a GGUF base, de-quantized once by the run
+ADAPTER_CONFIG = "adapter_config.json"  # finetune.models.lora's name, without importing peft here
+BASE_DIR = "base_model"  # finetune.models.lora.BASE_DIR: a GGUF base, de-quantized once by the run
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def check_causal_lm(source: Source) -> None:
 
 def load_tokenizer_of(source: Source):
     """The tokenizer the run saved with its weights (the checkpoint's, else the run's), chat template included."""
-    from finetune.data.loading import load_tokenizer
+    from finetune.models.loading import load_tokenizer
 
     folder = source.model_dir if (source.model_dir / "tokenizer_config.json").is_file() else source.run_dir
     return load_tokenizer(str(folder))
@@ -127,7 +127,7 @@ def load_base(path: str):
     ``lora.load_base_model``), eval mode."""
     import torch
 
-    from finetune.data.lora import load_base_model
+    from finetune.models.lora import load_base_model
 
     return load_base_model(path, torch.float32).float().eval()
 

@@ -45,8 +45,8 @@ def check_benchmark_tasks(config, task) -> None:
     if task.pipeline_tag != "text-generation":
         raise FinetuneError(f"--eval_tasks scores causal language models; this run trains a {task.pipeline_tag} "
                             "model. Drop --eval_tasks (the recipe's own metrics are evaluated).")
-    from finetune.benchmarks import task_manager
     from finetune.config.cadence import task_names
+    from finetune.outputs.lm_eval import task_manager
 
     try:
         task_manager(task_names(config.eval_tasks))
@@ -149,8 +149,8 @@ def benchmark_eval(accelerator, model, tokenizer, config, output_dir: Path, step
     figures do not reach every process (a process ended during the benchmark)."""
     if not config.eval_tasks:
         return {}
-    from finetune.benchmarks import flat_metrics, run_benchmarks, write_samples
     from finetune.config.cadence import task_names
+    from finetune.outputs.lm_eval import flat_metrics, run_benchmarks, write_samples
 
     limit = config.eval_limit
     limit = int(limit) if limit is not None and limit >= 1 else limit

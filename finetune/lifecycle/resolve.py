@@ -24,8 +24,8 @@ import torch
 
 from finetune import distributed
 from finetune.engine import cpu_bf16
-from finetune.lifecycle import hub
 from finetune.lifecycle.output import check_output_dir, finished_metrics
+from finetune.outputs import hub
 from finetune.planner import apply_plan, plan_for
 from finetune.recipes import load_recipe
 from finetune.signals import launched_by_accelerate

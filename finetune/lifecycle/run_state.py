@@ -24,9 +24,9 @@ from finetune.lifecycle.evaluation import benchmark_eval, evaluate, generation_e
 from finetune.lifecycle.output import clear_output_dir
 from finetune.lifecycle.preemption import SaveBudget
 from finetune.lifecycle.progress import RunProgress
-from finetune.lifecycle.reporting import run_banner, run_metrics, write_outputs
 from finetune.lifecycle.run_log import LOG_FILE, JsonlLog, grad_norm_value, restore_log
 from finetune.lifecycle.window import micro_batches_per_process, plan_steps
+from finetune.outputs.reporting import run_banner, run_metrics, write_outputs
 
 
 class RunState:
@@ -34,7 +34,7 @@ class RunState:
     ``checkpoint.list_checkpoints``); ``plan``: the ``window.StepPlan``; ``task``: the recipe's task;
     ``layout``: the ``distributed.StorageLayout`` (who writes the run's files); ``precision``: "no", "fp16" or
     "bf16" as it runs; ``say``: prints on the main process only; ``main``: this is the main process; ``hub``: a
-    ``finetune.lifecycle.hub.HubPush`` or None; ``process_start``: ``time.time()`` when the process started (for
+    ``finetune.outputs.hub.HubPush`` or None; ``process_start``: ``time.time()`` when the process started (for
     ``metrics.json``); ``raw_validation``: the validation split before tokenizing (generation evaluates it);
     ``train_dataset``: the tokenized training set (a ``datasets.Dataset``) that the run and its checkpoints are
     bound to (``data.training_set_identity``; None: not recorded)."""

@@ -13,17 +13,13 @@ import transformers
 from accelerate.utils import set_seed
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from finetune.data.dropout import disable_dropout
-from finetune.data.loading import (
-    LABEL_COLUMN,
-    check_max_length,
-    load_named_dataset,
-    load_tokenizer,
-)
-from finetune.data.lora import apply_lora
+from finetune.data.loading import LABEL_COLUMN, load_named_dataset
 from finetune.data.mixture import load_mixture
 from finetune.distributed import is_main_process
 from finetune.errors import FinetuneError
+from finetune.models.dropout import disable_dropout
+from finetune.models.loading import check_max_length, load_tokenizer
+from finetune.models.lora import apply_lora
 
 
 def build_datasets(recipe, config, tokenizer, task):

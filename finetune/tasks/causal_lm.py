@@ -8,7 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from finetune.data.loading import IGNORE_INDEX, load_causal_lm, load_data_files, tokenize_for_causal_lm
+from finetune.data.loading import IGNORE_INDEX, load_data_files, tokenize_for_causal_lm
+from finetune.models.loading import load_causal_lm
 from finetune.tasks.base import SingleRunTask, split_labels, with_auxiliary
 
 

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithPadding
 
-from finetune.data.loading import IGNORE_INDEX, load_classifier, load_data_files, tokenize_datasets
+from finetune.data.loading import IGNORE_INDEX, load_data_files, tokenize_datasets
 from finetune.metrics import load_metric
+from finetune.models.loading import load_classifier
 from finetune.tasks.base import SingleRunTask, split_labels, with_auxiliary
 
 
@@ -26,7 +27,7 @@ class SequenceClassification(SingleRunTask):
     probe_label_names = ["a", "b"]
 
     def load_model(self, config, label_names):
-        """``AutoModelForSequenceClassification`` with named labels (see ``finetune.data.loading.load_classifier``)."""
+        """``AutoModelForSequenceClassification`` with named labels (see ``finetune.models.loading.load_classifier``)."""
         return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout,
                                attn_implementation=config.attn_implementation)
 

@@ -4,7 +4,7 @@ must call it not exact and name BatchNorm. Shows the recipe contract's optional 
 
 from torch import nn
 
-from finetune.data.loading import load_classifier
+from finetune.models.loading import load_classifier
 from finetune.recipes.bbc_news import DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS, load_raw_datasets  # noqa: F401
 
 NAME = "batchnorm-news"

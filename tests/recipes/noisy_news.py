@@ -5,7 +5,7 @@ verify`` must find its determinism premise broken, call the check inconclusive a
 import torch
 from torch import nn
 
-from finetune.data.loading import load_classifier
+from finetune.models.loading import load_classifier
 from finetune.recipes.bbc_news import DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS, load_raw_datasets  # noqa: F401
 
 NAME = "noisy-news"

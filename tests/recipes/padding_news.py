@@ -4,7 +4,7 @@ own longest sample, so ``finetune verify`` must call it not exact and name paddi
 
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from finetune.data.loading import load_classifier
+from finetune.models.loading import load_classifier
 from finetune.recipes.bbc_news import DATASET, DEFAULTS, METRICS, NEEDS_HUB, TASK, TEXT_COLUMNS, load_raw_datasets  # noqa: F401
 
 NAME = "padding-news"

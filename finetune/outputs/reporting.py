@@ -15,13 +15,13 @@ import torch
 
 from finetune.config import config_argv, reproduce_command
 from finetune.data import packing
-from finetune.data.dropout import dropout_left
 from finetune.engine import parameter_counts
 from finetune.engine.precision import PRECISION_NAMES
-from finetune.lifecycle.card import write_model_card
-from finetune.lifecycle.flops import peak_flops, training_flops_per_token
-from finetune.lifecycle.peak import bf16_ratio, matmul_peak
 from finetune.machine import bf16_support, native_bf16
+from finetune.models.dropout import dropout_left
+from finetune.outputs.card import write_model_card
+from finetune.outputs.flops import peak_flops, training_flops_per_token
+from finetune.outputs.peak import bf16_ratio, matmul_peak
 
 REMEASURE_AFTER = 60.0  # seconds of timed training after which a run measures the matmul peak again
 
@@ -88,7 +88,7 @@ def cpu_bf16_line(precision: str, features: list[str] | None = None, max_isa: st
     ratio = bf16_ratio(torch.device("cpu")) if ratio is None else ratio
     support = bf16_support(features, max_isa)
     text = (f"{support}; measured bf16 matmul peak {ratio[0]:.3g}x fp32's ({ratio[1] / 1e9:.3g} against "
-            f"{ratio[2] / 1e9:.3g} GFLOP/s, lifecycle/peak.py)")
+            f"{ratio[2] / 1e9:.3g} GFLOP/s, outputs/peak.py)")
     if precision == "bf16" and not native_bf16(features, max_isa):
         text += "; --mixed_precision no trains faster on this CPU"
     return text
@@ -246,7 +246,7 @@ def write_outputs(engine, model, tokenizer, config, recipe, metrics: dict, write
 
 def write_card(output_dir, config, recipe, metrics: dict, hub_repo_id: str | None = None) -> Path:
     """The model card (``README.md`` in ``output_dir``) of the run ``config``/``metrics``, with the command that
-    reproduces it; ``hub_repo_id``: the Hub repository it goes to (``finetune.lifecycle.hub``). Returns its path; raises what
+    reproduces it; ``hub_repo_id``: the Hub repository it goes to (``finetune.outputs.hub``). Returns its path; raises what
     ``model_card.write_model_card`` raises."""
     command = reproduce_command(config_argv(config, recipe), num_processes=metrics["num_processes"],
                                 device=metrics["device"])

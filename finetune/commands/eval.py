@@ -1,5 +1,5 @@
 """``finetune eval``: lm-evaluation-harness benchmarks of a trained run, a checkpoint, a LoRA adapter directory or a
-GGUF file, in process (``finetune.benchmarks.run_benchmarks``), with lm-eval's names for its flags (``--tasks``,
+GGUF file, in process (``finetune.outputs.lm_eval.run_benchmarks``), with lm-eval's names for its flags (``--tasks``,
 ``--limit``, ``--num_fewshot``, ``--apply_chat_template``, ``--batch_size``, ``--include_path``,
 ``--output_path``). ``--baseline`` scores a second model on the same documents and prints base, tuned and the
 difference with its standard error (paired: over the per-document differences).
@@ -31,9 +31,9 @@ def load_for_eval(model_arg: str):
     from transformers import AutoModelForCausalLM
 
     from finetune.commands.predict import _resolve_model_dir
-    from finetune.data.loading import load_causal_lm, load_tokenizer
-    from finetune.data.lora import ADAPTER_CONFIG, load_adapter_model
     from finetune.lifecycle.checkpoint import load_checkpoint_weights
+    from finetune.models.loading import load_causal_lm, load_tokenizer
+    from finetune.models.lora import ADAPTER_CONFIG, load_adapter_model
 
     where = f"--model {model_arg!r}"
     if model_arg.endswith(".gguf"):
@@ -55,7 +55,7 @@ def load_for_eval(model_arg: str):
 
 def evaluate_model(model_arg: str, args) -> dict:
     """``run_benchmarks`` on ``--model`` with the command's flags; lm-eval's results dict."""
-    from finetune.benchmarks import run_benchmarks
+    from finetune.outputs.lm_eval import run_benchmarks
 
     model, tokenizer, _ = load_for_eval(model_arg)
     return run_benchmarks(model, tokenizer, args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,
@@ -68,7 +68,7 @@ def write_results(results: dict, output_path: Path, model_arg: str) -> Path:
     ``--baseline`` it scored) and one ``samples_<task>.jsonl`` per task; returns the results file's path."""
     from lm_eval.utils import handle_non_serializable
 
-    from finetune.benchmarks import write_samples
+    from finetune.outputs.lm_eval import write_samples
 
     output_path.mkdir(parents=True, exist_ok=True)
     summary = {k: v for k, v in results.items() if k != "samples"}
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             raise FinetuneError(f"--limit {args.limit}: a count of documents is a whole number (or give a fraction "
                                 "below 1).")
         args.limit = int(args.limit)
-    from finetune.benchmarks import comparison_rows, document_values, flat_metrics
-    from finetune.lifecycle.card import BENCHMARKS, benchmarks_section, update_benchmarks_section
+    from finetune.outputs.card import BENCHMARKS, benchmarks_section, update_benchmarks_section
+    from finetune.outputs.lm_eval import comparison_rows, document_values, flat_metrics
 
     tuned = evaluate_model(args.model, args)
     base = evaluate_model(args.baseline, args) if args.baseline else None

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from finetune.data.fetch import require_gguf_package
 from finetune.errors import FinetuneError
+from finetune.models.fetch import require_gguf_package
 
 GGUF_MAGIC = b"GGUF"
 _HEADER_BYTES = 24  # magic (4) + version (uint32) + tensor count (uint64) + metadata count (uint64)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.data.fetch import default_cache_dir
+from finetune.models.fetch import default_cache_dir
 
 DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = {"cpu": 2048, "cuda": 8192}  # the largest n: 17 GFLOP a matmul on a CPU (~0.1 s on 2 cores), 1.1 TFLOP on a GPU

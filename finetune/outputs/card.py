@@ -239,7 +239,7 @@ def benchmark_table(tuned: dict, base: dict | None, names: tuple[str, str] = ("b
     """A Markdown table of ``benchmarks.comparison_rows``: metric, base, tuned and the difference, each with its
     standard error (the difference's paired over the per-document records in ``documents``: the folders of tuned's
     and base's ``samples_<task>.jsonl``); metric and the tuned value only without ``base``."""
-    from finetune.benchmarks import comparison_rows, document_values, read_samples
+    from finetune.outputs.lm_eval import comparison_rows, document_values, read_samples
 
     rows = comparison_rows(tuned, base, tuple(document_values(read_samples(f)) for f in documents)
                            if base and documents else None)
@@ -254,8 +254,8 @@ def benchmarks_section(output_dir: Path) -> str:
     ``--eval_tasks`` evaluations of ``log.jsonl`` (base: the one at step 0, ``--eval_on_start``; tuned: the best
     step's under ``--load_best_model_at_end``, else the last), and ``finetune eval``'s ``eval/eval_results.json``
     (beside ``eval/baseline/eval_results.json`` where it ran with ``--baseline``)."""
-    from finetune.benchmarks import flat_metrics
     from finetune.config.cadence import task_names
+    from finetune.outputs.lm_eval import flat_metrics
 
     output_dir, parts = Path(output_dir), []
     run_config = _read_json(output_dir / "run_config.json")

@@ -81,7 +81,7 @@ metric_list:
 
 # bbc_headline's process_results, as lm-eval's own summarisation tasks score ROUGE (tasks/cnn_dailymail/utils.py):
 # one document's generation against its headline
-HEADLINE_METRICS = '''"""bbc_headline's per-document metrics (written by finetune.benchmarks)."""
+HEADLINE_METRICS = '''"""bbc_headline's per-document metrics (written by finetune.outputs.lm_eval)."""
 from lm_eval.api.metrics import exact_match_hf_evaluate
 from rouge_score import rouge_scorer
 

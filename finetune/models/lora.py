@@ -124,7 +124,7 @@ def load_base_model(name_or_path: str, dtype=None):
     if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
         return load_merged_adapter(name_or_path, dtype)
     if str(name_or_path).endswith(".gguf"):
-        from finetune.data.gguf import load_gguf_causal_lm  # lazy: see the top
+        from finetune.models.gguf import load_gguf_causal_lm  # lazy: see the top
 
         model, _ = load_gguf_causal_lm(name_or_path)
         return model.to(dtype) if dtype else model

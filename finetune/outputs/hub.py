@@ -228,7 +228,7 @@ class HubPush:
         ``hub_model_id``), from the run's own ``run_config.json`` and ``metrics.json`` (the config as it ran, after
         the batch planner). A failure keeps the card as it was (a warning)."""
         from finetune.config import TrainConfig
-        from finetune.lifecycle.reporting import write_card
+        from finetune.outputs.reporting import write_card
         from finetune.recipes import load_recipe
 
         try:
