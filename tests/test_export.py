@@ -367,21 +367,23 @@ def test_reduced_dtype_merges_catch_the_mutants(tmp_path, capsys, monkeypatch, s
     """In bfloat16 and float16, on adapters that move the logits little: the correct merge exits 0, departing from
     the run by about the dtype's floor; the adapter dropped and the scaling doubled exit 1 (one ``error:`` line,
     merged vs run), each departing by about the adapter's whole effect, beyond the calibrated KL bound."""
-    model = small_adapter_runs[run]
-    code, err, report, _ = _export(capsys, "--model", model, "--to", "merged", "--dtype", dtype,
-                                   "--output_dir", tmp_path / "correct")
-    (correct,) = report["verification"]
-    effect, floor = report["merge_calibration"]["adapter_effect"], report["merge_calibration"]["floor"]
-    assert code == 0, (err, correct)
+    results = {}
+    for name, merge in (("correct", None), ("adapter-dropped", _drop_adapter), ("scaling-doubled", _double_scaling)):
+        if merge is not None:
+            monkeypatch.setattr("finetune.export.merge.unmerged", merge)
+        code, err, report, folder = _export(capsys, "--model", small_adapter_runs[run], "--to", "merged", "--dtype",
+                                            dtype, "--output_dir", tmp_path / name)
+        results[name] = (code, _error_lines(err), report, folder)
+    figures = {name: (code, r["verification"][0]["top1_agreement"], r["verification"][0]["mean_kl"])
+               for name, (code, _, r, _) in results.items()}
+    assert [code for code, *_ in results.values()] == [0, 1, 1], figures  # exit codes, top-1, KL
+    correct = results["correct"][2]["verification"][0]
+    effect, floor = (results["correct"][2]["merge_calibration"][key] for key in ("adapter_effect", "floor"))
     assert correct["mean_kl"] < 1.5 * floor["mean_kl"] < correct["tolerance"]["max_kl"]
-    for name, broken in (("adapter-dropped", _drop_adapter), ("scaling-doubled", _double_scaling)):
-        monkeypatch.setattr("finetune.export.merge.unmerged", broken)
-        code, err, report, folder = _export(capsys, "--model", model, "--to", "merged", "--dtype", dtype,
-                                            "--output_dir", tmp_path / name)
+    for name in ("adapter-dropped", "scaling-doubled"):
+        _, lines, report, folder = results[name]
         (merged_vs_run,) = report["verification"]
-        lines = _error_lines(err)
-        assert code == 1 and len(lines) == 1, (name, merged_vs_run)
-        assert lines[0].startswith("error: export verification failed, merged vs run: ")
+        assert len(lines) == 1 and lines[0].startswith("error: export verification failed, merged vs run: ")
         assert (folder / INCOMPLETE).is_file() and not report["passed"]
         assert merged_vs_run["mean_kl"] > 0.8 * effect["mean_kl"]  # the whole effect (plus the rounding)
         assert merged_vs_run["mean_kl"] > 1.3 * merged_vs_run["tolerance"]["max_kl"], (name, merged_vs_run)
