@@ -24,7 +24,8 @@ from finetune.errors import FinetuneError, VerificationFailed, reports_errors
 # Tolerances (docs/export.md#tolerances, measured on a bbc-headlines LoRA run of SmolLM2-135M): (largest logit
 # difference relative to the largest logit, least top-1 agreement, largest mean KL in nats, greedy identical). A
 # bfloat16/float16 merge's are calibrated on the run (verify.calibrated_tolerance: the dtype's rounding floor and
-# the adapter's effect); float32's is fp32's rounding of a merge, under any adapter's effect.
+# the adapter's effect); float32's is a bound on fp32's rounding of a merge, which refuses any adapter dropped or
+# mis-scaled that moved the logits by more than 1e-5 of their size (the effect is reported, merge_calibration).
 FLOAT32_MERGE_TOLERANCE = (1e-5, 1.0, None, True)
 GGUF_TOLERANCE = {"f32": (1e-5, 1.0, None, True), "f16": (5e-3, 0.999, None, False),
                   "bf16": (None, 0.99, None, False), "q8_0": (None, None, 0.01, False)}

@@ -121,7 +121,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 class _Tally:
     """The logit figures of one ``Comparison``, accumulated sequence by sequence (``add``) and finished
     (``result``): the largest absolute difference, top-1 agreement, and the mean per-token KL(ref || test), computed
-    in float64 (a correct bfloat16 merge's KL is ~4e-8 nats, near fp32's rounding of a log-softmax)."""
+    in float64 (fp32's rounding of a log-softmax is of the size of the KL a reduced-dtype merge's rounding gives)."""
 
     def __init__(self, comparison: Comparison):
         self.comparison, self.agree, self.kl_sum = comparison, 0, 0.0
@@ -215,6 +215,8 @@ def calibrate(model, inputs: VerifySet, dtype: str) -> Calibration:
 
     effect = _Tally(Comparison(name="adapter effect: base vs run")) if is_peft_model(model) else None
     floor = _Tally(Comparison(name=f"{dtype} floor: run rounded to {dtype} vs run")) if dtype != "float32" else None
+    if effect is None and floor is None:  # a full run's float32 export: nothing to calibrate
+        return Calibration(None, None)
     rounded = rounded_copy(model, dtype) if floor is not None else None
     started = time.perf_counter()
     for ids in inputs.sequences:
