@@ -50,6 +50,22 @@ def _save_tiny_llama(path: Path, tokenizer, vocab_size: int, bos: int, eos: int,
     return path
 
 
+def build_tiny_opt(path: Path) -> Path:
+    """Save a 2-layer, 32-wide OPT (random weights, seed 0) with the tiny chat tokenizer (``smollm2_like_tokenizer``)
+    to ``path``: a chat causal LM transformers trains and llama.cpp's GGUF converter does not register."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    tokenizer = smollm2_like_tokenizer()
+    config = OPTConfig(vocab_size=len(tokenizer), hidden_size=32, word_embed_proj_dim=32, ffn_dim=64,
+                       num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=512,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    OPTForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_tiny_moe(path: Path, family: str, auxiliary_loss: bool = True) -> Path:
     """Save a 2-layer, 32-wide mixture-of-experts causal LM (random weights, seed 0; 4 experts, 2 per token) with
     the MiniLM tokenizer to ``path``: ``family`` "mixtral" or "qwen2_moe". ``output_router_logits`` is on and

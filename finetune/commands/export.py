@@ -22,9 +22,11 @@ from pathlib import Path
 from finetune.errors import FinetuneError, VerificationFailed, reports_errors
 
 # Tolerances (docs/export.md#tolerances, measured on a bbc-headlines LoRA run of SmolLM2-135M): (largest logit
-# difference relative to the largest logit, least top-1 agreement, largest mean KL in nats, greedy identical).
-MERGE_TOLERANCE = {"float32": (1e-5, 1.0, None, True), "bfloat16": (None, 0.99, None, False),
-                   "float16": (None, 0.999, None, False)}
+# difference relative to the largest logit, least top-1 agreement, largest mean KL in nats, greedy identical). A
+# bfloat16/float16 merge's are calibrated on the run (verify.calibrated_tolerance: the dtype's rounding floor and
+# the adapter's effect); float32's is a bound on fp32's rounding of a merge, which refuses any adapter dropped or
+# mis-scaled that moved the logits by more than 1e-5 of their size (the effect is reported, merge_calibration).
+FLOAT32_MERGE_TOLERANCE = (1e-5, 1.0, None, True)
 GGUF_TOLERANCE = {"f32": (1e-5, 1.0, None, True), "f16": (5e-3, 0.999, None, False),
                   "bf16": (None, 0.99, None, False), "q8_0": (None, None, 0.01, False)}
 QUANTIZED_TOLERANCE = (None, None, 0.5, False)  # llama-quantize's types: not measured here; KL bound only
@@ -57,8 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"validation prompts of the run to verify on (default {DEFAULT_SAMPLES})")
     parser.add_argument("--merge_max_logit_diff", type=float, default=None,
                         help="merged vs the run's model: largest logit difference allowed, relative to the largest "
-                             "logit: max|ref - merged| / max(1, max|ref|) (default 1e-5 for float32; reported only "
-                             "for bfloat16/float16)")
+                             "logit: max|ref - merged| / max(1, max|ref|) (default 1e-5 for float32; for "
+                             "bfloat16/float16 calibrated on the run: 2x the dtype's rounding floor + half the "
+                             "adapter's effect)")
+    parser.add_argument("--merge_max_kl", type=float, default=None,
+                        help="merged vs the run's model: largest mean per-token KL in nats (default: reported for "
+                             "float32; for bfloat16/float16 1.5x the dtype's rounding floor + a quarter of the "
+                             "adapter's effect)")
     parser.add_argument("--gguf_max_logit_diff", type=float, default=None,
                         help="GGUF vs merged: largest relative logit difference allowed, as "
                              "--merge_max_logit_diff (default: 1e-5 for f32, 5e-3 for f16 (1.8e-3 measured on "
@@ -75,22 +82,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _tolerances(args):
-    """(merge ``Tolerance``, GGUF ``Tolerance`` or None) from the defaults and the flags."""
+def _merge_tolerance(args, calibration):
+    """The merge's ``Tolerance``: float32's fixed one, or the one ``calibration`` (``verify.Calibration``) gives a
+    bfloat16/float16 merge; ``--merge_max_logit_diff`` and ``--merge_max_kl`` override it."""
+    from finetune.export.verify import Tolerance, calibrated_tolerance
+
+    merge = Tolerance(*FLOAT32_MERGE_TOLERANCE) if args.dtype == "float32" else calibrated_tolerance(calibration)
+    for flag, name in (("merge_max_logit_diff", "max_logit_diff"), ("merge_max_kl", "max_kl")):
+        if getattr(args, flag) is not None:
+            setattr(merge, name, getattr(args, flag))
+    return merge
+
+
+def _gguf_tolerance(args):
+    """The GGUF comparison's ``Tolerance`` from the defaults and the flags (None without ``--to gguf``)."""
     from finetune.export.verify import Tolerance
 
-    merge = Tolerance(*MERGE_TOLERANCE[args.dtype])
-    if args.merge_max_logit_diff is not None:
-        merge.max_logit_diff = args.merge_max_logit_diff
     if args.to != "gguf":
-        return merge, None
+        return None
     gguf = Tolerance(*GGUF_TOLERANCE.get(args.gguf_outtype, QUANTIZED_TOLERANCE))
     if args.dtype != "float32" and args.gguf_outtype == "f32":  # an f32 copy of reduced weights is exact again
         gguf = Tolerance(*GGUF_TOLERANCE["f32"])
     for flag, name in (("gguf_max_logit_diff", "max_logit_diff"), ("gguf_min_top1", "min_top1"), ("gguf_max_kl", "max_kl")):
         if getattr(args, flag) is not None:
             setattr(gguf, name, getattr(args, flag))
-    return merge, gguf
+    return gguf
 
 
 def _check_args(args) -> None:
@@ -147,25 +163,26 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     from finetune.export import converter
-    from finetune.export.source import check_causal_lm, resolve_source
+    from finetune.export.source import architecture, check_causal_lm, resolve_source
 
     started = time.perf_counter()
     source = resolve_source(args.model, args.checkpoint)
     check_causal_lm(source)
     folder = _output_dir(args, source)
     hub = _prepare_hub(args, folder)
-    merge_tolerance, gguf_tolerance = _tolerances(args)
+    gguf_tolerance = _gguf_tolerance(args)
     quantize, tools = None, None
     if args.to == "gguf":  # everything that can refuse comes before the work
         quantize = converter.check_outtype(args.gguf_outtype, args.llama_cpp_dir)
         converter.require_sentencepiece()
         tools = converter.converter_dir(args.llama_cpp_dir, sdist=args.sdist)
+        converter.check_architecture(architecture(source), tools)
 
     from finetune.export.report import INCOMPLETE
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / INCOMPLETE).write_text("finetune export has not verified this folder (see export_report.json)\n")
-    report = _export(args, source, folder, merge_tolerance, gguf_tolerance, quantize, tools, started)
+    report = _export(args, source, folder, gguf_tolerance, quantize, tools, started)
     if not report["passed"]:
         failed = next(c for c in report["verification"] if not c["passed"])
         raise VerificationFailed(f"export verification failed, {failed['name']}: {'; '.join(failed['failures'])} "
@@ -182,19 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantize, tools, started: float) -> dict:
-    """The export's work: merge (first, so its peak memory is its own), verify merged against the run's model, convert
-    and verify the GGUF, write the Modelfile, the report and the card. Returns the report (``passed`` False when a
-    comparison is beyond its tolerance)."""
+def _export(args, source, folder: Path, gguf_tolerance, quantize, tools, started: float) -> dict:
+    """The export's work: merge (first, so its peak memory is its own), calibrate the merge's tolerance on the run's
+    model, verify merged against it, convert and verify the GGUF, write the Modelfile, the report and the card.
+    Returns the report (``passed`` False when a comparison is beyond its tolerance); a conversion that fails raises
+    its ``FinetuneError`` after the report and card of what was verified are written."""
     import torch
 
-    from finetune.export import converter
     from finetune.export.merge import merge
-    from finetune.export.ollama import modelfile
     from finetune.export.report import write_card, write_report
     from finetune.export.source import load_tokenizer_of, rebuild_run_model
-    from finetune.export.verify import measure, verify_set
-    from finetune.models.gguf import load_gguf_causal_lm
+    from finetune.export.verify import calibrate, measure, verify_set
 
     merged_dir = folder / "merged"
     if merged_dir.exists():
@@ -204,35 +219,27 @@ def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantiz
     inputs = verify_set(source, tokenizer, args.verify_samples)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model = rebuild_run_model(source)  # not through load_source, which the merge used: the check must see its faults
+    calibration = calibrate(model, inputs, args.dtype)  # before merged is loaded: two models held at a time
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
     merged_tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
-    model = rebuild_run_model(source)  # not through load_source, which the merge used: the check must see its faults
     comparisons, greedy = [], {}
     result, greedy["merged"] = measure("merged vs run", model, merged, (tokenizer, merged_tokenizer), inputs,
-                                       merge_tolerance)
+                                       _merge_tolerance(args, calibration))
     comparisons.append(result)
     del model
     files = ["merged/"]
-    gguf_report = None
+    gguf_report, failure = None, None
     if args.to == "gguf":
-        gguf_file = folder / f"model-{args.gguf_outtype}.gguf"
-        t0 = time.perf_counter()
-        converter.convert(merged_dir, gguf_file, args.gguf_outtype, tools, quantize)
-        convert_seconds = time.perf_counter() - t0
-        gguf_model, gguf_tokenizer = load_gguf_causal_lm(gguf_file)
-        result, greedy["gguf"] = measure(f"gguf {args.gguf_outtype} vs merged", merged, gguf_model.eval(),
-                                         (merged_tokenizer, gguf_tokenizer), inputs, gguf_tolerance,
-                                         reference_outputs=greedy["merged"])
-        comparisons.append(result)
-        if (merged_dir / "run_config.json").is_file():  # beside the .gguf: predict renders prompts as the run did
-            shutil.copyfile(merged_dir / "run_config.json", folder / "run_config.json")
-        files += [gguf_file.name, "run_config.json"]
-        gguf_report = {"file": gguf_file.name, "outtype": args.gguf_outtype, "bytes": gguf_file.stat().st_size,
-                       "convert_seconds": convert_seconds, "converter": str(tools),
-                       "quantize": str(quantize) if quantize else None}
-        if args.ollama:
-            (folder / "Modelfile").write_text(modelfile(gguf_file.name, merged_tokenizer, merged_info.eos_token_ids))
-            files.append("Modelfile")
+        try:
+            result, gguf_report, gguf_files = _gguf(args, folder, merged, merged_tokenizer, merged_info, inputs,
+                                                    greedy, gguf_tolerance, tools, quantize)
+            comparisons.append(result)
+            files += gguf_files
+        except FinetuneError as err:  # the merge's verification is reported all the same
+            failure = err
+            gguf_report = {"file": f"model-{args.gguf_outtype}.gguf", "outtype": args.gguf_outtype,
+                           "converter": str(tools), "error": str(err)}
     report = {
         "source": {"name": source.name, "run_dir": str(source.run_dir), "model_dir": str(source.model_dir),
                    "checkpoint": str(source.checkpoint) if source.checkpoint else None, "lora": source.lora},
@@ -243,15 +250,49 @@ def _export(args, source, folder: Path, merge_tolerance, gguf_tolerance, quantiz
                   "peak_rss_increase_bytes": merged_info.peak_rss_increase_bytes,
                   "within_bound": merged_info.within_bound, "eos_token_ids": merged_info.eos_token_ids},
         "verify_samples": len(inputs.sequences), "positions": inputs.positions,
-        "verification": [c.as_dict() for c in comparisons],
+        "verification": [c.as_dict() for c in comparisons], "merge_calibration": calibration.as_dict(),
         "greedy": {"merged": greedy.get("merged"), "gguf": greedy.get("gguf")},
-        "passed": all(c.passed for c in comparisons),
+        "passed": failure is None and all(c.passed for c in comparisons),
         "machine": _machine(), "seconds": time.perf_counter() - started,
         "files": files + ["export_report.json", "README.md"],
     }
     write_card(folder, report)
     write_report(folder, report)
+    if failure is not None:
+        raise FinetuneError(f"{failure} The merged folder's verification is in {folder / 'export_report.json'}; "
+                            f"{folder / 'EXPORT_INCOMPLETE'} marks the folder incomplete.")
     return report
+
+
+def _gguf(args, folder: Path, merged, merged_tokenizer, merged_info, inputs, greedy: dict, tolerance, tools,
+          quantize) -> tuple:
+    """Convert ``folder/merged`` to ``model-<outtype>.gguf``, verify it against ``merged`` (its greedy continuations
+    into ``greedy["gguf"]``), copy the run's ``run_config.json`` beside it and write the Modelfile with
+    ``--ollama``. Returns (the ``Comparison``, the report's ``gguf`` entry, the files written); raises
+    ``FinetuneError`` when the conversion or the GGUF's loading fails."""
+    from finetune.export import converter
+    from finetune.export.ollama import modelfile
+    from finetune.export.verify import measure
+    from finetune.models.gguf import load_gguf_causal_lm
+
+    merged_dir, gguf_file = folder / "merged", folder / f"model-{args.gguf_outtype}.gguf"
+    t0 = time.perf_counter()
+    converter.convert(merged_dir, gguf_file, args.gguf_outtype, tools, quantize)
+    convert_seconds = time.perf_counter() - t0
+    gguf_model, gguf_tokenizer = load_gguf_causal_lm(gguf_file)
+    result, greedy["gguf"] = measure(f"gguf {args.gguf_outtype} vs merged", merged, gguf_model.eval(),
+                                     (merged_tokenizer, gguf_tokenizer), inputs, tolerance,
+                                     reference_outputs=greedy["merged"])
+    if (merged_dir / "run_config.json").is_file():  # beside the .gguf: predict renders prompts as the run did
+        shutil.copyfile(merged_dir / "run_config.json", folder / "run_config.json")
+    files = [gguf_file.name, "run_config.json"]
+    report = {"file": gguf_file.name, "outtype": args.gguf_outtype, "bytes": gguf_file.stat().st_size,
+              "convert_seconds": convert_seconds, "converter": str(tools),
+              "quantize": str(quantize) if quantize else None}
+    if args.ollama:
+        (folder / "Modelfile").write_text(modelfile(gguf_file.name, merged_tokenizer, merged_info.eos_token_ids))
+        files.append("Modelfile")
+    return result, report, files
 
 
 if __name__ == "__main__":

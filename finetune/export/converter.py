@@ -2,11 +2,13 @@
 ``conversion/`` taken from the ``llama-cpp-python`` source distribution on PyPI (fetched with pip, SHA-256 checked,
 cached as ``finetune.models.fetch`` caches SmolLM2's GGUF), or from a llama.cpp checkout (``--llama_cpp_dir``). The
 converter runs as a subprocess; types it cannot write (k-quants, q4_0, ...) need llama.cpp's compiled
-``llama-quantize``, found in ``--llama_cpp_dir`` or on the PATH, and are refused with one ``error:`` line without it."""
+``llama-quantize``, found in ``--llama_cpp_dir`` or on the PATH, and are refused with one ``error:`` line without it,
+as is an architecture the converter does not register (``check_architecture``), both before any work."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -148,6 +150,66 @@ def check_outtype(outtype: str, llama_cpp_dir=None) -> Path | None:
     return quantize
 
 
+# Run in a subprocess with the converter's folder and its gguf-py first on sys.path: the names of the text model
+# classes registered with `ModelBase.register(...)` (llama.cpp keeps them in `conversion/` since 2026 and imports them
+# on demand: `load_all_models()` imports every one; earlier converters register them when the script is imported).
+_REGISTRY_PROBE = """
+import json, logging, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+logging.disable(logging.WARNING)
+import convert_hf_to_gguf as c
+try:
+    from conversion import load_all_models
+except ImportError:
+    pass
+else:
+    load_all_models()
+base = getattr(c, "ModelBase", None) or c.Model
+model_type = getattr(c, "ModelType", None)
+classes = base._model_classes[model_type.TEXT] if model_type is not None else base._model_classes
+print(json.dumps(sorted(classes)))
+"""
+
+
+def supported_architectures(converter: Path) -> list[str]:
+    """The Hugging Face architectures (model class names, ``LlamaForCausalLM``) the converter in ``converter``
+    converts to a text-model GGUF: the names its model classes register (``ModelBase.register``), read by importing
+    it in a subprocess (a few seconds: it imports torch). Raises ``FinetuneError`` when the converter cannot be
+    imported."""
+    proc = subprocess.run([sys.executable, "-c", _REGISTRY_PROBE, str(converter)], capture_output=True, text=True,
+                          env=_converter_env(converter))
+    try:
+        names = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    except (IndexError, ValueError):
+        names = None
+    if not isinstance(names, list):
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+        raise FinetuneError(f"llama.cpp's {converter / CONVERTER} could not be imported to read the architectures it "
+                            f"converts: {' | '.join(lines[-2:]) or 'no output'}. Pass --llama_cpp_dir with a complete "
+                            "llama.cpp checkout, or leave it out to use the converter fetched from PyPI.")
+    return names
+
+
+def check_architecture(architecture: str, converter: Path) -> None:
+    """Before any work: raise ``FinetuneError`` (one line: the architecture and the route that exports it) unless
+    the converter in ``converter`` registers ``architecture`` (``supported_architectures``)."""
+    names = supported_architectures(converter)
+    if architecture not in names:
+        raise FinetuneError(f"--to gguf: llama.cpp's converter ({converter / CONVERTER}) cannot convert "
+                            f"{architecture}: it is not among the {len(names)} text-model architectures the converter "
+                            f"registers (`python {converter / CONVERTER} --print-supported-models` lists them). Export "
+                            f"it with --to merged (a Hugging Face folder, for transformers or vLLM), or pass "
+                            f"--llama_cpp_dir with a llama.cpp whose converter supports {architecture}.")
+
+
+def _converter_env(converter: Path) -> dict:
+    """The environment the converter runs in: its own ``gguf-py`` first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(converter / "gguf-py"), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("NO_LOCAL_GGUF", None)
+    return env
+
+
 def _run(cmd: list[str], what: str, env: dict | None = None) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -162,9 +224,7 @@ def convert(model_dir: Path, outfile: Path, outtype: str, converter: Path, quant
     for the others an f32 GGUF first, then ``quantize`` (``llama-quantize IN OUT TYPE``). Returns ``outfile``.
     Raises ``FinetuneError`` with the tool's last lines when a step fails."""
     require_sentencepiece()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(converter / "gguf-py"), *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("NO_LOCAL_GGUF", None)
+    env = _converter_env(converter)
     first = outfile if quantize is None else outfile.with_name(outfile.stem + ".f32-unquantized.gguf")
     _run([sys.executable, str(converter / CONVERTER), str(model_dir), "--outfile", str(first), "--outtype",
           outtype if quantize is None else "f32"], "llama.cpp's convert_hf_to_gguf.py", env)

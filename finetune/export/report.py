@@ -25,9 +25,18 @@ def _row(comparison: dict) -> str:
             f"{comparison['top1_agreement']:.4%} | {comparison['mean_kl']:.3g} | {greedy} | {verdict} |")
 
 
+def _calibration(report: dict) -> str:
+    """The card's sentence on what the merge's tolerance was calibrated on ("" for a float32 merge of a full run)."""
+    calibration = report.get("merge_calibration") or {}
+    parts = [f"{c['name']}: largest logit difference {c['max_abs_logit_diff']:.3g}, mean KL {c['mean_kl']:.3g}"
+             for c in (calibration.get("adapter_effect"), calibration.get("floor")) if c]
+    return ("Measured to calibrate the merge's tolerance: " + "; ".join(parts) + ".") if parts else ""
+
+
 def write_card(folder: Path, report: dict) -> Path:
-    """``folder/README.md`` (``huggingface_hub.ModelCard``): the exported files, the run it came from, and a table of
-    the verification figures of ``report``."""
+    """``folder/README.md`` (``huggingface_hub.ModelCard``): the exported files, the run it came from, a table of
+    the verification figures of ``report``, what the merge's tolerance was calibrated on, and a failed
+    conversion's error."""
     from huggingface_hub import ModelCard, ModelCardData
 
     files = "\n".join(f"- `{name}`" for name in report["files"])
@@ -47,7 +56,8 @@ def write_card(folder: Path, report: dict) -> Path:
         "compared in fp32, KL is the mean per-token KL(reference || export) in nats, greedy continuations compared as "
         "strings.", "",
         "| comparison | positions | largest logit difference | top-1 agreement | mean KL | greedy identical | verdict |",
-        "|---|---|---|---|---|---|---|", rows, "",
+        "|---|---|---|---|---|---|---|", rows, "", _calibration(report), "",
+        *([f"GGUF conversion failed: {report['gguf']['error']}", ""] if (report.get("gguf") or {}).get("error") else []),
         f"Merge: {merge['seconds']:.1f} s; peak allocated (anonymous) memory above the process's before the merge "
         f"{merge['peak_anon_increase_bytes'] / mib:.0f} MiB (whole resident set, with the mapped files' page cache: "
         f"{merge['peak_rss_increase_bytes'] / mib:.0f} MiB), for {merge['weights_bytes'] / mib:.0f} MiB of weights and "

@@ -114,6 +114,29 @@ def check_causal_lm(source: Source) -> None:
                             "finetune export writes causal language models (a classifier has no GGUF form).")
 
 
+def architecture(source: Source) -> str:
+    """The model class the merged folder's ``config.json`` names (``architectures``), read from configs before any
+    weight is loaded: the class ``AutoModelForCausalLM`` builds for the run's model (a LoRA run's base; a ``.gguf``
+    base through transformers' GGUF reader). Raises ``FinetuneError`` when the config cannot be read or names no
+    causal LM transformers knows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if source.lora:
+        path = base_path(source)
+    else:
+        path = str(source.model_dir if (source.model_dir / "config.json").is_file() else source.run_dir)
+    try:
+        if path.endswith(".gguf"):
+            config = AutoConfig.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+        else:
+            config = AutoConfig.from_pretrained(path)
+        return AutoModelForCausalLM._model_mapping[type(config)].__name__
+    except (OSError, ValueError, KeyError) as err:
+        raise FinetuneError(f"the configuration of {path} could not be read as a causal LM's "
+                            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}). A LoRA run needs its "
+                            "base model where adapter_config.json's base_model_name_or_path points.") from None
+
+
 def load_tokenizer_of(source: Source):
     """The tokenizer the run saved with its weights (the checkpoint's, else the run's), chat template included."""
     from finetune.models.loading import load_tokenizer

@@ -1,6 +1,8 @@
 """Verification of an export on the run's own validation prompts: two models' next-token logits compared on the
 same token sequences (the largest absolute difference, top-1 agreement, mean per-token KL divergence) and their
-greedy continuations compared string for string; each comparison judged against its ``Tolerance``."""
+greedy continuations compared string for string; each comparison judged against its ``Tolerance``. A reduced-dtype
+merge's tolerance is calibrated on the run itself (``calibrate``: the adapter's effect and the dtype's rounding
+floor)."""
 
 from __future__ import annotations
 
@@ -117,6 +119,35 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
 
 
+class _Tally:
+    """The logit figures of one ``Comparison``, accumulated sequence by sequence (``add``) and finished
+    (``result``): the largest absolute difference, top-1 agreement, and the mean per-token KL(ref || test), computed
+    in float64 (fp32's rounding of a log-softmax is of the size of the KL a reduced-dtype merge's rounding gives)."""
+
+    def __init__(self, comparison: Comparison):
+        self.comparison, self.agree, self.kl_sum = comparison, 0, 0.0
+
+    def add(self, ref: torch.Tensor, test: torch.Tensor) -> None:
+        """One sequence's logits, ``[positions, vocabulary]`` each (fp32)."""
+        result = self.comparison
+        if ref.shape != test.shape:
+            raise FinetuneError(f"{result.name}: the models' logits differ in shape ({tuple(ref.shape)} vs "
+                                f"{tuple(test.shape)}): not the same vocabulary.")
+        result.positions += ref.shape[0]
+        result.max_abs_logit_diff = max(result.max_abs_logit_diff, float((ref - test).abs().max()))
+        result.max_abs_ref_logit = max(result.max_abs_ref_logit, float(ref.abs().max()))
+        self.agree += int((ref.argmax(-1) == test.argmax(-1)).sum())
+        log_p, log_q = torch.log_softmax(ref.double(), -1), torch.log_softmax(test.double(), -1)
+        self.kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+
+    def result(self) -> Comparison:
+        result = self.comparison
+        result.top1_agreement = self.agree / max(1, result.positions)
+        result.mean_kl = max(0.0, self.kl_sum / max(1, result.positions))  # rounding can leave -1e-16 for equal models
+        result.relative_logit_diff = result.max_abs_logit_diff / max(1.0, result.max_abs_ref_logit)
+        return result
+
+
 def measure(name: str, reference, candidate, tokenizers: tuple, inputs: VerifySet, tolerance: Tolerance,
             reference_outputs: list[str] | None = None) -> tuple[Comparison, list[str]]:
     """Compare ``candidate`` with ``reference`` (causal LMs) on ``inputs``: logits on every sequence position (fp32),
@@ -124,22 +155,10 @@ def measure(name: str, reference, candidate, tokenizers: tuple, inputs: VerifySe
     every prompt alike); ``reference_outputs`` reuses the reference's continuations. Returns the judged
     ``Comparison`` and the candidate's continuations."""
     started = time.perf_counter()
-    result = Comparison(name=name, tolerance=asdict(tolerance))
-    agree, kl_sum = 0, 0.0
+    tally = _Tally(Comparison(name=name, tolerance=asdict(tolerance)))
     for ids in inputs.sequences:
-        ref, test = _logits(reference, ids), _logits(candidate, ids)
-        if ref.shape != test.shape:
-            raise FinetuneError(f"{name}: the models' logits differ in shape ({tuple(ref.shape)} vs "
-                                f"{tuple(test.shape)}): not the same vocabulary.")
-        result.positions += ref.shape[0]
-        result.max_abs_logit_diff = max(result.max_abs_logit_diff, float((ref - test).abs().max()))
-        result.max_abs_ref_logit = max(result.max_abs_ref_logit, float(ref.abs().max()))
-        agree += int((ref.argmax(-1) == test.argmax(-1)).sum())
-        log_p, log_q = torch.log_softmax(ref, -1), torch.log_softmax(test, -1)
-        kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
-    result.top1_agreement = agree / max(1, result.positions)
-    result.mean_kl = max(0.0, kl_sum / max(1, result.positions))  # float rounding can leave -1e-9 for equal models
-    result.relative_logit_diff = result.max_abs_logit_diff / max(1.0, result.max_abs_ref_logit)
+        tally.add(_logits(reference, ids), _logits(candidate, ids))
+    result = tally.result()
     ours = reference_outputs if reference_outputs is not None else greedy(reference, tokenizers[0], inputs)
     theirs = greedy(candidate, tokenizers[1], inputs)
     result.greedy_total = len(ours)
@@ -149,6 +168,84 @@ def measure(name: str, reference, candidate, tokenizers: tuple, inputs: VerifySe
         result.failures.append("the two tokenizers encode the prompts differently")
     result.seconds = time.perf_counter() - started
     return result, theirs
+
+
+@dataclass
+class Calibration:
+    """What a merge's tolerance is calibrated on, both measured against the run's model on the verification
+    sequences: ``effect``, the un-adapted base (the adapter disabled) vs the run's model: what a merge that drops the
+    adapter departs by (None for a run without an adapter); ``floor``, the run's model with every weight rounded to
+    the export's dtype and computed in fp32, as the merged folder is read back: what a correct merge departs by
+    (None for float32, whose merge is exact to fp32's rounding)."""
+
+    effect: Comparison | None
+    floor: Comparison | None
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"adapter_effect": self.effect.as_dict() if self.effect else None,
+                "floor": self.floor.as_dict() if self.floor else None, "seconds": self.seconds}
+
+
+# A reduced-dtype merge may depart from the run's model by the dtype's rounding (FLOOR_FACTOR times the floor's
+# figure) plus a small fraction of the adapter's effect: EFFECT_FRACTION of it in logits, its square in KL (KL grows
+# with the square of a small logit change). Dropping the adapter departs by the whole effect, doubling its scaling
+# by the effect again, so both are beyond the bound whatever the run's learning rate (docs/export.md#tolerances).
+FLOOR_FACTOR = {"max_logit_diff": 2.0, "max_kl": 1.5}  # the floor's largest logit difference is a maximum: noisier
+EFFECT_FRACTION = 0.5
+
+
+def rounded_copy(model, dtype: str):
+    """A copy of ``model`` whose floating-point weights (its ``state_dict``: parameters and saved buffers, what a
+    merged folder holds) are rounded to ``dtype`` and kept in fp32."""
+    import copy
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for tensor in rounded.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.to(getattr(torch, dtype)))
+    return rounded
+
+
+def calibrate(model, inputs: VerifySet, dtype: str) -> Calibration:
+    """``Calibration`` of a merge into ``dtype`` (one of ``merge.DTYPES``) of ``model`` (the run's model: a
+    ``peft.PeftModel`` for LoRA) on ``inputs``' sequences. Holds a rounded copy of ``model`` beside it (for
+    bfloat16/float16); runs three forwards per sequence."""
+    from finetune.models.lora import is_peft_model
+
+    effect = _Tally(Comparison(name="adapter effect: base vs run")) if is_peft_model(model) else None
+    floor = _Tally(Comparison(name=f"{dtype} floor: run rounded to {dtype} vs run")) if dtype != "float32" else None
+    if effect is None and floor is None:  # a full run's float32 export: nothing to calibrate
+        return Calibration(None, None)
+    rounded = rounded_copy(model, dtype) if floor is not None else None
+    started = time.perf_counter()
+    for ids in inputs.sequences:
+        ref = _logits(model, ids)
+        if effect is not None:
+            with model.disable_adapter():
+                effect.add(ref, _logits(model, ids))
+        if floor is not None:
+            floor.add(ref, _logits(rounded, ids))
+    del rounded
+    return Calibration(effect.result() if effect else None, floor.result() if floor else None,
+                       time.perf_counter() - started)
+
+
+def calibrated_tolerance(calibration: Calibration) -> Tolerance:
+    """A reduced-dtype merge's ``Tolerance`` from ``calibration``: relative logit difference at most
+    ``FLOOR_FACTOR`` x the floor's + ``EFFECT_FRACTION`` x the effect's; mean KL at most ``FLOOR_FACTOR`` x the
+    floor's + ``EFFECT_FRACTION``² x the effect's (no effect term without an adapter). Top-1 agreement and greedy
+    continuations are reported, not judged: near-ties flip under any rounding."""
+    floor, effect = calibration.floor, calibration.effect
+    if floor is None:
+        raise ValueError("calibrated_tolerance needs a floor: a bfloat16 or float16 merge")
+    logit = FLOOR_FACTOR["max_logit_diff"] * floor.relative_logit_diff
+    kl = FLOOR_FACTOR["max_kl"] * floor.mean_kl
+    if effect is not None:
+        logit += EFFECT_FRACTION * effect.relative_logit_diff
+        kl += EFFECT_FRACTION ** 2 * effect.mean_kl
+    return Tolerance(max_logit_diff=logit, max_kl=kl)
 
 
 def judge(result: Comparison, tolerance: Tolerance) -> Comparison:
