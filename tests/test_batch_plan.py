@@ -569,3 +569,103 @@ def test_the_probes_run_the_precision_the_run_trains_in(tiny_bert):
         probe.close()
     assert per_sample["fp16"] == per_sample["no"] and per_sample["no"][1] is None
     assert per_sample["bf16"][1] is torch.bfloat16 and per_sample["bf16"][0] < per_sample["no"][0]
+
+
+# ------------------------------------------------------------------- probes cost seconds whatever a pass costs (issue 50)
+def _slow_probes(monkeypatch, seconds_per_token: float, clock: list) -> None:
+    """The planner's probes on a clock of the test's (``probes.time``), where a probe step of m samples of ``tokens``
+    tokens costs 0.01 s + m x tokens x ``seconds_per_token``: passes as slow as emulated bf16's, whatever the machine's
+    load, while the tiny model runs for real."""
+    from types import SimpleNamespace
+
+    from finetune.planner import probes
+
+    real_step = probes.Probe.step
+
+    def slow_step(self, m, length=None):
+        clock[0] += 0.01 + m * (length or self.length) * seconds_per_token
+        return real_step(self, m) if length is None else real_step(self, m, length)
+
+    monkeypatch.setattr(probes.Probe, "step", slow_step)
+    monkeypatch.setattr(probes, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+
+def test_the_timing_probes_cost_seconds_whatever_a_pass_costs(tiny_bert, monkeypatch, capsys):
+    """Issue 50: the planner timed every plan at the run's micro-batch and length, so with bf16 emulated on a CPU
+    (hundreds of times fp32's matmul time) a timed plan took minutes. Short first passes now choose one sample length
+    for every plan of the planning: on a clock where a pass costs 0.01 s + 0.5 s a 64-token sample, each timed plan
+    (its warm-up and timed passes) costs at most ``PROBE_SECONDS`` (3 s; 16 s before), every plan is timed at the
+    same 11 tokens, its figure scaled to 64 tokens is the clock's, and the faster plan is still chosen."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from finetune.config import parse_config
+    from finetune.planner import probe_and_choose, probes
+    from finetune.recipes import load_recipe
+
+    clock, costs = [0.0], {}
+    _slow_probes(monkeypatch, 1 / 128, clock)
+    real_seconds = probes.Probe.seconds_per_sample
+
+    def timed(self, m, *args, **kwargs):
+        started = clock[0]
+        seconds = real_seconds(self, m, *args, **kwargs)
+        costs[(str(self.lever), m)] = (clock[0] - started, seconds)
+        return seconds
+
+    monkeypatch.setattr(probes.Probe, "seconds_per_sample", timed)
+    config = parse_config(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--max_length", "64",
+                           "--total_batch_size", "16", "--max_memory_mb", "65536", "--mixed_precision", "no"])
+    state = SimpleNamespace(device=torch.device("cpu"), num_processes=1, is_main_process=True)
+    plan = probe_and_choose(config, load_recipe("bbc-news"), state)
+    out = capsys.readouterr().out
+    assert list(costs) == [("no checkpointing", 16), ("no checkpointing", 8)], costs  # 8 slower: the descent stops
+    # PROBE_SECONDS; the first plan's includes the 0.28 s of one-sample passes that chose the length
+    assert costs[("no checkpointing", 16)][0] <= 3.0 + 0.28 and costs[("no checkpointing", 8)][0] <= 3.0, costs
+    assert ("Timing probes: samples of 11 tokens, not 64: a timed plan of 16 samples of 64 tokens is predicted 16.0 s "
+            "(0.01 s a pass + 0.00781 s a token, from one sample's passes)") in out
+    # every plan timed at 11 tokens, its time beyond 0.01 s a pass scaled by 64 / 11: the clock's (0.01 + m x 0.5) / m
+    assert costs[("no checkpointing", 16)][1] == pytest.approx((0.01 + 16 * 0.5) / 16)
+    assert costs[("no checkpointing", 8)][1] == pytest.approx((0.01 + 8 * 0.5) / 8)
+    assert (plan.per_device_train_batch_size, plan.lever) == (16, OFF)
+    # the length: one-sample passes at 8 and 16 tokens (0.0725, 0.135 s) give 0.01 s a pass + 1/128 s a token; a plan
+    # (two passes) of 16 samples fits 3 s at (1.5 - 0.01) / (16 / 128) = 11 tokens. A fast pass, or one slow for its
+    # per-pass part only (a plan of 16 x 256 tokens: 1.8 s), keeps the run's length; the shortest is 8 tokens
+    length, cost = probes.timing_length(lambda tokens: 0.01 + tokens / 128, 64, 16)
+    assert (length, cost.per_pass, cost.per_token) == (11, pytest.approx(0.01), pytest.approx(1 / 128))
+    assert probes.timing_length(lambda tokens: 1e-5 * tokens, 512, 32)[0] == 512
+    assert probes.timing_length(lambda tokens: 0.5 + 1e-4 * tokens, 256, 16)[0] == 256
+    assert probes.timing_length(lambda tokens: 10.0, 512, 32)[0] == probes.SHORTEST
+
+
+def test_a_memory_probe_over_the_budget_says_so_and_keeps_its_answer(tiny_bert, monkeypatch, capsys):
+    """Issue 50: the memory model needs the run's shapes, so the memory probe is not shortened: where its forward of
+    one sample costs seconds (bf16 emulated on a CPU), a line says what it costs and why, and the bytes measured are
+    those of the fast machine."""
+    import torch
+
+    from finetune import machine
+    from finetune.config import parse_config
+    from finetune.planner.probes import Probe
+    from finetune.recipes import load_recipe
+
+    config = parse_config(["--recipe", "bbc-news", "--model_name_or_path", tiny_bert, "--max_length", "64",
+                           "--mixed_precision", "bf16"])
+    recipe = load_recipe("bbc-news")
+    fast = Probe(config, recipe, torch.device("cpu"), OFF, held=0)
+    answer = (fast.per_sample_bytes, fast.fixed_bytes)
+    fast.close()
+    assert "took" not in capsys.readouterr().out
+    monkeypatch.setattr(machine, "_cpuinfo_field", lambda name: {"flags": "avx2 fma"}.get(name))  # no bf16 instructions
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    clock = [0.0]
+    _slow_probes(monkeypatch, 1 / 32, clock)  # a 64-token sample: 2 s
+    slow = Probe(config, recipe, torch.device("cpu"), OFF, held=0)
+    assert (slow.per_sample_bytes, slow.fixed_bytes) == answer
+    slow.close()
+    assert ("Memory probe (no checkpointing): a forward of 1 sample of 64 tokens took 2.0 s, so this probe takes about "
+            "6.0 s, over the 3 s a probe may cost: the memory model needs the run's own shapes, so it is not shortened; "
+            "bf16 is emulated (no avx512_bf16, no AMX) on this CPU, where --mixed_precision no runs faster") \
+        in capsys.readouterr().out

@@ -30,7 +30,7 @@ import psutil
 
 from finetune.distributed import agreed_max, all_reduce_max, process_state
 from finetune.planner.plans import BatchPlan, Lever, choose_plan, given_plan, plan_table
-from finetune.planner.probes import Probe, levers
+from finetune.planner.probes import Probe, ProbeTiming, levers
 
 __all__ = ["BatchPlan", "apply_plan", "plan_for", "probe_and_choose"]
 
@@ -102,16 +102,20 @@ def recorded_plan(config, num_processes: int) -> BatchPlan | None:
 
 def probe_and_choose(config, recipe, state) -> BatchPlan:
     """``--auto_find_batch_size``: ``choose_plan`` over one ``Probe`` per lever setting, each built on every
-    rank (a build that fails on one rank fails on all) only once the previous one is freed; print the table."""
+    rank (a build that fails on one rank fails on all) only once the previous one is freed; print the table. Every
+    plan is timed at one sample length (``ProbeTiming``: the run's, or fewer tokens where a timed plan of the
+    largest micro-batch would cost over ``probes.PROBE_SECONDS``)."""
     started = time.perf_counter()
     max_over_processes = all_reduce_max(state)
     held = psutil.Process().memory_info().rss  # before any probe copy of the model exists
+    timing = ProbeTiming(config.total_batch_size // state.num_processes, max_over_processes,
+                         say=print if state.is_main_process else (lambda *a, **k: None))
     def builder(lever):
         def build() -> Probe:
             made = []
 
             def attempt() -> int:  # may fail on one rank only (e.g. no room under --max_memory_mb)
-                made.append(Probe(config, recipe, state.device, lever, held))
+                made.append(Probe(config, recipe, state.device, lever, held, timing))
                 return 0
 
             agreed_max(attempt, max_over_processes, "probing the batch size for --auto_find_batch_size")

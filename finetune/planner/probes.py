@@ -5,6 +5,11 @@ On a GPU a probe runs a whole training step and catches out-of-memory (``oom_pro
 is no out-of-memory error to catch, it measures the bytes autograd saves for backward (``saved_storages``)
 at micro-batch 1 and 2 and fits the linear memory model of ``plans.estimate_fits_from_memory`` to a
 ``--max_memory_mb`` budget.
+
+The timing probes cost about ``PROBE_SECONDS`` a plan whatever a pass costs (a large model, or bf16 emulated on a
+CPU without bf16 instructions: hundreds of times fp32's matmul time): ``ProbeTiming`` chooses, once per planning
+from short first passes, the sample length every plan is timed at (``timing_length``). The memory probes keep the
+run's shapes (the answer depends on them) and say so where they cost more.
 """
 
 from __future__ import annotations
@@ -25,11 +30,16 @@ from finetune.distributed import local_process_count, world_size
 from finetune.engine import build_optimizer
 from finetune.engine.precision import precision_that_runs
 from finetune.errors import FinetuneError
+from finetune.machine import bf16_support, native_bf16
+from finetune.planner.agreement import agreed_seconds
 from finetune.planner.plans import Lever, estimate_fits_from_memory
 from finetune.tasks import get_task, run_task
 from finetune.tasks.builders import build_model
 from finetune.tasks.chunked_loss import DEFAULT_CHUNK_SIZE
 from finetune.tasks.loss import loss_function
+
+PROBE_SECONDS = 3.0  # what one probe may cost, about: a timed plan (a warm-up and its timed passes), a memory probe
+SHORTEST = 8  # tokens a sample: timing_length's first length, and the shortest it chooses
 
 
 def saved_storages(run_step: Callable[[], "object"]) -> tuple[dict[int, int], "object"]:
@@ -102,6 +112,84 @@ def oom_probe(model, optimizer, loss_at: Callable[[int], "torch.Tensor"],
     return fits
 
 
+@dataclasses.dataclass(frozen=True)
+class PassCost:
+    """A pass's seconds as ``timing_length`` models them: ``per_pass`` (seconds, whatever the batch: kernel launches,
+    weight conversions) + ``per_token`` (seconds per token of the micro-batch: samples x tokens)."""
+
+    per_pass: float
+    per_token: float
+
+    def plan_seconds(self, micro_batch: int, tokens: int) -> float:
+        """Seconds of a timed plan (``Probe.seconds_per_sample``: a warm-up and a timed pass) of ``micro_batch``
+        samples of ``tokens`` tokens."""
+        return 2 * (self.per_pass + self.per_token * micro_batch * tokens)
+
+
+def pass_cost(points: list[tuple[int, float]]) -> PassCost:
+    """``PassCost`` through the last two of ``points`` ((tokens, seconds) of one-sample passes, tokens growing),
+    each part at least 0 (where noise makes the longer pass the faster, all of it per token)."""
+    (short, fast), (long, slow) = points[-2:]
+    per_token = (slow - fast) / (long - short)
+    if per_token <= 0 or fast - per_token * short < 0:
+        return PassCost(0.0, slow / long)
+    return PassCost(fast - per_token * short, per_token)
+
+
+def timing_length(pass_seconds: Callable[[int], float], length: int, micro_batch: int,
+                  seconds: float = PROBE_SECONDS) -> tuple[int, PassCost]:
+    """(the sample length, tokens, at most ``length``, at which a timed plan of ``micro_batch`` samples costs about
+    ``seconds``; the ``PassCost`` measured), from short first passes: ``pass_seconds(tokens)`` (seconds of a forward
+    and backward of one sample of ``tokens`` tokens) after a warm-up at ``SHORTEST`` tokens, at ``SHORTEST`` and
+    twice it, then doubling while the plan predicted at the next length fits ``seconds``
+    (``PassCost.plan_seconds``, through the last two passes: ``pass_cost``). At least ``SHORTEST`` tokens, where
+    even that is predicted over ``seconds``. Its passes hold one sample each: a few of them cost what one timed
+    plan's pass does."""
+    tokens = min(SHORTEST, length)
+    pass_seconds(tokens)  # warm-up: first-call kernels, allocations
+    points = [(tokens, pass_seconds(tokens))]
+    cost = PassCost(0.0, points[0][1] / tokens)
+    while tokens < length and (len(points) < 2 or cost.plan_seconds(micro_batch, min(2 * tokens, length)) <= seconds):
+        tokens = min(2 * tokens, length)
+        points.append((tokens, pass_seconds(tokens)))
+        cost = pass_cost(points)
+    if cost.plan_seconds(micro_batch, length) <= seconds:
+        return length, cost
+    fitting = int((seconds / 2 - cost.per_pass) / (cost.per_token * micro_batch))
+    return max(min(SHORTEST, length), min(length, fitting)), cost
+
+
+class ProbeTiming:
+    """The sample length every timing probe of one planning uses (``Probe.seconds_per_sample``), so that all its
+    plans, under every lever setting, are measured alike: decided by the first probe that times
+    (``timing_length`` at ``micro_batch``, the largest plan's, with that probe's model; each pass the slowest
+    rank's, ``slowest_over_processes``, so every rank takes the same length), printed with ``say`` where it is
+    shorter than the run's. ``cost``: the ``PassCost`` measured then."""
+
+    def __init__(self, micro_batch: int, slowest_over_processes=lambda seconds: seconds, say=print,
+                 seconds: float = PROBE_SECONDS):
+        self.micro_batch, self.slowest, self.say, self.seconds = micro_batch, slowest_over_processes, say, seconds
+        self.tokens: int | None = None
+        self.cost = PassCost(0.0, 0.0)
+
+    def length(self, probe: "Probe") -> int:
+        """The tokens a timed sample holds (decided at the first call, with ``probe``)."""
+        if self.tokens is None:
+            def agreed(tokens: int) -> float:
+                return agreed_seconds(lambda: probe.pass_seconds(1, tokens), self.slowest)
+
+            self.tokens, self.cost = timing_length(agreed, probe.length, self.micro_batch, self.seconds)
+            if self.tokens < probe.length:
+                self.say(f"Timing probes: samples of {self.tokens} tokens, not {probe.length}: a timed plan of "
+                         f"{self.micro_batch} samples of {probe.length} tokens is predicted "
+                         f"{self.cost.plan_seconds(self.micro_batch, probe.length):.1f} s ({self.cost.per_pass:.3g} s "
+                         f"a pass + {self.cost.per_token:.3g} s a token, from one sample's passes), over the "
+                         f"{self.seconds:g} s a probe may cost; every plan is timed at {self.tokens} tokens, its time "
+                         + (f"beyond {self.cost.per_pass:.3g} s a pass " if self.cost.per_pass else "")
+                         + f"scaled by {probe.length}/{self.tokens}")
+        return self.tokens
+
+
 class Probe:
     """Probe steps of the recipe's model on worst-case batches (every sample ``max_length`` tokens, or
     ``block_size``) under one ``Lever`` setting, on this process alone: the model is ``builders.build_model``'s
@@ -116,16 +204,20 @@ class Probe:
       two moments 3x the trainable parameter bytes (``estimate(m)``). Transient buffers (a layer's temporaries,
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
       and a budget needs a margin (docs/speed.md, "The batch planner under two budgets").
+      The memory probes run at the run's shapes, which the answer depends on: where one costs more than
+      ``PROBE_SECONDS`` (a forward of one sample is timed first), a line says so.
     - ``seconds_per_sample(m)``: one warm-up and one to three timed forward/backward passes at micro-batch m
-      (seconds per sample; the optimizer step, once per optimizer step whatever the plan, is left out).
+      (seconds per sample; the optimizer step, once per optimizer step whatever the plan, is left out), of samples
+      of ``timing``'s length (a ``ProbeTiming`` shared by the planning's probes; None: the run's length).
     Raises ``FinetuneError`` when the budget leaves no room at all.
     """
 
-    def __init__(self, config, recipe, device, lever: Lever, held: int | None = None):
+    def __init__(self, config, recipe, device, lever: Lever, held: int | None = None,
+                 timing: ProbeTiming | None = None):
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         task = run_task(recipe, config)
         label_names = task.probe_label_names
-        self.device, self.task, self.lever = device, task, lever
+        self.device, self.task, self.lever, self.timing = device, task, lever, timing
         self.model = build_model(config, task, label_names, recipe=recipe).to(device)
         # the precision the run will train in: fp16 asked on a CPU runs fp32 there, and the probes must time and
         # measure that (fp16 autocast on a CPU is ~50x slower, and saves a third fewer activation bytes on bbc-news)
@@ -148,7 +240,10 @@ class Probe:
         # the machine's free memory is shared by the processes on it; --max_memory_mb is per process
         budget = (config.max_memory_mb * 2**20 if config.max_memory_mb
                   else psutil.virtual_memory().available // local_process_count())
-        one, two = self.activation_bytes(1), self.activation_bytes(2)
+        started = time.perf_counter()
+        one = self.activation_bytes(1)
+        self.say_when_slow(time.perf_counter() - started, precision)
+        two = self.activation_bytes(2)
         per_sample = max(two - one, 1)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + task.resident_bytes()
         fixed = max(one - per_sample, 0) + weights + 3 * trainable + buckets
@@ -167,38 +262,62 @@ class Probe:
     def activation_bytes(self, m: int) -> int:
         """Bytes autograd saves for backward in one forward at micro-batch ``m`` (``saved_storages``), less the
         parameters' own storages among them (weights a layer keeps for its input's gradient: memory the model
-        holds anyway, counted once as the weights)."""
+        holds anyway, counted once as the weights). The forward alone: its graph is freed unrun (what it saved is
+        counted as the forward saves it; a backward would add nothing to the count and cost twice the forward)."""
         storages, loss = saved_storages(lambda: self.step(m))
-        loss.backward()
-        self.model.zero_grad(set_to_none=True)
+        del loss  # frees the graph and what it saved
         params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         return sum(size for ptr, size in storages.items() if ptr not in params)
 
-    def step(self, m: int):
-        """The summed loss of a worst-case micro-batch of ``m`` samples (forward only; the caller backs it)."""
-        batch = self.task.probe_batch(m, self.length, self.vocab, self.device)
+    def say_when_slow(self, forward_seconds: float, precision: str) -> None:
+        """Print that this memory probe costs more than ``PROBE_SECONDS`` where its forward of one sample took
+        ``forward_seconds`` (the probe: that, and a forward of two samples, about three times it)."""
+        if 3 * forward_seconds <= PROBE_SECONDS:
+            return
+        emulated = (f"; bf16 is {bf16_support()} on this CPU, where --mixed_precision no runs faster"
+                    if precision == "bf16" and self.device.type == "cpu" and not native_bf16() else "")
+        print(f"Memory probe ({self.lever}): a forward of 1 sample of {self.length} tokens took {forward_seconds:.1f} "
+              f"s, so this probe takes about {3 * forward_seconds:.1f} s, over the {PROBE_SECONDS:g} s a probe may "
+              f"cost: the memory model needs the run's own shapes, so it is not shortened{emulated}")
+
+    def step(self, m: int, length: int | None = None):
+        """The summed loss of a worst-case micro-batch of ``m`` samples of ``length`` tokens (default the run's:
+        ``block_size`` or ``max_length``); forward only, the caller backs it."""
+        batch = self.task.probe_batch(m, length or self.length, self.vocab, self.device)
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
             return self.loss_sum(self.model, batch)
+
+    def pass_seconds(self, m: int, length: int | None = None) -> float:
+        """Seconds of one forward + backward at micro-batch ``m`` of ``length``-token samples (``step``),
+        synchronised on a GPU; the gradients are freed after it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self.step(m, length).backward()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - start
+        self.model.zero_grad(set_to_none=True)
+        return took
 
     def seconds_per_sample(self, m: int, min_seconds: float = 1.0, max_passes: int = 3) -> float:
         """Seconds per sample of forward + backward at micro-batch ``m``: after one untimed warm-up pass, the
         median of timed passes, repeated until they add up to ``min_seconds`` or ``max_passes`` were run (one
-        pass where a pass is long, as on a CPU at 512 tokens; up to three where it is short, as on a GPU)."""
-        def one_pass() -> float:  # seconds
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            self.step(m).backward()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.model.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
-
-        one_pass()  # warm-up: first-call kernels, allocations
-        times = [one_pass()]
+        pass where a pass is long, as on a CPU at 512 tokens; up to three where it is short, as on a GPU). The
+        samples hold ``timing``'s tokens (``ProbeTiming.length``: the run's, or fewer where a plan at the run's
+        would cost over ``PROBE_SECONDS``); at fewer, the pass's time beyond ``timing.cost.per_pass`` is scaled to
+        the run's length in proportion (the per-pass part weighs as much at any length: scaled with the rest, it
+        would favour large micro-batches)."""
+        length = self.length if self.timing is None else self.timing.length(self)
+        self.pass_seconds(m, length)  # warm-up: first-call kernels, allocations
+        times = [self.pass_seconds(m, length)]
         while len(times) < max_passes and sum(times) < min_seconds:
-            times.append(one_pass())
-        return statistics.median(times) / m
+            times.append(self.pass_seconds(m, length))
+        seconds = statistics.median(times)
+        if length < self.length:
+            fixed = min(self.timing.cost.per_pass, seconds)
+            seconds = fixed + (seconds - fixed) * self.length / length
+        return seconds / m
 
     def close(self) -> None:
         """Free the probe copy of the model, and its optimizer state held by the ``fits`` closure."""
