@@ -295,7 +295,7 @@ def test_the_matmul_peak_costs_seconds_whatever_the_matmuls_speed(tmp_path, monk
 
 def test_env_on_a_cpu_that_emulates_bf16_says_so_with_the_ratio_in_seconds(tmp_path):
     """Issue 50: `finetune env` did not finish in 120 s on an AVX2-only CPU (the bf16 peak at 2048^2). With oneDNN
-    capped at AVX2 (bf16 emulated on any x86 CPU) and an empty cache it finishes in seconds and prints how bf16
+    capped at AVX2 (bf16 emulated on any x86 CPU) and an empty cache it finishes in seconds (8 s measured; 60 s allowed here for a loaded machine) and prints how bf16
     runs and its measured ratio to fp32."""
     import os
     import subprocess
@@ -315,4 +315,4 @@ def test_env_on_a_cpu_that_emulates_bf16_says_so_with_the_ratio_in_seconds(tmp_p
     line = next(line for line in result.stdout.splitlines() if line.startswith("- bf16 on this CPU: "))
     assert line.startswith("- bf16 on this CPU: emulated ("), line
     ratio = float(line.split("measured bf16 matmul peak ")[1].split("x")[0])
-    assert ratio < 0.5 and took < 30, (line, took)
+    assert ratio < 0.5 and took < 60, (line, took)
