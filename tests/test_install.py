@@ -20,8 +20,15 @@ from helpers import REPO
 pytestmark = pytest.mark.integration
 
 # what .gitignore keeps out of the repository, and .git: a copy holds what a fresh clone does
-_NOT_COPIED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "outputs", ".pytest_cache",
-                                     ".cache", ".gpu_carry", ".benchmarks")
+_IGNORED_ANYWHERE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+                                           ".cache", ".gpu_carry", ".benchmarks", "site")
+
+
+def _NOT_COPIED(folder, names):  # noqa: N802 - shutil's ignore callable
+    """What .gitignore keeps out: those names anywhere, and the runs' ``outputs/`` at the top only (``/outputs/``:
+    ``finetune/outputs/`` is a package)."""
+    ignored = set(_IGNORED_ANYWHERE(folder, names))
+    return ignored | ({"outputs"} & set(names) if Path(folder) == REPO else set())
 CHECKOUT_ONLY = "checkout-only"  # a recipe the `checkout` copy's registry names and no installed copy has
 
 

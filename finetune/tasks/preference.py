@@ -16,12 +16,12 @@ from pathlib import Path
 import datasets
 import torch
 
+import finetune.tasks.reference as precomputed_reference
 from finetune.data.loading import IGNORE_INDEX, load_conversation_files, rows_named
 from finetune.data.preference import PAIR_SIDES, PairCheck, check_pair, check_pair_rows, pairs_to_features
 from finetune.errors import FinetuneError
 from finetune.models.loading import set_attention
 from finetune.models.lora import ADAPTER_CONFIG, load_merged_adapter
-from finetune.tasks import reference as precomputed_reference
 from finetune.tasks.base import Finding, unwrapped
 from finetune.tasks.causal_lm import CausalLM
 from finetune.tasks.preference_loss import (
