@@ -15,7 +15,8 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from finetune.engine import DeepSpeedEngine, engine_for, make_accelerator, parameter_counts
+from finetune.backends.accelerate import make_accelerator
+from finetune.engine import DeepSpeedEngine, engine_for, parameter_counts
 from finetune.engine.deepspeed import (
     deepspeed_config_updates,
     deepspeed_note,

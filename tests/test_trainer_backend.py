@@ -74,8 +74,31 @@ def test_trainer_losses_equal_accelerate_losses(tmp_path, tiny_bert, accum):
     assert tr_metrics["backend"] == "trainer" and acc_metrics["backend"] == "accelerate"
 
 
+def test_trainer_backend_steps_alike_where_trainer_reads_the_older_flag(tmp_path, tiny_bert, monkeypatch):
+    """``FinetuneTrainer.compute_loss`` divides by the window's items already, so Trainer's ``training_step`` must
+    back-propagate it as it is. transformers >= 5.19 asks ``loss_is_scaled_for_ga``; earlier versions (the GPU runs
+    used 5.17) ask ``model_accepts_loss_kwargs``, False for a model whose forward takes no loss kwargs. Here Trainer
+    asks the older flag of such a model: the steps are still the accelerate backend's (N=4: a loss divided again by
+    N would give grad norms 4x smaller, and other losses from step 2 on)."""
+    from transformers import BertForSequenceClassification
+
+    from finetune.backends.trainer import FinetuneTrainer
+
+    kw = dict(model_name_or_path=tiny_bert, max_train_samples=16, max_eval_samples=4, per_device_train_batch_size=2,
+              gradient_accumulation_steps=4, max_steps=2, disable_dropout=True, max_length=32, learning_rate=2e-3,
+              seed=5, eval_strategy="no")
+    _, acc = run_in_process(tmp_path, "accelerate", **kw)
+    monkeypatch.setattr(FinetuneTrainer, "loss_is_scaled_for_ga", None)  # as before transformers 5.19
+    monkeypatch.setattr(BertForSequenceClassification, "accepts_loss_kwargs", False, raising=False)
+    _, tr = run_in_process(tmp_path, "trainer", backend="trainer", **kw)
+    a, t = train_steps(acc), train_steps(tr)
+    assert len(a) == len(t) == 2
+    assert [r["grad_norm"] for r in t] == pytest.approx([r["grad_norm"] for r in a], rel=1e-3)
+    assert [r["loss"] for r in t] == pytest.approx([r["loss"] for r in a], abs=1e-4)
+
+
 def test_plain_trainer_logs_the_window_sum_not_the_mean(tmp_path, tiny_bert):
-    """What the README says of Trainer's own log: without our compute_loss_func, transformers 5 passes
+    """What the README says of Trainer's own log: without our compute_loss, transformers 5 passes
     num_items_in_batch to a BERT that ignores it and skips the division by the accumulation steps, so the
     logged loss (and the gradient) is N times the mean loss per sample."""
     from transformers import AutoModelForSequenceClassification, Trainer

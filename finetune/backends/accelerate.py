@@ -10,17 +10,25 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    TorchDynamoPlugin,
+)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune import distributed
 from finetune.config import config_argv, reproduce_command
 from finetune.data import packing
-from finetune.engine import PlainEngine, engine_for, make_accelerator
-from finetune.engine.precision import loss_scale, optimizer_step_skipped
+from finetune.engine import PlainEngine, check_tracker, engine_for, local_mlflow_store
+from finetune.engine.precision import check_precision_supported, loss_scale, optimizer_step_skipped
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped, together
 from finetune.lifecycle import checkpoint as ckpt
 from finetune.lifecycle import elastic
@@ -44,6 +52,37 @@ from finetune.tasks.loss import loss_function
 
 
 # ------------------------------------------------------------------------------------------ setup
+def make_accelerator(config) -> Accelerator:
+    """An ``Accelerator`` for ``config``: N-step accumulation aligned to the loop's windows, a seeded sampler,
+    the schedule stepped by hand. Raises ``FinetuneError`` for bf16 on a device without it, or a ``--report_to``
+    tracker whose package is not installed."""
+    check_precision_supported(config.mixed_precision)
+    log_with = None if config.report_to == "none" else config.report_to
+    check_tracker(config.report_to)
+    local_mlflow_store(config)
+    compile_options = {}
+    if config.torch_compile:  # Accelerator.prepare wraps the model in torch.compile
+        compile_options["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode)
+    try:
+        return Accelerator(
+            **compile_options,
+            log_with=log_with,
+            project_dir=config.output_dir,
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
+            # Where Accelerate wraps the schedule (DeepSpeed), each step() call is then one step, not one per process.
+            step_scheduler_with_optimizer=False,
+        )
+    except ValueError as err:
+        if "bf16" in str(err):
+            raise FinetuneError(f"--mixed_precision bf16 is not supported on this device ({err}). "
+                                "Use --mixed_precision fp16 (GPU) or no.") from None
+        raise
+
+
 @dataclass
 class Setup:
     """Everything ``train()`` needs, built from a config and a recipe."""

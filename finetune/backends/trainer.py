@@ -51,15 +51,15 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
         fp16=config.mixed_precision == "fp16" and torch.cuda.is_available(),
         # Without a CUDA device Trainer refuses bf16 unless told it is on the CPU (CPU autocast runs bf16).
         use_cpu=not torch.cuda.is_available(),
-        # Evaluation runs in BookkeepingCallback through the same evaluate() as the accelerate engine, so both
-        # engines define eval_loss alike (Trainer's own averages per-batch means: not per-token exact).
+        # Evaluation runs in BookkeepingCallback through the same evaluate() as the accelerate backend, so both
+        # backends define eval_loss alike (Trainer's own averages per-batch means: not per-token exact).
         eval_strategy="no",
         # one log record per optimizer step, NaN and inf kept: the callback's log.jsonl is built from them
         logging_strategy="steps",
         logging_steps=1,
         logging_nan_inf_filter=False,
         dataloader_drop_last=False,  # the last partial micro-batch trains, as on the accelerate side
-        include_num_input_tokens_seen="non_padding",  # the same count as the accelerate engine's
+        include_num_input_tokens_seen="non_padding",  # the same count as the accelerate backend's
         average_tokens_across_devices=True,
         # every tokenized column is the collator's (a preference pair's rejected_* columns are no forward argument
         # of the model, so Trainer's signature filter would drop them)
@@ -68,26 +68,44 @@ def training_arguments(config, output_dir: str | None = None) -> TrainingArgumen
 
 
 class FinetuneTrainer(Trainer):
-    """``Trainer`` whose loss is the accelerate backend's (``loss.loss_function``), accounted by
-    ``BookkeepingCallback.account`` (Trainer also gets its ``compute_loss_func``, so it neither divides by N nor
-    skips averaging ``num_items_in_batch`` over devices), and whose window counts are the accelerate backend's
-    (``window.count_window``, in ``get_batch_samples``)."""
+    """``Trainer`` built whole for one run: its loss is the accelerate backend's (``loss.loss_function``) divided
+    by the window's items, whose counts are the accelerate backend's (``window.count_window``, in
+    ``get_batch_samples``); its events go to the run lifecycle (``BookkeepingCallback``, which accounts the loss)."""
 
-    def __init__(self, account, task, steps_per_epoch: int, begin_window, **kwargs):
-        super().__init__(**kwargs)
-        self.account, self.task = account, task
-        self.steps_per_epoch, self.begin_window = steps_per_epoch, begin_window
-        self.micro_batch_loss = None  # set once the Trainer's accelerator exists
-        self.pack = None  # --padding_free/--packing: packing.Packer (exact), set once the model is on its device
-        self.step_metrics = None  # () -> the task's metrics of the step just taken (BookkeepingCallback.step_metrics)
+    # training_step back-propagates compute_loss's value as it is (ours is divided by the window's items already),
+    # not divided again by the accumulation steps: transformers >= 5.19 reads this flag (trainer.py
+    # ``loss_is_scaled_for_ga``); earlier versions read ``model_accepts_loss_kwargs``, set in ``__init__``
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, config, run: RunState, pack=None, hub=None, **kwargs):
+        """``Trainer(**kwargs)`` (model, args, datasets, collator, tokenizer) for ``config``, wired to ``run`` (a
+        ``lifecycle.RunState``): its events forwarded there (``BookkeepingCallback``), each checkpoint pushed to
+        ``hub`` (a ``hub.HubPush``, or None: ``HubCallback``), ``pack`` (``packing.Packer``, exact, under
+        --padding_free/--packing; else None) run on each window, the engine configured before ``Trainer.train``
+        prepares the model, and ``run.precision`` the precision Trainer's Accelerator runs."""
+        self.task, self.pack, self.steps_per_epoch = run.task, pack, run.plan.steps_per_epoch
+        self.bookkeeping = BookkeepingCallback(run, self)
+        super().__init__(callbacks=[self.bookkeeping] + ([HubCallback(hub)] if hub is not None else []), **kwargs)
+        # compute_loss takes num_items_in_batch: what training_step reads before transformers 5.19 (see above)
+        self.model_accepts_loss_kwargs = True
+        self.engine = engine_for(self.accelerator)
+        self.engine.configure_trainer()  # before Trainer.train prepares the model (FSDP: fp32 reductions)
+        self.micro_batch_loss = loss_function(self.task, config, self.accelerator)  # (model, batch) -> summed loss
+        # After Trainer's checks: TrainingArguments would insist on its own evaluation for it; ours sets
+        # state.best_model_checkpoint, from which Trainer loads the best model at the end.
+        self.args.load_best_model_at_end = config.load_best_model_at_end
+        # Pruning is the lifecycle's, after a checkpoint is sealed (Trainer's rotation runs before: it could leave
+        # no complete checkpoint behind a kill).
+        self.args.save_total_limit = None
+        run.precision = self.engine.precision()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The window's micro-batches (up to ``num_batches``, fewer at the end of an epoch) and its items over
         all processes as the accelerate backend counts them (``window.count_window``, which also counts its
-        samples and tokens, handed to ``begin_window``), a 0-d tensor on ``device`` (None for an empty window):
-        rows that repeat samples at the epoch's end (``window.mask_repeats``) get ``IGNORE_INDEX`` labels, and
-        the items are the task's own count (``task.count``: a classifier's samples, a causal LM's shifted label
-        tokens).
+        samples and tokens, handed to ``BookkeepingCallback.begin_window``), a 0-d tensor on ``device`` (None for
+        an empty window): rows that repeat samples at the epoch's end (``window.mask_repeats``) get
+        ``IGNORE_INDEX`` labels, and the items are the task's own count (``task.count``: a classifier's samples, a
+        causal LM's shifted label tokens).
 
         Replaces Trainer's count (transformers 5.24 trainer.py, ``get_batch_samples`` lines 2289-2304 calling
         ``_get_num_items_in_batch`` lines 2306-2367): it counts every row, and ``labels[..., 1:]`` only where
@@ -115,15 +133,15 @@ class FinetuneTrainer(Trainer):
         # optimizer step by counting micro-batches: trainer.py lines 1895-1899)
         run = self.pack(masked) if self.pack else masked
         counts = count_window(masked, self.task, self.accelerator, repeats, run)
-        self.begin_window(counts)
+        self.bookkeeping.begin_window(counts)
         return run, torch.tensor(int(counts.items), device=device)
 
     def log(self, logs: dict, start_time=None) -> None:
         """Trainer's ``log`` (what its trackers, TensorBoard included, and callbacks receive), with the task's own
-        metrics of the step just taken (a preference task's ``rewards/*``, ``logs/*``: ``step_metrics``) added to
-        its training record."""
-        if "loss" in logs and self.step_metrics is not None:
-            logs = {**logs, **self.step_metrics()}
+        metrics of the step just taken (a preference task's ``rewards/*``, ``logs/*``:
+        ``BookkeepingCallback.step_metrics``) added to its training record."""
+        if "loss" in logs:
+            logs = {**logs, **self.bookkeeping.step_metrics()}
         super().log(logs, start_time)
 
     def _get_train_sampler(self, train_dataset=None):
@@ -144,16 +162,15 @@ class FinetuneTrainer(Trainer):
         return str(ckpt.trainer_staging(Path(self.args.output_dir).parent))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The micro-batch's loss: ``micro_batch_loss(model, inputs)`` / the window's items."""
+        """The micro-batch's loss in ``training_step``: ``micro_batch_loss(model, inputs)`` / the window's items
+        (``BookkeepingCallback.account``) x the processes."""
         if return_outputs:  # Trainer's own prediction path (unused here: evaluation is evaluate())
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        loss = self.account(self.micro_batch_loss(model, dict(inputs)), dict(inputs), num_items_in_batch)
-        if num_items_in_batch is not None and torch.is_grad_enabled():
-            # num_items_in_batch counts every process's items and DDP averages the gradients over the processes:
-            # undo the average, as Trainer.compute_loss does (transformers 5.23 trainer.py, "loss *= loss_scale");
-            # without it every gradient was 1/P of the accelerate backend's (found by finetune verify)
-            loss = loss * self.accelerator.num_processes
-        return loss
+        loss = self.bookkeeping.account(self.micro_batch_loss(model, dict(inputs)), dict(inputs), num_items_in_batch)
+        # num_items_in_batch counts every process's items and DDP averages the gradients over the processes: undo
+        # the average, as Trainer.compute_loss does (transformers 5.23 trainer.py, "loss *= loss_scale"); without it
+        # every gradient was 1/P of the accelerate backend's (found by finetune verify)
+        return loss * self.accelerator.num_processes
 
 
 class BookkeepingCallback(TrainerCallback):
@@ -162,26 +179,17 @@ class BookkeepingCallback(TrainerCallback):
     Trainer's state (``load_best_model_at_end`` loads it) and early stopping into its control, each checkpoint
     sealed into the resume format both backends share; fp16 skips held out of Trainer's LR schedule."""
 
-    def __init__(self, run: RunState):
-        self.run, self.task = run, run.task
-        self.trainer = None  # set once the Trainer exists
+    def __init__(self, run: RunState, trainer: FinetuneTrainer):
+        self.run, self.task, self.trainer = run, run.task, trainer
         self.window: WindowCounts | None = None  # the window in progress (FinetuneTrainer.get_batch_samples)
         self.window_loss, self.micro_batches = None, 0
         self.pending = None  # the step's counts, written in on_log with Trainer's learning rate and grad norm
         self.scale_before, self.step_skipped = None, False
 
-    def compute_loss(self, outputs, labels, num_items_in_batch=None):
-        """Trainer's ``compute_loss_func``: the micro-batch's summed loss (the task's: samples or label tokens)
-        divided by the window's item count ``num_items_in_batch`` (all processes, counted by the task:
-        ``FinetuneTrainer.get_batch_samples``), or by the batch's own items when there is no window."""
-        return self.account(self.task.loss_from_logits(outputs.logits, labels), {"labels": labels},
-                            num_items_in_batch)
-
-    def account(self, loss_sum, batch: dict, num_items_in_batch=None):
-        """The loss Trainer back-propagates for the micro-batch ``batch`` whose summed loss is ``loss_sum``: divided
-        by the window's items ``num_items_in_batch``; the window's loss is summed for the log."""
-        if num_items_in_batch is None or not torch.is_grad_enabled():  # evaluation (Trainer passes a count there too)
-            return loss_sum / self.task.count(batch).clamp(min=1)
+    def account(self, loss_sum, batch: dict, num_items_in_batch):
+        """The loss of the micro-batch ``batch`` whose summed loss is ``loss_sum``, divided by the window's items
+        ``num_items_in_batch`` (all processes: ``FinetuneTrainer.get_batch_samples``); the window's loss is summed
+        for the log. Raises ``FinetuneError`` for a window with no item."""
         if int(num_items_in_batch) == 0:  # counted over every process: all raise alike
             raise empty_window_error(self.task.samples(batch))
         self.window_loss = loss_sum.detach() if self.window_loss is None else self.window_loss + loss_sum.detach()
@@ -296,10 +304,11 @@ class HubCallback(TrainerCallback):
 def train(config, recipe, process_start: float | None = None, hub=None, observe=None) -> dict:
     """Fine-tune ``recipe`` with ``transformers.Trainer``; write the same outputs as the accelerate backend
     (model directory, ``metrics.json``, ``log.jsonl``, ``run_config.json``, model card); return the metrics.
-    Units as in ``finetune.backends.accelerate.train``; ``hub`` (a ``finetune.outputs.hub.HubPush`` or None) as there. Resumes from the
-    checkpoints it writes (``checkpoint-<step>`` sealed by ``lifecycle.RunState.seal``), agreed on by every process
-    (``lifecycle.RunState.resume``). ``observe(trainer)``: called once the Trainer is built, before it trains
-    (``finetune.commands.verify`` reads its gradients and final weights). Raises ``FinetuneError`` as the accelerate
+    Units as in ``finetune.backends.accelerate.train``; ``hub`` (a ``finetune.outputs.hub.HubPush`` or None) as
+    there. Resumes from the checkpoints it writes (``checkpoint-<step>`` sealed by
+    ``lifecycle.RunState.commit_trainer_checkpoint``), agreed on by every process (``lifecycle.RunState.resume``).
+    ``observe(trainer)``: called once the ``FinetuneTrainer`` is built, before it trains (``finetune.commands.verify``
+    reads its gradients and final weights). Raises ``FinetuneError`` as the accelerate
     backend does, and for ``--report_to aim`` (transformers 5.24 has no Aim callback)."""
     check_tracker(config.report_to)
     if config.report_to == "aim":
@@ -335,32 +344,14 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     if pack is not None and state.is_main_process:
         pack.keep(config.output_dir)  # the layout cost, for a resume to choose alike
     state.wait_for_everyone()
-    callback = BookkeepingCallback(run)
-    trainer = FinetuneTrainer(callback.account, task, plan.steps_per_epoch, callback.begin_window,
-                              model=model, args=args,
-                              train_dataset=datasets["train"], eval_dataset=datasets["validation"],
-                              data_collator=collator, processing_class=tokenizer,
-                              compute_loss_func=callback.compute_loss,
-                              callbacks=[callback] + ([HubCallback(hub)] if hub is not None else []))
-    callback.trainer = trainer
-    trainer.step_metrics = callback.step_metrics
-    engine = engine_for(trainer.accelerator)
-    engine.configure_trainer()  # before Trainer.train prepares the model (FSDP: fp32 reductions)
-    trainer.micro_batch_loss = loss_function(task, config, trainer.accelerator)
-    trainer.pack = pack
+    trainer = FinetuneTrainer(config, run, pack, hub, model=model, args=args, train_dataset=datasets["train"],
+                              eval_dataset=datasets["validation"], data_collator=collator, processing_class=tokenizer)
     if observe is not None:
         observe(trainer)
-    # Set after construction: TrainingArguments would insist on its own evaluation for it; ours sets
-    # state.best_model_checkpoint, from which Trainer loads the best model at the end.
-    trainer.args.load_best_model_at_end = config.load_best_model_at_end
-    # Pruning is the lifecycle's, after a checkpoint is sealed (Trainer's rotation runs before: it could leave
-    # no complete checkpoint behind a kill).
-    trainer.args.save_total_limit = None
-    run.precision = engine.precision()
     try:
         run.announce(model, trainer.accelerator.device.type, pack.note if pack else None)
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
-        return run.finish(engine, model, tokenizer, trainer.accelerator.device, written=trainer.model_wrapped)
+        return run.finish(trainer.engine, model, tokenizer, trainer.accelerator.device, written=trainer.model_wrapped)
     finally:
         run.close()
         for cb in trainer.callback_handler.callbacks:  # an error line must start on a line of its own

@@ -9,7 +9,7 @@ in the field's metadata (a ``Roles``), and every list of flags the code needs is
 - ``trainer`` (required): the ``TrainingArguments`` argument the Trainer backend passes it as (the installed
   transformers' name), a tuple of names that all get its value, or None (not one of Trainer's arguments: the
   Trainer backend reads it from the config, or it has no counterpart). ``to_trainer``: the conversion, where
-  Trainer's value differs from ours (``trainer_backend.training_arguments``).
+  Trainer's value differs from ours (``backends.trainer.training_arguments``).
 - ``replay`` (default True): a replayed ``run_config.json`` (``--config``) sets it. False for where this run
   writes and whether it resumes: the new command line decides those (``read_config_file``).
 - ``same_run`` (default True): compared when a new run finds a previous run's config in its ``--output_dir``

@@ -24,7 +24,7 @@ def is_bf16(mixed_precision: str) -> bool:
 class SpeedArguments:
     """Mixed precision, ``torch.compile``, activation checkpointing."""
 
-    # Trainer's fp16 is asked for on CUDA only, in trainer_backend.training_arguments (a CPU runs fp32)
+    # Trainer's fp16 is asked for on CUDA only, in backends.trainer.training_arguments (a CPU runs fp32)
     mixed_precision: Literal["no", "fp16", "bf16"] | None = flag(
         None,
         "Autocast precision; fp16 uses loss scaling (on a CPU it does not run: fp32). "

@@ -185,7 +185,7 @@ def check_settings() -> dict:
 
 def trainer_arguments(config) -> dict:
     """{``TrainingArguments`` argument: value} of every field of ``config`` with a ``trainer`` role, converted by
-    its ``to_trainer`` where it has one (``trainer_backend.training_arguments`` adds the arguments no single
+    its ``to_trainer`` where it has one (``backends.trainer.training_arguments`` adds the arguments no single
     field gives)."""
     arguments = {}
     for name in _FIELDS:

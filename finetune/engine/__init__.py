@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from datetime import timedelta
 from pathlib import Path
 
-from accelerate import Accelerator
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    DistributedType,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    TorchDynamoPlugin,
-)
+from accelerate.utils import DistributedType
 
 from finetune.engine.deepspeed import DeepSpeedEngine, parameter_numel, parameter_shape
 from finetune.engine.fsdp import FsdpEngine, fsdp1_full_sizes
 from finetune.engine.plain import PlainEngine, build_optimizer, parameter_groups
-from finetune.engine.precision import check_precision_supported
 from finetune.errors import FinetuneError
 
-__all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_class", "engine_for", "make_accelerator", "build_optimizer",
+__all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_class", "engine_for", "build_optimizer",
            "check_tracker", "local_mlflow_store",
            "parameter_groups", "parameter_counts", "parameter_sizes", "parameter_shape"]
 
@@ -99,35 +90,3 @@ def parameter_counts(model) -> tuple[int, int]:
     """(trainable, all) parameters in elements, true counts under every engine (``parameter_sizes``)."""
     sizes = parameter_sizes(model)
     return sum(n for _, n, trainable in sizes if trainable), sum(n for _, n, _ in sizes)
-
-
-def make_accelerator(config) -> Accelerator:
-    """An ``Accelerator`` for ``config``: N-step accumulation aligned to the loop's windows, a seeded sampler,
-    the schedule stepped by hand. Raises ``FinetuneError`` for bf16 on a device without it, or a ``--report_to``
-    tracker whose package is not installed."""
-    check_precision_supported(config.mixed_precision)
-    log_with = None if config.report_to == "none" else config.report_to
-    check_tracker(config.report_to)
-    local_mlflow_store(config)
-    compile_options = {}
-    if config.torch_compile:  # Accelerator.prepare wraps the model in torch.compile
-        compile_options["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode)
-    try:
-        return Accelerator(
-            **compile_options,
-            log_with=log_with,
-            project_dir=config.output_dir,
-            mixed_precision=config.mixed_precision,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False),
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
-            # Where Accelerate wraps the schedule (DeepSpeed), each step() call is then one step, not one per process.
-            step_scheduler_with_optimizer=False,
-        )
-    except ValueError as err:
-        if "bf16" in str(err):
-            raise FinetuneError(f"--mixed_precision bf16 is not supported on this device ({err}). "
-                                "Use --mixed_precision fp16 (GPU) or no.") from None
-        raise
-

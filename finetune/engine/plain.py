@@ -36,7 +36,8 @@ def build_optimizer(model, config, groups: list[dict] | None = None) -> torch.op
 
 @dataclass
 class Prepared:
-    """What ``Engine.prepare`` returns: the prepared objects and the run's ``window.StepPlan``."""
+    """What an engine's ``prepare`` returns (``PlainEngine.prepare``, and its subclasses'): the prepared objects and
+    the run's ``window.StepPlan``."""
 
     model: object
     optimizer: object

@@ -7,7 +7,6 @@ before a resume, refused when resuming would change what a step means. Layout:
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ from finetune.config import fields_with
 from finetune.errors import FinetuneError, together
 from finetune.lifecycle import elastic
 from finetune.lifecycle.progress import RunProgress
+from finetune.models.fetch import sha256_file
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -218,14 +218,6 @@ def _unverified_note(path: Path) -> str:
             "resuming without verifying its files.")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
     """Overwrite ``model``'s weights with ``checkpoint/model.safetensors`` (``Accelerator.save_state``: names
     may carry DDP's ``module.`` or torch.compile's ``_orig_mod.`` prefix, and one of two tied tensors is
@@ -251,11 +243,7 @@ def load_checkpoint_weights(model, checkpoint: Path, where: str) -> None:
                             "of the run whose --output_dir holds it.")
 
 
-def _marker_text(step: int, manifest_sha256: str) -> str:
-    return f"step {step}\n{MANIFEST} sha256 {manifest_sha256}\n"
-
-
-def _inspect(path: Path) -> tuple[str | None, bool]:  # noqa: C901 - over the budget; to split
+def _inspect(path: Path) -> tuple[str | None, bool]:
     """(what is wrong with complete checkpoint ``path``, or None; whether a manifest vouched for it)."""
     try:
         marker = (path / MARKER).read_text()
@@ -264,33 +252,39 @@ def _inspect(path: Path) -> tuple[str | None, bool]:  # noqa: C901 - over the bu
     recorded = re.search(rf"^{re.escape(MANIFEST)} sha256 ([0-9a-f]{{64}})$", marker, re.MULTILINE)
     if recorded is None:
         return None, False  # written before manifests: nothing to check against
-    manifest_path = path / MANIFEST
+    problem, entries = _read_manifest(path / MANIFEST, recorded[1])
+    problems = (_check_file(path / name, name, size, sha256) for name, size, sha256 in entries)
+    return problem or next((p for p in problems if p is not None), None), True
+
+
+def _read_manifest(manifest: Path, sha256: str) -> tuple[str | None, list[tuple[str, int, str | None]]]:
+    """(what is wrong with ``manifest``, or None; its entries (name, size, sha256 or None), [] where it is
+    wrong). ``sha256``: what the ``COMPLETE`` marker recorded for it."""
     try:
-        if _sha256(manifest_path) != recorded[1]:
-            return f"{MANIFEST} does not match the sha256 its {MARKER} marker recorded", True
-        files = json.loads(manifest_path.read_text())["files"]
-        entries = [(name, int(entry["size"]), entry.get("sha256")) for name, entry in files.items()]
+        if sha256_file(manifest) != sha256:
+            return f"{MANIFEST} does not match the sha256 its {MARKER} marker recorded", []
+        files = json.loads(manifest.read_text())["files"]
+        return None, [(name, int(entry["size"]), entry.get("sha256")) for name, entry in files.items()]
     except FileNotFoundError:
-        return f"{MANIFEST} is missing", True
+        return f"{MANIFEST} is missing", []
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})", True
-    for name, size, sha256 in entries:
-        file = path / name
-        try:
-            actual = file.stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing (it had {size} bytes when saved)", True
-        except OSError as err:
-            return f"{name} is unreadable ({err})", True
+        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})", []
+
+
+def _check_file(file: Path, name: str, size: int, sha256: str | None) -> str | None:
+    """What is wrong with the checkpoint's ``file`` (manifest name ``name``) against its manifest entry (``size``
+    in bytes; ``sha256``, or None for a file over ``HASH_LIMIT``), or None."""
+    try:
+        actual = file.stat().st_size
         if actual != size:
-            return f"{name} has {actual} bytes, {size} when saved (truncated or overwritten)", True
-        if sha256 is not None:
-            try:
-                if _sha256(file) != sha256:
-                    return f"{name} does not match the sha256 recorded when it was saved", True
-            except OSError as err:
-                return f"{name} is unreadable ({err})", True
-    return None, True
+            return f"{name} has {actual} bytes, {size} when saved (truncated or overwritten)"
+        if sha256 is not None and sha256_file(file) != sha256:
+            return f"{name} does not match the sha256 recorded when it was saved"
+    except FileNotFoundError:
+        return f"{name} is missing (it had {size} bytes when saved)"
+    except OSError as err:
+        return f"{name} is unreadable ({err})"
+    return None
 
 
 def read_state(path: Path) -> RunProgress:
@@ -352,7 +346,7 @@ def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limi
     tmp = root / f".tmp-{final.name}"
     failure = _Failure(accelerator.process_index, root, tmp, lambda: _expected_size(output_dir, model))
     if writes:
-        failure.run("preparing", lambda: _clear_leftovers(root))
+        failure.run("preparing", lambda: clear_leftovers(output_dir))
     accelerator.wait_for_everyone()
     failure.run("accelerator.save_state", lambda: accelerator.save_state(str(tmp), safe_serialization=True))
     rng_states = []
@@ -396,12 +390,7 @@ def seal_checkpoint(path: Path, state: RunProgress) -> None:
     ``verify_checkpoint`` catches a file changed or truncated. Raises ``OSError`` from the writes."""
     (path / MARKER).unlink(missing_ok=True)  # the same step written again: incomplete until sealed anew
     (path / PROGRESS_FILE).write_text(json.dumps(asdict(state)) + "\n")
-    _fsync_tree(path)
-    manifest_sha256 = write_manifest(path, state.step)
-    _fsync_file(path / MANIFEST)
-    (path / MARKER).write_text(_marker_text(state.step, manifest_sha256))
-    _fsync_file(path / MARKER)
-    _fsync_file(path)
+    _seal(path, state.step)
 
 
 def trainer_staging(output_dir) -> Path:
@@ -422,8 +411,13 @@ def commit_staged(staged: Path, final: Path, state: RunProgress) -> None:
 
 
 def clear_leftovers(output_dir) -> None:
-    """Remove what killed saves and prunes left under ``output_dir``'s checkpoints (never a checkpoint)."""
-    _clear_leftovers(checkpoints_dir(output_dir))
+    """Create ``output_dir``'s checkpoints folder; remove what killed saves and prunes left there (never a
+    checkpoint)."""
+    root = checkpoints_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.name.startswith(_LEFTOVERS) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 class _Failure:
@@ -542,14 +536,6 @@ def _agree(accelerator, failure: _Failure, final: Path, tmp: Path, writes: bool)
                                  "--resume_from_checkpoint latest."))
 
 
-def _clear_leftovers(root: Path) -> None:
-    """Create ``root``; remove what killed saves and prunes left there (never a ``step_*`` folder)."""
-    root.mkdir(parents=True, exist_ok=True)
-    for entry in root.iterdir():
-        if entry.name.startswith(_LEFTOVERS) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
-
-
 def _write_rest(accelerator, tmp: Path, state: RunProgress, model, tokenizer, rng_states) -> None:
     """What a writer adds to ``save_state``'s files: other machines' random states (``per_machine``), the
     model's config (or a PEFT adapter), the tokenizer, ``trainer_state.json``."""
@@ -584,23 +570,29 @@ def write_manifest(path: Path, step: int) -> str:
         if name in (MANIFEST, MARKER):
             continue
         size = file.stat().st_size
-        files[name] = {"size": size, "sha256": _sha256(file)} if size <= HASH_LIMIT else {"size": size}
+        files[name] = {"size": size, "sha256": sha256_file(file)} if size <= HASH_LIMIT else {"size": size}
     (path / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "step": step, "hash_limit": HASH_LIMIT,
                                              "files": files}, indent=1) + "\n")
-    return _sha256(path / MANIFEST)
+    return sha256_file(path / MANIFEST)
 
 
 def _commit(tmp: Path, final: Path, step: int) -> None:
-    """Make ``tmp`` the checkpoint ``final``: fsync its files, write the manifest, fsync it, write and fsync the
-    ``COMPLETE`` marker (naming the manifest's sha256), then rename. A ``final`` already there (the same step
-    saved again after a resume) is renamed aside first, so no moment shows a half-deleted ``step_N``."""
-    _fsync_tree(tmp)  # the manifest and marker must not reach the disk before the files they vouch for
-    manifest_sha256 = write_manifest(tmp, step)
-    _fsync_file(tmp / MANIFEST)
-    (tmp / MARKER).write_text(_marker_text(step, manifest_sha256))
-    _fsync_file(tmp / MARKER)
-    _fsync_file(tmp)
+    """Make ``tmp`` the checkpoint ``final``: sealed (``_seal``), then renamed into place (``_rename_into_place``)."""
+    _seal(tmp, step)
     _rename_into_place(tmp, final)
+
+
+def _seal(path: Path, step: int) -> None:
+    """Fsync the files under ``path``, then write and fsync ``manifest.json`` (``write_manifest``), the ``COMPLETE``
+    marker (naming the manifest's sha256) and the folder: neither reaches the disk before the files they vouch for."""
+    for file in path.rglob("*"):
+        if file.is_file():
+            _fsync_file(file)
+    manifest_sha256 = write_manifest(path, step)
+    _fsync_file(path / MANIFEST)
+    (path / MARKER).write_text(f"step {step}\n{MANIFEST} sha256 {manifest_sha256}\n")
+    _fsync_file(path / MARKER)
+    _fsync_file(path)
 
 
 def _rename_into_place(tmp: Path, final: Path) -> None:
@@ -641,12 +633,6 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
-    for file in path.rglob("*"):
-        if file.is_file():
-            _fsync_file(file)
-
-
 # ------------------------------------------------------------------------------------------ agreement between processes
 class _NoCheckpoint(Exception):
     """``--resume_from_checkpoint auto`` found no checkpoint on this process."""
@@ -681,7 +667,7 @@ def common_checkpoint(outcomes: list[dict]) -> int | None:
     return max(common) if common else None
 
 
-def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate") -> Path | None:  # noqa: C901 - over the budget; to split
+def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate") -> Path | None:
     """The checkpoint to resume from (``checkpoint.find_resume_checkpoint`` in this process's
     ``output_dir``), checked to be the same step on every process (collective; every process calls it).
 
@@ -695,27 +681,13 @@ def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate
     the machine that lacks it, or resume every machine from a step all of them hold. ``backend``: whose
     checkpoints (the Trainer backend's ``checkpoint-<step>`` folders are sealed and checked alike).
     """
-    mine: dict = {"name": None, "error": None, "step": None}
-    caught = None
-    try:
-        path = find_resume_checkpoint(output_dir, spec, backend)
-        if path is None:  # "auto" with no checkpoint: a fresh start, if every process agrees
-            raise _NoCheckpoint()
-        saved = read_state(path)
-        rng = path / rng_file(backend, state.process_index, state.num_processes)
-        if saved.num_processes == state.num_processes and not rng.is_file():
-            raise FinetuneError(f"checkpoint {path} lacks this process's random-number state ({rng.name})")
-        mine.update(name=path.name, step=saved.step)
-    except _NoCheckpoint:
-        path = None
-    except FinetuneError as err:
-        path, caught, mine["error"] = None, err, str(err)
+    mine, path, caught = _resolve_here(state, output_dir, spec, backend)
     if state.num_processes <= 1:
         if caught is not None:
             raise caught
         return path
-    mine.update(machine=distributed.machine_index(state), rank=state.process_index, held=held_checkpoints(state, output_dir, backend),
-                dir=str(Path(output_dir).resolve()))
+    mine.update(machine=distributed.machine_index(state), rank=state.process_index,
+                held=held_checkpoints(state, output_dir, backend), dir=str(Path(output_dir).resolve()))
     outcomes = gather_object([mine])
     names = {o["name"] for o in outcomes}
     if len(names) == 1 and (None not in names or not any(o["error"] for o in outcomes)):
@@ -725,21 +697,49 @@ def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate
     if common is not None:
         chosen = checkpoint_path(output_dir, common, backend)
         if state.is_main_process:
-            newest = "; ".join(f"{distributed.describe(where, machines)}: {name or 'none'}"
-                               for name, where in distributed.group_outcomes([{**o, "name": o["name"] or "none"} for o in outcomes],
-                                                         "name").items())
+            newest = "; ".join(f"{distributed.describe(where, machines)}: {name}" for name, where in
+                               distributed.group_outcomes([{**o, "name": o["name"] or "none"} for o in outcomes],
+                                                          "name").items())
             print(f"--resume_from_checkpoint auto: the processes' newest resumable checkpoints differ ({newest}); "
                   f"resuming every process from {chosen.name}, the newest that all of them hold complete and "
                   "verified.")
         return chosen
+    raise together(_disagreement(outcomes, output_dir, spec, machines, caught))
+
+
+def _resolve_here(state, output_dir, spec: str, backend: str) -> tuple[dict, Path | None, FinetuneError | None]:
+    """This process's answer for ``agree_on_checkpoint``: (its outcome: the checkpoint's name and step, or the
+    error; the checkpoint, or None; the ``FinetuneError`` it met, or None)."""
+    mine: dict = {"name": None, "error": None, "step": None}
+    try:
+        path = find_resume_checkpoint(output_dir, spec, backend)
+        if path is None:  # "auto" with no checkpoint: a fresh start, if every process agrees
+            raise _NoCheckpoint()
+        saved = read_state(path)
+        rng = path / rng_file(backend, state.process_index, state.num_processes)
+        if saved.num_processes == state.num_processes and not rng.is_file():
+            raise FinetuneError(f"checkpoint {path} lacks this process's random-number state ({rng.name})")
+        mine.update(name=path.name, step=saved.step)
+        return mine, path, None
+    except _NoCheckpoint:
+        return mine, None, None
+    except FinetuneError as err:
+        mine["error"] = str(err)
+        return mine, None, err
+
+
+def _disagreement(outcomes: list[dict], output_dir, spec: str, machines: int, caught) -> FinetuneError:
+    """The error every process raises where the processes' checkpoints (``outcomes``) differ and none is held by
+    all: which machine and rank would resume from what or cannot, and the fixes. ``caught``: this process's own
+    error (None where it found a checkpoint or none)."""
     for o in outcomes:  # "auto": some processes found a checkpoint, these none
         if o["name"] is None and o["error"] is None:
             o["error"] = f"no complete checkpoint under {checkpoints_dir(o['dir'])}"
-    if caught is None and path is None:
+    if caught is None:  # this process found none ("auto")
         caught = FinetuneError(f"no complete checkpoint under {checkpoints_dir(output_dir)}")
     failed = distributed.group_outcomes(outcomes, "error")
     if len(failed) == 1 and all(o["error"] is not None for o in outcomes):
-        raise together(caught)  # the same on every process: as on one process
+        return caught  # the same on every process: as on one process
     parts = [f"{distributed.describe(where, machines)} would resume from {name}" for name, where in distributed.group_outcomes(outcomes, "name").items()]
     parts += [f"{distributed.describe(where, machines)} cannot: {message}" for message, where in failed.items()]
     newest = max((o["step"] for o in outcomes if o["step"] is not None), default=None)
@@ -755,5 +755,5 @@ def agree_on_checkpoint(state, output_dir, spec: str, backend: str = "accelerate
         fixes.append(f"resume every machine from step {max(common)}, which all hold: --resume_from_checkpoint "
                      f"<its --output_dir>/checkpoints/{checkpoint_path('', max(common)).name}")
     fix = (", or ".join(fixes) + ".") if fixes else "start the run again without --resume_from_checkpoint."
-    raise together(FinetuneError(f"--resume_from_checkpoint {spec}: every process must resume from the same "
-                                 f"checkpoint, but {'; '.join(parts)}. To fix it, {fix}"))
+    return FinetuneError(f"--resume_from_checkpoint {spec}: every process must resume from the same checkpoint, "
+                         f"but {'; '.join(parts)}. To fix it, {fix}")

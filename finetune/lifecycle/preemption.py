@@ -59,7 +59,7 @@ def checkpoint_bytes(model) -> int:
 
 def write_speed(directory, size: int = PROBE_BYTES) -> float | None:
     """Bytes per second of a ``size``-byte write with ``fsync`` into ``directory`` (as a checkpoint is written:
-    ``checkpoint._fsync_tree``); None when it cannot be written. The file is removed."""
+    ``checkpoint._seal``); None when it cannot be written. The file is removed."""
     probe = Path(directory) / f"{PROBE_NAME}-{os.getpid()}"
     data = os.urandom(size)  # incompressible, as weights are to a compressing file system
     try:

@@ -1,10 +1,11 @@
 """The run lifecycle both backends drive, in torchtune's setup / train / cleanup shape: ``RunState`` owns the run's
 counters (``progress.RunProgress``), its records and cadence (``log.jsonl`` through ``run_log``, the evaluation
-and save cadence, the best model, early stopping, fp16 skips), the resume (one checkpoint format for both backends, checked alike and agreed on by every
-process), evaluation with generation and the rule of which evaluated model is kept, the step and save timers
-(``preemption.SaveBudget``), the banner and the final outputs. Both backends hold one: the accelerate backend's ``train.Loop``
-asks it around the visible loop, the Trainer backend's thin callback forwards Trainer's events to it. Units: optimizer steps, samples and tokens over all processes, seconds. See
-docs/backends.md.
+and save cadence, the best model, early stopping, fp16 skips), the resume (one checkpoint format for both
+backends, checked alike and agreed on by every process), evaluation with generation and the rule of which
+evaluated model is kept, the step and save timers (``preemption.SaveBudget``), the banner and the final outputs.
+Both backends hold one: the accelerate backend's ``Loop`` (``backends.accelerate``) asks it around the visible
+loop, the Trainer backend's thin callback (``backends.trainer.BookkeepingCallback``) forwards Trainer's events to
+it. Units: optimizer steps, samples and tokens over all processes, seconds. See docs/backends.md.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class RunState:
 
     # -------------------------------------------------------------------------------- setup
     def resume(self, state, load=None) -> Path | None:
-        """``--resume_from_checkpoint``: the checkpoint every process agrees on (``ckpt.agree_on_checkpoint``:
+        """``--resume_from_checkpoint``: the checkpoint every process agrees on (``checkpoint.agree_on_checkpoint``:
         complete, verified against its manifest, holding each process's random state, the same step everywhere),
         its ``RunProgress`` checked to mean the same step (``checkpoint.check_compatible``) and restored, after
         ``load(path, progress)`` loaded the backend's own state (the accelerate backend's ``load_state``; Trainer loads its

@@ -247,7 +247,7 @@ def write_outputs(engine, model, tokenizer, config, recipe, metrics: dict, write
 def write_card(output_dir, config, recipe, metrics: dict, hub_repo_id: str | None = None) -> Path:
     """The model card (``README.md`` in ``output_dir``) of the run ``config``/``metrics``, with the command that
     reproduces it; ``hub_repo_id``: the Hub repository it goes to (``finetune.outputs.hub``). Returns its path; raises what
-    ``model_card.write_model_card`` raises."""
+    ``card.write_model_card`` raises."""
     command = reproduce_command(config_argv(config, recipe), num_processes=metrics["num_processes"],
                                 device=metrics["device"])
     return write_model_card(output_dir, config, metrics, recipe, command, hub_repo_id=hub_repo_id)
