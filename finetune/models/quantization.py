@@ -74,7 +74,20 @@ def prepare_for_training(model):
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+            module.register_load_state_dict_pre_hook(_take_quant_state)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _take_quant_state(module, state_dict, prefix, *_):
+    """A 4-bit layer's load-state-dict pre-hook: its state dict holds the quantization constants beside the packed
+    weight (bitsandbytes 0.50.2 ``Linear4bit._save_to_state_dict``), which its load does not take back, so a strict
+    load of a checkpoint (``accelerator.load_state``) would fail on them. They are taken out here and checked equal
+    to the layer's own (the step meaning's hash has already checked the base). Raises ``ValueError`` where they
+    differ."""
+    for key, own in module.weight.quant_state.as_dict(packed=True).items():
+        saved = state_dict.pop(f"{prefix}weight.{key}", None)
+        if saved is not None and not torch.equal(saved.to(own.device), own):
+            raise ValueError(f"{prefix}weight.{key}: the checkpoint's quantization constants are not this base's")
 
 
 def _quantized_modules(model):
