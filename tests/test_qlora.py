@@ -104,6 +104,7 @@ def _bad(tmp_path, capsys, model, flags, monkeypatch=None, missing=False):
     (["--optim", "adamw_4bit"], ["--optim", "invalid choice"]),
     (["--use_peft", "--load_in_4bit", "--torch_compile"], ["--torch_compile with --load_in_4bit"]),
     (["--use_peft", "--load_in_4bit", "--merge_adapter"], ["--merge_adapter with a quantized base"]),
+    (["--use_peft", "--load_in_8bit", "--use_dora"], ["--use_dora on an 8-bit base", "--load_in_4bit"]),
 ])
 def test_bad_quantization_and_lora_flags_are_one_error_line(tmp_path, capsys, tiny_bert, flags, fragments):
     line = _bad(tmp_path, capsys, tiny_bert, flags)
@@ -267,3 +268,56 @@ def test_qlora_sigterm_and_resume_is_bit_identical_and_another_base_is_refused(t
     assert [r["step"] for r in train_steps(killed)] == [1, 2, 3, 4]
     a, b = adapter(full), adapter(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------------ the LoRA family
+def test_lora_family_on_a_4bit_base_in_both_backends_and_resume(tmp_path, chat_llama, sft_files, monkeypatch, capsys):
+    """DoRA + rsLoRA + gaussian initialisation + lm_head trained in full, on a nested NF4 base, with bitsandbytes'
+    8-bit AdamW: the adapter holds DoRA's magnitudes and the full lm_head, its config peft's settings, the card
+    says so; the Trainer backend takes the same steps; SIGTERM and resume ends bit-identical; a resume without DoRA
+    is refused by name."""
+    import finetune.backends.accelerate as engine
+    from finetune.errors import FinetuneError, TrainingStopped
+
+    flags = qlora(chat_llama, sft_files, use_bnb_nested_quant=True, use_dora=True, use_rslora=True,
+                  init_lora_weights="gaussian", lora_modules_to_save="lm_head", optim="adamw_bnb_8bit",
+                  num_train_epochs=2, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    _, full = run_in_process(tmp_path, "full", **flags)
+    banner = capsys.readouterr().out
+    assert ("(DoRA r=16, alpha=32; rsLoRA scaling alpha/sqrt(r); init gaussian; targets all-linear; trained in full: "
+            "lm_head), on a frozen NF4 (4-bit, bitsandbytes; nested constants; compute float32; 14 linear layers) "
+            "base") in banner
+    weights, config = adapter(full), json.loads((full / "adapter_config.json").read_text())
+    assert sum("lora_magnitude_vector" in k for k in weights) == 14
+    assert any(k.endswith("lm_head.weight") for k in weights)
+    assert (config["use_dora"], config["use_rslora"], config["init_lora_weights"], config["modules_to_save"]) == (
+        True, True, "gaussian", ["lm_head"])
+    card = (full / "README.md").read_text()
+    assert "| base model weights | NF4 4-bit (bitsandbytes), nested constants, compute float32, frozen |" in card
+    assert "| optimizer | AdamW, `adamw_bnb_8bit`" in card
+
+    _, trainer = run_in_process(tmp_path, "trainer", backend="trainer", **flags)
+    assert [r["loss"] for r in train_steps(trainer)] == pytest.approx([r["loss"] for r in train_steps(full)], rel=1e-5)
+
+    original = stop_during_window(monkeypatch, index=2)
+    with pytest.raises(TrainingStopped):
+        run_in_process(tmp_path, "killed", **flags)
+    monkeypatch.setattr(engine, "iter_windows", original)
+    killed = tmp_path / "killed"
+    with pytest.raises(FinetuneError, match="use_dora: checkpoint True, now False"):
+        run_in_process(tmp_path, "killed", resume_from_checkpoint="latest", **{**flags, "use_dora": False})
+    run_in_process(tmp_path, "killed", resume_from_checkpoint="latest", **flags)
+    assert [r["loss"] for r in train_steps(killed)] == [r["loss"] for r in train_steps(full)]
+    resumed = adapter(killed)
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+
+
+def test_an_8bit_base_trains_alike_in_both_backends(tmp_path, chat_llama, sft_files, capsys):
+    """LoRA on an int8 base with paged 32-bit AdamW: the banner says int8; both backends take the same steps."""
+    flags = qlora(chat_llama, sft_files, load_in_4bit=False, load_in_8bit=True, optim="paged_adamw_32bit")
+    _, accelerate = run_in_process(tmp_path, "accelerate", **flags)
+    assert "on a frozen int8 (8-bit, bitsandbytes LLM.int8(); 14 linear layers) base" in capsys.readouterr().out
+    _, trainer = run_in_process(tmp_path, "trainer", backend="trainer", **flags)
+    losses = [r["loss"] for r in train_steps(accelerate)]
+    assert len(losses) == 2 and [r["loss"] for r in train_steps(trainer)] == pytest.approx(losses, rel=1e-5)
+    assert "| base model weights | int8 8-bit (bitsandbytes LLM.int8()), frozen |" in (accelerate / "README.md").read_text()

@@ -123,6 +123,10 @@ class LoraArguments:
                                           ("bnb_4bit_quant_type", self.bnb_4bit_quant_type != "nf4")) if on]
         if four_bit and not self.load_in_4bit:
             raise FinetuneError(f"--{four_bit[0]} applies to a 4-bit base: add --load_in_4bit, or drop it.")
+        if self.load_in_8bit and self.use_dora:  # peft 0.21 get_weight_norm -> bitsandbytes 0.50.2 MatMul8bitFp
+            raise FinetuneError("--use_dora on an 8-bit base fails inside peft and bitsandbytes (the int8 layer's "
+                                "scales are not set up for DoRA's weight norm). Use --load_in_4bit with --use_dora, or "
+                                "drop --use_dora.")
         if (self.load_in_4bit or self.load_in_8bit) and self.merge_adapter:
             raise FinetuneError("--merge_adapter with a quantized base: merging into 4-bit or 8-bit weights rounds the "
                                 "adapter away (a merge into the de-quantized base is finetune export's, not yet). Drop "
