@@ -2,7 +2,7 @@
 loaded as TRL does it (``trl.get_quantization_config``: transformers' ``BitsAndBytesConfig`` from the
 ``ModelConfig`` flags) and prepared for training by peft's ``prepare_model_for_kbit_training``; what the base is
 (for the banner and the card) and the hash of its quantized weights (part of a step's meaning: a resume never
-continues on a base quantized otherwise). See docs/recipes.md#qlora."""
+continues on a base quantized otherwise). See docs/recipes.md, "QLoRA"."""
 
 from __future__ import annotations
 
