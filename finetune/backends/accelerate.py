@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from finetune import distributed
 from finetune.config import config_argv, reproduce_command
 from finetune.data import packing
-from finetune.engine import PlainEngine, check_tracker, engine_for, local_mlflow_store
+from finetune.engine import PlainEngine, check_quantized_base, check_tracker, engine_for, local_mlflow_store
 from finetune.engine.precision import check_precision_supported, loss_scale, optimizer_step_skipped
 from finetune.errors import FinetuneError, NumericalError, TrainingStopped, together
 from finetune.lifecycle import checkpoint as ckpt
@@ -45,6 +45,7 @@ from finetune.lifecycle.window import (
     plan_steps,
     window_repeats,
 )
+from finetune.models.quantization import base_identity
 from finetune.signals import GracefulStop
 from finetune.tasks import IGNORE_INDEX, run_task
 from finetune.tasks.builders import build_components
@@ -104,6 +105,7 @@ class Setup:
     micro_batch_loss: object  # (model, batch) -> the loss summed over the batch's items: loss.loss_function
     pack: object = None  # --padding_free/--packing: window -> the micro-batches it runs (packing.Packer), else None
     train_dataset: object = None  # the tokenized training set (a datasets.Dataset): what the run is bound to
+    base: dict | None = None  # a quantized base's identity (models.quantization.base_identity): part of a step's meaning
 
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses."""
@@ -120,11 +122,13 @@ def setup(config, recipe) -> Setup:
     accelerator.project_configuration.save_on_each_node = layout.per_machine
     engine.configure(config, per_machine=layout.per_machine)
     precision = engine.precision()
+    check_quantized_base(config, engine)
     task = run_task(recipe, config)
     check_benchmark_tasks(config, task)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
         config, recipe, precision, accelerator.main_process_first, task, accelerator.device)
     check_eval_set(len(datasets["validation"]), config)
+    base = base_identity(model)  # a quantized base's hash, before an engine places or wraps it
     # Own generators: otherwise every new iterator (each epoch, each evaluation, a resume's skip) draws a
     # seed from the global RNG, and a resumed run's dropout masks would drift from the uninterrupted run's.
     # The order itself comes from Accelerate's seeded sampler (data_seed + epoch).
@@ -149,7 +153,7 @@ def setup(config, recipe) -> Setup:
                               precision=precision, loss_sum=micro_batch_loss)
     return Setup(accelerator, engine, prepared.model, tokenizer, prepared.optimizer, prepared.scheduler,
                  prepared.train_dataloader, prepared.eval_dataloader, prepared.plan, precision, task, recipe.METRICS,
-                 raw_validation, layout, micro_batch_loss, pack, datasets["train"])
+                 raw_validation, layout, micro_batch_loss, pack, datasets["train"], base)
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -224,7 +228,7 @@ class Loop:
             config, recipe, backend="accelerate", plan=built.plan, num_processes=accelerator.num_processes,
             task=built.task, layout=built.layout, precision=built.precision, say=accelerator.print,
             main=accelerator.is_main_process, raw_validation=built.raw_validation, hub=hub,
-            process_start=process_start, train_dataset=built.train_dataset)
+            process_start=process_start, train_dataset=built.train_dataset, base=built.base)
         self.config, self.plan = config, built.plan
         self.built, self.accelerator = built, accelerator
         self.logging_steps = max(self.plan.steps(config.logging_steps), 1)

@@ -17,7 +17,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from finetune import distributed
 from finetune.data import packing
-from finetune.engine import check_tracker, engine_class, engine_for, local_mlflow_store
+from finetune.engine import check_quantized_base, check_tracker, engine_class, engine_for, local_mlflow_store
 from finetune.engine.precision import loss_scale, optimizer_step_skipped
 from finetune.errors import FinetuneError
 from finetune.lifecycle import checkpoint as ckpt
@@ -32,6 +32,7 @@ from finetune.lifecycle.window import (
     plan_steps,
     window_repeats,
 )
+from finetune.models.quantization import base_identity
 from finetune.tasks import IGNORE_INDEX, run_task
 from finetune.tasks.builders import build_components
 from finetune.tasks.loss import loss_function
@@ -320,6 +321,8 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     layout = distributed.plan_storage(state, config.output_dir)
     args.save_on_each_node = layout.per_machine  # each machine's local main process keeps its own copy
     precision_hint = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
+    engine_kind = engine_class(args.distributed_state.distributed_type)  # its facts; Trainer builds the Accelerator
+    check_quantized_base(config, engine_kind)
     task = run_task(recipe, config)
     check_benchmark_tasks(config, task)
     tokenizer, datasets, _, model, collator, raw_validation = build_components(
@@ -327,7 +330,6 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     check_eval_set(len(datasets["validation"]), config)
     # the per-sequence check on the model as loaded, before anything is written, on the device Trainer puts it on
     # (transformers 5.24 trainer.py lines 495-504; under FSDP and DeepSpeed it stays where it was loaded)
-    engine_kind = engine_class(args.distributed_state.distributed_type)  # its facts; Trainer builds the Accelerator
     if (config.padding_free or config.packing) and not engine_kind.shards_weights:
         model = model.to(args.device)
     pack = packing.packer_for(config, task, model, engine_kind, exact=True,
@@ -338,7 +340,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     run = RunState(config, recipe, backend="trainer", plan=plan, num_processes=processes, task=task, layout=layout,
                    precision=precision_hint, say=print if state.is_main_process else lambda text: None,
                    main=state.is_main_process, raw_validation=raw_validation, hub=hub, process_start=process_start,
-                   train_dataset=datasets["train"])
+                   train_dataset=datasets["train"], base=base_identity(model))
     resume_from = run.resume(state)  # Trainer loads the model, optimizer, schedule and RNG in Trainer.train
     run.open()  # a resumed run's log is cut back to its step
     if pack is not None and state.is_main_process:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from finetune.config.flags import flag
+from finetune.config.lora import require_bitsandbytes
 from finetune.errors import FinetuneError
 
 LR_SCHEDULER_CHOICES = (
@@ -18,6 +19,10 @@ LR_SCHEDULER_CHOICES = (
     "constant_with_warmup",
     "inverse_sqrt",
 )
+
+# TrainingArguments' names (transformers 5.24 training_args.py OptimizerNames): torch's AdamW, bitsandbytes' AdamW
+OPTIM_CHOICES = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+BNB_OPTIMIZERS = OPTIM_CHOICES[2:]
 
 
 @dataclass
@@ -32,8 +37,10 @@ class OptimizationArguments:
         0.0, "AdamW weight decay (not on biases and LayerNorm).",
         step=False, trainer="weight_decay",
     )
-    optim: Literal["adamw_torch", "adamw_torch_fused"] = flag(
-        "adamw_torch", "AdamW implementation (TrainingArguments names); fused is one kernel per step.",
+    optim: Literal[OPTIM_CHOICES] = flag(
+        "adamw_torch", "AdamW implementation (TrainingArguments names): fused is one kernel per step; "
+        "adamw_bnb_8bit keeps the moments in 8 bits (bitsandbytes, block-wise), paged_* in memory that pages to "
+        "the host under pressure (CUDA; on a CPU they run unpaged). The bitsandbytes ones need the qlora extra.",
         step=False, trainer="optim",
     )
     adam_beta1: float = flag(
@@ -83,5 +90,7 @@ class OptimizationArguments:
             raise FinetuneError("--num_train_epochs must be > 0 (or set --max_steps to a positive number).")
         if self.max_grad_norm < 0:
             raise FinetuneError(f"--max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
+        if self.optim in BNB_OPTIMIZERS:
+            require_bitsandbytes(f"--optim {self.optim}")
         if self.max_skipped_steps < 1:
             raise FinetuneError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}.")

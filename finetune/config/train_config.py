@@ -116,6 +116,7 @@ class TrainConfig(ReproducibilityArguments, PreferenceArguments, LoraArguments, 
         self._check_data()
         self._check_processes()
         self._check_peft()
+        self._check_quantized_base()
         self._check_activation_checkpointing()
         self._check_causal_lm()
         self._check_preference()
@@ -134,6 +135,14 @@ class TrainConfig(ReproducibilityArguments, PreferenceArguments, LoraArguments, 
         for name in ("logging_steps", "eval_steps", "save_steps"):
             if getattr(self, name) == 0:
                 raise FinetuneError(f"--{name} must be > 0 (a count of optimizer steps, or a ratio in (0, 1)).")
+
+    def _check_quantized_base(self) -> None:
+        """A quantized base (LoRA and speed): not compiled (transformers 5.24 ``trainer_utils.py``
+        ``validate_quantization_for_training`` refuses a compiled quantized model)."""
+        if (self.load_in_4bit or self.load_in_8bit) and self.torch_compile:
+            raise FinetuneError(f"--torch_compile with --{'load_in_4bit' if self.load_in_4bit else 'load_in_8bit'}: "
+                                "bitsandbytes' layers are not compiled (transformers refuses a compiled quantized "
+                                "model). Drop --torch_compile.")
 
     def _check_packing_backend(self) -> None:
         """The backend that can run packed windows (causal LM and run)."""

@@ -15,6 +15,7 @@ from finetune.engine.plain import PlainEngine, build_optimizer, parameter_groups
 from finetune.errors import FinetuneError
 
 __all__ = ["PlainEngine", "FsdpEngine", "DeepSpeedEngine", "engine_class", "engine_for", "build_optimizer",
+           "check_quantized_base",
            "check_tracker", "local_mlflow_store",
            "parameter_groups", "parameter_counts", "parameter_sizes", "parameter_shape"]
 
@@ -59,6 +60,15 @@ def engine_class(distributed_type) -> type[PlainEngine]:
     if distributed_type == DistributedType.FSDP:
         return FsdpEngine
     return PlainEngine
+
+
+def check_quantized_base(config, engine: type[PlainEngine] | PlainEngine) -> None:
+    """Raise ``FinetuneError`` for a quantized base (``--load_in_4bit``/``--load_in_8bit``) on an engine that does
+    not hold one (``holds_quantized_base``: FSDP and DeepSpeed, not yet)."""
+    if (config.load_in_4bit or config.load_in_8bit) and not engine.holds_quantized_base:
+        raise FinetuneError(f"--{'load_in_4bit' if config.load_in_4bit else 'load_in_8bit'} runs on one process or "
+                            f"DDP; {engine.name} with a quantized base is not supported yet. Launch without the "
+                            f"{engine.name} config (each process holds the whole quantized base).")
 
 
 def engine_for(accelerator) -> PlainEngine:

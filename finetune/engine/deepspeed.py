@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import torch
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 
 from finetune.engine.plain import PlainEngine, Prepared, build_optimizer, parameter_groups
@@ -14,7 +15,11 @@ from finetune.errors import FinetuneError
 
 
 def parameter_numel(param) -> int:
-    """A parameter's true element count, also where ZeRO-3 left an empty placeholder (``ds_numel``)."""
+    """A parameter's true element count, also where ZeRO-3 left an empty placeholder (``ds_numel``) or
+    bitsandbytes packed two 4-bit weights a byte (``Params4bit``: its ``quant_state.shape`` is the weight's)."""
+    state = getattr(param, "quant_state", None)
+    if state is not None and getattr(state, "shape", None) is not None:
+        return torch.Size(state.shape).numel()
     return getattr(param, "ds_numel", param.numel())
 
 
@@ -25,6 +30,8 @@ def parameter_shape(param) -> tuple:
 
 class DeepSpeedEngine(PlainEngine):
     """DeepSpeed (ZeRO 1-3) through Accelerate: flags written into its config, the settings read back after."""
+
+    holds_quantized_base = False  # not yet: a quantized base is refused (engine.check_quantized_base)
 
     name = "DeepSpeed"
     generation_synced = True  # ZeRO-3 gathers partitions in every forward: ranks generate in lockstep

@@ -83,6 +83,8 @@ class FsdpEngine(PlainEngine):
     """FSDP through Accelerate's plugin (from the launcher's config), synchronised on every micro-batch so that
     each rank keeps only its gradient shard while accumulating (see docs/design-notes.md#engine)."""
 
+    holds_quantized_base = False  # not yet: a quantized base is refused (engine.check_quantized_base)
+
     name = "FSDP"
     sync_each_batch = True  # no_sync would keep full gradients for N-1 micro-batches (accelerate PR 2531)
     generation_synced = True  # every forward all-gathers: ranks generate in lockstep

@@ -27,11 +27,19 @@ def parameter_groups(model, config, shape=lambda param: param.shape) -> list[dic
     return [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model, config, groups: list[dict] | None = None) -> torch.optim.AdamW:
-    """AdamW over ``groups`` (default ``parameter_groups``), fused for ``--optim adamw_torch_fused`` as in Trainer."""
-    return torch.optim.AdamW(groups if groups is not None else parameter_groups(model, config), lr=config.learning_rate,
-                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-                             fused=config.optim == "adamw_torch_fused" or None)
+def build_optimizer(model, config, groups: list[dict] | None = None) -> torch.optim.Optimizer:
+    """AdamW over ``groups`` (default ``parameter_groups``) as Trainer builds it for ``--optim`` (transformers 5.24
+    ``trainer_optimizer.py``): torch's, fused for ``adamw_torch_fused``; bitsandbytes' ``AdamW`` with 8-bit moments
+    for ``adamw_bnb_8bit``, paged (``is_paged``) for ``paged_adamw_8bit``/``paged_adamw_32bit``. bitsandbytes keeps
+    the moments of a tensor under 4096 elements in 32 bits whatever ``optim_bits`` says (its ``min_8bit_size``)."""
+    groups = groups if groups is not None else parameter_groups(model, config)
+    options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+    if config.optim in ("adamw_torch", "adamw_torch_fused"):
+        return torch.optim.AdamW(groups, fused=config.optim == "adamw_torch_fused" or None, **options)
+    from bitsandbytes.optim import AdamW  # lazy: only these optimizers need bitsandbytes (the qlora extra)
+
+    return AdamW(groups, optim_bits=8 if config.optim.endswith("8bit") else 32, is_paged=config.optim.startswith("paged"),
+                 **options)
 
 
 @dataclass
@@ -65,6 +73,7 @@ class PlainEngine:
     lockstep_windows = False
     local_backward = True  # a backward runs on one process alone, no collective inside (verify's determinism check)
     shards_weights = False  # the engine places and shards the model itself (Trainer leaves it where it was loaded)
+    holds_quantized_base = True  # trains adapters on a bitsandbytes 4-bit/8-bit base (--load_in_4bit/--load_in_8bit)
 
     @classmethod
     def label(cls, num_processes: int) -> str:

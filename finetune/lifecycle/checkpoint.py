@@ -65,6 +65,7 @@ _LEFTOVERS = (".tmp-step_", ".replaced-step_", ".deleting-step_", TRAINER_STAGIN
 # effective batch B is one too (``elastic.batch_meaning``); how it is split (micro-batch, accumulation, processes)
 # is not: a resume may re-split it (finetune.lifecycle.elastic).
 STEP_MEANING = fields_with(step=True)
+QUANTIZED_BASE = "quantized_base"  # the step meaning's entry for a quantized base: its quantization and weights' hash
 
 
 def checkpoints_dir(output_dir) -> Path:
@@ -72,13 +73,17 @@ def checkpoints_dir(output_dir) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def step_meaning(config, num_processes: int, training_set: dict | None = None) -> dict:
+def step_meaning(config, num_processes: int, training_set: dict | None = None, base: dict | None = None) -> dict:
     """The settings that define a step (``STEP_MEANING``) plus the effective batch and its split
-    (``elastic.batch_meaning``) and the training set the run is bound to (``training_set``:
-    ``data.training_set_identity``, with the held-out flags: ``elastic.data_meaning``)."""
+    (``elastic.batch_meaning``), the training set the run is bound to (``training_set``:
+    ``data.training_set_identity``, with the held-out flags: ``elastic.data_meaning``) and a quantized base's
+    identity (``base``: ``models.quantization.base_identity``, as ``QUANTIZED_BASE``; a resume onto a base quantized
+    otherwise is refused by it)."""
     meaning = {name: getattr(config, name) for name in STEP_MEANING}
     meaning.update(elastic.batch_meaning(config, num_processes))
     meaning.update(elastic.data_meaning(config, training_set))
+    if base is not None:
+        meaning[QUANTIZED_BASE] = base
     return meaning
 
 

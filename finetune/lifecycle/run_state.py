@@ -38,16 +38,18 @@ class RunState:
     ``finetune.outputs.hub.HubPush`` or None; ``process_start``: ``time.time()`` when the process started (for
     ``metrics.json``); ``raw_validation``: the validation split before tokenizing (generation evaluates it);
     ``train_dataset``: the tokenized training set (a ``datasets.Dataset``) that the run and its checkpoints are
-    bound to (``data.training_set_identity``; None: not recorded)."""
+    bound to (``data.training_set_identity``; None: not recorded); ``base``: a quantized base's identity
+    (``models.quantization.base_identity``; None: a full-precision base), part of a step's meaning too."""
 
     def __init__(self, config, recipe, *, backend: str, plan, num_processes: int, task, layout, precision: str, say,
-                 main: bool, raw_validation=None, hub=None, process_start: float | None = None, train_dataset=None):
+                 main: bool, raw_validation=None, hub=None, process_start: float | None = None, train_dataset=None,
+                 base: dict | None = None):
         self.config, self.recipe, self.backend, self.plan = config, recipe, backend, plan
         self.num_processes, self.task, self.layout, self.precision = num_processes, task, layout, precision
         self.say, self.raw_validation, self.hub, self.process_start = say, raw_validation, hub, process_start
         self.output_dir = Path(config.output_dir)
         identity = training_set_identity(train_dataset) if train_dataset is not None else None
-        self.meaning = ckpt.step_meaning(config, num_processes, identity)
+        self.meaning = ckpt.step_meaning(config, num_processes, identity, base)
         self.progress = RunProgress(num_processes=num_processes, step_meaning=self.meaning)  # what a checkpoint holds
         self.writes = layout.writes  # this process writes --output_dir
         self.counts_tokens = task.counts_tokens  # loss items are label tokens (causal LM), recorded as such

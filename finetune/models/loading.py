@@ -12,6 +12,7 @@ from finetune.errors import FinetuneError
 from finetune.models.dropout import disable_dropout as disable_dropout_in_model
 from finetune.models.dropout import zero_config_dropout
 from finetune.models.gguf import load_gguf_causal_lm, load_gguf_tokenizer
+from finetune.models.quantization import load_kwargs, quantize_built
 
 
 def _from_pretrained(loader, name_or_path: str, **kwargs):
@@ -56,22 +57,27 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def load_causal_lm(name_or_path: str, disable_dropout: bool = False, attn_implementation: str | None = None):
+def load_causal_lm(name_or_path: str, disable_dropout: bool = False, attn_implementation: str | None = None,
+                   quantization=None):
     """``AutoModelForCausalLM`` from a hub id, a model directory, or a ``.gguf`` file (de-quantized to
-    fp32 by transformers through the ``gguf`` package); ``disable_dropout`` sets every dropout probability of its
+    fp32 by transformers through the ``gguf`` package); ``quantization``: a ``BitsAndBytesConfig`` (a quantized
+    base, ``quantization.bnb_config``; a GGUF file is de-quantized first, then quantized by it) or None; ``disable_dropout`` sets every dropout probability of its
     config to 0 before it is built (``finetune.models.dropout.zero_config_dropout``; ``build_model`` then turns off the
     built model's dropout, ``finetune.models.dropout.disable_dropout``); ``attn_implementation``: set on the loaded model
     (``set_attention``; None: transformers' default). Errors as ``_from_pretrained`` and ``set_attention``; a
     ``.gguf`` path that does not exist names the command that fetches the default one."""
     if name_or_path.endswith(".gguf"):
         model, _ = load_gguf_causal_lm(name_or_path)
+        if quantization is not None:
+            model = quantize_built(model, quantization)
         if disable_dropout:
             disable_dropout_in_model(model)  # built already: its modules, attributes and config
         return set_attention(model, attn_implementation)
     config = _from_pretrained(AutoConfig, name_or_path)
     if disable_dropout:
         zero_config_dropout(config)
-    return set_attention(_from_pretrained(AutoModelForCausalLM, name_or_path, config=config), attn_implementation)
+    return set_attention(_from_pretrained(AutoModelForCausalLM, name_or_path, config=config,
+                                          **load_kwargs(quantization)), attn_implementation)
 
 
 def set_attention(model, attn_implementation: str | None):
@@ -97,10 +103,11 @@ def set_attention(model, attn_implementation: str | None):
 
 
 def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: bool = False,
-                    attn_implementation: str | None = None):
+                    attn_implementation: str | None = None, quantization=None):
     """``AutoModelForSequenceClassification`` with ``len(label_names)`` named outputs (``config.id2label``);
     ``disable_dropout`` sets every dropout probability of the config to 0 (``*dropout*``, ``*_pdrop``, ...:
-    ``finetune.models.dropout.zero_config_dropout``); ``attn_implementation`` as ``load_causal_lm``'s. Errors as
+    ``finetune.models.dropout.zero_config_dropout``); ``attn_implementation`` and ``quantization`` as
+    ``load_causal_lm``'s. Errors as
     ``_from_pretrained`` and ``set_attention``."""
     config = _from_pretrained(
         AutoConfig,
@@ -111,8 +118,8 @@ def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: 
     )
     if disable_dropout:
         zero_config_dropout(config)
-    return set_attention(_from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config),
-                         attn_implementation)
+    return set_attention(_from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config,
+                                          **load_kwargs(quantization)), attn_implementation)
 
 
 def check_max_length(max_length: int, model_config) -> None:

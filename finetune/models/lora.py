@@ -19,16 +19,26 @@ BASE_DIR = "base_model"  # a GGUF base, de-quantized once, where the adapter con
 
 
 def lora_config(config, task_type: str) -> LoraConfig:
-    """The ``peft.LoraConfig`` of the LoRA flags for peft's ``TaskType`` named ``task_type`` (the task's
-    ``peft_task_type``: ``SEQ_CLS``, ``CAUSAL_LM``)."""
+    """The ``peft.LoraConfig`` of the LoRA flags (rank, alpha, dropout, targets, DoRA, rsLoRA, modules trained in
+    full, the initialisation) for peft's ``TaskType`` named ``task_type`` (the task's ``peft_task_type``:
+    ``SEQ_CLS``, ``CAUSAL_LM``)."""
     from peft import LoraConfig, TaskType  # lazy: see the top
+
+    from finetune.config.lora import init_lora_value  # the flag's value as peft takes it
 
     targets = config.lora_target_modules
     if targets and targets != "all-linear":
-        targets = [name.strip() for name in targets.split(",") if name.strip()]
+        targets = names(targets)
     return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=targets or None,
+                      target_modules=targets or None, use_dora=config.use_dora, use_rslora=config.use_rslora,
+                      modules_to_save=names(config.lora_modules_to_save) or None,
+                      init_lora_weights=init_lora_value(config.init_lora_weights),
                       task_type=TaskType[task_type])
+
+
+def names(listed: str | None) -> list[str]:
+    """The module names of a comma-separated flag value (``--lora_target_modules``, ``--lora_modules_to_save``)."""
+    return [name.strip() for name in (listed or "").split(",") if name.strip()]
 
 
 def apply_lora(model, config, task_type: str) -> PeftModel:

@@ -100,6 +100,31 @@ def _precision(config, metrics: dict) -> str:
     return f"{text}\n\n`--mixed_precision {requested}` was requested, but {why} the weights were trained in {name}."
 
 
+def lora_summary(config) -> str:
+    """The LoRA family settings in a few words: "LoRA r=16, alpha=32" plus DoRA, rsLoRA, the initialisation and
+    the modules trained in full where set (the banner's and the card's)."""
+    kind = "DoRA" if config.use_dora else "LoRA"
+    extras = [name for name, on in (("rsLoRA scaling alpha/sqrt(r)", config.use_rslora),
+                                    (f"init {config.init_lora_weights}", config.init_lora_weights != "true"),
+                                    (f"targets {config.lora_target_modules}", config.lora_target_modules),
+                                    (f"trained in full: {config.lora_modules_to_save}", config.lora_modules_to_save))
+              if on]
+    return f"{kind} r={config.lora_r}, alpha={config.lora_alpha}" + "".join(f"; {e}" for e in extras)
+
+
+def quantized_base_summary(config) -> str | None:
+    """The quantized base the flags asked for, in words ("NF4 4-bit (bitsandbytes), nested constants, compute
+    float32"; "int8 8-bit (bitsandbytes LLM.int8())"), or None for a full-precision base."""
+    if config.load_in_8bit:
+        return "int8 8-bit (bitsandbytes LLM.int8()), frozen"
+    if not config.load_in_4bit:
+        return None
+    from finetune.models.quantization import compute_dtype  # the default is the run's precision's
+
+    nested = ", nested constants" if config.use_bnb_nested_quant else ""
+    return f"{config.bnb_4bit_quant_type.upper()} 4-bit (bitsandbytes){nested}, compute {compute_dtype(config)}, frozen"
+
+
 def _hyperparameters(config, metrics: dict) -> list[tuple[str, object]]:
     """The training settings as the run used them (``metrics`` first, ``config`` as the fallback)."""
     processes = metrics.get("num_processes", 1)
@@ -119,6 +144,8 @@ def _hyperparameters(config, metrics: dict) -> list[tuple[str, object]]:
         ("max_grad_norm", config.max_grad_norm if config.max_grad_norm > 0 else "0 (no clipping)"),
         ("weight_decay", config.weight_decay),
         ("optimizer", f"AdamW, `{config.optim}` (betas {config.adam_beta1}, {config.adam_beta2}; eps {config.adam_epsilon})"),
+        ("adapters", config.use_peft and lora_summary(config)),
+        ("base model weights", quantized_base_summary(config)),
         ("max_length (tokens, truncation)", config.max_length), ("seed", config.seed),
         ("training engine", metrics.get("backend")),
         # a run with --disable_dropout trains only once every dropout is checked off (dropout.disable_dropout raises)

@@ -19,7 +19,8 @@ from finetune.engine import parameter_counts
 from finetune.engine.precision import PRECISION_NAMES
 from finetune.machine import bf16_support, native_bf16
 from finetune.models.dropout import dropout_left
-from finetune.outputs.card import write_model_card
+from finetune.models.quantization import describe_base
+from finetune.outputs.card import lora_summary, write_model_card
 from finetune.outputs.flops import peak_flops, training_flops_per_token
 from finetune.outputs.peak import bf16_ratio, matmul_peak
 
@@ -34,6 +35,16 @@ def packing_banner(config) -> str:
             f"{packing.row_length(config)} tokens, micro-batches of at most {packing.budget(config)} positions per "
             "process" + (" (as many micro-batches as the padded run: Trainer counts them)"
                          if config.backend == "trainer" else ""))
+
+
+def base_line(config, model) -> str:
+    """", on an NF4 base (4-bit, ...)" for a quantized base of ``model`` (``quantization.describe_base``), naming a
+    GGUF file's two steps (de-quantized, then quantized); "" for a full-precision base."""
+    described = describe_base(model)
+    if described is None:
+        return ""
+    gguf = "; the GGUF file de-quantized to fp32, then quantized" if str(config.model_name_or_path).endswith(".gguf") else ""
+    return f", on a frozen {described} base{gguf}"
 
 
 def run_banner(config, num_processes: int, plan, precision: str, device_type: str, model=None) -> str:
@@ -59,7 +70,7 @@ def run_banner(config, num_processes: int, plan, precision: str, device_type: st
             + (f"Speed options: {', '.join(options)}\n" if options else "")
             + (f"Packing: {packing_banner(config)}\n" if config.padding_free or config.packing else "")
             + (f"Parameters: {parameter_counts(model)[0]:,} trainable of {parameter_counts(model)[1]:,}"
-               + (f" (LoRA r={config.lora_r}, alpha={config.lora_alpha})" if config.use_peft else "") + "\n"
+               + (f" ({lora_summary(config)})" if config.use_peft else "") + base_line(config, model) + "\n"
                if model is not None else "")
             + (f"CPU bf16: {cpu_bf16_line(precision)}\n" if device_type == "cpu" and "no" != requested else "")
             + f"Precision: {PRECISION_NAMES[precision]} on {device_type} (requested: {requested}, "

@@ -20,6 +20,7 @@ from finetune.errors import FinetuneError
 from finetune.models.dropout import disable_dropout
 from finetune.models.loading import check_max_length, load_tokenizer
 from finetune.models.lora import apply_lora
+from finetune.models.quantization import is_quantized, prepare_for_training
 
 
 def build_datasets(recipe, config, tokenizer, task):
@@ -115,7 +116,9 @@ def build_model(config, task, label_names=None, pad_token_id=None, recipe=None):
     the recipe's own ``build_model(config, label_names)`` where it has one (``recipes/__init__.py``);
     its ``pad_token_id`` set from ``pad_token_id`` (the tokenizer's) where the model has none; ``--max_length``
     (``--block_size`` where set, tokens) checked against its position limit; activation checkpointing under
-    ``config.activation_checkpointing`` (``enable_activation_checkpointing``); LoRA adapters under
+    ``config.activation_checkpointing`` (``enable_activation_checkpointing``), after a quantized base
+    (``--load_in_4bit``/``--load_in_8bit``, loaded so by the task) is prepared for adapters
+    (``quantization.prepare_for_training``); LoRA adapters under
     ``config.use_peft`` (``lora.apply_lora``); then, under ``config.disable_dropout``, every dropout of the built
     model off, LoRA's included (``dropout.disable_dropout``: modules, float attributes and config fields, whatever
     the family names them, checked). In eval mode, as loaded: the caller sets train mode.
@@ -131,6 +134,8 @@ def build_model(config, task, label_names=None, pad_token_id=None, recipe=None):
     if model.config.pad_token_id is None and pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     check_max_length(config.block_size or config.max_length, model.config)
+    if is_quantized(config):  # before checkpointing and adapters, as peft's docs order it
+        model = prepare_for_training(model)
     if config.activation_checkpointing:
         enable_activation_checkpointing(model, config)
     if config.use_peft:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from finetune.data.loading import IGNORE_INDEX, load_data_files, tokenize_for_causal_lm
 from finetune.models.loading import load_causal_lm
+from finetune.models.quantization import bnb_config
 from finetune.tasks.base import SingleRunTask, split_labels, with_auxiliary
 
 
@@ -47,7 +48,7 @@ class CausalLM(SingleRunTask):
     def load_model(self, config, label_names=None):
         """``AutoModelForCausalLM`` from a hub id or model directory, or a de-quantized ``.gguf`` file."""
         return load_causal_lm(config.model_name_or_path, disable_dropout=config.disable_dropout,
-                              attn_implementation=config.attn_implementation)
+                              attn_implementation=config.attn_implementation, quantization=bnb_config(config))
 
     def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir=None):
         """CSV or JSON-lines files with the text column(s), no label (``data.load_data_files``)."""

@@ -9,6 +9,7 @@ from transformers import DataCollatorWithPadding
 from finetune.data.loading import IGNORE_INDEX, load_data_files, tokenize_datasets
 from finetune.metrics import load_metric
 from finetune.models.loading import load_classifier
+from finetune.models.quantization import bnb_config
 from finetune.tasks.base import SingleRunTask, split_labels, with_auxiliary
 
 
@@ -29,7 +30,7 @@ class SequenceClassification(SingleRunTask):
     def load_model(self, config, label_names):
         """``AutoModelForSequenceClassification`` with named labels (see ``finetune.models.loading.load_classifier``)."""
         return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout,
-                               attn_implementation=config.attn_implementation)
+                               attn_implementation=config.attn_implementation, quantization=bnb_config(config))
 
     def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir=None):
         """CSV or JSON-lines files with the text column(s) and ``label`` (``data.load_data_files``)."""
