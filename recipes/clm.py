@@ -1,5 +1,6 @@
-"""clm: continued pretraining of your causal LM on your ``text`` rows, one text per sample (``--block_size`` to
-concatenate and cut blocks). Eval loss per token and perplexity."""
+"""clm: continued pretraining of your causal LM on your ``text`` rows, as ``trl sft`` trains text rows: one text per
+sample, ending with the eos token (``--add_eos``; ``--block_size`` to concatenate and cut blocks). Eval loss per token
+and perplexity."""
 
 from __future__ import annotations
 
@@ -11,4 +12,6 @@ TASK = "causal-lm"
 DATASET = "yours (--train_file or --dataset_name)"
 TEXT_COLUMNS = ("text",)
 METRICS: dict = {}
-DEFAULTS = {"max_length": 1024}
+# `trl sft` on text rows: SFTConfig's defaults where ours differ (as recipes/sft.py), and its add_eos (trl 1.16
+# sft_trainer.py lines 1286-1306: every text ends with the eos token)
+DEFAULTS = {"max_length": 1024, "learning_rate": 2e-5, "optim": "adamw_torch_fused", "add_eos": True}

@@ -12,4 +12,6 @@ TASK = "preference"
 DATASET = "yours (--train_file or --dataset_name)"
 TEXT_COLUMNS = ("prompt", "chosen", "rejected")
 METRICS: dict = {}
-DEFAULTS = {"max_length": 1024}  # DPOConfig's max_length
+# trl 1.16 DPOConfig's defaults where ours differ (dpo_config.py: learning_rate line 156, disable_dropout 185,
+# max_length 195; optim: transformers 5.24 TrainingArguments' on torch >= 2.8, training_args.py line 811)
+DEFAULTS = {"max_length": 1024, "learning_rate": 1e-6, "optim": "adamw_torch_fused", "disable_dropout": True}

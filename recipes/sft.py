@@ -12,4 +12,7 @@ TASK = "sft"
 DATASET = "yours (--train_file or --dataset_name)"
 TEXT_COLUMNS = ("prompt", "completion")
 METRICS: dict = {}
-DEFAULTS = {"max_length": 1024}  # SFTConfig's max_length
+# trl 1.16 SFTConfig's defaults where ours differ (sft_config.py: learning_rate line 140, max_length 202; optim:
+# transformers 5.24 TrainingArguments' on torch >= 2.8, training_args.py line 811), so that a `trl sft` YAML that
+# sets a few keys trains the run `trl sft` trains (tests/test_trl_yaml_peer.py)
+DEFAULTS = {"max_length": 1024, "learning_rate": 2e-5, "optim": "adamw_torch_fused"}

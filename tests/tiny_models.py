@@ -120,12 +120,12 @@ SMOLLM2_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_chat_llama(path: Path) -> Path:
+def build_tiny_chat_llama(path: Path, max_positions: int = 512) -> Path:
     """Save a 2-layer, 32-wide Llama (random weights, seed 0) with a tiny chat tokenizer
-    (``smollm2_like_tokenizer``) to ``path``."""
+    (``smollm2_like_tokenizer``) to ``path``; ``max_positions``: its position limit (tokens)."""
     tokenizer = smollm2_like_tokenizer()
     return _save_tiny_llama(path, tokenizer, len(tokenizer), bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id,
-                            max_positions=512)
+                            max_positions=max_positions)
 
 
 def smollm2_like_tokenizer() -> PreTrainedTokenizerFast:

@@ -41,6 +41,13 @@ class CausalLMArguments:
         "computes (docs/packing.md).",
         step=False, trainer=None,
     )
+    add_eos: bool = flag(
+        False,
+        "Causal LM: end each text with the tokenizer's eos token (unless it ends with it already) before it is cut "
+        "at --max_length, as trl sft does for text rows (with --block_size texts are joined by eos already); the clm "
+        "recipe's default.",
+        step=True, trainer=None,  # the tokens trained
+    )
     loss_chunk_size: int | None = flag(
         None,
         "Causal LM: compute the loss from the final hidden states, this many label "

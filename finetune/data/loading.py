@@ -3,6 +3,7 @@ dataset names, tokenization, the training set's identity; models and tokenizers 
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections import Counter
@@ -213,14 +214,36 @@ def _class_labels(ds, where: str):
         LABEL_COLUMN, datasets.ClassLabel(names=names))
 
 
+def is_saved_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder written by ``save_to_disk``: a DatasetDict's (``dataset_dict.json``) or one
+    Dataset's (``state.json``)."""
+    return path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+
+
+def load_saved_folder(path: Path, cache_dir=None):
+    """A ``save_to_disk`` folder's rows and features, as ``datasets.load_from_disk`` gives them (a DatasetDict, or a
+    Dataset), read by datasets' ``arrow`` builder from the data files each split's ``state.json`` lists, in order,
+    into the datasets cache (``cache_dir``). Not ``load_from_disk``: the run's tokenized caches (``Dataset.map``)
+    would be written beside its files, inside the user's folder, where ``datasets.load_dataset(folder)`` (``trl sft
+    --dataset_name folder``) then reads them as data and fails."""
+    def files(folder: Path) -> list[str]:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        return [str(folder / f["filename"]) for f in state["_data_files"]]
+
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        return datasets.load_dataset("arrow", data_files={s: files(path / s) for s in splits}, cache_dir=cache_dir)
+    return datasets.load_dataset("arrow", data_files={"train": files(path)}, split="train", cache_dir=cache_dir)
+
+
 def _load_by_name(name: str, config_name: str | None, cache_dir=None):
     """``--dataset_name`` loaded: a ``save_to_disk`` folder (``dataset_dict.json``/``state.json``) through
-    ``datasets.load_from_disk``, else ``datasets.load_dataset`` (a local data folder, or a Hub name, which needs the
+    ``load_saved_folder``, else ``datasets.load_dataset`` (a local data folder, or a Hub name, which needs the
     Hub). Raises ``FinetuneError`` for an unreadable dataset and ``HubUnreachableError`` offline for a Hub name."""
     path = Path(name)
     try:
-        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
-            return datasets.load_from_disk(str(path))
+        if is_saved_folder(path):
+            return load_saved_folder(path, cache_dir)
         if not path.exists() and name.startswith((".", "/", "~")):
             raise FinetuneError(f"--dataset_name {name}: no such folder. Pass a folder written by "
                                 "Dataset.save_to_disk, a folder of data files, or a Hub dataset name.")
@@ -316,16 +339,25 @@ def tokenize_datasets(raw, tokenizer, text_columns, max_length: int):
     return tokenized.rename_column(LABEL_COLUMN, "labels")
 
 
-def tokenize_for_causal_lm(raw, tokenizer, text_columns, max_length: int, block_size: int | None = None):
+def tokenize_for_causal_lm(raw, tokenizer, text_columns, max_length: int, block_size: int | None = None,
+                           add_eos: bool = False):
     """Texts -> ``input_ids`` for next-token prediction (``Dataset.map``, batched, cached; empty texts dropped).
-    One sample per text truncated at ``max_length`` tokens, or with ``block_size`` all texts of a split joined by
-    eos and cut into ``block_size``-token blocks, the short tail dropped (transformers' ``run_clm.py``). The
-    collator derives ``labels``."""
+    One sample per text truncated at ``max_length`` tokens (with ``add_eos``, the text first ends with the eos token
+    unless it ends with it already: trl 1.16 ``SFTTrainer._prepare_dataset``'s ``add_eos``, then its keep-start
+    truncation), or with ``block_size`` all texts of a split joined by eos and cut into ``block_size``-token blocks,
+    the short tail dropped (transformers' ``run_clm.py``). The collator derives ``labels``. Raises
+    ``FinetuneError`` for ``add_eos`` with a tokenizer that has no eos token."""
     (column,) = text_columns
+    eos = tokenizer.eos_token
+    if add_eos and eos is None:
+        raise FinetuneError("--add_eos: this tokenizer has no eos token to end each text with; drop --add_eos (or "
+                            "pass --add_eos false) or use a tokenizer that defines one.")
 
     def encode(batch):
         texts = [t for t in batch[column] if t and t.strip()]
         if block_size is None:
+            if add_eos:
+                texts = [t if t.endswith(eos) else t + eos for t in texts]
             return {"input_ids": tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]}
         ids = []
         for row in tokenizer(texts)["input_ids"]:

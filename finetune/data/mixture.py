@@ -13,7 +13,7 @@ from pathlib import Path
 import datasets
 
 from finetune.data.formats import chatml_dataset
-from finetune.data.loading import ROW_COLUMN, require_hub
+from finetune.data.loading import ROW_COLUMN, is_saved_folder, load_saved_folder, require_hub
 from finetune.errors import FinetuneError
 
 # Dataset builders that read local files (datasets' packaged modules): no Hub needed
@@ -30,14 +30,14 @@ def source_name(index: int, source: dict) -> str:
 
 def load_source(index: int, source: dict, cache_dir=None) -> datasets.Dataset:
     """One ``datasets:`` entry as ``datasets.load_dataset(path, name, data_dir, data_files, split)`` loads it (a
-    ``save_to_disk`` folder through ``load_from_disk``), its ``columns`` selected, ShareGPT rows converted. Raises
+    ``save_to_disk`` folder through ``load_saved_folder``), its ``columns`` selected, ShareGPT rows converted. Raises
     ``FinetuneError`` naming the source for a missing split, column or unreadable data; ``HubUnreachableError``
     offline for a Hub name."""
     where, path = source_name(index, source), Path(source["path"])
     split = source.get("split") or "train"
     try:
-        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
-            loaded = datasets.load_from_disk(str(path))
+        if is_saved_folder(path):
+            loaded = load_saved_folder(path, cache_dir)
             if isinstance(loaded, datasets.DatasetDict):
                 if split not in loaded:
                     raise FinetuneError(f"{where} has no split {split!r} (it has {', '.join(loaded)}).")

@@ -58,8 +58,10 @@ class CausalLM(SingleRunTask):
         """Rows are checked as they are loaded (``data.check_rows``)."""
 
     def tokenize(self, raw, tokenizer, config, text_columns):
-        """One sample per text (<= ``max_length`` tokens), or ``block_size``-token blocks of the joined texts."""
-        return tokenize_for_causal_lm(raw, tokenizer, text_columns, config.max_length, config.block_size)
+        """One sample per text (<= ``max_length`` tokens), or ``block_size``-token blocks of the joined texts;
+        under ``--add_eos`` each text ends with the eos token."""
+        return tokenize_for_causal_lm(raw, tokenizer, text_columns, config.max_length, config.block_size,
+                                      add_eos=config.add_eos)
 
     def collator(self, tokenizer, pad_to_multiple_of):
         """Dynamic right padding; ``labels`` = ``input_ids`` with ``IGNORE_INDEX`` on padding."""
