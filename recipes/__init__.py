@@ -75,6 +75,14 @@ def load_recipe(name_or_path: str) -> ModuleType:
     return module
 
 
+def check_task(recipe: ModuleType, name_or_path: str, task: str | None) -> None:
+    """Raise ``FinetuneError`` where ``--task`` ``task`` (None: not given) names another task than the recipe's
+    ``TASK`` (``recipe``, loaded from ``name_or_path``): the flag is for your data without ``--recipe``."""
+    if task is not None and task != recipe.TASK:
+        raise FinetuneError(f"--task {task} and --recipe {name_or_path} (task {recipe.TASK}) disagree: pass one of "
+                            "them.")
+
+
 def list_recipes() -> str:
     """A table of the registered recipes: name, task, default model, dataset, and hub/offline."""
     rows = [("name", "task", "model", "dataset", "data source")]

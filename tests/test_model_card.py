@@ -195,3 +195,18 @@ def test_causal_lm_recipe_gets_a_text_generation_card(run):
     assert "| `eval_perplexity` | inf |" in card.text and "| `eval_tokens` | 100 |" in card.text
     assert "per label token" in card.text
     assert "AutoModelForCausalLM.from_pretrained" in card.text and 'pipeline("text-generation"' in card.text
+
+
+@pytest.mark.parametrize("recipe_name, flags, loss", [
+    ("bbc-news", [], "cross-entropy per sample"),
+    ("bbc-news-clm", [], "cross-entropy per label token"),
+    ("bbc-headlines", [], "cross-entropy per label token"),
+    ("bbc-headlines-dpo", [], "sigmoid DPO loss per pair"),
+    ("bbc-headlines-dpo", ["--loss_type", "hinge"], "hinge DPO loss per pair"),
+])
+def test_the_card_names_each_tasks_own_loss(tmp_path, recipe_name, flags, loss):
+    config = parse_config(["--recipe", recipe_name, "--output_dir", str(tmp_path), *flags])
+    text = card_of(render_model_card(config, {"train_loss": 0.25}, load_recipe(recipe_name), "cmd",
+                                     output_dir=tmp_path)).text
+    assert f"Training loss (mean {loss} over all optimizer steps): 0.2500." in text
+    assert text.count("cross-entropy") == ("cross-entropy" in loss)  # a DPO card never calls its loss a cross-entropy

@@ -141,6 +141,7 @@ def test_every_rank_generates_its_share(monkeypatch, distributed_type):
     from accelerate.utils import DistributedType
 
     import finetune.lifecycle.evaluation as evaluation
+    from finetune.tasks import get_task
 
     rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)]
     calls = []
@@ -162,6 +163,7 @@ def test_every_rank_generates_its_share(monkeypatch, distributed_type):
                                   unwrap_model=extract_model_from_parallel)
     recipe = SimpleNamespace(GENERATION={"max_new_tokens": 4}, METRICS={"rouge": {}})
     module = torch.nn.Linear(2, 2)  # not wrapped: what extract_model_from_parallel gives back as it is
-    metrics, predictions = evaluation.generation_eval(accelerator, module, None, rows, recipe, SimpleNamespace(max_length=64))
+    metrics, predictions = evaluation.generation_eval(accelerator, module, None, rows, recipe, SimpleNamespace(max_length=64),
+                                                      get_task("sft"))
     assert calls == [(["p1", "p3", "p3"], distributed_type == "FSDP", module)]
     assert predictions == ["g0", "g1", "g2", "g3", "g4"] and metrics["eval_generated"] == 5

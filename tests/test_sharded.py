@@ -635,6 +635,7 @@ def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, bf16: 
 
     from finetune.distributed import process_state
     from finetune.lifecycle import evaluation
+    from finetune.tasks import get_task
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ACCELERATE_USE_CPU="1")
@@ -649,10 +650,10 @@ def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, bf16: 
     rows = [{"prompt": f"Write the headline of this BBC News article. The striker scored goal {i}.",
              "completion": "Late goal"} for i in range(3)]
     recipe = SimpleNamespace(GENERATION={"max_new_tokens": 6, "batch_size": 2}, METRICS={})
-    config = SimpleNamespace(max_length=64)
+    config, sft = SimpleNamespace(max_length=64), get_task("sft")
     plain = SimpleNamespace(process_index=0, num_processes=1, distributed_type=DistributedType.NO,
                             unwrap_model=extract_model_from_parallel)
-    _, expected = evaluation.generation_eval(plain, model, tokenizer, rows, recipe, config)  # whole, one rank
+    _, expected = evaluation.generation_eval(plain, model, tokenizer, rows, recipe, config, sft)  # whole, one rank
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}) if nested else None
     from torch.distributed.fsdp import MixedPrecision
 
@@ -665,7 +666,7 @@ def _fsdp1_generation(rank: int, port: int, model_dir: str, nested: bool, bf16: 
     accelerator = SimpleNamespace(process_index=state.process_index, num_processes=2, autocast=autocast,
                                   distributed_type=DistributedType.FSDP, unwrap_model=extract_model_from_parallel)
     try:
-        _, predictions = evaluation.generation_eval(accelerator, wrapped, tokenizer, rows, recipe, config)
+        _, predictions = evaluation.generation_eval(accelerator, wrapped, tokenizer, rows, recipe, config, sft)
         result = {"expected": expected, "predictions": predictions}
     except Exception as err:  # noqa: BLE001 - reported to the test
         result = {"error": f"{type(err).__name__}: {err}"}

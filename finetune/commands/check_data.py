@@ -40,7 +40,7 @@ from finetune.errors import FinetuneError
 from finetune.lifecycle.window import EpochSeededLengthGroupedSampler
 from finetune.models.loading import load_tokenizer
 from finetune.recipes import load_recipe
-from finetune.tasks import get_task
+from finetune.tasks import task_of
 from finetune.tasks.builders import raw_datasets
 
 # the problems check-data finds itself that make the run wrong (a task's own findings say whether they do)
@@ -208,7 +208,7 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int,
     """The report (text) and the problems it looked for, (name, count, fatal: makes the run wrong). Raises
     ``FinetuneError`` for data that cannot be read (a malformed row: its file and line)."""
     recipe = load_recipe(config.recipe)
-    task = get_task(recipe.TASK)
+    task = task_of(recipe)
     tokenizer = load_tokenizer(config.model_name_or_path)
     if task.chat:
         require_chat_template(tokenizer)

@@ -84,10 +84,10 @@ def _trained_on_chats(path: Path) -> bool:
     recipe = _run_config(path).get("recipe")
     if not isinstance(recipe, str):
         return False
-    from finetune.tasks import get_task  # imports transformers: see the note at the top
+    from finetune.tasks import task_of  # imports transformers: see the note at the top
 
     try:
-        return get_task(load_recipe(recipe).TASK).chat
+        return task_of(load_recipe(recipe)).chat
     except (FinetuneError, OSError, ImportError, SyntaxError, KeyError):
         return False
 

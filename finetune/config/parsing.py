@@ -22,7 +22,7 @@ from finetune.argv import HELP, given, take_values
 from finetune.config.flags import ROLES
 from finetune.config.train_config import DERIVED_FIELDS, SECTIONS, TrainConfig, roles
 from finetune.errors import FinetuneError
-from finetune.recipes import load_recipe
+from finetune.recipes import check_task, load_recipe
 
 
 class _FlagParser(HfArgumentParser):
@@ -251,10 +251,8 @@ def _last(argv: list[str], file_values: dict, name: str):
 
 def _check_your_data_recipe(recipe, first, argv: list[str], file_values: dict) -> None:
     """Raise ``FinetuneError`` where a recipe that ships no data (``YOUR_DATA``) lacks the model or the data, or
-    ``--task`` names another task than the recipe's."""
-    if first.task is not None and first.task != recipe.TASK:
-        raise FinetuneError(f"--task {first.task} and --recipe {first.recipe} (task {recipe.TASK}) disagree: "
-                            "pass one of them.")
+    ``--task`` names another task than the recipe's (``recipes.check_task``)."""
+    check_task(recipe, first.recipe, first.task)
     if not getattr(recipe, "YOUR_DATA", False):
         return
     missing = [f"--{name}" for name in ("model_name_or_path",) if not _last(argv, file_values, name)]

@@ -13,8 +13,7 @@ from accelerate.utils import gather_object
 from accelerate.utils.memory import should_reduce_batch_size
 
 from finetune.data import packing
-from finetune.data.chat import generate_completions, prompt_and_reference, score_completions
-from finetune.data.preference import pair_prompt_and_reference
+from finetune.data.chat import generate_completions, score_completions
 from finetune.engine import engine_for
 from finetune.errors import FinetuneError
 from finetune.tasks import split_labels
@@ -99,16 +98,9 @@ def _eval_outputs(model, batch: dict, task, splittable: bool) -> tuple:
     return tuple(torch.cat([a, b]) for a, b in zip(first, second))
 
 
-def reference_of(row: dict, row_name: str) -> tuple[list[dict], str]:
-    """(prompt messages, reference text) of a raw validation row: a preference pair's chosen side
-    (``preference.pair_prompt_and_reference``), else ``chat.prompt_and_reference``."""
-    if "chosen" in row and "completion" not in row and "messages" not in row:
-        return pair_prompt_and_reference(row, row_name)
-    return prompt_and_reference(row, row_name)
-
-
-def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tuple[dict, list[str]]:
-    """``(metrics, predictions)`` of greedy completions for the first ``GENERATION["num_samples"]`` raw ``rows``,
+def generation_eval(accelerator, model, tokenizer, rows, recipe, config, task) -> tuple[dict, list[str]]:
+    """``(metrics, predictions)`` of greedy completions for the first ``GENERATION["num_samples"]`` raw ``rows``
+    (each row's prompt and reference: ``task.prompt_and_reference``, ``task`` the run's),
     scored with the recipe's ``METRICS``; ``({}, [])`` without it. Every process generates its share (rows r,
     r + P, ...; as many prompts on each, synced where the engine shards) on the model the engine gives for
     generation (``generation_model``: unwrapped, with whole weights where the engine shards them), and
@@ -119,7 +111,7 @@ def generation_eval(accelerator, model, tokenizer, rows, recipe, config) -> tupl
     count = spec.pop("num_samples", None)
     if count is not None:
         rows = rows.select(range(min(count, len(rows)))) if hasattr(rows, "select") else rows[:count]
-    pairs = [reference_of(row, f"row {i}") for i, row in enumerate(rows)]
+    pairs = [task.prompt_and_reference(row, f"row {i}") for i, row in enumerate(rows)]
     rank, processes = accelerator.process_index, accelerator.num_processes
     mine = list(range(rank, len(pairs), processes))
     share = math.ceil(len(pairs) / processes)
@@ -190,8 +182,9 @@ def _share_from_main(flat: list, group, tasks: list[str]) -> None:
     torch.distributed.destroy_process_group(group)
 
 
-def write_generations(output_dir: Path, rows, predictions: list[str]) -> None:
-    """``generations.jsonl``: ``{"generated", "reference"}`` per row of the latest evaluation."""
+def write_generations(output_dir: Path, rows, predictions: list[str], task) -> None:
+    """``generations.jsonl``: ``{"generated", "reference"}`` per row of the latest evaluation (its reference:
+    ``task.prompt_and_reference``)."""
     with open(Path(output_dir) / GENERATIONS_FILE, "w", encoding="utf-8") as f:
         for i, (row, generated) in enumerate(zip(rows, predictions)):
-            f.write(json.dumps({"generated": generated, "reference": reference_of(row, f"row {i}")[1]}) + "\n")
+            f.write(json.dumps({"generated": generated, "reference": task.prompt_and_reference(row, f"row {i}")[1]}) + "\n")

@@ -267,11 +267,11 @@ class RunState:
         start = time.perf_counter()
         results = evaluate(accelerator, model, dataloader, self.task, self.recipe.METRICS, pack=pack)
         generated, predictions = generation_eval(accelerator, model, tokenizer, self.raw_validation, self.recipe,
-                                                 self.config)
+                                                 self.config, self.task)
         results.update(generated)
         results.update(benchmark_eval(accelerator, model, tokenizer, self.config, self.output_dir, self.progress.step))
         if predictions and self.writes:
-            write_generations(self.output_dir, self.raw_validation, predictions)
+            write_generations(self.output_dir, self.raw_validation, predictions, self.task)
         step = self.progress.step
         self._record_evaluation(results, time.perf_counter() - start, self.model_kept(step, at_epoch_end))
         return results

@@ -171,15 +171,14 @@ def _data(config, metrics: dict, recipe, labels: list[str]) -> str:
         ("evaluation samples", metrics.get("eval_samples"))], ("what", "value"))
 
 
-def _results_and_speed(metrics: dict, task: str) -> tuple[str, str]:
-    """The evaluation section (every eval_* value, the training loss) and the speed section (seconds, MiB)."""
+def _results_and_speed(metrics: dict, loss_name: str) -> tuple[str, str]:
+    """The evaluation section (every eval_* value, the training loss: the mean of ``loss_name``, the task's) and the
+    speed section (seconds, MiB)."""
     evals = [(f"`{k}`", _fmt(v)) for k, v in metrics.items() if k.startswith("eval_")]
     results = ("On the validation split, after the last epoch:\n\n" + _table(evals, ("metric", "value"))
                if evals else "No evaluation was recorded.")
     if "train_loss" in metrics:
-        per = "label token" if task == "text-generation" else "sample"
-        results += f"\n\nTraining loss (mean cross-entropy per {per} over all optimizer steps, nats): " \
-                   f"{_fmt(metrics['train_loss'])}."
+        results += f"\n\nTraining loss (mean {loss_name} over all optimizer steps): {_fmt(metrics['train_loss'])}."
     units = {"train_samples_per_second": "samples/s", "train_runtime": "s", "eval_runtime": "s", "wall_time": "s"}
     speed = [(f"`{k}` ({unit})", metrics[k]) for k, unit in units.items() if k in metrics]
     if isinstance(metrics.get("peak_memory_bytes"), (int, float)):
@@ -388,20 +387,17 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
     nothing. ``output_dir`` (default ``config.output_dir``): the model's name, snippets' path, label names, and
     what the run left there: the evaluations of ``log.jsonl``, TensorBoard's event files, ``run_config.json``.
     ``hub_repo_id``: the Hub repository the model is pushed to (``--push_to_hub``): named under the title, and the
-    usage snippets load from it.
+    usage snippets load from it. The run's task (``tasks.run_task``) gives the pipeline, the training loss's name
+    (``loss_name``) and its own hyperparameter rows (``card_settings``).
     Raises ``ValueError`` (``huggingface_hub``) for invalid metadata, ``AttributeError`` if ``config`` lacks a
-    ``TrainConfig`` field."""
+    ``TrainConfig`` field, and ``run_task``'s errors (``KeyError`` for a recipe's unknown ``TASK``)."""
     output_dir = Path(output_dir if output_dir is not None else config.output_dir)
     model_name = output_dir.resolve().name or "model"
     recipe_name = str(getattr(recipe, "NAME", config.recipe))
-    from finetune.tasks import get_task  # torch and transformers: `finetune env` imports this module for its versions
+    from finetune.tasks import run_task  # torch and transformers: `finetune env` imports this module for its versions
 
-    kind = str(getattr(recipe, "TASK", "sequence-classification")).lower()
-    try:
-        run_task = get_task(kind)
-    except KeyError:  # a recipe of another task than ours: named as the classifier's
-        run_task = get_task("sequence-classification")
-    task = run_task.pipeline_tag
+    trained = run_task(recipe, config)
+    task = trained.pipeline_tag
     base = config.model_name_or_path or "?"
     hub = None if config.train_file else getattr(recipe, "HUB_DATASET", None)
     data = ModelCardData(
@@ -412,15 +408,15 @@ def render_model_card(config, metrics: dict, recipe, command: str, output_dir=No
     where = "" if _is_hub_id(base) else (" (a local GGUF file, not a hub model)" if base.lower().endswith(".gguf")
                                          else " (a local directory, not a hub model)")
     labels = _labels(output_dir) if task == "text-classification" else []
-    results, speed = _results_and_speed(metrics, task)
+    results, speed = _results_and_speed(metrics, trained.loss_name)
     example = {"bbc-news": "Shares rose after the company reported record profits."}.get(
         recipe_name, "Once upon a time" if task == "text-generation" else "An example text.")
     sections = {
         "Recipe": f"- **name**: `{recipe_name}`\n- **description**: {getattr(recipe, 'DESCRIPTION', '')}\n"
-                  f"- **task**: {getattr(recipe, 'TASK', '')}\n- **dataset**: {getattr(recipe, 'DATASET', '')}\n"
+                  f"- **task**: {trained.name}\n- **dataset**: {getattr(recipe, 'DATASET', '')}\n"
                   f"- **base model**: `{base}`{where}",
         "Data": _data(config, metrics, recipe, labels),
-        "Training hyperparameters": _table(_hyperparameters(config, metrics) + run_task.card_settings(config)),
+        "Training hyperparameters": _table(_hyperparameters(config, metrics) + trained.card_settings(config)),
         "Precision": _precision(config, metrics), "Evaluation results": results, "Training speed": speed,
         "Reproduce": f"```bash\n{command}\n```", "Usage": _usage(str(output_dir), task, example, hub_repo_id)}
     samples = _generations(output_dir)

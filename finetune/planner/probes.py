@@ -33,7 +33,7 @@ from finetune.errors import FinetuneError
 from finetune.machine import bf16_support, native_bf16
 from finetune.planner.agreement import agreed_seconds
 from finetune.planner.plans import Lever, estimate_fits_from_memory
-from finetune.tasks import get_task, run_task
+from finetune.tasks import run_task, task_of
 from finetune.tasks.builders import build_model
 from finetune.tasks.chunked_loss import DEFAULT_CHUNK_SIZE
 from finetune.tasks.loss import loss_function
@@ -340,7 +340,7 @@ def levers(config, recipe, device) -> list[Lever]:
     ``--activation_checkpointing`` was given), times, for causal LM, the plain and the chunked loss (only the
     given one when ``--loss_chunk_size`` was set)."""
     checkpointing = [True] if config.activation_checkpointing else [False, True]
-    if get_task(recipe.TASK).chunked_loss:
+    if task_of(recipe).chunked_loss:
         chunks = [config.loss_chunk_size] if config.loss_chunk_size is not None else [0, DEFAULT_CHUNK_SIZE]
     else:
         chunks = [None]

@@ -1,10 +1,10 @@
 """Training styles, one module each, behind one protocol (``base.Task``): classification, causal LM, instruction
-tuning (SFT), preference tuning (DPO). ``get_task(recipe.TASK)`` gives a recipe's task, ``run_task(recipe, config)``
-a run's own. Adding a style: docs/contributing.md#add-a-task."""
+tuning (SFT), preference tuning (DPO). ``task_of(recipe)`` gives a recipe's task, ``run_task(recipe, config)`` a
+run's own; ``get_task(name)`` a task by its name. Adding a style: docs/contributing.md#add-a-task."""
 
 from __future__ import annotations
 
-from finetune.tasks.base import IGNORE_INDEX, Task, auxiliary_loss_sum, split_labels, with_auxiliary
+from finetune.tasks.base import IGNORE_INDEX, StatelessTask, Task, auxiliary_loss_sum, split_labels, with_auxiliary
 from finetune.tasks.causal_lm import CausalLM, CausalLMCollator
 from finetune.tasks.classification import SequenceClassification
 from finetune.tasks.preference import PreferenceTask
@@ -15,18 +15,25 @@ TASKS: dict[str, Task] = {task.name: task for task in (SequenceClassification(),
                                                         PreferenceTask())}
 
 __all__ = ["IGNORE_INDEX", "TASKS", "CausalLM", "CausalLMCollator", "InstructionCausalLM", "SFTCollator", "SFT_TASK",
-           "PreferenceTask", "SequenceClassification", "Task", "auxiliary_loss_sum", "get_task", "run_task", "split_labels", "with_auxiliary"]
+           "PreferenceTask", "SequenceClassification", "StatelessTask", "Task", "auxiliary_loss_sum", "get_task",
+           "run_task", "split_labels", "task_of", "with_auxiliary"]
 
 
 def get_task(name: str) -> Task:
-    """The task object for a recipe's ``TASK``. Raises ``KeyError`` naming the known tasks."""
+    """The task object named ``name`` (a recipe's ``TASK``). Raises ``KeyError`` naming the known tasks."""
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     return TASKS[name]
 
 
+def task_of(recipe) -> Task:
+    """The task ``recipe`` trains (its ``TASK``), as no run has configured it: for what does not depend on a run's
+    settings (its facts, its data's checks, its rows' prompts). Raises ``KeyError`` as ``get_task``."""
+    return get_task(recipe.TASK)
+
+
 def run_task(recipe, config) -> Task:
     """The task of one run of ``recipe`` under ``config`` (``task.for_run``): built once per run and handed to
-    everything that asks it (builders, the loop, evaluation). Raises ``KeyError`` for an unknown ``TASK`` and the
-    task's ``FinetuneError`` for settings it refuses."""
-    return get_task(recipe.TASK).for_run(config)
+    everything that asks it (builders, the loop, evaluation, the card). Raises ``KeyError`` for an unknown ``TASK``
+    and the task's ``FinetuneError`` for settings it refuses."""
+    return task_of(recipe).for_run(config)

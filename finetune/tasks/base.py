@@ -1,19 +1,22 @@
 """The task seam: a training style is one ``Task`` (docs/contributing.md#add-a-task). Everything that differs
-between training styles is asked of the task: its data (files, row checks, tokenization, collation), its forward
-and summed loss over a micro-batch (``loss_sum(model, batch)``), the items the loop divides by (``count``), its
-evaluation, its per-step metrics (``take_metric_sums``), what it derives from the built model (``attach``: a
-reference), what ``finetune check-data`` reports of its data (``data_findings``, ``sequences``), and capability
-facts (``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``, ``peft_task_type``). No module
-outside ``finetune/tasks/`` branches on a task's name or class."""
+between training styles is asked of the task, in six groups (``GROUPS``): its facts (``TaskFacts``: ``loss_name``,
+``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``, ``peft_task_type``, ...), its data
+(``TaskData``: files, row checks, tokenization, collation, the model), a run's own task (``TaskRun``: ``for_run``,
+``attach`` a reference, ``keep`` it), the step (``TaskStep``: the summed loss of a micro-batch, ``loss_sum``, and the
+items the loop divides by, ``count``), evaluation (``TaskEvaluation``), and the tools' hooks (``TaskTools``:
+``finetune check-data``, the planner, ``finetune verify``, the card). ``StatelessTask`` gives a task that holds
+nothing of a run every hook but eight. No module outside ``finetune/tasks/`` branches on a task's name or class."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from finetune.data.loading import IGNORE_INDEX  # noqa: F401 - the label value every loss skips; re-exported here
+from finetune.data.chat import prompt_and_reference
+from finetune.data.loading import IGNORE_INDEX, load_data_files  # IGNORE_INDEX: the label value every loss skips
 
 
 @dataclass
@@ -29,11 +32,11 @@ class Finding:
     note: str = ""
 
 
-class Task(Protocol):
-    """What a training style provides. Units: a micro-batch is a dict of tensors ``(batch, ...)`` holding
-    ``labels``; items are what the loss is a mean over (samples, label tokens, pairs); counts are 0-d tensors."""
+class TaskFacts(Protocol):
+    """What a task is: facts other modules ask instead of its name."""
 
     name: str  # a recipe's TASK
+    loss_name: str  # what the loss is a mean of, for the model card ("cross-entropy per label token")
     counts_tokens: bool  # items are label tokens (the log counts trained tokens)
     packs: bool  # --packing/--padding_free may pack its samples (finetune.data.packing)
     no_packing_reason: str  # why not, where it does not (the refusal's words)
@@ -45,10 +48,9 @@ class Task(Protocol):
     probe_label_names: list[str] | None  # label names of the planner's probe model
     step_metrics: tuple[str, ...]  # names of the per-step metrics take_metric_sums gives, in its order
 
-    def for_run(self, config) -> "Task":
-        """The task a run of ``config`` uses (its own instance where the config sets its loss, else ``self``)."""
 
-    def load_model(self, config, label_names): ...
+class TaskData(Protocol):
+    """The data: files, row checks, tokenization, collation, and the model that reads it."""
 
     def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir):
         """``--train_file``/``--validation_file`` as a ``DatasetDict`` (train, validation)."""
@@ -60,6 +62,18 @@ class Task(Protocol):
 
     def collator(self, tokenizer, pad_to_multiple_of): ...
 
+    def item_lengths(self, dataset) -> list[int]:
+        """Tokens per item of a tokenized split, in order (``--train_sampling_strategy group_by_length``)."""
+
+    def load_model(self, config, label_names): ...
+
+
+class TaskRun(Protocol):
+    """One run's task: built from its config, given what it derives from the built model."""
+
+    def for_run(self, config) -> "Task":
+        """The task a run of ``config`` uses (its own instance where the config sets its loss, else ``self``)."""
+
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
         """What the task derives from the built model before training (a preference task's reference); returns the
         tokenized ``DatasetDict`` the run trains on (with precomputed columns, where the task adds any). ``device``:
@@ -70,19 +84,9 @@ class Task(Protocol):
         log-probabilities) into ``output_dir``, once it is prepared (``lifecycle.RunState.open``: after
         ``--overwrite_output_dir`` cleared it), by the processes that write it."""
 
-    def item_lengths(self, dataset) -> list[int]:
-        """Tokens per item of a tokenized split, in order (``--train_sampling_strategy group_by_length``)."""
 
-    def card_settings(self, config) -> list[tuple[str, object]]:
-        """Rows the model card's hyperparameter table adds for this task ((setting, value) pairs)."""
-
-    def resident_bytes(self) -> int:
-        """Bytes the task keeps beside the model while training (a preference task's frozen reference copy), for the
-        planner's memory estimate."""
-
-    def take_metric_sums(self) -> torch.Tensor | None:
-        """The task's own per-step metric sums over the micro-batches ``loss_sum`` computed since the last call (a 1-d
-        float64 tensor the loop sums over processes and divides by the window's items), or None."""
+class TaskStep(Protocol):
+    """The training step: a micro-batch's forward, its summed loss, its items, the task's own step metrics."""
 
     def count(self, batch: dict) -> torch.Tensor:
         """The micro-batch's items (a 0-d int tensor); rows masked as repeats count 0."""
@@ -96,14 +100,28 @@ class Task(Protocol):
     def model_inputs(self, batch: dict) -> dict:
         """The model's forward arguments of a micro-batch (a preference pair's two sides stacked as rows)."""
 
-    def plain_loss_sum(self, model, forward, batch: dict) -> torch.Tensor:
-        """``loss_sum`` without gradients' concerns: from ``forward`` (``model`` or its forward without accelerate's
-        autocast wrapper), fp32 logits, no auxiliary loss (``finetune verify``'s loss after the last update)."""
+    def take_metric_sums(self) -> torch.Tensor | None:
+        """The task's own per-step metric sums over the micro-batches ``loss_sum`` computed since the last call (a 1-d
+        float64 tensor the loop sums over processes and divides by the window's items), or None."""
+
+
+class TaskEvaluation(Protocol):
+    """Evaluation: per-sample outputs gathered over the processes, the ``eval_*`` figures, generation's rows."""
 
     def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         """Per-sample tensors to gather (no gradients)."""
 
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict: ...
+
+    def prompt_and_reference(self, row: dict, row_name: str = "row") -> tuple[list[dict], str]:
+        """(prompt messages, reference text) of a raw row: what generation continues and what its completion is
+        scored against. Raises ``FinetuneError`` naming ``row_name`` for a malformed row."""
+
+
+class TaskTools(Protocol):
+    """What the tools around a run ask: ``finetune check-data`` (``data_findings``, ``sequences``), the planner
+    (``probe_batch``, ``resident_bytes``), ``finetune verify`` (``plain_loss_sum``), the model card
+    (``card_settings``)."""
 
     def data_findings(self, raw, tokenizer, config) -> tuple[dict, list[Finding]]:
         """``finetune check-data``'s look at the raw splits (a ``DatasetDict``: train, validation) before they are
@@ -118,15 +136,75 @@ class Task(Protocol):
     def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
         """A worst-case micro-batch of ``micro_batch`` rows of ``length`` tokens for the planner's probes."""
 
+    def resident_bytes(self) -> int:
+        """Bytes the task keeps beside the model while training (a preference task's frozen reference copy), for the
+        planner's memory estimate."""
 
-class SingleRunTask:
-    """The per-run parts of ``Task`` for a task that holds nothing of a run (classification, causal LM, SFT): the
-    same object for every run, nothing attached, no per-step metrics of its own, one ``input_ids`` sequence per
-    item, no rows of its own in the card; its forward takes the batch less its labels, its loss is the task's
-    ``loss_from_logits``."""
+    def plain_loss_sum(self, model, forward, batch: dict) -> torch.Tensor:
+        """``loss_sum`` without gradients' concerns: from ``forward`` (``model`` or its forward without accelerate's
+        autocast wrapper), fp32 logits, no auxiliary loss (``finetune verify``'s loss after the last update)."""
+
+    def card_settings(self, config) -> list[tuple[str, object]]:
+        """Rows the model card's hyperparameter table adds for this task ((setting, value) pairs)."""
+
+
+class Task(TaskFacts, TaskData, TaskRun, TaskStep, TaskEvaluation, TaskTools, Protocol):
+    """What a training style provides, in groups: its facts, its data, a run's own task, the step, evaluation, and
+    the tools' hooks. Units: a micro-batch is a dict of tensors ``(batch, ...)`` holding ``labels``; items are what
+    the loss is a mean over (samples, label tokens, pairs); counts are 0-d tensors. ``StatelessTask`` gives every
+    hook but a plain task's own eight a default."""
+
+
+GROUPS = (TaskFacts, TaskData, TaskRun, TaskStep, TaskEvaluation, TaskTools)  # Task's members, group by group
+
+
+class StatelessTask(ABC):
+    """A task that holds nothing of a run, so one object serves every run (classification, causal LM, SFT): the
+    defaults of ``Task``'s hooks for it. A subclass writes its own eight: ``load_model``, ``tokenize``,
+    ``collator``, ``loss_from_logits``, ``eval_outputs``, ``eval_metrics``, ``sequences``, ``probe_batch``; the
+    defaults: the same object for every run, nothing attached, no per-step metrics of its own, items = the labels
+    that are not ``IGNORE_INDEX`` (``count_labels``), one ``input_ids`` sequence per item, the files of
+    ``data.load_data_files`` (with a ``label`` column where the task has ``class_labels``), rows checked as they
+    load, no findings of its own, no rows of its own in the card, conversations' prompts and references; its
+    forward takes the batch less its labels, its loss is ``loss_from_logits`` plus a mixture-of-experts model's
+    auxiliary loss."""
 
     step_metrics: tuple[str, ...] = ()
 
+    # ---- what a subclass writes
+    @abstractmethod
+    def load_model(self, config, label_names):
+        """The model ``config.model_name_or_path`` names, with the task's head (label names: a classifier's)."""
+
+    @abstractmethod
+    def tokenize(self, raw, tokenizer, config, text_columns):
+        """The raw splits tokenized as the task trains on them."""
+
+    @abstractmethod
+    def collator(self, tokenizer, pad_to_multiple_of):
+        """The callable that pads a list of tokenized rows into a micro-batch holding ``labels``."""
+
+    @abstractmethod
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the items of ``labels`` (0-d, fp32), from the forward's ``logits``."""
+
+    @abstractmethod
+    def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
+        """Per-sample tensors to gather (no gradients)."""
+
+    @abstractmethod
+    def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict) -> dict:
+        """The ``eval_*`` figures of the gathered outputs."""
+
+    @abstractmethod
+    def sequences(self, row: dict) -> dict[str, tuple[list[int], list[bool] | None]]:
+        """The token sequences of a tokenized row (``Task.sequences``)."""
+
+    @abstractmethod
+    def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
+        """A worst-case micro-batch for the planner's probes (``Task.probe_batch``)."""
+
+    # ---- the defaults
     def for_run(self, config):
         """The task for a run of ``config``: this one (nothing of it depends on the config)."""
         return self
@@ -137,32 +215,72 @@ class SingleRunTask:
 
     def keep(self, output_dir) -> None:
         """Nothing derived to write."""
+        return
+
+    def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir=None):
+        """CSV or JSON-lines files with the text column(s), and ``label`` where the task has ``class_labels``
+        (``data.load_data_files``)."""
+        return load_data_files(train_file, validation_file, text_columns, cache_dir, with_labels=self.class_labels)
+
+    def check_rows(self, split) -> None:
+        """Rows are checked as they are loaded (``data.check_rows``)."""
+        return
 
     def item_lengths(self, dataset) -> list[int]:
         """Tokens per item of a tokenized split (``--train_sampling_strategy group_by_length``)."""
         return [len(ids) for ids in dataset["input_ids"]]
 
-    def card_settings(self, config) -> list[tuple[str, object]]:
-        """Rows the model card's hyperparameter table adds for this task: none."""
-        return []
+    def count_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Items among ``labels``: those that are not ``IGNORE_INDEX`` (a classifier's rows that repeat a sample at
+        an epoch's end are so labelled: ``window.mask_repeats``). Returns a 0-d int tensor."""
+        return (labels != IGNORE_INDEX).sum()
 
-    def resident_bytes(self) -> int:
-        """Bytes the task keeps beside the model while training: none."""
-        return 0
+    def count(self, batch: dict) -> torch.Tensor:
+        """Items in a micro-batch: ``count_labels`` of its ``labels``."""
+        return self.count_labels(batch["labels"])
+
+    def samples(self, batch: dict) -> int:
+        """Rows of the micro-batch (a packed row holds several samples: ``packing`` counts them itself)."""
+        return batch["labels"].shape[0]
+
+    def loss_sum(self, model, batch: dict) -> torch.Tensor:
+        """Forward, then ``loss_from_logits`` plus a mixture-of-experts model's auxiliary loss (0-d). The chunked
+        loss (``loss.loss_function``) replaces this where ``--loss_chunk_size`` serves the model."""
+        inputs, labels = split_labels(batch)
+        outputs = model(**inputs)
+        return with_auxiliary(self.loss_from_logits(outputs.logits, labels), outputs, model,
+                              self.count_labels(labels))
+
+    def model_inputs(self, batch: dict) -> dict:
+        """The model's forward arguments of a micro-batch: all but its ``labels``."""
+        return split_labels(batch)[0]
 
     def take_metric_sums(self):
         """No per-step metrics of its own: None."""
         return None
 
-    def model_inputs(self, batch: dict) -> dict:
-        """The model's forward arguments of a micro-batch: all but its ``labels``."""
-        return split_labels(batch)[0]
+    def prompt_and_reference(self, row: dict, row_name: str = "row") -> tuple[list[dict], str]:
+        """(prompt messages, reference text) of a TRL conversation row (``chat.prompt_and_reference``). Raises
+        ``FinetuneError`` for a row in neither TRL format."""
+        return prompt_and_reference(row, row_name)
+
+    def data_findings(self, raw, tokenizer, config) -> tuple:
+        """No findings of its own: every row is kept (its rows are checked when loaded)."""
+        return raw, []
+
+    def resident_bytes(self) -> int:
+        """Bytes the task keeps beside the model while training: none."""
+        return 0
 
     def plain_loss_sum(self, model, forward, batch: dict) -> torch.Tensor:
         """The loss summed over the batch's items from ``forward`` (``model``, or its forward without accelerate's
         autocast wrapper), in fp32, without an auxiliary loss (``finetune verify``'s loss after the last update)."""
         inputs, labels = split_labels(batch)
         return self.loss_from_logits(forward(**inputs).logits.float(), labels)
+
+    def card_settings(self, config) -> list[tuple[str, object]]:
+        """Rows the model card's hyperparameter table adds for this task: none."""
+        return []
 
 
 def split_labels(batch: dict) -> tuple[dict, torch.Tensor]:

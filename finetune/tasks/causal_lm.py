@@ -8,10 +8,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from finetune.data.loading import IGNORE_INDEX, load_data_files, tokenize_for_causal_lm
+from finetune.data.loading import IGNORE_INDEX, tokenize_for_causal_lm
 from finetune.models.loading import load_causal_lm
 from finetune.models.quantization import bnb_config
-from finetune.tasks.base import SingleRunTask, split_labels, with_auxiliary
+from finetune.tasks.base import StatelessTask, split_labels
 
 
 class CausalLMCollator:
@@ -31,10 +31,12 @@ class CausalLMCollator:
         return batch
 
 
-class CausalLM(SingleRunTask):
-    """Next-token prediction. Items = label tokens (labels shifted by one, ``IGNORE_INDEX`` skipped)."""
+class CausalLM(StatelessTask):
+    """Next-token prediction. Items = label tokens (labels shifted by one, ``IGNORE_INDEX`` skipped:
+    ``count_labels``). Its files, rows and step are ``StatelessTask``'s."""
 
     name = "causal-lm"
+    loss_name = "cross-entropy per label token"
     counts_tokens = True
     packs = True
     no_packing_reason = ""  # it packs
@@ -49,13 +51,6 @@ class CausalLM(SingleRunTask):
         """``AutoModelForCausalLM`` from a hub id or model directory, or a de-quantized ``.gguf`` file."""
         return load_causal_lm(config.model_name_or_path, disable_dropout=config.disable_dropout,
                               attn_implementation=config.attn_implementation, quantization=bnb_config(config))
-
-    def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir=None):
-        """CSV or JSON-lines files with the text column(s), no label (``data.load_data_files``)."""
-        return load_data_files(train_file, validation_file, text_columns, cache_dir, with_labels=False)
-
-    def check_rows(self, split) -> None:
-        """Rows are checked as they are loaded (``data.check_rows``)."""
 
     def tokenize(self, raw, tokenizer, config, text_columns):
         """One sample per text (<= ``max_length`` tokens), or ``block_size``-token blocks of the joined texts;
@@ -72,26 +67,10 @@ class CausalLM(SingleRunTask):
         Returns a 0-d int tensor."""
         return (labels[:, 1:] != IGNORE_INDEX).sum()
 
-    def count(self, batch: dict) -> torch.Tensor:
-        """Items in a micro-batch: ``count_labels`` of its ``labels``."""
-        return self.count_labels(batch["labels"])
-
-    def samples(self, batch: dict) -> int:
-        """Rows of the micro-batch (a packed row holds several samples: ``packing`` counts them itself)."""
-        return batch["labels"].shape[0]
-
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token cross-entropy (fp32) over label tokens. ``logits``: (batch, seq, vocab)."""
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
-
-    def loss_sum(self, model, batch: dict) -> torch.Tensor:
-        """Forward, then ``loss_from_logits`` plus a mixture-of-experts model's auxiliary loss (0-d). The chunked
-        loss (``loss.loss_function``) replaces this where ``--loss_chunk_size`` serves the model."""
-        inputs, labels = split_labels(batch)
-        outputs = model(**inputs)
-        return with_auxiliary(self.loss_from_logits(outputs.logits, labels), outputs, model,
-                              self.count_labels(labels))
 
     def eval_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per-sample tensors of ``logits`` (batch, seq, vocab): (summed token loss (batch,), label tokens
@@ -112,10 +91,6 @@ class CausalLM(SingleRunTask):
         loss = loss_sums.sum().item() / tokens if tokens else float("nan")
         return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
                 "eval_tokens": tokens, "eval_samples": len(counts)}
-
-    def data_findings(self, raw, tokenizer, config) -> tuple:
-        """No findings of its own: every row is kept (any text can be trained on)."""
-        return raw, []
 
     def sequences(self, row: dict) -> dict:
         """One sequence, its ``input_ids``, every token trained but the first (the labels are shifted by one)."""

@@ -6,17 +6,19 @@ import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithPadding
 
-from finetune.data.loading import IGNORE_INDEX, load_data_files, tokenize_datasets
+from finetune.data.loading import IGNORE_INDEX, tokenize_datasets
 from finetune.metrics import load_metric
 from finetune.models.loading import load_classifier
 from finetune.models.quantization import bnb_config
-from finetune.tasks.base import SingleRunTask, split_labels, with_auxiliary
+from finetune.tasks.base import StatelessTask, split_labels
 
 
-class SequenceClassification(SingleRunTask):
-    """One label per text. Items = samples. Metrics: the recipe's (accuracy, F1, ...) and eval_loss."""
+class SequenceClassification(StatelessTask):
+    """One label per text. Items = samples (labels that are not ``IGNORE_INDEX``: ``StatelessTask.count_labels``).
+    Metrics: the recipe's (accuracy, F1, ...) and eval_loss. Its data, rows and step are ``StatelessTask``'s."""
 
     name = "sequence-classification"
+    loss_name = "cross-entropy per sample"
     counts_tokens = False
     packs = False  # one label per sample: nothing to pack
     no_packing_reason = "one label per sample, nothing to pack"
@@ -32,13 +34,6 @@ class SequenceClassification(SingleRunTask):
         return load_classifier(config.model_name_or_path, label_names, disable_dropout=config.disable_dropout,
                                attn_implementation=config.attn_implementation, quantization=bnb_config(config))
 
-    def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir=None):
-        """CSV or JSON-lines files with the text column(s) and ``label`` (``data.load_data_files``)."""
-        return load_data_files(train_file, validation_file, text_columns, cache_dir, with_labels=True)
-
-    def check_rows(self, split) -> None:
-        """Rows are checked as they are loaded (``data.check_rows``)."""
-
     def tokenize(self, raw, tokenizer, config, text_columns):
         """Truncate to ``max_length`` tokens, no padding; columns input_ids, attention_mask, labels."""
         return tokenize_datasets(raw, tokenizer, text_columns, config.max_length)
@@ -47,30 +42,10 @@ class SequenceClassification(SingleRunTask):
         """Dynamic padding per micro-batch."""
         return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
-    def count_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """Items among ``labels`` (batch,): samples, less those labelled ``IGNORE_INDEX`` (rows that repeat a
-        sample at an epoch's end: ``window.mask_repeats``). Returns a 0-d int tensor."""
-        return (labels != IGNORE_INDEX).sum()
-
-    def count(self, batch: dict) -> torch.Tensor:
-        """Items in a micro-batch: ``count_labels`` of its ``labels``."""
-        return self.count_labels(batch["labels"])
-
-    def samples(self, batch: dict) -> int:
-        """Rows of the micro-batch."""
-        return batch["labels"].shape[0]
-
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy (fp32), ``IGNORE_INDEX`` rows skipped. ``logits``: (batch, num_labels);
         ``labels``: (batch,)."""
         return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-
-    def loss_sum(self, model, batch: dict) -> torch.Tensor:
-        """Forward, then ``loss_from_logits`` plus a mixture-of-experts model's auxiliary loss (0-d)."""
-        inputs, labels = split_labels(batch)
-        outputs = model(**inputs)
-        return with_auxiliary(self.loss_from_logits(outputs.logits, labels), outputs, model,
-                              self.count_labels(labels))
 
     def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         """Per-sample tensors to gather: (loss (batch,), prediction (batch,), label (batch,))."""
@@ -86,10 +61,6 @@ class SequenceClassification(SingleRunTask):
             computed = load_metric(name).compute(predictions=predictions.tolist(), references=labels.tolist(), **kwargs)
             results.update({f"eval_{k}": v for k, v in computed.items()})
         return results
-
-    def data_findings(self, raw, tokenizer, config) -> tuple:
-        """No findings of its own: every row is kept (its rows are checked when loaded)."""
-        return raw, []
 
     def sequences(self, row: dict) -> dict:
         """One sequence, its ``input_ids``; trained: None (the label is trained, not a token)."""

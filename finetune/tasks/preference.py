@@ -18,7 +18,14 @@ import torch
 
 import finetune.tasks.reference as precomputed_reference
 from finetune.data.loading import IGNORE_INDEX, load_conversation_files, rows_named
-from finetune.data.preference import PAIR_SIDES, PairCheck, check_pair, check_pair_rows, pairs_to_features
+from finetune.data.preference import (
+    PAIR_SIDES,
+    PairCheck,
+    check_pair,
+    check_pair_rows,
+    pair_prompt_and_reference,
+    pairs_to_features,
+)
 from finetune.errors import FinetuneError
 from finetune.models.loading import set_attention
 from finetune.models.lora import ADAPTER_CONFIG, load_merged_adapter
@@ -153,6 +160,12 @@ class PreferenceTask:
         self._metric_sums = None  # (6,) float64: the window's PAIR_METRICS sums so far
         self.autocast_dtype = None  # the policy's autocast dtype under fp16/bf16 (attach)
         self.reference_files = {}  # precomputed log-probabilities to write once the output dir is prepared (keep)
+
+    @property
+    def loss_name(self) -> str:
+        """What the loss is a mean of, for the model card: the run's DPO loss type per pair ("sigmoid DPO loss per
+        pair")."""
+        return f"{self.loss.loss_type} DPO loss per pair"
 
     def for_run(self, config) -> "PreferenceTask":
         """A new task for a run of ``config``: its ``--loss_type``, ``--beta``, ``--label_smoothing`` and
@@ -351,6 +364,11 @@ class PreferenceTask:
         values = (chosen, rejected, (chosen > rejected).double(), chosen - rejected, chosen_logps, rejected_logps)
         return {"eval_loss": float(terms.sum()) / pairs, "eval_samples": pairs,
                 **{f"eval_{k}": float(v.sum()) / pairs for k, v in zip(PAIR_METRICS, values)}}
+
+    def prompt_and_reference(self, row: dict, row_name: str = "row") -> tuple[list[dict], str]:
+        """(prompt messages, the chosen side's turns joined by newlines) of a raw preference row: what generation
+        continues and scores against (``preference.pair_prompt_and_reference``; raises its ``FinetuneError``)."""
+        return pair_prompt_and_reference(row, row_name)
 
     def data_findings(self, raw, tokenizer, config) -> tuple[datasets.DatasetDict, list[Finding]]:
         """Every pair encoded as training encodes it (``preference.check_pair``, ``config.max_length``) and
