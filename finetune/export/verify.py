@@ -76,14 +76,13 @@ def verify_set(source, tokenizer, samples: int = DEFAULT_SAMPLES) -> VerifySet:
     """The first ``samples`` rows of the run's validation split (its ``run_config.json`` replayed: recipe, data flags,
     ``max_eval_samples``), encoded by the run's task as training encodes them (``task.tokenize``; every sequence of a
     row, ``task.sequences``: both sides of a preference pair); the prompts greedy decoding continues are the rows'
-    (``evaluation.reference_of``) for a chat task, else each sequence's first half. Raises ``FinetuneError`` when
+    (``task.prompt_and_reference``) for a chat task, else each sequence's first half. Raises ``FinetuneError`` when
     the run's data cannot be loaded or encoded, or yields no rows."""
     import datasets
 
     from finetune.config import parse_config
-    from finetune.lifecycle.evaluation import reference_of
     from finetune.recipes import load_recipe
-    from finetune.tasks import get_task
+    from finetune.tasks import task_of
     from finetune.tasks.builders import raw_datasets
 
     config_file = source.run_dir / "run_config.json"
@@ -92,7 +91,7 @@ def verify_set(source, tokenizer, samples: int = DEFAULT_SAMPLES) -> VerifySet:
                             "Export the --output_dir of a finetune training run.")
     config = parse_config(["--config", str(config_file)])
     recipe = load_recipe(config.recipe)
-    task = get_task(recipe.TASK)
+    task = task_of(recipe)
     rows = raw_datasets(recipe, config, task, check=False)["validation"]
     rows = rows.select(range(min(samples, len(rows))))
     if len(rows) == 0:
@@ -107,7 +106,7 @@ def verify_set(source, tokenizer, samples: int = DEFAULT_SAMPLES) -> VerifySet:
         raise FinetuneError(f"the run's first {len(rows)} validation rows encode to no sequence of 2 tokens or more: "
                             "nothing to verify on.")
     if task.chat:
-        prompts = [reference_of(row, f"validation row {i}")[0] for i, row in enumerate(rows)]
+        prompts = [task.prompt_and_reference(row, f"validation row {i}")[0] for i, row in enumerate(rows)]
         return VerifySet(sequences, prompts, True, max_new, max_length)
     prompts = [tokenizer.decode(ids[: len(ids) // 2], skip_special_tokens=True) for ids in sequences]
     return VerifySet(sequences, prompts, False, max_new, max_length)
