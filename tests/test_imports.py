@@ -32,8 +32,8 @@ import finetune.lifecycle.resolve, finetune.backends.accelerate, finetune.output
 stage("default run")
 import finetune.commands.compare, finetune.models.lora, finetune.metrics, finetune.backends.trainer
 finetune.commands.compare.pyplot()
-finetune.models.lora.lora_config(type("C", (), dict(lora_target_modules=None, lora_r=2, lora_alpha=4, lora_dropout=0.0)),
-                          "CAUSAL_LM")
+from finetune.config import TrainConfig
+finetune.models.lora.lora_config(TrainConfig(lora_target_modules=None, lora_r=2, lora_alpha=4, lora_dropout=0.0), "CAUSAL_LM")
 finetune.metrics.load_metric("accuracy")
 stage("lazy paths taken")
 print(json.dumps(seen))

@@ -158,4 +158,4 @@ def require_bitsandbytes(flag_name: str) -> None:
     (``flag_name``: the flag that needs it)."""
     if importlib.util.find_spec("bitsandbytes") is None:
         raise FinetuneError(f"{flag_name} needs the bitsandbytes package, which is not installed: "
-                            "pip install 'finetune[qlora]' (or pip install bitsandbytes).")
+                            'pip install -e ".[qlora]" in the clone (or pip install bitsandbytes).')

@@ -14,7 +14,9 @@ import csv
 import json
 from pathlib import Path
 
+from finetune.argv import given, take_values
 from finetune.errors import FinetuneError
+from finetune.recipes import check_task
 
 # --task: a task's name -> the recipe that trains it on your data
 TASK_RECIPES = {"sft": "sft", "preference": "dpo", "causal-lm": "clm", "sequence-classification": "classify"}
@@ -106,3 +108,70 @@ def recipe_for_columns(columns: list[str], where: str, task: str | None = None) 
     raise FinetuneError(f"{where} has columns {', '.join(columns) or '(none)'}, none of TRL's formats: messages or "
                         "conversations, prompt + completion (sft); prompt + chosen + rejected (dpo); text (clm); "
                         "text + label with --task sequence-classification. Or pass --recipe NAME.")
+
+
+# ---- the recipe of a run given your data, as parse_config resolves it
+# A recipe's limits on its own data, never applied to data the recipe did not ship (--train_file, --dataset_name)
+RECIPE_DATA_LIMITS = ("max_train_samples", "max_eval_samples")
+
+
+YOUR_DATA_FLAGS = ("train_file", "dataset_name", "dataset_mixture")
+
+
+def recipe_defaults(recipe, argv: list[str], file_values: dict) -> dict:
+    """The recipe's ``DEFAULTS`` for this run: without its data limits (``RECIPE_DATA_LIMITS``) where the run
+    trains on data the recipe did not ship (``--train_file``/``--dataset_name``, on the command line or in the
+    file): a recipe's row cap is for its own corpus, never a user's."""
+    defaults = dict(recipe.DEFAULTS)
+    own_data = any(given(argv, f"--{name}") or file_values.get(name) for name in YOUR_DATA_FLAGS)
+    if own_data:
+        for name in RECIPE_DATA_LIMITS:
+            defaults.pop(name, None)
+    return defaults
+
+
+def last_value(argv: list[str], file_values: dict, name: str):
+    """A flag's value: the command line's last, else the config file's, else None."""
+    values = [v for v in take_values(argv, f"--{name}")[0] if v is not None]
+    return values[-1] if values else file_values.get(name)
+
+
+def check_your_data_recipe(recipe, first, argv: list[str], file_values: dict) -> None:
+    """Raise ``FinetuneError`` where a recipe that ships no data (``YOUR_DATA``) lacks the model or the data, or
+    ``--task`` names another task than the recipe's (``recipes.check_task``)."""
+    check_task(recipe, first.recipe, first.task)
+    if not getattr(recipe, "YOUR_DATA", False):
+        return
+    missing = [f"--{name}" for name in ("model_name_or_path",) if not last_value(argv, file_values, name)]
+    if not any(last_value(argv, file_values, name) for name in YOUR_DATA_FLAGS):
+        missing.append("--train_file or --dataset_name")
+    if missing:
+        raise FinetuneError(f"recipe {first.recipe!r} trains your model on your data and ships neither: pass "
+                            f"{' and '.join(missing)}.")
+
+
+def recipe_from_data(argv: list[str], file_values: dict) -> tuple[str, str] | None:
+    """(recipe, why) for a run given your data (``--train_file``/``--dataset_name``) and no recipe: from the data's
+    columns (``your_data.recipe_for_columns``), or ``--task``; None without data of yours. Raises its
+    ``FinetuneError``s."""
+    task, train_file, name, mixture = (last_value(argv, file_values, n) for n in ("task", "train_file", "dataset_name",
+                                                                            "dataset_mixture"))
+    if mixture:
+        where = "the dataset mixture's first source"
+        columns = mixture_columns(mixture)
+        if columns is None and task is None:
+            raise FinetuneError(f"{where}: its columns cannot be read without loading it; pass --task "
+                                "sft|preference|causal-lm|sequence-classification or --recipe NAME.")
+    elif train_file:
+        where = f"--train_file {train_file}"
+        columns = first_row_columns(train_file)
+    elif name:
+        where = f"--dataset_name {name}"
+        columns = dataset_columns(name, last_value(argv, file_values, "dataset_train_split") or "train")
+        if columns is None and task is None:
+            raise FinetuneError(f"{where}: its columns cannot be read without loading it; pass --task "
+                                "sft|preference|causal-lm|sequence-classification or --recipe NAME.")
+    else:
+        return None
+    recipe, why = recipe_for_columns(columns or [], where, task)
+    return recipe, f"{why} of {where}"
