@@ -13,7 +13,7 @@ from helpers import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test,docs]" && ruff check . && NO_MKDOCS_2_WARNING=1 mkdocs build --strict -d /tmp/finetune-site && python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder'
+TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test,docs]" && ruff check . && NO_MKDOCS_2_WARNING=1 mkdocs build --strict -d /tmp/finetune-site && python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25'
 
 
 def anchors(page: Path) -> set[str]:
