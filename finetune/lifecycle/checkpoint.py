@@ -1,8 +1,7 @@
-"""Checkpoints that survive: written to ``.tmp-step_...`` and renamed, ``manifest.json`` (every file's size, the
-small files' sha256) then the ``COMPLETE`` marker last, pruned only after the new one is complete, verified
-before a resume, refused when resuming would change what a step means. Layout:
-``<output_dir>/checkpoints/step_00000012/`` = ``accelerator.save_state`` output, ``trainer_state.json``,
-``manifest.json`` and ``COMPLETE`` (see docs/design-notes.md#checkpoint)."""
+"""Checkpoints that survive: written to ``.tmp-step_...`` and renamed, ``manifest.json`` (every file's size, the small
+files' sha256) then the ``COMPLETE`` marker last, pruned only after the new one is complete, verified before a resume,
+refused when resuming would change what a step means. ``<output_dir>/checkpoints/step_00000012/`` holds the
+``accelerator.save_state`` output, ``trainer_state.json``, ``manifest.json``, ``COMPLETE`` (docs/design-notes.md#checkpoint)."""
 
 from __future__ import annotations
 
@@ -29,13 +28,11 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 HASH_LIMIT = 1 << 20  # files up to 1 MiB (the state files, configs, tokenizer) get a sha256; bigger ones a size
 _NAME = re.compile(r"^step_(\d{8})$")
-# The Trainer backend's checkpoints: Trainer's own ``checkpoint-<step>`` folders (transformers 5.24
-# trainer_utils.py PREFIX_CHECKPOINT_DIR), sealed by the same manifest and COMPLETE marker (``seal_checkpoint``), with
-# the same RunProgress in PROGRESS_FILE (Trainer's ``trainer_state.json`` is there already, its own TrainerState).
+# The Trainer backend's checkpoints: Trainer's ``checkpoint-<step>`` folders (transformers 5.24 PREFIX_CHECKPOINT_DIR),
+# sealed alike (``seal_checkpoint``), our RunProgress in PROGRESS_FILE (their ``trainer_state.json`` is Trainer's own).
 _TRAINER_NAME = re.compile(r"^checkpoint-(\d+)$")
 PROGRESS_FILE = "finetune_progress.json"
-# Trainer writes its checkpoint-N into the folder it is given; the Trainer backend gives it this one under the
-# checkpoints folder, and ``commit_staged`` renames the sealed folder into place, as ``save_checkpoint`` does ours.
+# Where Trainer writes its checkpoint-N; ``commit_staged`` renames the sealed folder into place, as we do ours.
 TRAINER_STAGING = ".tmp-checkpoint"
 BACKENDS = ("accelerate", "trainer")
 # Folders a save or a prune leaves behind when killed: never named step_* or checkpoint-*, so never resumed; the
@@ -74,11 +71,9 @@ def checkpoints_dir(output_dir) -> Path:
 
 
 def step_meaning(config, num_processes: int, training_set: dict | None = None, base: dict | None = None) -> dict:
-    """The settings that define a step (``STEP_MEANING``) plus the effective batch and its split
-    (``elastic.batch_meaning``), the training set the run is bound to (``training_set``:
-    ``data.training_set_identity``, with the held-out flags: ``elastic.data_meaning``) and a quantized base's
-    identity (``base``: ``models.quantization.base_identity``, as ``QUANTIZED_BASE``; a resume onto a base quantized
-    otherwise is refused by it)."""
+    """The settings that define a step (``STEP_MEANING``), the effective batch and its split (``elastic.batch_meaning``),
+    the training set (``training_set``: ``data.training_set_identity`` with the held-out flags, ``elastic.data_meaning``)
+    and a quantized base's identity (``base``: ``models.quantization.base_identity``, as ``QUANTIZED_BASE``)."""
     meaning = {name: getattr(config, name) for name in STEP_MEANING}
     meaning.update(elastic.batch_meaning(config, num_processes))
     meaning.update(elastic.data_meaning(config, training_set))
