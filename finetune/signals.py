@@ -86,6 +86,9 @@ class GracefulStop:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self.signum is not None:  # stopping: the process exits 128 + signum once the checkpoint is out; a late
+            # SIGTERM (the kernel's, per launcher thread, or a scheduler's repeat) must not kill it with -15 meanwhile
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def _handle(self, signum, frame):
         launcher_died = signum == signal.SIGTERM and launcher_gone()

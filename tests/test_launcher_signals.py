@@ -79,7 +79,10 @@ def test_sigterm_to_bare_one_process_launcher_checkpoints_and_resumes(tmp_path, 
 
     out = tmp_path / "stopped"
     with subreaper():
-        launcher = start_launch([*args, "--output_dir", str(out)], tmp_path / "stopped")
+        # each step 0.2 s longer (tests/faults): a tiny model trains 24 steps in about a second on a quiet machine,
+        # so the launcher's death after step 2 could reach the trainer after training, not inside it
+        launcher = start_launch([*args, "--output_dir", str(out)], tmp_path / "stopped",
+                                env={**fault_env(), "FAULT_SLOW_STEP": "0.2"})
         trainer = None
         try:
             wait_for_steps(out, 2, launcher, timeout=240)

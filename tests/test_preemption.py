@@ -155,3 +155,24 @@ def test_a_run_warns_when_a_step_and_a_save_exceed_the_grace(backend, tmp_path, 
     out = capsys.readouterr().out
     assert out.count("warning: ") == 1, out
     assert "estimated: " in out and "more than the 0.001 s grace of --preemption_grace_seconds" in out
+
+
+def test_a_late_sigterm_while_a_stop_exits_is_ignored():
+    """After a stop was requested and the loop left, the process is on its way out with 128 + signum: a late SIGTERM
+    (the kernel signals once per launcher thread) must not end it with -15 before its error line (seen in CI)."""
+    import os
+    import signal as signal_module
+
+    from finetune import signals
+
+    previous = signal_module.getsignal(signal_module.SIGTERM)
+    try:
+        with signals.GracefulStop() as stop:
+            os.kill(os.getpid(), signal_module.SIGTERM)
+            assert stop.signum == signal_module.SIGTERM
+        assert signal_module.getsignal(signal_module.SIGTERM) == signal_module.SIG_IGN
+        os.kill(os.getpid(), signal_module.SIGTERM)  # ignored: the test goes on
+        with signals.GracefulStop():  # without a stop, the handler before is restored
+            pass
+    finally:
+        signal_module.signal(signal_module.SIGTERM, previous)

@@ -57,6 +57,7 @@ LEARNING_RATE_ENV = "FAULT_LEARNING_RATE"  # ACCUMULATION:FACTOR: those runs tra
 SAVE_ERROR_ENV = "FAULT_SAVE_ERROR"  # TYPE@rankR@stepS: that rank's checkpoint write of step S raises TYPE
 SYNC_LOG_ENV = "FAULT_SYNC_LOG"  # a folder: each rank logs, per backward, whether DDP all-reduced in it
 LEAVE_LOG_ENV = "FAULT_LEAVE_LOG"  # a folder: each rank records whether leave() ended its process group's handle
+SLOW_STEP_ENV = "FAULT_SLOW_STEP"  # seconds each accumulation window (optimizer step) of the accelerate loop sleeps first
 SLOW_BENCHMARK_ENV = "FAULT_SLOW_BENCHMARK"  # seconds each lm-eval HFLM forward or generation sleeps first
 LAYOUT_COST_ENV = "FAULT_LAYOUT_COST"  # "A,B,C": --packing's measured layout cost is this one (seconds per
 # micro-batch, per position, per attention score), so a packed run's layouts do not depend on the machine's timings
@@ -437,6 +438,22 @@ def after_import(name: str, callback) -> None:
     finder.callbacks.setdefault(name, []).append(callback)
 
 
+def install_slow_steps(seconds: float, loop_module) -> None:
+    """Make the accelerate backend's loop (``loop_module``: ``finetune.backends.accelerate``) sleep ``seconds`` before
+    each window it reads (``iter_windows``), so that a tiny model's run lasts long enough for a signal sent after its
+    first steps to land inside training; nothing it computes changes."""
+    import time
+
+    original = loop_module.iter_windows
+
+    def iter_windows(*args, **kwargs):
+        for window in original(*args, **kwargs):
+            time.sleep(seconds)
+            yield window
+
+    loop_module.iter_windows = iter_windows
+
+
 def install_on_import(environ=None, after=after_import) -> None:
     """For ``sitecustomize``: install the faults the environment asks for, each when the process imports
     the module it wraps (``after``: ``after_import``). ``FAULT_CPU_FP16=1``: ``install_cpu_fp16`` on
@@ -473,6 +490,9 @@ def install_on_import(environ=None, after=after_import) -> None:
     layout_cost = environ.get(LAYOUT_COST_ENV, "")
     if layout_cost.strip():
         after("finetune.data.packing_cost", lambda module: install_layout_cost(layout_cost, cost_module=module))
+    slow_step = environ.get(SLOW_STEP_ENV, "")
+    if slow_step.strip():
+        after("finetune.backends.accelerate", lambda module: install_slow_steps(float(slow_step), loop_module=module))
     slow_benchmark = environ.get(SLOW_BENCHMARK_ENV, "")
     if slow_benchmark.strip():
         after("lm_eval.models.huggingface",
