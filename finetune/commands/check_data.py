@@ -33,7 +33,7 @@ from finetune.config import parse_config
 from finetune.data import packing_cost
 from finetune.data.chat import require_chat_template
 from finetune.data.loading import ROW_COLUMN
-from finetune.data.mixture import source_name
+from finetune.data.mixture import row_source, source_name
 from finetune.data.packing import budget as packing_budget
 from finetune.data.packing import flag_of, packing_summary, row_length
 from finetune.errors import FinetuneError
@@ -190,7 +190,7 @@ def mixture_lines(config, raw_train, sequences: list[dict]) -> str:
     per_row = len(rows) == len(sequences)
     stats = {source_name(i, s): [0, 0, 0] for i, s in enumerate(mixture["datasets"])}
     for k, row in enumerate(rows):
-        entry = stats[row.rsplit(" row ", 1)[0]]
+        entry = stats[row_source(row)]
         entry[0] += 1
         if per_row:
             entry[1] += sum(len(ids) for ids, _ in sequences[k].values())

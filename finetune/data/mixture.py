@@ -99,10 +99,15 @@ def load_mixture(mixture: dict, cache_dir=None) -> tuple[datasets.DatasetDict, l
     return datasets.DatasetDict({"train": split["train"], "test": split["test"]}), kept
 
 
+def row_source(row: str) -> str:
+    """The source a mixture's row name (``ROW_COLUMN``: ``datasets[i] (path) row j``) came from: ``datasets[i] (path)``."""
+    return row.rsplit(" row ", 1)[0]
+
+
 def mixture_counts(mixture: dict, rows: list[str]) -> dict[str, int]:
     """Rows per source among ``rows`` (``ROW_COLUMN`` values): ``{source name: count}``, in the mixture's order."""
     names = [source_name(i, s) for i, s in enumerate(mixture["datasets"])]
     counts = dict.fromkeys(names, 0)
     for row in rows:
-        counts[row.rsplit(" row ", 1)[0]] += 1
+        counts[row_source(row)] += 1
     return counts
