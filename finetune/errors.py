@@ -56,6 +56,10 @@ def reports_errors(main: Callable[..., int]) -> Callable[..., int]:
             # text and its newline apart, and two ranks' lines interleave on the launcher's stderr
             sys.stderr.write(f"error: {err}\n")
             sys.stderr.flush()
+            if isinstance(err, TrainingStopped):  # its line is out: SIGTERM acts again (GracefulStop held it)
+                from finetune.signals import release_sigterm
+
+                release_sigterm()
             return err.exit_code
 
     return wrapped

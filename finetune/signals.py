@@ -88,7 +88,8 @@ class GracefulStop:
             signal.signal(sig, handler)
         if self.signum is not None:  # stopping: the process exits 128 + signum once the checkpoint is out; a late
             # SIGTERM (the kernel's, per launcher thread, or a scheduler's repeat) must not kill it with -15 meanwhile
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            hold_sigterm()
+
 
     def _handle(self, signum, frame):
         launcher_died = signum == signal.SIGTERM and launcher_gone()
@@ -114,3 +115,30 @@ class GracefulStop:
                  f"it again after {self.repeat_window:g} s" if signum == signal.SIGTERM else "it again")
         print(f"\n{signal.Signals(signum).name}{cause}: finishing this optimizer step, then saving a checkpoint "
               f"(send {again} to exit at once).", file=sys.stderr)
+
+
+_held_sigterm = None  # the SIGTERM handler that ``hold_sigterm`` replaced, until ``release_sigterm``
+
+
+def _late_sigterm(signum, frame) -> None:
+    """A SIGTERM while a stopped run reports its stop: the same request, already being honoured."""
+
+
+def hold_sigterm() -> None:
+    """Ignore SIGTERM until ``release_sigterm`` (a stopped run, on its way to its ``error:`` line and exit 143).
+    A Python handler, not ``SIG_IGN``: a process started meanwhile (``exec``) gets the default action back, where an
+    ignored disposition would be inherited and leave it deaf to SIGTERM."""
+    global _held_sigterm
+    previous = signal.signal(signal.SIGTERM, _late_sigterm)
+    if previous is not _late_sigterm:
+        _held_sigterm = previous
+
+
+def release_sigterm() -> None:
+    """Give SIGTERM back the handler ``hold_sigterm`` replaced (no-op when none is held): called once a stop's
+    ``error:`` line is out (``errors.reports_errors``), so a process that goes on (a notebook, a test) is not left
+    ignoring SIGTERM."""
+    global _held_sigterm
+    if _held_sigterm is not None:
+        signal.signal(signal.SIGTERM, _held_sigterm)
+        _held_sigterm = None

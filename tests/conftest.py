@@ -110,6 +110,21 @@ def _reset_accelerate_state():
     PartialState._reset_state()
 
 
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """A test that stops a run in-process (GracefulStop) must not leave this worker's SIGTERM/SIGINT handlers
+    changed for the tests after it (a worker ignoring SIGTERM passes that on to every process it starts)."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    from finetune import signals
+
+    signals.release_sigterm()
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
 @pytest.fixture
 def faults():
     """The fault injectors of ``tests/faults/finetune_faults.py``, installed in this process on demand and

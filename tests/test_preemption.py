@@ -157,22 +157,38 @@ def test_a_run_warns_when_a_step_and_a_save_exceed_the_grace(backend, tmp_path, 
     assert "estimated: " in out and "more than the 0.001 s grace of --preemption_grace_seconds" in out
 
 
-def test_a_late_sigterm_while_a_stop_exits_is_ignored():
+def test_a_late_sigterm_while_a_stop_exits_is_ignored_until_its_error_line():
     """After a stop was requested and the loop left, the process is on its way out with 128 + signum: a late SIGTERM
-    (the kernel signals once per launcher thread) must not end it with -15 before its error line (seen in CI)."""
+    (the kernel signals once per launcher thread) must not end it with -15 before its error line (seen in CI). Held by
+    a Python handler, not SIG_IGN: a process started meanwhile still dies of SIGTERM (an inherited SIG_IGN made a
+    later test's launcher deaf to it, seen in CI), and the stop's error line gives SIGTERM back."""
     import os
     import signal as signal_module
+    import subprocess
+    import sys
 
     from finetune import signals
+    from finetune.errors import TrainingStopped, reports_errors
 
     previous = signal_module.getsignal(signal_module.SIGTERM)
     try:
         with signals.GracefulStop() as stop:
             os.kill(os.getpid(), signal_module.SIGTERM)
             assert stop.signum == signal_module.SIGTERM
-        assert signal_module.getsignal(signal_module.SIGTERM) == signal_module.SIG_IGN
+        assert signal_module.getsignal(signal_module.SIGTERM) not in (previous, signal_module.SIG_IGN)
         os.kill(os.getpid(), signal_module.SIGTERM)  # ignored: the test goes on
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        child.send_signal(signal_module.SIGTERM)
+        assert child.wait(timeout=30) == -signal_module.SIGTERM
+
+        @reports_errors
+        def stopped() -> int:
+            raise TrainingStopped("stopped by SIGTERM after optimizer step 2", signal_module.SIGTERM)
+
+        assert stopped() == 143
+        assert signal_module.getsignal(signal_module.SIGTERM) == previous
         with signals.GracefulStop():  # without a stop, the handler before is restored
             pass
+        assert signal_module.getsignal(signal_module.SIGTERM) == previous
     finally:
         signal_module.signal(signal_module.SIGTERM, previous)
