@@ -1,6 +1,7 @@
 """Signals: a training process that stops with its launcher (``prctl(PR_SET_PDEATHSIG, SIGTERM)``, Linux), and
 SIGINT/SIGTERM that end a run after its optimizer step with a checkpoint and exit 128 + signal
-(``GracefulStop``). Imported before torch, to narrow the start-up window. Why: docs/design-notes.md#signals."""
+(``GracefulStop``). Imported before torch, to narrow the start-up window.
+Why: docs/design-notes.md#stops-that-checkpoint."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def watch_launcher() -> bool:
 
 def launcher_gone() -> bool:
     """Whether the watched launcher died or is dying: re-parented, or its main thread exiting (``PF_EXITING``) or
-    a zombie; False with no watch (why the thread: docs/design-notes.md#signals)."""
+    a zombie; False with no watch (why the thread: docs/resume.md#how-a-stop-works)."""
     if _launcher_pid is None:
         return False
     if os.getppid() != _launcher_pid:

@@ -344,7 +344,7 @@ def test_padding_free_and_packed_runs_give_the_padded_weights(tmp_path, tiny_lla
     several padded rows) and in the Trainer backend (2 x 4: four micro-batches per step, as Trainer counts them)
     take the same 5 optimizer steps: same samples, items and losses per step, and the same weights to float
     rounding (relative norm of the whole difference; Adam turns rounding noise on zero-gradient tensors into
-    lr-sized steps, docs/design-notes.md). The layout cost is fixed (attention alone: the packed rows), so that the
+    lr-sized steps, docs/verify.md#the-ways). The layout cost is fixed (attention alone: the packed rows), so that the
     packed runs run the rows on any machine."""
     from finetune.data import packing_cost
 

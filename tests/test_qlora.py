@@ -210,7 +210,7 @@ def test_qlora_equals_lora_on_the_dequantized_base(tmp_path, chat_llama, sft_fil
     _, o = run_in_process(tmp_path, "lora-original", **qlora(chat_llama, sft_files, load_in_4bit=False))
     first = {name: train_steps(out)[0]["loss"] for name, out in (("q", q), ("d", d), ("o", o))}
     quantization_error = abs(first["o"] - first["d"])
-    print("first-step losses", first)  # reported in docs/recipes.md#qlora
+    print("first-step losses", first)  # reported in docs/recipes.md#qlora-lora-on-a-4-bit-or-8-bit-base
     assert quantization_error > 1e-5, first  # NF4 moved the loss
     assert abs(first["q"] - first["d"]) <= 1e-6 * first["d"], first
     assert abs(first["q"] - first["d"]) < quantization_error / 100, first

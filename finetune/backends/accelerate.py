@@ -2,7 +2,7 @@
 loop with exact accumulation inline. Each micro-batch's summed loss is divided by the items of its whole window
 over all processes (a partial last window weighs its true size); clipping on the sync micro-batch only; the
 schedule advances only after a real optimizer step. Under an engine that steps inside ``backward``
-the same loop runs, ``optimizer.step()`` is a no-op there. Rules and their tests: docs/design-notes.md#train.
+the same loop runs, ``optimizer.step()`` is a no-op there. Rules and their tests: docs/precision.md.
 """
 
 from __future__ import annotations

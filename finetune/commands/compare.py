@@ -1,6 +1,6 @@
 """Side-by-side comparison of the two backends: ``finetune compare --recipe NAME`` (``main``), each in a fresh
 subprocess, one after the other. Writes ``accelerate/``, ``trainer/``, ``comparison.json``/``.md`` and
-``loss_curves.png`` into ``--output_dir``. See docs/design-notes.md#compare."""
+``loss_curves.png`` into ``--output_dir``. See docs/backends.md#finetune-compare."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``finetune train``: training through Accelerate's launcher machinery (as torchtune's ``tune run`` wraps
 torchrun) that passes SIGTERM/SIGINT on and waits for the checkpoint, and ends a user error with the one
 ``error:`` line and exit 2. Takes launcher flags mixed with training flags; a flag both know is the training
-run's (see docs/design-notes.md#launch)."""
+run's (see docs/multi-node.md#launching-finetune-train-and-accelerate-launch)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Predict with a trained model: ``finetune predict --model OUTPUT_DIR "some text" ...`` (or ``python -m
 finetune.commands.predict``; ``accelerate launch -m finetune.commands.predict`` splits the texts over the processes). A thin CLI
 on ``transformers.pipeline`` ("text-classification" or "text-generation"). Inputs, output lines and
-``--model`` forms: see docs/design-notes.md#predict. User errors print one ``error:`` line and exit 2."""
+``--model`` forms: see docs/outputs.md#using-the-result. User errors print one ``error:`` line and exit 2."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Instruction fine-tuning (SFT): TRL-format rows (https://huggingface.co/docs/trl/dataset_formats) rendered
 with the chat template; labels are ``IGNORE_INDEX`` except the trained assistant turns and their end-of-turn
 token (TRL ``completion_only_loss``). Truncation cuts only the last user turn's content, never the
-completion. Rationale, and the differences from TRL and torchtune: see docs/design-notes.md#sft."""
+completion. The rules and the differences from TRL and torchtune:
+docs/recipes.md#rows-labels-and-length-in-detail; why: docs/design-notes.md#completion-only-sft."""
 
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ def _is_control_token(tokenizer, token_id: int) -> bool:
 def _turn_spans(tokenizer, messages: list[dict], trained: list[int], ids: list[int],
                 row_name: str, kwargs: dict | None = None) -> list[tuple[int, int]]:
     """``[(start, end), ...]``: each trained turn's token range in ``ids``, its end-of-turn token included,
-    the whitespace the template writes after it excluded (see docs/design-notes.md#sft)."""
+    the whitespace the template writes after it excluded (see docs/recipes.md#rows-labels-and-length-in-detail)."""
     spans = []
     for turn in trained:
         prompt = _render(tokenizer, messages[:turn], add_generation_prompt=True, **(kwargs or {}))

@@ -1,5 +1,6 @@
 """Loading the data a run needs: the Hub check (fast, clear failures when it is out of reach), data files and
-dataset names, tokenization, the training set's identity; models and tokenizers load in ``finetune.models.loading``. See docs/design-notes.md#data."""
+dataset names, tokenization, the training set's identity; models and tokenizers load in ``finetune.models.loading``.
+See docs/recipes.md#hold-out-blocks-and-the-hub-check."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the Hugging Face Hub answers ``HEAD {endpoint}/`` below HTTP 500 within ``timeout_s`` seconds
     (name resolution included), through ``huggingface_hub.get_session()`` (so ``HF_ENDPOINT`` and proxies apply).
     False at once in offline mode (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``). Never raises. Why bounded:
-    docs/design-notes.md#data."""
+    docs/recipes.md#hold-out-blocks-and-the-hub-check."""
     if constants.is_offline_mode():
         return False
     answers: list[bool] = []
@@ -125,7 +126,7 @@ def _check_holdout(train_file: str, n_rows: int, label_counts: dict[str, int] | 
                    what: str = "--train_file") -> None:
     """Raise ``FinetuneError`` (naming the file, the short labels and the fix) unless ``HOLDOUT_FRACTION`` of
     ``n_rows`` can be held out with rows left; stratified (``label_counts``): every label 2+ rows and n >= 5k - 4
-    for k labels, what ``Dataset.train_test_split`` needs (see docs/design-notes.md#data)."""
+    for k labels, what ``Dataset.train_test_split`` needs (see docs/recipes.md#hold-out-blocks-and-the-hub-check)."""
     n_test = math.ceil(HOLDOUT_FRACTION * n_rows)
     fix = "Add rows, or pass --validation_file with your own validation data."
     if label_counts is None:

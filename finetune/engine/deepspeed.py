@@ -1,6 +1,6 @@
 """The DeepSpeed engine: the same loop through Accelerate's DeepSpeed integration, whose ``backward`` runs
 DeepSpeed's (loss / N, clipping, optimizer step, overflow skip). Sources: accelerate 1.15 ``accelerator.py``,
-``utils/deepspeed.py``; DeepSpeed 0.19 ``runtime/engine.py``. Details: docs/design-notes.md#engine."""
+``utils/deepspeed.py``; DeepSpeed 0.19 ``runtime/engine.py``. Details: docs/multi-node.md#deepspeed."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def deepspeed_config_updates(ds_config: Mapping, *, max_grad_norm: float, micro_
                              accumulation_steps: int) -> dict:
     """New top-level DeepSpeed config values (``gradient_clipping``, ``gradient_accumulation_steps``,
     ``train_micro_batch_size_per_gpu``) for each key missing or ``auto``, so DeepSpeed runs the flags. Raises
-    ``FinetuneError`` naming each explicit value that contradicts the flags (see docs/design-notes.md#engine)."""
+    ``FinetuneError`` naming each explicit value that contradicts the flags (see docs/multi-node.md#deepspeed)."""
     wanted = {
         "gradient_clipping": (float(max_grad_norm) if max_grad_norm > 0 else 0.0, "--max_grad_norm"),
         "gradient_accumulation_steps": (int(accumulation_steps), "--gradient_accumulation_steps"),
@@ -190,7 +190,7 @@ def deepspeed_optimizer_and_scheduler(parameter_groups: list[dict], config, max_
                                       ds_config: Mapping, num_processes: int, make_optimizer, make_schedule):
     """The (optimizer, scheduler) for ``accelerator.prepare``: ours, or ``DummyOptim``/``DummyScheduler`` where
     the config owns them (accelerate ``utils/deepspeed.py``). ``max_steps``, ``warmup_steps``: optimizer steps.
-    Raises nothing itself; the three cases: docs/design-notes.md#engine."""
+    Raises nothing itself; the three cases: docs/multi-node.md#deepspeed."""
     owns_optimizer, owns_scheduler = deepspeed_owns(ds_config)
     if owns_optimizer:
         optimizer = DummyOptim(parameter_groups, lr=config.learning_rate, weight_decay=config.weight_decay)

@@ -81,7 +81,7 @@ def fsdp_layout(path) -> str | None:
 
 class FsdpEngine(PlainEngine):
     """FSDP through Accelerate's plugin (from the launcher's config), synchronised on every micro-batch so that
-    each rank keeps only its gradient shard while accumulating (see docs/design-notes.md#engine)."""
+    each rank keeps only its gradient shard while accumulating (see docs/multi-node.md#fsdp)."""
 
     holds_quantized_base = False  # not yet: a quantized base is refused (engine.check_quantized_base)
 

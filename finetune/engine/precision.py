@@ -1,4 +1,4 @@
-"""What precision runs (Accelerate's "no", "fp16", "bf16") and its name: see docs/design-notes.md#precision."""
+"""What precision runs (Accelerate's "no", "fp16", "bf16") and its name: see docs/precision.md."""
 
 from __future__ import annotations
 

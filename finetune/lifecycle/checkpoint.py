@@ -1,7 +1,7 @@
 """Checkpoints that survive: written to ``.tmp-step_...`` and renamed, ``manifest.json`` (every file's size, the small
 files' sha256) then the ``COMPLETE`` marker last, pruned only after the new one is complete, verified before a resume,
-refused when resuming would change what a step means. ``<output_dir>/checkpoints/step_00000012/`` holds the
-``accelerator.save_state`` output, ``trainer_state.json``, ``manifest.json``, ``COMPLETE`` (docs/design-notes.md#checkpoint)."""
+refused when resuming would change what a step means. ``checkpoints/step_00000012/`` holds ``save_state``'s output,
+``trainer_state.json``, ``manifest.json``, ``COMPLETE`` (docs/resume.md#checkpoints-layout-and-who-writes)."""
 
 from __future__ import annotations
 
@@ -329,9 +329,10 @@ def checkpoint_path(output_dir, step: int, backend: str = "accelerate") -> Path:
 def save_checkpoint(accelerator, output_dir, state: RunProgress, save_total_limit: int | None,
                     model=None, tokenizer=None, layout=None, held=frozenset()) -> Path:
     """Write ``state.step``'s checkpoint atomically, then prune to ``save_total_limit`` (oldest complete first,
-    never the new or the best one, nor one in ``held``: see ``prune``); returns its path. Collective: every process calls it. With ``model`` and
-    ``tokenizer`` it is also a ``from_pretrained`` directory. ``layout`` (``distributed.StorageLayout``; None: global
-    rank 0 writes): ``per_machine`` gives each machine a complete copy (docs/design-notes.md#checkpoint).
+    never the new or the best one, nor one in ``held``: see ``prune``); returns its path. Collective: every process
+    calls it. With ``model`` and ``tokenizer`` it is also a ``from_pretrained`` directory. ``layout``
+    (``distributed.StorageLayout``; None: global rank 0 writes): ``per_machine`` gives each machine a complete copy
+    (docs/resume.md#checkpoints-layout-and-who-writes).
 
     Every process writes its part into ``.tmp-step_N``; whether every write succeeded is agreed on (one
     ``gather_object``) before anything is committed; then the writers record ``manifest.json``, fsync, write the

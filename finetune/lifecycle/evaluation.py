@@ -1,4 +1,4 @@
-"""Evaluation, shared by both backends so their metrics are defined identically (docs/design-notes.md#evaluation)."""
+"""Evaluation, shared by both backends so their metrics are defined identically (docs/backends.md#evaluation)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ SIGKILLs the workers that long after passing SIGTERM on: 30 s by default, ``fine
 (``--preemption_grace_seconds``), whichever is shorter. ``SaveBudget`` estimates a save at start-up (the bytes a
 checkpoint holds, at the write speed of a small probe in ``--output_dir``), replaces the estimate with the first
 save's measured time, takes the second optimizer step's time (the first includes warm-up), and warns once, on the
-main process, when a step plus a save exceed the grace (docs/design-notes.md#preemption)."""
+main process, when a step plus a save exceed the grace (docs/resume.md#the-grace-before-sigkill)."""
 
 from __future__ import annotations
 

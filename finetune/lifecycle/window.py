@@ -2,7 +2,7 @@
 epoch's order, ``iter_windows``, the repeated rows at an epoch's end), what a window counts (``count_window``: its
 items, samples and tokens over every process) and how Accelerate's sync counter is set for it
 (``align_sync_counter``). Read with the loop (``finetune/backends/accelerate.py``), this is one optimizer step. Units: optimizer
-steps, micro-batches per process, samples and tokens over all processes (docs/design-notes.md#sampling)."""
+steps, micro-batches per process, samples and tokens over all processes (docs/precision.md#the-data-order)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Evaluation metrics shipped as local `evaluate` modules, loaded by path: no hub (docs/design-notes.md#metrics)."""
+"""Evaluation metrics shipped as local `evaluate` modules, loaded by path: no hub (docs/outputs.md#the-metrics)."""
 
 from __future__ import annotations
 

@@ -6,13 +6,13 @@ Bloom, ``layerdrop``, ``drop_path_rate``), and use them in three ways: ``torch.n
 the config at init, float attributes of modules copied from the config at init (Llama's attention
 ``attention_dropout``, BERT's ``dropout_prob``, Bloom's ``hidden_dropout``: passed to SDPA or
 ``F.dropout`` at call time), and the config read at call time (``F.dropout(..., p=self.config.dropout)``).
-Zeroing config keys that contain "dropout" before loading missed the ``*_pdrop`` families (GPT-2's verify noise
-floor was 0.41 instead of ~2e-7, project issue 25). So, after the model is built (LoRA included), all three:
+Zeroing config keys that contain "dropout" before loading missed the ``*_pdrop`` families. So, after the model is
+built (LoRA included), all three:
 ``p = 0`` on every ``torch.nn.modules.dropout._DropoutNd`` (TRL's ``disable_dropout_in_model``, trl/trainer/
 utils.py, sets ``p = 0`` on ``torch.nn.Dropout``; ``_DropoutNd`` also covers Dropout1d/2d/3d and AlphaDropout), and
 every float in (0, 1] whose name contains "drop" on the modules and on the configs they reach. Then
 ``dropout_left`` checks, more broadly (any module whose class name says Dropout), that nothing is left.
-See docs/design-notes.md#dropout.
+Why: docs/design-notes.md#dropout-off-on-the-built-model; detail: docs/verify.md#dropout-off-checked.
 """
 
 from __future__ import annotations

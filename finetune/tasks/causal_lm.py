@@ -1,5 +1,5 @@
 """Causal language modelling: next-token prediction over texts or blocks. Items = label tokens (labels shifted
-by one, ``IGNORE_INDEX`` skipped): docs/design-notes.md#tasks."""
+by one, ``IGNORE_INDEX`` skipped): docs/contributing.md#add-a-task-a-training-style."""
 
 from __future__ import annotations
 

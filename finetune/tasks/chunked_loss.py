@@ -1,7 +1,8 @@
 """Chunked cross-entropy for causal LMs: the next-token loss from the final hidden states through the
 output embedding, ``chunk_size`` label tokens at a time, so the (batch, seq, vocab) logits never exist.
 Ideas from torchtune ``LinearCrossEntropyLoss``, TRL ``chunked_nll`` and Liger-Kernel's ``FusedLinearCrossEntropy``
-(not their code). Design: docs/design-notes.md#chunked_loss; measurements: docs/speed.md."""
+(not their code). Why: docs/design-notes.md#the-chunked-loss; how, and measurements:
+docs/speed.md#how-the-chunked-loss-works."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def chunked_causal_lm_loss_sum(hidden_states: torch.Tensor, lm_head, labels: tor
     ``torch.nn.Linear``, its (vocab, hidden) weight, or another (n, hidden) -> (n, vocab) module (peft wrapper,
     quantized linear: "checkpoint" only). ``labels``: (batch, seq) token ids, unshifted, ``IGNORE_INDEX`` skipped.
     ``chunk_size``: label tokens per chunk (chunk_size x vocab fp32 logits at a time). ``method``: "fused" (default
-    for a Linear or weight), "recompute" or "checkpoint" (default for a module): see docs/design-notes.md#chunked_loss.
+    for a Linear or weight), "recompute" or "checkpoint" (default for a module):
+    docs/speed.md#how-the-chunked-loss-works.
     Call inside the model's autocast context to match its matmul dtype; the cross-entropy runs in fp32.
 
     Raises ``ValueError`` on inconsistent shapes, a ``chunk_size`` that is not a positive int, an unknown or
@@ -280,7 +282,7 @@ def causal_lm_hidden_and_head(model: torch.nn.Module, batch: dict,
     (batch, seq, hidden) input of ``get_output_embeddings()`` and that module, for ``chunked_causal_lm_loss_sum``.
     ``model``: a transformers causal LM, bare or wrapped by peft, ``accelerator.prepare``, DDP or DataParallel; the
     forward runs through the outermost wrapper, and a pre-hook hands the head the last position only (see
-    docs/design-notes.md#chunked_loss). Raises ``ValueError`` if there is no output embedding, the model is
+    docs/speed.md#how-the-chunked-loss-works). Raises ``ValueError`` if there is no output embedding, the model is
     ``torch.compile``'d as a whole, transforms logits after its head (Gemma ``final_logit_softcapping``, Cohere
     ``logit_scale``, ...), or does not call its head exactly once on (batch, seq, hidden) hidden states.
     ``outputs_seen``: a list the forward's outputs are appended to (a mixture-of-experts model's ``aux_loss``)."""

@@ -1,4 +1,4 @@
-"""Sequence classification: one label per text. Items = samples (docs/design-notes.md#tasks)."""
+"""Sequence classification: one label per text. Items = samples (docs/contributing.md#add-a-task-a-training-style)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ docs/verify.md.
 # The package, one concern a module, lowest first: ways (the ways and controls, what a way produced),
 # measurement (differences from the reference, the noise floor and tolerance), observation (what a run is seen to
 # do), runs (one way trained), judgement (the verdict and its causes), report (verify.json, verify.md) and phases
-# (the runs in order, agreed across processes); here the command: parse, verify, main. docs/design-notes.md#verify
+# (the runs in order, agreed across processes); here the command: parse, verify, main.
+# docs/verify.md#the-package-and-its-phases
 
 from __future__ import annotations
 
