@@ -146,3 +146,24 @@ def test_add_eos_is_refused_where_it_has_no_effect(tmp_path, chat_llama, recipe)
         _run_without_recipe(["--model_name_or_path", chat_llama, "--train_file", str(train), "--output_dir",
                              str(out), "--add_eos", "--max_length", "64"])
     assert not out.exists()
+
+
+@pytest.mark.parametrize("recipe, flags", [
+    ("clm", ["--assistant_only_loss"]),  # text rows: trl sft raises for both (sft_trainer.py lines 933-937, 353-361)
+    ("clm", ["--completion_only_loss", "true"]),
+    ("dpo", ["--assistant_only_loss"]),
+    ("sft", []),  # accepted: nothing refused where the flags mean something
+    ("sft", ["--assistant_only_loss", "--completion_only_loss", "false"]),
+])
+def test_the_sft_loss_flags_are_refused_where_they_mean_nothing(recipe, flags):
+    from finetune.config import parse_config
+    from finetune.errors import FinetuneError
+    from finetune.recipes import load_recipe
+    from finetune.tasks import run_task
+
+    config = parse_config(["--recipe", recipe, "--model_name_or_path", "m", "--train_file", "rows.jsonl", *flags])
+    if recipe == "sft":
+        assert run_task(load_recipe(recipe), config).name == "sft"
+        return
+    with pytest.raises(FinetuneError, match=f"^{flags[0]} "):
+        run_task(load_recipe(recipe), config)
