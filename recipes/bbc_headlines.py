@@ -57,6 +57,7 @@ DEFAULTS = {
     "max_train_samples": 256,
     "max_eval_samples": 100,  # the same fixed 100 deduplicated validation articles, before and after training
     "eval_on_start": True,
+    "assistant_only_loss": True,  # the completion's turn through <|im_end|>, not the "\n" after it
 }
 
 

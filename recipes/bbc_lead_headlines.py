@@ -45,6 +45,7 @@ DEFAULTS = {
     "max_train_samples": 512,
     "max_eval_samples": 100,
     "eval_on_start": True,
+    "assistant_only_loss": True,  # the completion's turn through <|im_end|>, not the "\n" after it
 }
 
 

@@ -97,6 +97,49 @@ def test_a_template_without_an_end_of_turn_token_fails(tmp_path, chat_llama, cap
     assert "FAIL  end-of-turn token not trained: 8" in capsys.readouterr().out
 
 
+# ChatML that writes the tools into a system turn, but skips the data's own system turns
+NO_SYSTEM_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+                      "{% for m in messages if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                      "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, turns, tools", [
+    (NO_SYSTEM_TEMPLATE, 6, 0),  # the rows with a system turn
+    (None, 0, 5),  # SmolLM2's own template: it renders every turn and ignores `tools` (4 training rows, 1 validation)
+])
+def test_a_template_that_drops_a_turn_or_a_tool_fails(tmp_path, chat_llama, capsys, template, turns, tools):
+    """``messages`` rows, six with a system turn, five with ``tools``: each row whose rendered text lacks a turn's
+    content or a tool's name is named with what it lacks."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(chat_llama, model)
+    if template:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(model)
+    tool = [{"type": "function", "function": {"name": "find_story", "description": "a story by number"}}]
+    rows = [{"messages": ([{"role": "system", "content": "answer in two words"}] if i < 6 else [])
+             + [{"role": "user", "content": " ".join(WORDS[i % 10:i % 10 + 4]) + f" story {i}"},
+                {"role": "assistant", "content": " ".join(WORDS[i % 10 + 4:i % 10 + 6])}],
+             "tools": json.dumps(tool if i % 3 == 0 else [])} for i in range(14)]
+    args = ["--recipe", "sft", "--model_name_or_path", str(model), "--max_length", "128",
+            "--train_file", write_jsonl(tmp_path / "train.jsonl", rows[:12]),
+            "--validation_file", write_jsonl(tmp_path / "valid.jsonl", rows[12:])]
+    assert main(args) == (1 if turns or tools else 0)
+    out = capsys.readouterr().out
+    assert f"chat template drops a turn: {turns}" in out and f"chat template drops a tool: {tools}" in out
+    if turns:
+        assert "train.jsonl' lines 1 (turn 0 (system)), 2 (turn 0 (system))" in out
+    if tools:
+        assert "train.jsonl' lines 1 (find_story), 4 (find_story), 7 (find_story), 10 (find_story)" in out
+    if template:  # the same rows with a template that renders them all: clean
+        tokenizer.chat_template = NO_SYSTEM_TEMPLATE.replace(" if m['role'] != 'system'", "")
+        tokenizer.save_pretrained(model)
+        assert main(args) == 0
+        assert "chat template drops a turn: 0" in capsys.readouterr().out
+
+
 def test_duplicates_and_padding_arithmetic():
     found = duplicates(["a b", "A  b", "c"], ["c", "x"])
     assert found["within train (exact)"] == [] and found["within train (normalised)"] == [1]

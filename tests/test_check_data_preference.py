@@ -108,8 +108,8 @@ def test_each_finding_is_caught_in_its_rows(tmp_path, chat_llama, capsys):
     assert problem(out, "nothing trained")[:2] == ("ok  ", 0)
     assert problem(out, "end-of-turn token not trained")[:2] == ("ok  ", 0)
     # both sides of the first pair, each with its own completion trained
-    assert "--- sample 0 chosen" in out and "[[shares fell<|im_end|>]]" in out
-    assert "--- sample 0 rejected" in out and "[[a late goal<|im_end|>]]" in out
+    assert "--- sample 0 chosen" in out and "[[shares fell<|im_end|>\n]]" in out
+    assert "--- sample 0 rejected" in out and "[[a late goal<|im_end|>\n]]" in out
     assert "check-data: 4 problem(s) that make the run wrong" in out
     assert check_data(tmp_path, chat_llama, ROWS, "--accept_problems")[0] == 0
 
@@ -120,10 +120,11 @@ def test_a_clean_file_checks_clean_with_its_trained_tokens_per_side(tmp_path, ch
     assert check_data(tmp_path, chat_llama, rows)[0] == 0
     out = capsys.readouterr().out
     assert "none: the data is clean" in out and "warn" not in out and "FAIL" not in out
-    # each side trains its completion's tokens and <|im_end|>: counted here by the tokenizer alone
+    # each side trains its completion's tokens, <|im_end|> and the "\n" after it (as TRL's DPOTrainer takes a
+    # completion): counted here by the tokenizer alone
     tokenizer = smollm2_like_tokenizer()
     for side in ("chosen", "rejected"):
-        counts = sorted(len(tokenizer(r[side])["input_ids"]) + 1 for r in rows)
+        counts = sorted(len(tokenizer(r[side])["input_ids"]) + 2 for r in rows)
         assert f"{side} min {counts[0]}, p50 {counts[3]}, p90 {counts[5]}, p99 {counts[5]}, max {counts[-1]}" in out
 
 

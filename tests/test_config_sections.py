@@ -22,8 +22,8 @@ HEADINGS = ["run", "model", "data", "batch", "optimization", "evaluation, checkp
 # fields_with(step=True) as config.py defined it before the split, the preference flags added: a resume refusal names several differences in it
 STEP_MEANING_ORDER = ("recipe", "model_name_or_path", "train_file", "dataset_name", "dataset_mixture",
                       "dataset_config", "dataset_train_split", "max_length", "block_size", "max_train_samples",
-                      "train_sampling_strategy", "add_eos", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
-                      "lora_target_modules", "use_dora", "use_rslora", "lora_modules_to_save", "init_lora_weights",
+                      "train_sampling_strategy", "add_eos", "assistant_only_loss", "completion_only_loss", "use_peft",
+                      "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_dora", "use_rslora", "lora_modules_to_save", "init_lora_weights",
                       "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
                       "bnb_4bit_compute_dtype", "beta", "loss_type", "label_smoothing", "precompute_ref_log_probs",
                       "seed")

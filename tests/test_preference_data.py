@@ -39,17 +39,18 @@ def test_an_implicit_prompt_is_the_turns_both_sides_share():
 
 
 def test_each_side_is_encoded_as_sft_encodes_its_prompt_and_completion(tokenizer):
-    """The chosen side's ids and labels are exactly SFT's for (prompt, chosen); the prompt's tokens are the same
-    on both sides and untrained; each side trains its own completion and end-of-turn token only."""
+    """The chosen side's ids and labels are exactly SFT's for (prompt, chosen) without ``assistant_only_loss``; the
+    prompt's tokens are the same on both sides and untrained; each side trains all the template writes after the
+    prompt, as TRL 1.16's DPOTrainer does: its completion, end-of-turn token and the newline after it."""
     pair = encode_pair(tokenizer, {"prompt": [USER], "chosen": [BLUE], "rejected": [GREEN]}, max_length=128)
     assert list(pair) == list(PAIR_COLUMNS)
-    sft = encode_conversation(tokenizer, [USER], [BLUE], 128)
+    sft = encode_conversation(tokenizer, [USER], [BLUE], 128, assistant_only_loss=False)
     assert (pair["chosen_input_ids"], pair["chosen_labels"]) == (sft["input_ids"], sft["labels"])
     first = pair["chosen_labels"].index(next(t for t in pair["chosen_labels"] if t != IGNORE_INDEX))
     assert pair["rejected_input_ids"][:first] == pair["chosen_input_ids"][:first]  # the shared prompt
     assert all(t == IGNORE_INDEX for t in pair["rejected_labels"][:first])
     trained = [t for t in pair["rejected_labels"] if t != IGNORE_INDEX]
-    assert tokenizer.decode(trained) == GREEN["content"] + "<|im_end|>"
+    assert tokenizer.decode(trained) == GREEN["content"] + "<|im_end|>\n"
 
 
 @pytest.mark.parametrize("row,needle,implicit", [

@@ -231,7 +231,8 @@ def test_rows_to_features_matches_encode_and_handles_empty(tok):
     assert len(empty) == 0 and empty.column_names == ["input_ids", "labels"]
     tokenized = SFT_TASK.tokenize(datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
                                                         "validation": datasets.Dataset.from_list(rows[:0])}),
-                                  tok, type("C", (), {"max_length": 100})(), ("prompt", "completion"))
+                                  tok, type("C", (), {"max_length": 100, "assistant_only_loss": True,
+                                                      "completion_only_loss": None})(), ("prompt", "completion"))
     assert len(tokenized["train"]) == 2 and len(tokenized["validation"]) == 0
 
 

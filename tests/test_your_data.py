@@ -113,6 +113,7 @@ def test_a_thousand_rows_of_yours_train_a_thousand_rows_per_epoch(tmp_path, chat
     assert f"Recipe: sft, chosen from the column(s) messages of --train_file {train}" in printed, printed[-3000:]
     assert "Optimizer steps: 10 per epoch (20 micro-batches per process)" in printed, printed[-3000:]
     assert "Data: the first" not in printed
+    assert "Loss on: all tokens (TRL's default; --assistant_only_loss for the assistant turns)" in printed
     assert train_steps(out)[0]["samples"] == 100
     assert json.loads((out / "run_config.json").read_text())["recipe"] == "sft"
 

@@ -60,10 +60,9 @@ def trainable(model) -> dict:
 def trl_pair(chosen_ids, chosen_labels, rejected_ids, rejected_labels) -> dict:
     """One of our tokenised pairs (each side's ``input_ids`` and ``labels``, ``IGNORE_INDEX`` outside its trained
     tokens) as the ``prompt_ids``/``chosen_ids``/``rejected_ids`` of TRL's collator, which trains every token after
-    the prompt. Our SFT encoder trains a side's completion and ``<|im_end|>`` but not the "\\n" the chat template
-    puts after it: that last token is left out here (in a causal model no trained token's log-probability reads
-    it). Raises ``ValueError`` where the pair does not fit TRL's format: trained tokens that are not one run at the
-    end, or prompts that differ between the sides (ours cuts a long prompt per side, to fit its completion)."""
+    the prompt, as ours does (``data.preference._encode_completion``: the "\\n" after ``<|im_end|>`` included).
+    Raises ``ValueError`` where the pair does not fit TRL's format: trained tokens that are not one run to the end,
+    or prompts that differ between the sides (ours cuts a long prompt per side, to fit its completion)."""
     out = {}
     for side, ids, labels in (("chosen", chosen_ids, chosen_labels), ("rejected", rejected_ids, rejected_labels)):
         ids, labels = list(ids), list(labels)
@@ -73,9 +72,8 @@ def trl_pair(chosen_ids, chosen_labels, rejected_ids, rejected_labels) -> dict:
         first, last = trained[0], trained[-1]
         if trained != list(range(first, last + 1)) or labels[first:last + 1] != ids[first:last + 1]:
             raise ValueError(f"the {side} side's trained tokens are not one run of its own tokens")
-        if len(ids) - last > 2:
-            raise ValueError(f"the {side} side has {len(ids) - last - 1} untrained tokens after its completion: "
-                             "only the end-of-turn newline may follow it")
+        if last != len(ids) - 1:
+            raise ValueError(f"the {side} side has {len(ids) - last - 1} untrained tokens after its completion")
         if out.setdefault("prompt_ids", ids[:first]) != ids[:first]:
             raise ValueError("the sides' prompts differ (a prompt cut to fit --max_length): TRL's rows share one")
         out[f"{side}_ids"] = ids[first:last + 1]

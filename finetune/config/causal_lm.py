@@ -45,8 +45,22 @@ class CausalLMArguments:
         False,
         "Causal LM: end each text with the tokenizer's eos token (unless it ends with it already) before it is cut "
         "at --max_length, as trl sft does for text rows (with --block_size texts are joined by eos already); the clm "
-        "recipe's default.",
+        "recipe's default. Refused for SFT and DPO, whose rows the chat template ends.",
         step=True, trainer=None,  # the tokens trained
+    )
+    assistant_only_loss: bool = flag(
+        False,
+        "SFT (TRL's name and default): train only the assistant turns of a conversation, through each turn's "
+        "end-of-turn token: the template's generation-marked spans where it has them (as trl sft), else each turn "
+        "found by rendering (where trl sft swaps in a known training template or errors). Off: every token of a "
+        "messages row, as trl sft. The shipped SFT recipes' default: on.",
+        step=True, trainer=None,  # the tokens trained
+    )
+    completion_only_loss: bool | None = flag(
+        None,
+        "SFT (TRL's name and default): on prompt-completion rows, train only what the template writes after the "
+        "prompt (None: on for such rows, as trl sft; false: every token).",
+        step=True, trainer=None,
     )
     loss_chunk_size: int | None = flag(
         None,

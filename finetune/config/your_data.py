@@ -1,7 +1,8 @@
 """Training without a recipe: the recipe (and so the task) follows from the data's columns, as TRL's dataset formats
 define them (trl 1.16 ``trl/data_utils.py``: ``is_conversational``, the preference and language-modeling types).
 
-- ``messages`` or ``conversations`` (ShareGPT), or ``prompt`` + ``completion``: ``sft`` (completion-only loss);
+- ``messages`` or ``conversations`` (ShareGPT), or ``prompt`` + ``completion``: ``sft`` (the loss as trl sft takes
+  it: every token of a messages row, the completion of a prompt-completion row);
 - ``chosen`` + ``rejected`` (with ``prompt``, or the prompt implicit in both): ``dpo``;
 - ``text``: ``clm`` (with ``label`` too, as ``trl sft`` reads such data: ``--task sequence-classification`` for a
   classifier);

@@ -1,12 +1,13 @@
 """Instruction fine-tuning (SFT): TRL-format rows (https://huggingface.co/docs/trl/dataset_formats) rendered
-with the chat template; labels are ``IGNORE_INDEX`` except the trained assistant turns and their end-of-turn
-token (TRL ``completion_only_loss``). Truncation cuts only the last user turn's content, never the
-completion. The rules and the differences from TRL and torchtune:
-docs/recipes.md#rows-labels-and-length-in-detail; why: docs/design-notes.md#completion-only-sft."""
+with the chat template; labels masked as TRL 1.16's SFTTrainer masks them (``assistant_only_loss``,
+``completion_only_loss``), with our own assistant masking where a template has no ``{% generation %}`` markers.
+Truncation cuts only the last user turn's content, never the completion. The rules and the differences from TRL and
+torchtune: docs/recipes.md#rows-labels-and-length-in-detail; why: docs/design-notes.md#completion-only-sft."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 
 import datasets
@@ -135,6 +136,21 @@ def row_to_conversation(row: dict, row_name: str = "row") -> tuple[list[dict], l
     return messages, trained
 
 
+def dropped_by_template(tokenizer, row: dict) -> tuple[list[str], list[str]]:
+    """What the chat template leaves out of one raw row (either TRL format, ShareGPT converted): ``(turns, tools)``,
+    the turns whose content (stripped) is not in the rendered text (``"turn 0 (system)"``) and the names of the row's
+    tools (``tools[i]["function"]["name"]``, or ``["name"]``) that are not in it. ``([], [])`` when nothing is left
+    out; ``finetune check-data`` reports such rows. Raises ``FinetuneError`` for a malformed row."""
+    row = to_chatml(row)
+    messages, _ = row_to_conversation(row, "row")
+    kwargs = template_kwargs(row)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    turns = [f"turn {i} ({m['role']})" for i, m in enumerate(messages)
+             if m["content"].strip() and m["content"].strip() not in text]
+    names = [(t.get("function") or t).get("name") if isinstance(t, dict) else None for t in kwargs.get("tools") or []]
+    return turns, [name for name in names if isinstance(name, str) and name not in text]
+
+
 # --------------------------------------------------------------------------------- rendering, encoding
 
 class NoFitError(FinetuneError):
@@ -256,32 +272,85 @@ def _last_user_turn(messages: list[dict], before: int) -> int | None:
     return next((i for i in range(before - 1, -1, -1) if messages[i]["role"] == "user"), None)
 
 
+def has_generation_markers(tokenizer) -> bool:
+    """Whether the tokenizer's chat template marks assistant text with ``{% generation %}`` (TRL 1.16
+    ``chat_template_utils.has_generation_markers``: whitespace-trim variants count; a dict of named templates is
+    judged by its ``default``)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = template.get("default", "")
+    return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def _assistant_mask(tokenizer, messages: list[dict], trained: list[int], ids: list[int], row_name: str,
+                    kwargs: dict) -> list[bool]:
+    """Which of ``ids`` are assistant text: the template's ``{% generation %}`` spans
+    (``return_assistant_tokens_mask``, as TRL 1.16's SFTTrainer asks for them under ``assistant_only_loss``) where it
+    has the markers; else each trained turn through its end-of-turn token, found by rendering (``_turn_spans``).
+    Raises ``FinetuneError`` where the markers mark nothing (TRL raises too)."""
+    if has_generation_markers(tokenizer):
+        # transformers refuses sanitize_control_tokens beside the mask: the same ids unless a message types a control
+        # token, which this row then cannot be masked around
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                            **kwargs)
+        if list(out["input_ids"]) != ids:
+            raise FinetuneError(f"{row_name}: a message holds a control token (such as <|im_end|>) as text, which "
+                                "--assistant_only_loss cannot mask with the template's {% generation %} markers (they "
+                                "need it read as a token). Fix: drop or clean the row, or drop --assistant_only_loss.")
+        if 1 not in out["assistant_masks"]:
+            raise FinetuneError(f"{row_name}: --assistant_only_loss, but the chat template's {{% generation %}} markers "
+                                "mark no token of this conversation. Fix: mark each assistant message's text (and its "
+                                "end-of-turn token) with {% generation %}...{% endgeneration %}, or drop "
+                                "--assistant_only_loss.")
+        return [bool(m) for m in out["assistant_masks"]]
+    mask = [False] * len(ids)
+    for start, end in _turn_spans(tokenizer, messages, trained, ids, row_name, kwargs):
+        mask[start:end] = [True] * (end - start)
+    return mask
+
+
 def _encode(tokenizer, messages: list[dict], trained: list[int], max_length: int, row_name: str,
-            kwargs: dict | None = None) -> dict:
+            kwargs: dict | None = None, prompt_turns: int | None = None, assistant_only_loss: bool = True,
+            completion_only_loss: bool | None = None) -> dict:
+    """``{"input_ids", "labels"}`` of one conversation, labels masked as TRL 1.16's SFTTrainer masks them
+    (``_prepare_dataset``'s ``tokenize_fn`` and ``build_labels``): a token is trained where every mask that applies
+    holds it. ``prompt_turns``: the prompt's turns of a prompt-completion row (None: a ``messages`` row); its
+    completion mask (everything after the prompt rendered with ``add_generation_prompt=True``) applies unless
+    ``completion_only_loss`` is False; ``assistant_only_loss``: the assistant mask (``_assistant_mask``) applies."""
     require_chat_template(tokenizer)
+    kwargs = kwargs or {}
     if max_length < 1:
         raise FinetuneError(f"max_length must be a positive number of tokens, got {max_length}.")
     messages, ids = _fit(tokenizer, messages, _last_user_turn(messages, trained[-1]), max_length,
-                         lambda m: _render(tokenizer, m, **(kwargs or {})), row_name, "the completion")
-    labels = [IGNORE_INDEX] * len(ids)
-    for start, end in _turn_spans(tokenizer, messages, trained, ids, row_name, kwargs):
-        labels[start:end] = ids[start:end]
-    return {"input_ids": ids, "labels": labels}
+                         lambda m: _render(tokenizer, m, **kwargs), row_name, "the completion")
+    mask = [True] * len(ids)
+    if prompt_turns is not None and completion_only_loss is not False:
+        prompt = _render(tokenizer, messages[:prompt_turns], add_generation_prompt=True, **kwargs)
+        _check_prefix(tokenizer, prompt, ids, "the prompt rendered with add_generation_prompt=True", row_name)
+        mask[:len(prompt)] = [False] * len(prompt)
+    if assistant_only_loss:
+        mask = [m and a for m, a in zip(mask, _assistant_mask(tokenizer, messages, trained, ids, row_name, kwargs))]
+    return {"input_ids": ids, "labels": [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]}
 
 
 def _as_messages(value, role: str) -> list[dict]:
     return [{"role": role, "content": value}] if isinstance(value, str) else value
 
 
-def encode_conversation(tokenizer, prompt_messages, completion_messages, max_length: int) -> dict:
+def encode_conversation(tokenizer, prompt_messages, completion_messages, max_length: int,
+                        assistant_only_loss: bool = True) -> dict:
     """One prompt-completion pair (strings or message lists) -> ``{"input_ids": [int] * n, "labels": [int] * n}``,
-    ``n <= max_length`` tokens; labels are ``IGNORE_INDEX`` (-100) except the completion and its end-of-turn token
-    (SmolLM2: ``<|im_end|>``, not the ``"\\n"`` after it). Raises ``FinetuneError`` for no chat template, a malformed
-    pair, a prompt that is not a token prefix, a turn without a special end token, or no fit in ``max_length``."""
+    ``n <= max_length`` tokens; labels are ``IGNORE_INDEX`` (-100) on the prompt. The rest is trained: with
+    ``assistant_only_loss``, the completion's turns through their end-of-turn token (SmolLM2: ``<|im_end|>``, not
+    the ``"\\n"`` after it; ``_assistant_mask``); without, everything the template writes after the prompt, as TRL
+    1.16 trains a conversational completion (the ``"\\n"`` included). Raises ``FinetuneError`` for no chat template,
+    a malformed pair, a prompt that is not a token prefix, a turn without a special end token, or no fit in
+    ``max_length``."""
     messages, trained = row_to_conversation({"prompt": _as_messages(prompt_messages, "user"),
                                              "completion": _as_messages(completion_messages, "assistant")},
                                             "the conversation")
-    return _encode(tokenizer, messages, trained, max_length, "the conversation")
+    return _encode(tokenizer, messages, trained, max_length, "the conversation", prompt_turns=trained[0],
+                   assistant_only_loss=assistant_only_loss)
 
 
 def fitted_prompt(tokenizer, prompt_messages, completion_messages, max_length: int) -> list[dict]:
@@ -297,25 +366,46 @@ def fitted_prompt(tokenizer, prompt_messages, completion_messages, max_length: i
     return fitted[:len(messages) - len(completion)]
 
 
-def encode_messages(tokenizer, messages, max_length: int) -> dict:
-    """``encode_conversation`` for a ``messages`` conversation, training on every assistant turn (TRL's
-    ``assistant_only_loss`` without ``{% generation %}`` markers). Returns and raises as ``encode_conversation``."""
+def encode_messages(tokenizer, messages, max_length: int, assistant_only_loss: bool = True) -> dict:
+    """``encode_conversation`` for a ``messages`` conversation: with ``assistant_only_loss``, every assistant turn
+    trained (``_assistant_mask``), else every token (TRL 1.16's default). Returns and raises as
+    ``encode_conversation``."""
     messages, trained = row_to_conversation({"messages": messages}, "the conversation")
-    return _encode(tokenizer, messages, trained, max_length, "the conversation")
+    return _encode(tokenizer, messages, trained, max_length, "the conversation", assistant_only_loss=assistant_only_loss)
 
 
-def encode_row(tokenizer, row: dict, max_length: int, row_name: str = "row") -> dict:
+def encode_row(tokenizer, row: dict, max_length: int, row_name: str = "row", assistant_only_loss: bool = True,
+               completion_only_loss: bool | None = None) -> dict:
     """``encode_conversation`` or ``encode_messages`` for one dataset row in either TRL format (ShareGPT's converted
-    by ``to_chatml``), its ``tools`` and ``chat_template_kwargs`` passed to the template (``template_kwargs``); errors
-    name ``row_name``."""
+    by ``to_chatml``), its ``tools`` and ``chat_template_kwargs`` passed to the template (``template_kwargs``), its
+    labels masked as TRL 1.16's SFTTrainer masks them under the same ``assistant_only_loss`` and
+    ``completion_only_loss`` (``_encode``); errors name ``row_name``."""
     row = to_chatml(row)
     messages, trained = row_to_conversation(row, row_name)
-    return _encode(tokenizer, messages, trained, max_length, row_name, template_kwargs(row))
+    prompt_turns = trained[0] if row_format(row, row_name) == "prompt-completion" else None
+    return _encode(tokenizer, messages, trained, max_length, row_name, template_kwargs(row), prompt_turns,
+                   assistant_only_loss, completion_only_loss)
 
 
-def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering conversations"):
+def loss_on(tokenizer, columns, assistant_only_loss: bool, completion_only_loss: bool | None) -> str:
+    """What a run trains of rows with ``columns`` (the banner's "Loss on:" line), in TRL 1.16's terms."""
+    completion = "prompt" in columns and completion_only_loss is not False
+    if assistant_only_loss:
+        how = ("the template's {% generation %} spans" if has_generation_markers(tokenizer) else
+               "each turn through its end-of-turn token, found by rendering: the template has no {% generation %} "
+               "markers")
+        return (f"the {'completion' if completion else 'assistant'} turns (--assistant_only_loss; {how})")
+    if completion:
+        return ("the completions: all the template writes after the prompt (TRL's default for prompt-completion rows;"
+                " --completion_only_loss false for all tokens, --assistant_only_loss for the turns alone)")
+    return "all tokens (TRL's default; --assistant_only_loss for the assistant turns)"
+
+
+def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering conversations",
+                     assistant_only_loss: bool = True, completion_only_loss: bool | None = None):
     """``rows`` (a ``datasets.Dataset`` or list of dicts, one TRL format) -> a ``datasets.Dataset`` of ``input_ids``
-    and ``labels`` (int lists, equal lengths, <= ``max_length`` tokens), one row per row, in order (``Dataset.map``).
+    and ``labels`` (int lists, equal lengths, <= ``max_length`` tokens; masked as ``encode_row`` masks them), one
+    row per row, in order (``Dataset.map``).
     Raises ``FinetuneError`` naming the row (0-based) if malformed or of another format, or without chat template."""
     require_chat_template(tokenizer)
     if not isinstance(rows, datasets.Dataset):
@@ -342,7 +432,7 @@ def rows_to_features(rows, tokenizer, max_length: int, desc: str = "Rendering co
             row = {c: batch[c][offset] for c in columns
                    if c in ("prompt", "completion", "messages", "tools", "chat_template_kwargs")}
             name = batch[ROW_COLUMN][offset] if ROW_COLUMN in columns else f"row {index}"
-            encoded = encode_row(tokenizer, row, max_length, name)
+            encoded = encode_row(tokenizer, row, max_length, name, assistant_only_loss, completion_only_loss)
             out["input_ids"].append(encoded["input_ids"])
             out["labels"].append(encoded["labels"])
         return out

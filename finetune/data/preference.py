@@ -2,7 +2,8 @@
 (``prompt``, ``chosen``, ``rejected``: strings or message lists) or an implicit one (``chosen`` and ``rejected``
 whole conversations whose common leading turns are the prompt). Each side is encoded as a prompt-completion
 conversation by the SFT encoder (``chat.encode_conversation``): the chat template, the generation prompt and the
-same token-prefix check, so a side's trained tokens are found as SFT finds a completion's."""
+same token-prefix check; a side's trained tokens are all the template writes after the prompt, as TRL's DPOTrainer
+takes them."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def split_pair(row: dict, row_name: str = "row") -> tuple[list[dict], list[dict]
 
 def encode_pair(tokenizer, row: dict, max_length: int, row_name: str = "row") -> dict:
     """One preference row -> ``PAIR_COLUMNS``: each side's ``input_ids`` and ``labels`` (int lists, <= ``max_length``
-    tokens each; labels ``IGNORE_INDEX`` (-100) except that side's completion and its end-of-turn token), the
+    tokens each; labels ``IGNORE_INDEX`` (-100) except that side's completion: all the template writes after the
+    prompt, as TRL 1.16's DPOTrainer takes it, ``_encode_completion``), the
     prompt rendered with the chat template and the generation prompt, the same prompt for both sides (a prompt too
     long for a side is cut as that side needs, and both sides keep the shorter cut). Raises ``FinetuneError`` naming ``row_name``
     (``split_pair``'s errors, and ``chat.encode_conversation``'s: no chat template, a prompt that is not a token
@@ -106,9 +108,16 @@ def encode_pair(tokenizer, row: dict, max_length: int, row_name: str = "row") ->
     shared = min(fitted, key=lambda messages: sum(len(m["content"]) for m in messages))
     out = {}
     for side, completion in sides.items():
-        encoded = _encode_side(tokenizer, shared, completion, max_length, f"{row_name} ('{side}')")
+        encoded = _encode_side(tokenizer, shared, completion, max_length, f"{row_name} ('{side}')", _encode_completion)
         out[f"{side}_input_ids"], out[f"{side}_labels"] = encoded["input_ids"], encoded["labels"]
     return out
+
+
+def _encode_completion(tokenizer, prompt: list[dict], completion: list[dict], max_length: int) -> dict:
+    """``chat.encode_conversation`` training all the template writes after the prompt, as TRL 1.16's DPOTrainer
+    takes a conversational side's completion (``_prepare_dataset``'s ``tokenize_fn``: ``prompt_chosen_ids[prompt_len:]``,
+    the ``"\\n"`` after ``<|im_end|>`` included)."""
+    return encode_conversation(tokenizer, prompt, completion, max_length, assistant_only_loss=False)
 
 
 def _encode_side(tokenizer, prompt: list[dict], completion: list[dict], max_length: int, where: str,

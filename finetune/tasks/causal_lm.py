@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data.loading import IGNORE_INDEX, tokenize_for_causal_lm
+from finetune.errors import FinetuneError
 from finetune.models.loading import load_causal_lm
 from finetune.models.quantization import bnb_config
 from finetune.tasks.base import StatelessTask, split_labels
@@ -51,6 +52,16 @@ class CausalLM(StatelessTask):
         """``AutoModelForCausalLM`` from a hub id or model directory, or a de-quantized ``.gguf`` file."""
         return load_causal_lm(config.model_name_or_path, disable_dropout=config.disable_dropout,
                               attn_implementation=config.attn_implementation, quantization=bnb_config(config))
+
+    def for_run(self, config):
+        """The task itself; ``FinetuneError`` for ``--assistant_only_loss`` or ``--completion_only_loss true`` on text
+        rows, which have no turns or completion (trl 1.16's SFTTrainer raises for both on language-modeling data)."""
+        for name in ("assistant_only_loss", "completion_only_loss"):
+            if getattr(config, name):
+                raise FinetuneError(f"--{name} is for conversational (SFT) rows: a causal-LM run trains text rows, "
+                                    "which have no assistant turn or completion (trl sft refuses it too). Drop "
+                                    f"--{name}, or train messages or prompt/completion rows.")
+        return self
 
     def tokenize(self, raw, tokenizer, config, text_columns):
         """One sample per text (<= ``max_length`` tokens), or ``block_size``-token blocks of the joined texts;

@@ -169,7 +169,14 @@ class PreferenceTask:
 
     def for_run(self, config) -> "PreferenceTask":
         """A new task for a run of ``config``: its ``--loss_type``, ``--beta``, ``--label_smoothing`` and
-        ``--precompute_ref_log_probs`` (``PreferenceLoss`` raises ``FinetuneError`` for a refused combination)."""
+        ``--precompute_ref_log_probs`` (``PreferenceLoss`` raises ``FinetuneError`` for a refused combination;
+        ``FinetuneError`` for SFT's ``--add_eos``, ``--assistant_only_loss``, ``--completion_only_loss``, which change
+        nothing here)."""
+        for name in ("add_eos", "assistant_only_loss", "completion_only_loss"):
+            if getattr(config, name) is not None and getattr(config, name) is not False:
+                raise FinetuneError(f"--{name} has no effect on preference pairs: each side's completion is rendered "
+                                    "with the chat template, which ends its turn itself, and all of it after the "
+                                    f"prompt is scored (as trl dpo scores conversational pairs). Drop --{name}.")
         return PreferenceTask(PreferenceLoss(config.loss_type, config.beta, config.label_smoothing),
                               precompute=config.precompute_ref_log_probs)
 
