@@ -164,7 +164,7 @@ def load_base(path: str, quantization=None):
         quantized = quantize_built(load_base_model(path, torch.float32), quantization)
     else:
         quantized = load_causal_lm(path, quantization=quantization)
-    return dequantized(quantized).float().eval()
+    return dequantized(quantized).eval()  # fp32 already; a still-quantized model refuses .float()
 
 
 def run_quantization(source: Source):
