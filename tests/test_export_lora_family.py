@@ -27,14 +27,14 @@ WORDS = ("the market rose as shares in the bank fell after the match ended with 
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
 RUNS = {"dora": dict(use_dora=True), "rslora": dict(use_rslora=True), "qlora": dict(load_in_4bit=True),
         "qlora-dora-rslora": dict(load_in_4bit=True, use_dora=True, use_rslora=True),
-        "qlora-bf16": dict(load_in_4bit=True, bnb_4bit_compute_dtype="bfloat16")}
+        "qlora-bf16": dict(load_in_4bit=True, bnb_4bit_compute_dtype="bfloat16"), "qlora-int8": dict(load_in_8bit=True)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """One SFT run per entry of ``RUNS`` on the same tiny chat Llama and rows (LoRA r 4, alpha 8 on q_proj and v_proj,
     lr 3e-2, 4 steps of 4 rows): DoRA, rsLoRA (scaling alpha / sqrt(r) = 4, twice alpha / r), QLoRA NF4 computing in
-    float32 (the run's precision) or in bfloat16, and DoRA with rsLoRA on NF4."""
+    float32 (the run's precision) or in bfloat16, DoRA with rsLoRA on NF4, and LoRA on an int8 base (LLM.int8())."""
     rng, root = random.Random(0), tmp_path_factory.mktemp("lora-family")
     files = []
     for name, n in (("train", 16), ("valid", 4)):
@@ -136,7 +136,7 @@ def test_dora_and_rslora_export_within_the_lora_tolerance_and_their_broken_merge
 
     code, out, error, report = _export(capsys, runs[name], tmp_path / "correct")
     merged = report["verification"][0]
-    print(name, "correct:", _figures(report))
+    print("\n" + name, "correct:", _figures(report))
     assert code == 0, error
     assert merged["tolerance"]["max_logit_diff"] == 1e-5 and merged["relative_logit_diff"] <= 1e-5
     assert merged["top1_agreement"] == 1.0 and merged["greedy_identical"] == merged["greedy_total"] == 4
@@ -144,7 +144,7 @@ def test_dora_and_rslora_export_within_the_lora_tolerance_and_their_broken_merge
 
     monkeypatch.setattr("finetune.export.merge.unmerged", broken)
     code, out, error, report = _export(capsys, runs[name], tmp_path / "broken")
-    print(name, broken.__name__, _figures(report))
+    print("\n" + name, broken.__name__, _figures(report))
     mutant = _assert_refused(code, error, report, tmp_path / "broken")
     assert mutant["relative_logit_diff"] > 100 * 1e-5
 
@@ -200,17 +200,18 @@ def test_qlora_with_dora_and_rslora_exports(tmp_path, capsys, runs):
     assert merged["relative_logit_diff"] <= 1e-5 and merged["top1_agreement"] == 1.0
 
 
-def test_a_bfloat16_compute_qlora_export_passes_at_its_measured_floor(tmp_path, capsys, runs):
-    """NF4 computing in bfloat16: the de-quantized, merged model computes in fp32, so it departs from the run by the
-    run's bfloat16 compute, which the quantization floor measures; the tolerance is 1e-5 + 2 x the floor's relative
-    logit difference and 1.5 x its mean KL (top-1 and greedy reported), and the merge passes, departing by about
-    the floor."""
-    code, out, error, report = _export(capsys, runs["qlora-bf16"], tmp_path / "x")
-    print("qlora-bf16 correct:", _figures(report))
+@pytest.mark.parametrize("run", ["qlora-bf16", "qlora-int8"])
+def test_a_qlora_export_passes_at_its_measured_floor(tmp_path, capsys, runs, run):
+    """NF4 computing in bfloat16, and LLM.int8() (which quantizes the activations too): the de-quantized, merged
+    model computes in fp32, so it departs from the run by the run's own compute, which the quantization floor
+    measures; the tolerance is 1e-5 + 2 x the floor's relative logit difference and 1.5 x its mean KL (top-1 and
+    greedy reported), and the merge passes, departing by about the floor."""
+    code, out, error, report = _export(capsys, runs[run], tmp_path / "x")
+    print("\n" + run, "correct:", _figures(report))
     assert code == 0, error
     merged, floor = report["verification"][0], report["merge_calibration"]["floor"]
     tolerance = merged["tolerance"]
-    assert floor["relative_logit_diff"] > 1e-4 and floor["mean_kl"] > 0  # bfloat16's compute, not fp32's rounding
+    assert floor["relative_logit_diff"] > 1e-4 and floor["mean_kl"] > 0  # the run's compute, not fp32's rounding
     assert tolerance["max_logit_diff"] == pytest.approx(1e-5 + 2 * floor["relative_logit_diff"])
     assert tolerance["max_kl"] == pytest.approx(1.5 * floor["mean_kl"])
     assert tolerance["min_top1"] is None and not tolerance["greedy_identical"]

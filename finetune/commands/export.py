@@ -61,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="merged vs the run's model: largest logit difference allowed, relative to the largest "
                              "logit: max|ref - merged| / max(1, max|ref|) (default 1e-5 for float32; for "
                              "bfloat16/float16 calibrated on the run: 2x the dtype's rounding floor + half the "
-                             "adapter's effect)")
+                             "adapter's effect; a QLoRA run: 1e-5 + 2x its quantization floor)")
     parser.add_argument("--merge_max_kl", type=float, default=None,
                         help="merged vs the run's model: largest mean per-token KL in nats (default: reported for "
                              "float32; for bfloat16/float16 1.5x the dtype's rounding floor + a quarter of the "
-                             "adapter's effect)")
+                             "adapter's effect; a QLoRA run: 1.5x its quantization floor where that is above 1e-5)")
     parser.add_argument("--gguf_max_logit_diff", type=float, default=None,
                         help="GGUF vs merged: largest relative logit difference allowed, as "
                              "--merge_max_logit_diff (default: 1e-5 for f32, 5e-3 for f16 (1.8e-3 measured on "
