@@ -193,8 +193,8 @@ def dequantized(model):
 
 def load_source(source: Source):
     """The run's model as it runs: fp32, eval mode; for LoRA a ``peft.PeftModel`` (the adapter applied, not merged;
-    a QLoRA run's on its base de-quantized: ``load_base``), for a full run's checkpoint the run's model with the checkpoint's weights. Raises ``FinetuneError`` when the model
-    or its base cannot be loaded."""
+    a QLoRA run's on its base de-quantized: ``load_base``), for a full run's checkpoint the run's model with the
+    checkpoint's weights. Raises ``FinetuneError`` when the model or its base cannot be loaded."""
     try:
         if source.lora:
             from peft import PeftModel
