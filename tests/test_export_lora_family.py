@@ -200,14 +200,15 @@ def test_qlora_with_dora_and_rslora_exports(tmp_path, capsys, runs):
     assert merged["relative_logit_diff"] <= 1e-5 and merged["top1_agreement"] == 1.0
 
 
-@pytest.mark.parametrize("run", ["qlora-bf16", "qlora-int8"])
-def test_a_qlora_export_passes_at_its_measured_floor(tmp_path, capsys, runs, run):
-    """NF4 computing in bfloat16, and LLM.int8() (which quantizes the activations too): the de-quantized, merged
-    model computes in fp32, so it departs from the run by the run's own compute, which the quantization floor
-    measures; the tolerance is 1e-5 + 2 x the floor's relative logit difference and 1.5 x its mean KL (top-1 and
-    greedy reported), and the merge passes, departing by about the floor."""
-    code, out, error, report = _export(capsys, runs[run], tmp_path / "x")
-    print("\n" + run, "correct:", _figures(report))
+@pytest.mark.parametrize("run, dtype", [("qlora-bf16", "float32"), ("qlora-int8", "float32"), ("qlora", "bfloat16")])
+def test_a_qlora_export_passes_at_its_measured_floor(tmp_path, capsys, runs, run, dtype):
+    """NF4 computing in bfloat16, LLM.int8() (which quantizes the activations too), and NF4 computing in float32
+    exported in bfloat16: the merged model departs from the run by the run's own compute or by the export's
+    rounding, which the quantization floor measures (the run on its de-quantized base, rounded to the dtype); the
+    tolerance is 1e-5 + 2 x the floor's relative logit difference and 1.5 x its mean KL (top-1 and greedy reported),
+    and the merge passes, departing by about the floor."""
+    code, out, error, report = _export(capsys, runs[run], tmp_path / "x", "--dtype", dtype)
+    print("\n" + run, dtype, "correct:", _figures(report))
     assert code == 0, error
     merged, floor = report["verification"][0], report["merge_calibration"]["floor"]
     tolerance = merged["tolerance"]
