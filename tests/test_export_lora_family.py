@@ -255,3 +255,17 @@ def test_a_broken_qlora_merge_exits_1(tmp_path, capsys, monkeypatch, runs, run, 
     merged = _assert_refused(code, error, report, tmp_path / "x")
     assert merged["relative_logit_diff"] > 10 * merged["tolerance"]["max_logit_diff"]
     assert "Departure from the run as trained" in out  # the departure is said before the error line
+
+
+def test_a_qlora_export_without_bitsandbytes_is_one_error_line(tmp_path, capsys, monkeypatch, runs):
+    """Without bitsandbytes (as ``importlib.util.find_spec`` says it), a QLoRA run's export ends with one ``error:``
+    line naming the extra, exit 2, before any work: no folder written."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    folder = tmp_path / "x"
+    code = export_main(["--model", str(runs["qlora"]), "--to", "merged", "--output_dir", str(folder)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "--load_in_4bit needs the bitsandbytes package" in lines[0], lines
+    assert ".[qlora]" in lines[0] and not folder.exists()

@@ -167,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     from finetune.export import converter
-    from finetune.export.source import architecture, check_causal_lm, resolve_source
+    from finetune.export.source import architecture, check_causal_lm, resolve_source, run_quantization
 
     started = time.perf_counter()
     source = resolve_source(args.model, args.checkpoint)
     check_causal_lm(source)
+    run_quantization(source)  # a QLoRA run's flags, checked (bitsandbytes installed) before anything is written
     folder = _output_dir(args, source)
     hub = _prepare_hub(args, folder)
     gguf_tolerance = _gguf_tolerance(args)

@@ -170,12 +170,15 @@ def load_base(path: str, quantization=None):
 def run_quantization(source: Source):
     """The ``BitsAndBytesConfig`` a LoRA run loaded its base with (``quantization.bnb_config`` of its
     ``run_config.json``: ``--load_in_4bit``/``--load_in_8bit`` and the ``--bnb_4bit_*`` flags), or None for a
-    full-precision base or a full run."""
+    full-precision base or a full run. Raises ``FinetuneError`` (the ``qlora`` extra named) without bitsandbytes."""
     config = source.run_config()
     if not source.lora or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
         return None
     from finetune.config import parse_config
+    from finetune.config.lora import require_bitsandbytes
     from finetune.models.quantization import bnb_config
+
+    require_bitsandbytes("--load_in_4bit" if config.get("load_in_4bit") else "--load_in_8bit")
 
     return bnb_config(parse_config(["--config", str(source.run_dir / "run_config.json")]))
 
