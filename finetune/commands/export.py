@@ -61,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="merged vs the run's model: largest logit difference allowed, relative to the largest "
                              "logit: max|ref - merged| / max(1, max|ref|) (default 1e-5 for float32; for "
                              "bfloat16/float16 calibrated on the run: 2x the dtype's rounding floor + half the "
-                             "adapter's effect)")
+                             "adapter's effect; a QLoRA run: 1e-5 + 2x its quantization floor)")
     parser.add_argument("--merge_max_kl", type=float, default=None,
                         help="merged vs the run's model: largest mean per-token KL in nats (default: reported for "
                              "float32; for bfloat16/float16 1.5x the dtype's rounding floor + a quarter of the "
-                             "adapter's effect)")
+                             "adapter's effect; a QLoRA run: 1.5x its quantization floor where that is above 1e-5)")
     parser.add_argument("--gguf_max_logit_diff", type=float, default=None,
                         help="GGUF vs merged: largest relative logit difference allowed, as "
                              "--merge_max_logit_diff (default: 1e-5 for f32, 5e-3 for f16 (1.8e-3 measured on "
@@ -83,11 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _merge_tolerance(args, calibration):
-    """The merge's ``Tolerance``: float32's fixed one, or the one ``calibration`` (``verify.Calibration``) gives a
-    bfloat16/float16 merge; ``--merge_max_logit_diff`` and ``--merge_max_kl`` override it."""
-    from finetune.export.verify import Tolerance, calibrated_tolerance
+    """The merge's ``Tolerance``: float32's fixed one, the one ``calibration`` (``verify.Calibration``) gives a
+    bfloat16/float16 merge, or a quantized base's from its quantization floor (``verify.quantized_tolerance``);
+    ``--merge_max_logit_diff`` and ``--merge_max_kl`` override it."""
+    from finetune.export.verify import Tolerance, calibrated_tolerance, quantized_tolerance
 
-    merge = Tolerance(*FLOAT32_MERGE_TOLERANCE) if args.dtype == "float32" else calibrated_tolerance(calibration)
+    if calibration.quantized is not None:
+        merge = quantized_tolerance(calibration, Tolerance(*FLOAT32_MERGE_TOLERANCE))
+    else:
+        merge = Tolerance(*FLOAT32_MERGE_TOLERANCE) if args.dtype == "float32" else calibrated_tolerance(calibration)
     for flag, name in (("merge_max_logit_diff", "max_logit_diff"), ("merge_max_kl", "max_kl")):
         if getattr(args, flag) is not None:
             setattr(merge, name, getattr(args, flag))
@@ -163,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     from finetune.export import converter
-    from finetune.export.source import architecture, check_causal_lm, resolve_source
+    from finetune.export.source import architecture, check_causal_lm, resolve_source, run_quantization
 
     started = time.perf_counter()
     source = resolve_source(args.model, args.checkpoint)
     check_causal_lm(source)
+    run_quantization(source)  # a QLoRA run's flags, checked (bitsandbytes installed) before anything is written
     folder = _output_dir(args, source)
     hub = _prepare_hub(args, folder)
     gguf_tolerance = _gguf_tolerance(args)
@@ -227,6 +232,7 @@ def _export(args, source, folder: Path, gguf_tolerance, quantize, tools, started
     result, greedy["merged"] = measure("merged vs run", model, merged, (tokenizer, merged_tokenizer), inputs,
                                        _merge_tolerance(args, calibration))
     comparisons.append(result)
+    quantized = _quantized_base(args, calibration, result)
     del model
     files = ["merged/"]
     gguf_report, failure = None, None
@@ -251,6 +257,7 @@ def _export(args, source, folder: Path, gguf_tolerance, quantize, tools, started
                   "within_bound": merged_info.within_bound, "eos_token_ids": merged_info.eos_token_ids},
         "verify_samples": len(inputs.sequences), "positions": inputs.positions,
         "verification": [c.as_dict() for c in comparisons], "merge_calibration": calibration.as_dict(),
+        "quantized_base": quantized,
         "greedy": {"merged": greedy.get("merged"), "gguf": greedy.get("gguf")},
         "passed": failure is None and all(c.passed for c in comparisons),
         "machine": _machine(), "seconds": time.perf_counter() - started,
@@ -261,6 +268,45 @@ def _export(args, source, folder: Path, gguf_tolerance, quantize, tools, started
     if failure is not None:
         raise FinetuneError(f"{failure} The merged folder's verification is in {folder / 'export_report.json'}; "
                             f"{folder / 'EXPORT_INCOMPLETE'} marks the folder incomplete.")
+    return report
+
+
+def _quantized_base(args, calibration, merged) -> dict | None:
+    """A QLoRA run's export, said on stdout and kept in the report: what was exported (the adapter merged into the
+    base de-quantized), its departure from the run as trained (``merged``: the ``Comparison`` merged vs run), the
+    tolerance it is judged on and where that comes from (the quantization floor, ``verify.quantized_tolerance``).
+    None for a full-precision base."""
+    if calibration.quantized is None:
+        return None
+    from finetune.export.verify import FLOOR_FACTOR
+
+    floor, tolerance = calibration.floor, merged.tolerance
+    judged = [f"relative logit difference <= {tolerance['max_logit_diff']:.3g} ({FLOAT32_MERGE_TOLERANCE[0]:.0e}, "
+              f"float32's merge bound, + {FLOOR_FACTOR['max_logit_diff']:g} x the floor's "
+              f"{floor.relative_logit_diff:.3g})"]
+    if tolerance["max_kl"] is not None:
+        judged.append(f"mean KL <= {tolerance['max_kl']:.3g} ({FLOOR_FACTOR['max_kl']:g} x the floor's "
+                      f"{floor.mean_kl:.3g})")
+    if tolerance["min_top1"] is not None:
+        judged.append(f"top-1 >= {tolerance['min_top1']:.4%} and every greedy continuation identical (the floor is "
+                      "within float32's bound)")
+    report = {
+        "quantization": calibration.quantized,
+        "exported": f"the adapter merged (peft's merge_and_unload) into the base de-quantized to float32 "
+                    f"(transformers' dequantize), saved in {args.dtype}",
+        "departure": {key: getattr(merged, key) for key in ("max_abs_logit_diff", "relative_logit_diff",
+                                                            "top1_agreement", "mean_kl", "greedy_identical",
+                                                            "greedy_total", "positions")},
+        "floor": {key: getattr(floor, key) for key in ("name", "max_abs_logit_diff", "relative_logit_diff",
+                                                       "top1_agreement", "mean_kl")},
+        "tolerance": tolerance, "tolerance_from": "; ".join(judged),
+    }
+    print(f"QLoRA export: {calibration.quantized} base de-quantized to float32, the adapter merged there, saved in "
+          f"{args.dtype}. Departure from the run as trained (its quantized base, {merged.positions} positions): "
+          f"largest logit difference {merged.max_abs_logit_diff:.3g} ({merged.relative_logit_diff:.3g} relative), "
+          f"top-1 {merged.top1_agreement:.4%}, mean KL {merged.mean_kl:.3g}, greedy {merged.greedy_identical}/"
+          f"{merged.greedy_total}. Tolerance: {'; '.join(judged)}; the floor is {floor.name}: largest "
+          f"{floor.max_abs_logit_diff:.3g}, mean KL {floor.mean_kl:.3g}, top-1 {floor.top1_agreement:.4%}.")
     return report
 
 

@@ -129,8 +129,8 @@ class LoraArguments:
                                 "drop --use_dora.")
         if (self.load_in_4bit or self.load_in_8bit) and self.merge_adapter:
             raise FinetuneError("--merge_adapter with a quantized base: merging into 4-bit or 8-bit weights rounds the "
-                                "adapter away (a merge into the de-quantized base is finetune export's, not yet). Drop "
-                                "--merge_adapter; the adapter is saved.")
+                                "adapter away. Drop --merge_adapter (the adapter is saved) and run finetune export, which "
+                                "merges it into the de-quantized base.")
         if self.load_in_4bit or self.load_in_8bit:
             require_bitsandbytes("--load_in_4bit" if self.load_in_4bit else "--load_in_8bit")
 

@@ -44,6 +44,10 @@ def write_card(folder: Path, report: dict) -> Path:
     merge, source = report["merge"], report["source"]
     status = "verified" if report["passed"] else "**NOT verified: this export is incomplete (EXPORT_INCOMPLETE)**"
     how = "a LoRA adapter merged with peft's merge_and_unload" if source["lora"] else "full fine-tuning"
+    quantized = report.get("quantized_base")
+    if quantized:
+        how = (f"a QLoRA adapter merged with peft's merge_and_unload into its {quantized['quantization']} base "
+               f"de-quantized to float32; judged against the run on its quantized base: {quantized['tolerance_from']}")
     tags = ["finetune", "export"] + (["gguf"] if report.get("gguf") else [])
     mib = 2 ** 20
     bound = "within" if merge["within_bound"] else "above"

@@ -145,25 +145,64 @@ def load_tokenizer_of(source: Source):
     return load_tokenizer(str(folder))
 
 
-def load_base(path: str):
+def load_base(path: str, quantization=None):
     """The fp32 causal LM at ``path`` (a model folder, a .gguf file, or an earlier run's adapter directory merged:
-    ``lora.load_base_model``), eval mode."""
+    ``lora.load_base_model``), eval mode. With ``quantization`` (the ``BitsAndBytesConfig`` of a QLoRA run:
+    ``run_quantization``) the base is quantized as the run's loader quantized it (``loading.load_causal_lm``; a built
+    base through ``quantization.quantize_built``), then de-quantized (``dequantized``): the weights the run trained
+    on, in fp32, as plain ``Linear`` layers."""
     import torch
 
     from finetune.models.lora import load_base_model
 
-    return load_base_model(path, torch.float32).float().eval()
+    if quantization is None:
+        return load_base_model(path, torch.float32).float().eval()
+    from finetune.models.loading import load_causal_lm
+    from finetune.models.quantization import quantize_built
+
+    if (Path(path) / ADAPTER_CONFIG).is_file():  # an earlier run's adapter, merged: a built base
+        quantized = quantize_built(load_base_model(path, torch.float32), quantization)
+    else:
+        quantized = load_causal_lm(path, quantization=quantization)
+    return dequantized(quantized).eval()  # fp32 already; a still-quantized model refuses .float()
+
+
+def run_quantization(source: Source):
+    """The ``BitsAndBytesConfig`` a LoRA run loaded its base with (``quantization.bnb_config`` of its
+    ``run_config.json``: ``--load_in_4bit``/``--load_in_8bit`` and the ``--bnb_4bit_*`` flags), or None for a
+    full-precision base or a full run. Raises ``FinetuneError`` (the ``qlora`` extra named) without bitsandbytes."""
+    config = source.run_config()
+    if not source.lora or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
+        return None
+    from finetune.config import parse_config
+    from finetune.config.lora import require_bitsandbytes
+    from finetune.models.quantization import bnb_config
+
+    require_bitsandbytes("--load_in_4bit" if config.get("load_in_4bit") else "--load_in_8bit")
+
+    return bnb_config(parse_config(["--config", str(source.run_dir / "run_config.json")]))
+
+
+def dequantized(model):
+    """``model`` (a bitsandbytes 4-bit or 8-bit model) with every quantized linear layer replaced by a torch
+    ``Linear`` holding its de-quantized fp32 weight, the quantization config removed: transformers'
+    ``PreTrainedModel.dequantize`` (5.24 ``integrations/bitsandbytes.py`` ``dequantize_and_replace``: bitsandbytes'
+    ``dequantize_4bit`` or ``int8_vectorwise_dequant``), the base peft's and transformers' docs merge a QLoRA adapter
+    into."""
+    import torch
+
+    return model.dequantize(dtype=torch.float32)
 
 
 def load_source(source: Source):
-    """The run's model as it runs: fp32, eval mode; for LoRA a ``peft.PeftModel`` (the adapter applied, not merged),
-    for a full run's checkpoint the run's model with the checkpoint's weights. Raises ``FinetuneError`` when the model
-    or its base cannot be loaded."""
+    """The run's model as it runs: fp32, eval mode; for LoRA a ``peft.PeftModel`` (the adapter applied, not merged;
+    a QLoRA run's on its base de-quantized: ``load_base``), for a full run's checkpoint the run's model with the
+    checkpoint's weights. Raises ``FinetuneError`` when the model or its base cannot be loaded."""
     try:
         if source.lora:
             from peft import PeftModel
 
-            base = load_base(base_path(source))
+            base = load_base(base_path(source), run_quantization(source))
             return PeftModel.from_pretrained(base, str(source.model_dir)).eval()
         model = load_base(str(source.model_dir if (source.model_dir / "config.json").is_file() else source.run_dir))
     except (OSError, ValueError) as err:

@@ -175,15 +175,19 @@ class Calibration:
     sequences: ``effect``, the un-adapted base (the adapter disabled) vs the run's model: what a merge that drops the
     adapter departs by (None for a run without an adapter); ``floor``, the run's model with every weight rounded to
     the export's dtype and computed in fp32, as the merged folder is read back: what a correct merge departs by
-    (None for float32, whose merge is exact to fp32's rounding)."""
+    (None for a float32 merge of a full-precision base, exact to fp32's rounding). ``quantized``: the run's
+    quantized base (``quantization.describe_base``), whose floor is the quantization floor: the run's model on its
+    base de-quantized (``dequantized_copy``), adapter applied and not merged, against the run as trained."""
 
     effect: Comparison | None
     floor: Comparison | None
     seconds: float = 0.0
+    quantized: str | None = None
 
     def as_dict(self) -> dict:
         return {"adapter_effect": self.effect.as_dict() if self.effect else None,
-                "floor": self.floor.as_dict() if self.floor else None, "seconds": self.seconds}
+                "floor": self.floor.as_dict() if self.floor else None, "quantized_base": self.quantized,
+                "seconds": self.seconds}
 
 
 # A reduced-dtype merge may depart from the run's model by the dtype's rounding (FLOOR_FACTOR times the floor's
@@ -194,30 +198,68 @@ FLOOR_FACTOR = {"max_logit_diff": 2.0, "max_kl": 1.5}  # the floor's largest log
 EFFECT_FRACTION = 0.5
 
 
-def rounded_copy(model, dtype: str):
-    """A copy of ``model`` whose floating-point weights (its ``state_dict``: parameters and saved buffers, what a
-    merged folder holds) are rounded to ``dtype`` and kept in fp32."""
-    import copy
-
-    rounded = copy.deepcopy(model)
+def _round(model, dtype: str):
+    """``model`` with its floating-point weights (its ``state_dict``: parameters and saved buffers, what a merged
+    folder holds) rounded to ``dtype`` in place and kept in their dtype (fp32)."""
     with torch.no_grad():
-        for tensor in rounded.state_dict().values():
+        for tensor in model.state_dict().values():
             if tensor.is_floating_point():
                 tensor.copy_(tensor.to(getattr(torch, dtype)))
-    return rounded
+    return model
+
+
+def rounded_copy(model, dtype: str):
+    """A copy of ``model`` whose floating-point weights are rounded to ``dtype`` and kept in fp32."""
+    import copy
+
+    return _round(copy.deepcopy(model), dtype)
+
+
+def dequantized_copy(model, dtype: str):
+    """A copy of ``model`` (the run's model on a bitsandbytes 4-bit or 8-bit base, a ``peft.PeftModel``) whose
+    quantized linear layers are torch ``Linear`` layers holding their own weights de-quantized in fp32
+    (transformers' ``dequantize_bnb_weight``: bitsandbytes' ``dequantize_4bit`` or ``int8_vectorwise_dequant`` of
+    the layer's stored bytes and constants), the adapter kept, every floating-point weight then rounded to
+    ``dtype`` and kept in fp32. Built from the run's model itself, not by the merge's loader."""
+    import copy
+
+    from transformers.integrations.bitsandbytes import dequantize_bnb_weight
+
+    from finetune.models.quantization import quantized_modules
+
+    plain = copy.deepcopy(model)
+    for name, module in quantized_modules(plain):
+        weight = dequantize_bnb_weight(module.weight, getattr(module, "state", None)).float()
+        linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                 device=weight.device)
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if module.bias is not None:
+            linear.bias = torch.nn.Parameter(module.bias.detach().float(), requires_grad=False)
+        plain.set_submodule(name, linear)
+    return _round(plain, dtype)
 
 
 def calibrate(model, inputs: VerifySet, dtype: str) -> Calibration:
     """``Calibration`` of a merge into ``dtype`` (one of ``merge.DTYPES``) of ``model`` (the run's model: a
     ``peft.PeftModel`` for LoRA) on ``inputs``' sequences. Holds a rounded copy of ``model`` beside it (for
-    bfloat16/float16); runs three forwards per sequence."""
+    bfloat16/float16), or its de-quantized copy (a quantized base: ``dequantized_copy``); runs three forwards per
+    sequence."""
     from finetune.models.lora import is_peft_model
+    from finetune.models.quantization import describe_base
 
+    quantized = describe_base(model)
     effect = _Tally(Comparison(name="adapter effect: base vs run")) if is_peft_model(model) else None
-    floor = _Tally(Comparison(name=f"{dtype} floor: run rounded to {dtype} vs run")) if dtype != "float32" else None
+    if quantized is not None:
+        rounding = "" if dtype == "float32" else f", rounded to {dtype}"
+        floor = _Tally(Comparison(name=f"quantization floor: run on its base de-quantized{rounding} vs run"))
+    else:
+        floor = _Tally(Comparison(name=f"{dtype} floor: run rounded to {dtype} vs run")) if dtype != "float32" else None
     if effect is None and floor is None:  # a full run's float32 export: nothing to calibrate
         return Calibration(None, None)
-    rounded = rounded_copy(model, dtype) if floor is not None else None
+    if floor is None:
+        rounded = None
+    else:
+        rounded = dequantized_copy(model, dtype) if quantized is not None else rounded_copy(model, dtype)
     started = time.perf_counter()
     for ids in inputs.sequences:
         ref = _logits(model, ids)
@@ -228,7 +270,7 @@ def calibrate(model, inputs: VerifySet, dtype: str) -> Calibration:
             floor.add(ref, _logits(rounded, ids))
     del rounded
     return Calibration(effect.result() if effect else None, floor.result() if floor else None,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, quantized)
 
 
 def calibrated_tolerance(calibration: Calibration) -> Tolerance:
@@ -245,6 +287,22 @@ def calibrated_tolerance(calibration: Calibration) -> Tolerance:
         logit += EFFECT_FRACTION * effect.relative_logit_diff
         kl += EFFECT_FRACTION ** 2 * effect.mean_kl
     return Tolerance(max_logit_diff=logit, max_kl=kl)
+
+
+def quantized_tolerance(calibration: Calibration, float32: Tolerance) -> Tolerance:
+    """The ``Tolerance`` of a merge into a de-quantized base (a QLoRA run's), from ``calibration``'s quantization
+    floor: relative logit difference at most ``float32.max_logit_diff`` (the merge's own fp32 rounding, as a float32
+    LoRA merge's bound) + ``FLOOR_FACTOR`` x the floor's. A floor within that float32 bound (4-bit layers that
+    compute in fp32 on their de-quantized weights, exported in float32: the de-quantized base is the run's base) keeps
+    ``float32``'s top-1 and greedy bounds; a larger one (a reduced compute dtype or export dtype, LLM.int8()'s
+    quantized activations) bounds the mean KL at ``FLOOR_FACTOR`` x the floor's, top-1 and greedy reported. No
+    adapter-effect term: a merge into a base other than the run's (the original weights, a re-quantized merge)
+    departs by the quantization's effect, whatever the adapter's size."""
+    floor = calibration.floor
+    logit = float32.max_logit_diff + FLOOR_FACTOR["max_logit_diff"] * floor.relative_logit_diff
+    if floor.relative_logit_diff <= float32.max_logit_diff:
+        return Tolerance(logit, float32.min_top1, float32.max_kl, float32.greedy_identical)
+    return Tolerance(max_logit_diff=logit, max_kl=FLOOR_FACTOR["max_kl"] * floor.mean_kl)
 
 
 def judge(result: Comparison, tolerance: Tolerance) -> Comparison:

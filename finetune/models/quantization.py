@@ -90,7 +90,7 @@ def _take_quant_state(module, state_dict, prefix, *_):
             raise ValueError(f"{prefix}weight.{key}: the checkpoint's quantization constants are not this base's")
 
 
-def _quantized_modules(model):
+def quantized_modules(model):
     """(name, module) of every bitsandbytes 4-bit or 8-bit linear layer of ``model``, in ``named_modules`` order."""
     import sys
 
@@ -104,7 +104,7 @@ def _quantized_modules(model):
 def describe_base(model) -> str | None:
     """What the quantized base of ``model`` is, for the banner and the card: "NF4 (4-bit, bitsandbytes; nested
     constants; compute float32)" or "int8 (8-bit, bitsandbytes LLM.int8())"; None for a full-precision one."""
-    layers = _quantized_modules(model)
+    layers = quantized_modules(model)
     if not layers:
         return None
     module = layers[0][1]
@@ -121,7 +121,7 @@ def base_identity(model) -> dict | None:
     "sha256": the hash of every quantized layer's stored bytes (packed weights, scales, nested constants, in
     module order)}; None for a full-precision base. Two loads that quantize alike hash alike; another quant type,
     nesting or bitsandbytes' rounding does not."""
-    layers = _quantized_modules(model)
+    layers = quantized_modules(model)
     if not layers:
         return None
     digest = hashlib.sha256()
