@@ -278,6 +278,36 @@ def test_verify_catches_a_wrong_engine_on_qlora(tmp_path, monkeypatch, chat_llam
     assert next(r for r in report["rows"] if r["way"] == "4 x 1, Trainer")["verdict"] == "exact"
 
 
+def test_verify_sees_the_quantized_base_change_during_a_way(tmp_path, chat_llama, sft_files):
+    """bitsandbytes repacks a 4-bit layer's weight for its CPU kernel, its scales rounded to bf16, at its first
+    eval-mode forward without gradients where ``support_avx512bf16_for_cpu`` is on (bitsandbytes 0.50.2
+    ``nn/modules.py`` ``Linear4bit.forward``; ``prepare_for_training`` turns it off). Turned back on (on the layers
+    whose width is a multiple of the block size, as the repacking needs), the way's loss after the last update (an
+    eval-mode forward) changes the base: verify's hash after the run is not the hash as built. The same way without
+    it keeps the base as built, the base every way starts from."""
+    from finetune.commands import verify
+    from finetune.commands.verify import phases
+
+    flags = qlora(chat_llama, sft_files, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    session = phases.start(*verify.parse([*verify_args(flags), "--output_dir", str(tmp_path / "verify")]))
+
+    def repacking(built):
+        for module in built.model.modules():
+            if getattr(module, "support_avx512bf16_for_cpu", None) is False and (
+                    module.in_features % module.weight.quant_state.blocksize == 0):
+                module.support_avx512bf16_for_cpu = True
+        return built
+
+    def run(way, vary=None):
+        return verify.run_way(way, session.base, session.recipe, session.root, session.steps, True, vary)
+
+    changed, clean = run(verify.Way("control", 1, 4), repacking), run(verify.Way("split", 1, 4))
+    assert changed.error is None and clean.error is None, (changed.error, clean.error)
+    assert changed.base[0] == clean.base[0] == clean.base[1] and changed.base[1] != changed.base[0]
+    row = verify.compare([clean, changed], session.steps, {})["rows"][1]
+    assert row["base_changed"] == [changed.base[0][:12], changed.base[1][:12]]
+
+
 def dequantized_copy(model_dir: str, to) -> str:
     """The NF4 weights of ``model_dir`` de-quantized (bitsandbytes' ``dequantize_4bit``) into a plain fp32 copy of the
     model, saved to ``to``: the base a LoRA run must match a QLoRA run on."""
