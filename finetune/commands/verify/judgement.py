@@ -251,8 +251,9 @@ def _nondeterminism_cause(determinism: dict) -> str:
 
 def _causes(outcomes: list[Outcome], reference: Outcome, tolerance: dict, notes: dict) -> list[str]:
     """What makes the ways differ, where it can be measured: item counts that differ (a way counts its loss's
-    items another way), a quantized base other than the reference's or changed during a run, BatchNorm (its running statistics differ), a model-added auxiliary loss, outputs that
-    depend on padding; else that no cause was identified."""
+    items another way), a quantized base other than the reference's or changed during a run, BatchNorm (its running
+    statistics differ), a model-added auxiliary loss, outputs that depend on padding; else that no cause was
+    identified."""
     found = []
     for o in outcomes:
         if o.measured and "items_differ" in o.measured:
