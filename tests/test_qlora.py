@@ -187,7 +187,9 @@ def test_qlora_accumulation_is_exact(accumulation_runs):
     reference = adapter(runs[8, 1])
     assert any("lora_A" in k for k in reference) and len(reference) == 2 * 14
     for split in ((4, 2), (1, 8)):
-        assert relative_difference(reference, adapter(runs[split])) < 1e-5, split
+        difference = relative_difference(reference, adapter(runs[split]))
+        print(f"{split[0]} x {split[1]} against 8 x 1: {difference:.2e}")  # docs/recipes.md#qlora
+        assert difference < 1e-5, split
         assert [r["loss"] for r in train_steps(runs[split])] == pytest.approx(
             [r["loss"] for r in train_steps(runs[8, 1])], rel=1e-5)
     card = (runs[8, 1] / "README.md").read_text()
@@ -196,18 +198,18 @@ def test_qlora_accumulation_is_exact(accumulation_runs):
 
 
 def verify_args(flags: dict) -> list[str]:
-    """``finetune verify``'s command line for a QLoRA run's ``flags`` (2 optimizer steps: the data cut to 12 of the 16
-    samples, the last window half full, as ``accumulation_runs`` trains them)."""
+    """``finetune verify``'s command line for a QLoRA run's ``flags``: 2 optimizer steps, the data cut to 1.5 B
+    samples, the last window half full (with B = 8: 12 samples, as ``accumulation_runs`` trains them)."""
     return [*(f"--{k}={v}" for k, v in flags.items()), "--verify_steps", "2"]
 
 
-def assert_verified_exact(report: dict, processes: int) -> None:
+def assert_verified_exact(report: dict, processes: int, batch: int) -> None:
     """verify's verdict on QLoRA: exact, on the NF4 base (the same in every way, unchanged by its run), every split
     and both Trainer rows exact, the positive control and the small controls caught."""
     from finetune.commands import verify
 
     assert report["verdict"] == "exact" and report["processes"] == processes, report["causes"]
-    assert report["effective_batch"] == 8 and report["last_window_samples"] == 4
+    assert report["effective_batch"] == batch and report["last_window_samples"] == batch // 2
     assert report["quantized_base"].startswith("NF4 (4-bit") and len(report["quantized_base_sha256"]) == 64
     judged = [r for r in report["rows"] if r["role"] in ("split", "engine")]
     assert len(judged) == 4 and all(r["verdict"] == "exact" for r in judged), judged
@@ -230,17 +232,15 @@ def assert_ways_equal_the_runs(root, ways: list[str], runs: dict) -> None:
             [r["loss"] for r in train_steps(runs[8, 1])], rel=1e-5), way
 
 
-def test_verify_says_exact_on_qlora_and_its_ways_equal_the_runs(tmp_path, chat_llama, sft_files, accumulation_runs):
-    """``finetune verify --use_peft --load_in_4bit`` on one process: exact, its controls caught; its ways 8 x 1,
-    4 x 2 and 1 x 8 (accelerate) and the Trainer's 8 x 1 and 1 x 8 trained the adapter of the plain 8 x 1 run."""
+def test_verify_says_exact_on_qlora(tmp_path, chat_llama, sft_files):
+    """``finetune verify --use_peft --load_in_4bit`` on one process (B = 4: 4 x 1, 2 x 2, 1 x 4): exact, its
+    controls caught."""
     from finetune.commands import verify
 
-    runs, _ = accumulation_runs
     out = tmp_path / "verify"
-    flags = qlora(chat_llama, sft_files, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    flags = qlora(chat_llama, sft_files, per_device_train_batch_size=2, gradient_accumulation_steps=2)
     assert verify.main([*verify_args(flags), "--output_dir", str(out)]) == 0
-    assert_verified_exact(json.loads((out / "verify.json").read_text()), processes=1)
-    assert_ways_equal_the_runs(out, ["reference-8x1", "split-4x2", "split-1x8", "engine-8x1", "engine-1x8"], runs)
+    assert_verified_exact(json.loads((out / "verify.json").read_text()), processes=1, batch=4)
 
 
 def test_qlora_on_two_processes_verifies_exact_and_equals_one_process(tmp_path, chat_llama, sft_files,
@@ -255,7 +255,7 @@ def test_qlora_on_two_processes_verifies_exact_and_equals_one_process(tmp_path, 
                     module="finetune.commands.verify", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "verify.json").read_text())
-    assert_verified_exact(report, processes=2)
+    assert_verified_exact(report, processes=2, batch=8)
     assert report["engine"] == "DDP"
     assert_ways_equal_the_runs(out, ["reference-4x1", "split-2x2", "split-1x4", "engine-4x1", "engine-1x4"], runs)
 
