@@ -197,6 +197,18 @@ def test_qlora_accumulation_is_exact(accumulation_runs):
     assert "| adapters | LoRA r=16, alpha=32; targets all-linear |" in card
 
 
+def test_a_4bit_base_computes_in_the_precision_that_runs(tmp_path, chat_llama, sft_files, accumulation_runs, capsys):
+    """An fp16 request runs fp32 on a CPU (bbc-headlines' default): the 4-bit layers compute in float32, as the run
+    does, not in the float16 requested (they did: 2 steps of the bbc-headlines recipe on its SmolLM2 printed
+    "compute float16"); the first step's loss is the fp32 run's, to the bit; the banner and the card say float32."""
+    runs, _ = accumulation_runs
+    _, out = run_in_process(tmp_path, "fp16-requested", **qlora(chat_llama, sft_files, max_train_samples=12,
+                                                                 mixed_precision="fp16", max_steps=1))
+    assert "on a frozen NF4 (4-bit, bitsandbytes; compute float32; 14 linear layers) base" in capsys.readouterr().out
+    assert train_steps(out)[0]["loss"] == train_steps(runs[8, 1])[0]["loss"]
+    assert "| base model weights | NF4 4-bit (bitsandbytes), compute float32, frozen |" in (out / "README.md").read_text()
+
+
 def verify_args(flags: dict) -> list[str]:
     """``finetune verify``'s command line for a QLoRA run's ``flags``: 2 optimizer steps, the data cut to 1.5 B
     samples, the last window half full (with B = 8: 12 samples, as ``accumulation_runs`` trains them)."""
