@@ -132,6 +132,37 @@ def test_without_gradients_the_control_is_measured_on_the_weights():
     assert report["verdict"] == "exact" and report["control_margin"] > verify.CONTROL_FACTOR
 
 
+def test_a_quantized_base_other_or_changed_is_named():
+    """A QLoRA way must train on the reference's quantized base (the same sha256 as built) and leave it as it was:
+    a way quantized otherwise, or whose base changed during its run, is not exact, named; a reference whose own base
+    changed makes every comparison void: inconclusive."""
+    import torch
+
+    def way(role, micro, accumulation, base, final=(1.0, 1.0)):
+        outcome = _outcome(role, micro, accumulation, final={"w": torch.tensor(final)})
+        outcome.base = base
+        return outcome
+
+    a, b = "a" * 64, "b" * 64
+    reference, floor = way("reference", 4, 1, (a, a)), way("floor", 4, 1, (a, a), (1.0, 1.0 + 1e-6))
+    control = way("control", 1, 4, (a, a), (1.0, 1.5))
+    requantized, repacked = way("split", 2, 2, (b, b)), way("split", 1, 4, (a, b))
+    report = verify.compare([reference, floor, requantized, repacked, control], 2, {})
+    assert report["verdict"] == "not exact" and report["not_exact"] == ["2 x 2", "1 x 4"]
+    assert report["causes"][:2] == [
+        "the quantized base: 2 x 2 was quantized otherwise than the reference (sha256 bbbbbbbbbbbb... where the "
+        "reference's is aaaaaaaaaaaa...): its base weights are not the reference's",
+        "the quantized base: 1 x 4's changed during its run (sha256 aaaaaaaaaaaa... as built, bbbbbbbbbbbb... "
+        "after): a frozen base must stay what it was"]
+    assert report["quantized_base_sha256"] == a
+    for o in (floor, control):
+        o.measured = None
+    reference.base = (a, b)
+    report = verify.compare([reference, floor, control], 2, {})
+    assert report["verdict"] == "inconclusive"
+    assert report["causes"][0].startswith("the quantized base changed during the reference's run (sha256 aaaaaaaa")
+
+
 def test_item_counts_that_differ_are_named():
     import torch
 

@@ -79,8 +79,9 @@ class LoraArguments:
         step=True, trainer=None,
     )
     bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] | None = flag(
-        None, "With --load_in_4bit: the dtype a 4-bit layer de-quantizes to and multiplies in. Default: the run's "
-        "precision (--mixed_precision: no -> float32, bf16 -> bfloat16, fp16 -> float16).",
+        None, "With --load_in_4bit: the dtype a 4-bit layer de-quantizes to and multiplies in. Default: the precision "
+        "the run runs in (no -> float32, bf16 -> bfloat16, fp16 -> float16; an fp16 request that runs fp32 on a CPU "
+        "computes in float32).",
         step=True, trainer=None,
     )
     bnb_4bit_quant_storage: Literal["uint8", "float16", "bfloat16", "float32"] | None = flag(

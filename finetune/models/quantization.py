@@ -20,10 +20,22 @@ def is_quantized(config) -> bool:
     return bool(getattr(config, "load_in_4bit", False) or getattr(config, "load_in_8bit", False))
 
 
-def compute_dtype(config) -> str:
+def compute_dtype(config, precision: str | None = None) -> str:
     """The 4-bit layers' compute dtype: ``--bnb_4bit_compute_dtype``, else the run's precision's
-    (``PRECISION_DTYPES``: fp32 -> float32, bf16 -> bfloat16, fp16 -> float16), as TRL takes its ``dtype``."""
-    return config.bnb_4bit_compute_dtype or PRECISION_DTYPES.get(config.mixed_precision, "float32")
+    (``PRECISION_DTYPES``: fp32 -> float32, bf16 -> bfloat16, fp16 -> float16), as TRL takes its ``dtype``:
+    ``precision``, the one that runs ("no", "bf16", "fp16"), where known (a CPU runs an fp16 request in fp32),
+    else the requested ``--mixed_precision``."""
+    return config.bnb_4bit_compute_dtype or PRECISION_DTYPES.get(precision or config.mixed_precision, "float32")
+
+
+def with_compute_dtype(config, precision: str):
+    """``config`` with ``--bnb_4bit_compute_dtype`` set to ``compute_dtype(config, precision)`` for a 4-bit base
+    (the model is loaded in the precision that runs, not the one requested); ``config`` itself otherwise."""
+    if not getattr(config, "load_in_4bit", False) or config.bnb_4bit_compute_dtype:
+        return config
+    import dataclasses
+
+    return dataclasses.replace(config, bnb_4bit_compute_dtype=compute_dtype(config, precision))
 
 
 def bnb_config(config):

@@ -112,9 +112,10 @@ def lora_summary(config) -> str:
     return f"{kind} r={config.lora_r}, alpha={config.lora_alpha}" + "".join(f"; {e}" for e in extras)
 
 
-def quantized_base_summary(config) -> str | None:
+def quantized_base_summary(config, precision: str | None = None) -> str | None:
     """The quantized base the flags asked for, in words ("NF4 4-bit (bitsandbytes), nested constants, compute
-    float32"; "int8 8-bit (bitsandbytes LLM.int8())"), or None for a full-precision base."""
+    float32"; "int8 8-bit (bitsandbytes LLM.int8())"), or None for a full-precision base; ``precision``: the one
+    that ran ("no", "bf16", "fp16"), where known, which the 4-bit layers computed in unless the flag said."""
     if config.load_in_8bit:
         return "int8 8-bit (bitsandbytes LLM.int8()), frozen"
     if not config.load_in_4bit:
@@ -122,7 +123,7 @@ def quantized_base_summary(config) -> str | None:
     from finetune.models.quantization import compute_dtype  # the default is the run's precision's
 
     nested = ", nested constants" if config.use_bnb_nested_quant else ""
-    return f"{config.bnb_4bit_quant_type.upper()} 4-bit (bitsandbytes){nested}, compute {compute_dtype(config)}, frozen"
+    return f"{config.bnb_4bit_quant_type.upper()} 4-bit (bitsandbytes){nested}, compute {compute_dtype(config, precision)}, frozen"
 
 
 def _hyperparameters(config, metrics: dict) -> list[tuple[str, object]]:
@@ -145,7 +146,7 @@ def _hyperparameters(config, metrics: dict) -> list[tuple[str, object]]:
         ("weight_decay", config.weight_decay),
         ("optimizer", f"AdamW, `{config.optim}` (betas {config.adam_beta1}, {config.adam_beta2}; eps {config.adam_epsilon})"),
         ("adapters", config.use_peft and lora_summary(config)),
-        ("base model weights", quantized_base_summary(config)),
+        ("base model weights", quantized_base_summary(config, metrics.get("mixed_precision"))),
         ("max_length (tokens, truncation)", config.max_length), ("seed", config.seed),
         ("training engine", metrics.get("backend")),
         # a run with --disable_dropout trains only once every dropout is checked off (dropout.disable_dropout raises)

@@ -20,7 +20,7 @@ from finetune.errors import FinetuneError
 from finetune.models.dropout import disable_dropout
 from finetune.models.loading import check_max_length, load_tokenizer
 from finetune.models.lora import apply_lora
-from finetune.models.quantization import is_quantized, prepare_for_training
+from finetune.models.quantization import is_quantized, prepare_for_training, with_compute_dtype
 
 
 def build_datasets(recipe, config, tokenizer, task):
@@ -160,14 +160,16 @@ def build_components(config, recipe, precision: str, main_process_first, task, d
     (the classifier head is random) and again after, as ``Trainer.__init__`` does, so both engines start
     training from the same RNG state (Accelerate's ``set_seed`` seeds what transformers' does on CPU and CUDA:
     ``random``, ``numpy``, ``torch``, every CUDA device; accelerate 1.15 ``utils/random.py`` ``set_seed``,
-    transformers 5.24 ``trainer_utils.py`` ``set_seed``, whose module imports peft). ``precision`` is the one that really runs: under fp16/bf16 the
-    collator pads to a multiple of 8 tokens (tensor cores); fp32 gains nothing from it.
+    transformers 5.24 ``trainer_utils.py`` ``set_seed``, whose module imports peft). ``precision`` is the one that
+    really runs: under fp16/bf16 the collator pads to a multiple of 8 tokens (tensor cores), fp32 gains nothing
+    from it; a 4-bit base computes in it (``quantization.with_compute_dtype``).
     """
     set_seed(config.seed)
     tokenizer = load_tokenizer(config.model_name_or_path)
     with main_process_first():
         datasets, label_names, raw_validation = build_datasets(recipe, config, tokenizer, task)
-    model = build_model(config, task, label_names, tokenizer.pad_token_id, recipe)
+    # a 4-bit base computes in the precision that runs (an fp16 request runs fp32 on a CPU)
+    model = build_model(with_compute_dtype(config, precision), task, label_names, tokenizer.pad_token_id, recipe)
     warning = batchnorm_warning(model, config.gradient_accumulation_steps)
     if warning and is_main_process():
         print(warning, file=sys.stderr)

@@ -42,13 +42,19 @@ def compare(outcomes: list[Outcome], steps: int, model_notes: dict, detects: lis
         failures += [o.way.label] if failed else []
     determinism = reference.determinism or {}
     random = determinism.get("difference") is not None and determinism["difference"] > DETERMINISM_TOLERANCE
-    verdict = _verdict(random, failures, control_margin, detects)
+    moved = reference.base is not None and reference.base[1] != reference.base[0]  # the reference's own base
+    verdict = _verdict(random or moved, failures, control_margin, detects)
     causes = []
     if random:
         causes.append(_nondeterminism_cause(determinism))
+    if moved:
+        causes.append(f"the quantized base changed during the reference's run (sha256 {reference.base[0][:12]}... as "
+                      f"built, {reference.base[1][:12]}... after): a frozen base must stay bit for bit what it was, or "
+                      "no way can be compared with it (bitsandbytes repacks 4-bit weights for its CPU kernel in eval "
+                      "mode unless its layers' support_avx512bf16_for_cpu is off: finetune turns it off)")
     if failures:
         causes += _causes(outcomes, reference, tolerance, model_notes)
-    elif not random and verdict == "inconclusive":
+    elif not (random or moved) and verdict == "inconclusive":
         causes += _unproven(control_margin, detects, grads_seen)
     last = reference.samples[-1] if reference.samples else None
     # how far the correct ways stand from the floor (FLOOR_FACTOR is set from this, measured: docs/verify.md)
@@ -59,6 +65,7 @@ def compare(outcomes: list[Outcome], steps: int, model_notes: dict, detects: lis
             "tolerance": tolerance, "noise_floor": floor, "control_margin": control_margin,
             "reference": reference.way.label, "rows": rows, "not_exact": failures, "causes": causes,
             "gradients_compared": grads_seen, "determinism": determinism, "last_window_samples": last,
+            "quantized_base_sha256": reference.base[0] if reference.base else None,
             **model_notes}
 
 
@@ -97,10 +104,11 @@ def _row(o: Outcome, reference: Outcome, tolerance: dict, detects: list[dict] | 
     return row, False
 
 
-def _verdict(random: bool, failures: list, control_margin: float | None, detects: list[dict] | None) -> str:
-    """"inconclusive" where the premise of determinism fails, "not exact" where a way fails, "inconclusive" where
-    the positive control or a small control at its claimed size was not caught, else "exact"."""
-    if random:
+def _verdict(premise_failed: bool, failures: list, control_margin: float | None, detects: list[dict] | None) -> str:
+    """"inconclusive" where a premise fails (determinism, the reference's quantized base unchanged by its run),
+    "not exact" where a way fails, "inconclusive" where the positive control or a small control at its claimed size
+    was not caught, else "exact"."""
+    if premise_failed:
         return "inconclusive"
     if failures:
         return "not exact"
@@ -120,13 +128,26 @@ def _unproven(control_margin: float | None, detects: list[dict] | None, gradient
                       f"{CONTROL_FACTOR} x the tolerance, so these comparisons could not be shown to see one")
     return causes + [_undetected(d, gradients) for d in detects or [] if d["threshold"] != d["claimed"]]
 
-def _departures(row: dict, o: Outcome, reference: Outcome, tolerance: dict) -> list[str]:
-    """What in ``row`` (``_measure``) exceeds ``tolerance``, or could not be compared, in words; empty when
-    ``o`` is exact."""
+def _unlike_inputs(row: dict) -> list[str]:
+    """What in ``row`` says the way did not train what the reference trained, in words: other item counts, another
+    quantized base or one changed during the run."""
     bad = []
     if "items_differ" in row:
         step, items, expected = row["items_differ"]
         bad.append(f"step {step} trains {items:g} items where the reference trains {expected:g}")
+    if "base_differs" in row:
+        own, theirs = row["base_differs"]
+        bad.append(f"it trains on another quantized base (sha256 {own}... where the reference's is {theirs}...)")
+    if "base_changed" in row:
+        built, after = row["base_changed"]
+        bad.append(f"its quantized base changed during its run (sha256 {built}... as built, {after}... after)")
+    return bad
+
+
+def _departures(row: dict, o: Outcome, reference: Outcome, tolerance: dict) -> list[str]:
+    """What in ``row`` (``_measure``) exceeds ``tolerance``, or could not be compared, in words; empty when
+    ``o`` is exact."""
+    bad = _unlike_inputs(row)
     for step, value in (row.get("gradient_steps") or {}).items():
         limit = tolerance["gradient_steps"].get(step, tolerance["gradients"])
         if value > limit:
@@ -230,8 +251,9 @@ def _nondeterminism_cause(determinism: dict) -> str:
 
 def _causes(outcomes: list[Outcome], reference: Outcome, tolerance: dict, notes: dict) -> list[str]:
     """What makes the ways differ, where it can be measured: item counts that differ (a way counts its loss's
-    items another way), BatchNorm (its running statistics differ), a model-added auxiliary loss, outputs that
-    depend on padding; else that no cause was identified."""
+    items another way), a quantized base other than the reference's or changed during a run, BatchNorm (its running
+    statistics differ), a model-added auxiliary loss, outputs that depend on padding; else that no cause was
+    identified."""
     found = []
     for o in outcomes:
         if o.measured and "items_differ" in o.measured:
@@ -239,6 +261,14 @@ def _causes(outcomes: list[Outcome], reference: Outcome, tolerance: dict, notes:
             found.append(f"item counts: {o.way.label} divides step {step}'s loss by {items:g} items where the "
                          f"reference counts {expected:g}; the two count the loss's items (samples, or label tokens) "
                          "differently")
+        if o.measured and "base_differs" in o.measured:
+            own, theirs = o.measured["base_differs"]
+            found.append(f"the quantized base: {o.way.label} was quantized otherwise than the reference (sha256 "
+                         f"{own}... where the reference's is {theirs}...): its base weights are not the reference's")
+        if o.measured and "base_changed" in o.measured:
+            built, after = o.measured["base_changed"]
+            found.append(f"the quantized base: {o.way.label}'s changed during its run (sha256 {built}... as built, "
+                         f"{after}... after): a frozen base must stay what it was")
     if notes.get("batchnorm_modules"):
         moved = [_norm([o.buffers[n] - reference.buffers[n]]) / max(_norm([reference.buffers[n]]), 1e-30)
                  for o in outcomes if o.way.role == "split" and o.buffers and reference.buffers

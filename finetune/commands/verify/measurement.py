@@ -65,8 +65,9 @@ def _first_departure(losses: list, reference: list, tolerance: float) -> int | N
 
 def _measure(o: Outcome, reference: Outcome) -> dict:
     """The differences of ``o`` from ``reference``: each optimizer step's gradients (where both were seen), the
-    per-step losses, the final weights, the per-step items, and the trainable parameters that could not be
-    compared (names on one side only)."""
+    per-step losses, the final weights, the per-step items, the trainable parameters that could not be
+    compared (names on one side only), and a quantized base other than the reference's or changed during the run
+    (``base_differs``, ``base_changed``: the hashes' first 12 hex digits)."""
     row = {}
     if o.gradients and reference.gradients:
         per_step = {step: gradient_difference(o.gradients[step], reference.gradients[step])
@@ -92,6 +93,11 @@ def _measure(o: Outcome, reference: Outcome) -> dict:
         if missing or (o.trainable is not None and reference.trainable is not None
                        and set(o.trainable) != set(reference.trainable)):
             row["weight_names_differ"] = missing[:3] or sorted(set(o.trainable) ^ set(reference.trainable))[:3]
+    if o.base is not None and reference.base is not None:
+        if o.base[0] != reference.base[0]:  # quantized otherwise: not the reference's weights
+            row["base_differs"] = [o.base[0][:12], reference.base[0][:12]]
+        if o.base[1] != o.base[0]:  # the frozen base changed during the run
+            row["base_changed"] = [o.base[0][:12], o.base[1][:12]]
     departs = next((i for i, (a, b) in enumerate(zip(o.items, reference.items)) if a != b), None)
     if departs is not None:
         row["items_differ"] = [departs + 1, o.items[departs], reference.items[departs]]

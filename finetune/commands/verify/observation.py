@@ -16,6 +16,7 @@ from finetune.backends import accelerate as accelerate_backend
 from finetune.commands.verify.measurement import _norm
 from finetune.engine import engine_for
 from finetune.lifecycle.elastic import SAMPLE_IDS
+from finetune.models.quantization import base_identity
 from finetune.tasks import split_labels
 
 PADDING_PROBE_TOKENS = 8  # pad tokens the padding probe appends to one batch
@@ -38,12 +39,14 @@ class _Observer:
         self.check_determinism, self.micro_batch = check_determinism, micro_batch
         self.built, self.trainer, self.initial, self.handle = None, None, None, None
         self.gradients, self.names, self.inner, self.trainable, self.determinism = [], {}, None, None, None
+        self.base = None
 
     def _watch(self, model, engine, inner=None) -> None:
         self.initial = engine.full_parameters(model) if self.keep else None
         unwrapped = engine.accelerator.unwrap_model(model, keep_torch_compile=False)
         self.names = {id(p): n for n, p in unwrapped.named_parameters()}
         self.trainable = sorted(n for n, p in unwrapped.named_parameters() if p.requires_grad)
+        self.base = _base_hash(unwrapped) if self.keep else None
         self.inner = inner
 
         def capture(optimizer, args, kwargs):
@@ -86,10 +89,27 @@ class _Observer:
             engine, model = self.built.engine, self.built.model
         return engine.full_parameters(model), engine.full_buffers(model)
 
+    def base_hashes(self) -> tuple | None:
+        """(a quantized base's sha256 as built, the same now), or None for a full-precision base (rank 0: ``keep``;
+        None elsewhere). The base is frozen: an evaluation must not change it either (bitsandbytes' CPU repacking
+        of 4-bit weights in eval mode would: ``models.quantization.prepare_for_training``)."""
+        if self.base is None:
+            return None
+        model = self.trainer.model_wrapped if self.trainer is not None else self.built.model
+        engine = engine_for(self.trainer.accelerator) if self.trainer is not None else self.built.engine
+        return self.base, _base_hash(engine.accelerator.unwrap_model(model, keep_torch_compile=False))
+
     def close(self) -> None:
         if self.handle is not None:
             self.handle.remove()
         self.built, self.trainer = None, None
+
+
+def _base_hash(model) -> str | None:
+    """The sha256 of ``model``'s quantized base (``models.quantization.base_identity``: every 4-bit or 8-bit layer's
+    packed weights and quantization constants), None for a full-precision base."""
+    identity = base_identity(model)
+    return None if identity is None else identity["sha256"]
 
 
 def determinism(built, micro_batch: int) -> dict:
@@ -239,11 +259,11 @@ def _loss_after(model, dataset, collate, task, rows: int, device) -> float | Non
 
 def _model_notes(built) -> dict:
     """What the run's model has that makes training depend on the micro-batch (BatchNorm modules, an auxiliary
-    loss), the precision that ran and the engine."""
+    loss), the precision that ran, the engine and a quantized base (``describe_base``; None: full precision)."""
     model = built.accelerator.unwrap_model(built.model, keep_torch_compile=False)
     batchnorm = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     auxiliary = bool(getattr(model.config, "output_router_logits", False)) and bool(
         getattr(model.config, "router_aux_loss_coef", 0.0))
     engine = built.engine.label(built.accelerator.num_processes)
     return {"batchnorm_modules": batchnorm, "auxiliary_loss": auxiliary, "precision": built.precision,
-            "engine": engine}
+            "engine": engine, "quantized_base": (built.base or {}).get("quantization")}

@@ -18,7 +18,10 @@ def render(report: dict) -> str:
     lines = [f"# finetune verify: {report['recipe']}", "",
              f"Effective batch {report['effective_batch']} samples = micro-batch x accumulation x "
              f"{report['processes']} process(es); {report['verify_steps']} optimizer steps, {partial}; precision "
-             f"{report['precision']}; engine {report['engine']}; dropout off. Reference: {report['reference']}.", "",
+             f"{report['precision']}; engine {report['engine']}; "
+             + (f"base {report['quantized_base']}, sha256 {report['quantized_base_sha256'][:12]}..., the same in "
+                "every way and unchanged by its run; " if report.get("quantized_base") else "")
+             + f"dropout off. Reference: {report['reference']}.", "",
              "| way | engine | gradients Δ (step 1 / worst step) | worst tensor | loss Δ (max) | final weights Δ / "
              "distance trained | worst tensor | items per step | fp16 skips | s | verdict |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -91,6 +91,7 @@ def _train_way(way: Way, config, recipe, observer: _Observer, keep: bool, outcom
     else:
         after = _trainer_loss_after(observer.trainer, config, recipe, rows_after)
     if keep:
+        outcome.base = observer.base_hashes()  # after every forward of the way's run, the probes' eval ones too
         outcome.initial, outcome.final, outcome.buffers = observer.initial, final, buffers
         outcome.trainable, outcome.determinism, outcome.after = observer.trainable, observer.determinism, after
         if built is not None:

@@ -70,7 +70,9 @@ class Outcome:
     items over all processes) and ``samples``, ``skipped`` steps (fp16 loss scaling), ``gradients`` before
     clipping per optimizer step (step -> name -> fp32 tensor; None where the optimizer steps inside a sharding
     engine's backward; dropped once measured, but for the reference), the trainable parameters' names, the
-    initial and final weights, the float buffers, ``measured`` (its differences from the reference) and
+    initial and final weights, the float buffers, a quantized base's hash as built and after the run (``base``:
+    the weights every way must train on alike, and leave as they were), ``measured`` (its differences from the
+    reference) and
     ``error`` for a way that did not run (out of memory)."""
 
     way: Way
@@ -87,6 +89,7 @@ class Outcome:
     after: float | None = None  # the loss after the last update (``_loss_after``)
     determinism: dict | None = None  # the reference: a micro-batch's gradients computed twice
     notes: dict | None = None  # the reference's model: BatchNorm modules, an auxiliary loss; precision, engine
+    base: tuple | None = None  # a quantized base's sha256 when built and after the run; None: full precision
     measured: dict | None = None
     output_dir: str = ""
     control: str | None = None  # the control's wrong normalisation
