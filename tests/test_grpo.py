@@ -12,14 +12,13 @@ import random
 
 import pytest
 import torch
-from helpers import load_params, read_log, run_in_process, train_steps
+from helpers import load_params, run_in_process, train_steps
 from tiny_models import build_tiny_chat_llama
 
 from finetune.config import parse_config
 from finetune.errors import FinetuneError
 from finetune.recipes import load_recipe
-from finetune.tasks import run_task
-from finetune.tasks import grpo_loss
+from finetune.tasks import grpo_loss, run_task
 from finetune.tasks.grpo import GRPOTask
 
 WORDS = "the market rose as shares in the bank fell after the match ended with a late goal".split()
