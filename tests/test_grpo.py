@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from helpers import load_params, run_in_process, train_steps
 from tiny_models import build_tiny_chat_llama
 
@@ -79,7 +80,13 @@ def train_split(tmp_path, chat_llama, data, name, split, **extra) -> tuple[dict,
     _, out = run_in_process(tmp_path, f"{name}-{split.replace('/', '_')}",
                             **flags(chat_llama, data, per_device_train_batch_size=m, gradient_accumulation_steps=n,
                                     **extra))
-    return load_params(out), train_steps(out)
+    return weights(out), train_steps(out)
+
+
+def weights(out) -> dict:
+    """The run's trained tensors: the whole model's, or a LoRA adapter's."""
+    adapter = out / "adapter_model.safetensors"
+    return load_file(str(adapter)) if adapter.is_file() else load_params(out)
 
 
 # ------------------------------------------------------------------------------------------ advantages
@@ -201,3 +208,32 @@ def test_the_trainer_backend_and_a_pair_loss_are_refused_in_one_line(tmp_path, c
     with pytest.raises(FinetuneError, match=r"^--loss_type dapo is a GRPO aggregation \(--recipe grpo\)"):
         run_task(load_recipe("bbc-headlines-dpo"), parse_config(["--recipe", "bbc-headlines-dpo", "--loss_type",
                                                                  "dapo"]))
+
+
+# ------------------------------------------------------------------------------------------ the reference, masking
+@pytest.mark.parametrize("reference", ["frozen copy", "disabled adapter"])
+def test_the_kl_to_the_reference_is_0_at_the_first_step_and_exact_over_splits(tmp_path, chat_llama, data, reference):
+    """--beta 0.04: at step 1 the policy is the reference, so TRL's k3 KL is exactly 0; after it, positive; and the
+    KL term accumulates exactly (B x 1 against 1 x B)."""
+    extra = {"beta": 0.04, "max_steps": 2, **({"use_peft": True, "lora_dropout": 0.0}
+                                             if reference == "disabled adapter" else {})}
+    (params, steps), (split_params, split_steps) = (train_split(tmp_path, chat_llama, data, "kl", s, **extra)
+                                                    for s in ("Bx1", "1xB"))
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 1e-6
+    assert split_steps[1]["kl"] == pytest.approx(steps[1]["kl"], rel=1e-4)
+    assert relative_difference(params, split_params) < 1e-5
+
+
+def test_masked_truncated_completions_train_nothing_but_count_as_trl_counts_them(tmp_path, chat_llama, data):
+    """--mask_truncated_completions: a truncated completion adds no loss and no token (dapo's trained tokens are
+    those of the completions that end in EOS), yet it still takes part in its group's advantages."""
+    records = [json.loads(line) for line in open(data["replay"]).read().splitlines()]
+    _, out = run_in_process(tmp_path, "masked", **flags(chat_llama, data, mask_truncated_completions=True,
+                                                         max_steps=1))
+    _, plain = run_in_process(tmp_path, "plain", **flags(chat_llama, data, max_steps=1))
+    step1 = {(r["prompt"], r["generation"]): r["completion_ids"] for r in records if r["step"] == 1}
+    prompts = {json.loads(line)["prompt"] for line in (out / "completions.jsonl").read_text().splitlines()}
+    ended = sum(len(step1[p, g]) for p in prompts for g in range(G) if step1[p, g][-1] == EOS)
+    everything = sum(len(step1[p, g]) for p in prompts for g in range(G))
+    assert train_steps(out)[0]["trained_tokens"] == ended < everything == train_steps(plain)[0]["trained_tokens"]
+    assert train_steps(out)[0]["completions/clipped_ratio"] == train_steps(plain)[0]["completions/clipped_ratio"] > 0
