@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import launch, load_params, run_in_process, train_steps
 from safetensors.torch import load_file
-from helpers import load_params, run_in_process, train_steps
 from tiny_models import build_tiny_chat_llama
 
 from finetune.config import parse_config
@@ -237,3 +238,34 @@ def test_masked_truncated_completions_train_nothing_but_count_as_trl_counts_them
     everything = sum(len(step1[p, g]) for p in prompts for g in range(G))
     assert train_steps(out)[0]["trained_tokens"] == ended < everything == train_steps(plain)[0]["trained_tokens"]
     assert train_steps(out)[0]["completions/clipped_ratio"] == train_steps(plain)[0]["completions/clipped_ratio"] > 0
+
+
+# ------------------------------------------------------------------------------------------ two processes
+REWARD_FILE = Path(__file__).parent / "grpo_rewards.py"
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type):
+    """2 gloo processes x 1 prompt x 2 micro-batches against one process's 4 x 1 (B = 4) on 9 prompts: windows of
+    4, 4 and 1 (the last on one process, the other's row an epoch repeat, masked), advantages over both processes'
+    completions: the same weights (relative 1e-5), per-step losses and rewards, and the same record."""
+    common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9,
+                   reward_funcs=f"{REWARD_FILE}:token_parity,{REWARD_FILE}:topic_named")
+    _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,
+                                                "gradient_accumulation_steps": 1})
+    args = []
+    for key, value in {**common, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+                       "output_dir": str(tmp_path / "two")}.items():
+        args += [f"--{key}", str(value)]
+    result = launch(args, num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = tmp_path / "two"
+    assert relative_difference(load_params(one), load_params(two)) < 1e-5
+    for a, b in zip(train_steps(one), train_steps(two), strict=True):
+        assert b["samples"] == a["samples"]
+        for key in ("loss", "reward", "reward_std", "completions/mean_length", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert [r["samples"] for r in train_steps(two)] == [4, 4, 1]
+    records = [sorted(map(json.dumps, (json.loads(line) for line in (out / "completions.jsonl").read_text()
+                                       .splitlines()))) for out in (one, two)]
+    assert records[0] == records[1] and len(records[0]) == 9 * G
