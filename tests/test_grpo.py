@@ -269,3 +269,34 @@ def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type
     records = [sorted(map(json.dumps, (json.loads(line) for line in (out / "completions.jsonl").read_text()
                                        .splitlines()))) for out in (one, two)]
     assert records[0] == records[1] and len(records[0]) == 9 * G
+
+
+# ------------------------------------------------------------------------------------------ resume
+def test_a_resume_mid_epoch_regenerates_the_same_completions_bit_for_bit(tmp_path, chat_llama, data, monkeypatch):
+    """Generated completions, 2 epochs of 3 steps; SIGTERM as window 4 starts (epoch 1, mid-epoch): resumed from
+    'latest', every step's loss, the final weights and completions.jsonl equal the uninterrupted run's, bit for bit
+    (each group's seed is (seed, step, prompt), never the generators' state)."""
+    import signal
+
+    from helpers import stop_during_window
+
+    import finetune.backends.accelerate as engine
+    from finetune.errors import TrainingStopped
+
+    common = dict(flags(chat_llama, data, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        num_train_epochs=2, num_generations=2, max_completion_length=3))
+    del common["replay_completions"]
+    run_in_process(tmp_path, "full", **common)
+    original = stop_during_window(monkeypatch, index=4)
+    with pytest.raises(TrainingStopped) as stopped:
+        run_in_process(tmp_path, "stopped", **common)
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    monkeypatch.setattr(engine, "iter_windows", original)
+    run_in_process(tmp_path, "stopped", **common, resume_from_checkpoint="latest")
+    full, resumed = train_steps(tmp_path / "full"), train_steps(tmp_path / "stopped")
+    assert len(full) == 6 and [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [r["reward"] for r in resumed] == [r["reward"] for r in full]
+    a, b = load_params(tmp_path / "full"), load_params(tmp_path / "stopped")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "stopped" / "completions.jsonl").read_text() == (tmp_path / "full" / "completions.jsonl"
+                                                                         ).read_text()
