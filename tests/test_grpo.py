@@ -329,3 +329,18 @@ def test_the_bbc_topic_recipe_trains_two_steps_on_a_tiny_model(tmp_path, chat_ll
     assert start["step"] == 0 and start["eval_samples"] == 4 and 0 <= start["eval_reward"] <= 1.5
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 4 * 2 and {tuple(r["rewards"]) for r in records} == {("topic_reward", "format_reward")}
+
+
+def test_check_data_reads_prompts_as_generation_s_and_finds_them_clean(tmp_path, data, chat_llama, capsys):
+    """``finetune check-data`` on prompt-only rows: no "nothing trained" or "end-of-turn" failure (the trained tokens
+    are generated), the generated share said instead, exit 0 (a held-out file of its own prompts: no leakage)."""
+    from finetune.commands.check_data import main
+
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("".join(json.dumps({"prompt": f"held out {w}", "topic": 1}) + "\n" for w in WORDS[:3]))
+    code = main(["--train_file", data["train"], "--validation_file", str(valid), "--model_name_or_path", chat_llama,
+                 "--reward_funcs", REWARDS, "--max_completion_length", str(L), "--num_generations", str(G)])
+    out = capsys.readouterr().out
+    assert code == 0 and "none: the data is clean" in out and "nothing trained" not in out
+    assert f"Trained tokens: generated at each step (at most --max_completion_length {L} per completion, {G} per " \
+           "prompt)" in out and "(a longer prompt is refused; completions are generated)" in out
