@@ -348,8 +348,10 @@ class Loop:
     def end_step(self, window_loss, counts: WindowCounts, micro_batches: int, learning_rate: float, grad_norm,
                  skipped: bool, stop: "GracefulStop", metric_sums=None) -> None:
         """Account for the optimizer step just taken (``lifecycle.RunState.record_step``), trackers and progress; then
-        a signal, and the evaluation and checkpoint cadence. ``metric_sums``: the task's own per-step metric sums of
-        this process (``task.take_metric_sums``), reduced and divided by the window's items here."""
+        a signal, and the evaluation and checkpoint cadence. ``micro_batches``: the micro-batches of data the step
+        moved on by (the window's; 0 for a ``--num_iterations`` step that is not its generation's last).
+        ``metric_sums``: the task's own per-step metric sums of this process (``task.take_metric_sums``), reduced and
+        divided by the window's items here."""
         accelerator, run = self.accelerator, self.run
         metrics = self.run.window_metrics(accelerator, metric_sums, counts.items)
         seconds = self.run.step_seconds()
