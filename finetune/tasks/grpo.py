@@ -210,7 +210,7 @@ class GRPOTask:
             groups.append(rows)
         real = [(index, c) for rows in groups for _, index, ok, cs in rows if ok for c in cs]
         rewards = self._rewards(real)
-        truncated = [not c or c[-1] not in self.stop_ids for _, c in real]
+        truncated = [not self.ended(c) for _, c in real]
         gathered = rollout.all_processes((rewards.tolist(), [len(c) for _, c in real], truncated))
         everything = torch.tensor([r for rw, _, _ in gathered for r in rw], dtype=torch.float32).view(
             -1, len(self.functions))
@@ -238,6 +238,11 @@ class GRPOTask:
             self._generation = rollout.read_generation(self.config.output_dir, step)
         self._window = dict(self._generation[2])
         return [dict(b) for b in self._generation[1]]
+
+    def ended(self, completion: list[int]) -> bool:
+        """Whether a completion ends in a stop or padding token, not cut at --max_completion_length (TRL 1.16's
+        ``is_truncated`` is its negation: ``ids[-1] not in eos_and_pad``)."""
+        return bool(completion) and (completion[-1] in self.stop_ids or completion[-1] == self.pad_id)
 
     def _rewards(self, real: list[tuple[int, list[int]]]) -> torch.Tensor:
         """(completions, functions) rewards of this process's real completions (``rollout.call_rewards``), each
@@ -274,7 +279,7 @@ class GRPOTask:
             prompts, completions, trained, real, adv = [], [], [], [], []
             for prompt, _, ok, cs in rows:
                 for c in cs:
-                    cut = bool(c) and c[-1] in self.stop_ids
+                    cut = self.ended(c)
                     prompts.append(prompt)
                     completions.append(c)
                     trained.append(ok and (cut or not config.mask_truncated_completions))
