@@ -244,12 +244,13 @@ def test_masked_truncated_completions_train_nothing_but_count_as_trl_counts_them
 REWARD_FILE = Path(__file__).parent / "grpo_rewards.py"
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type):
+@pytest.mark.parametrize("loss_type,mu", [("dapo", 1), ("grpo", 1), ("dapo", 2)])
+def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type, mu):
     """2 gloo processes x 1 prompt x 2 micro-batches against one process's 4 x 1 (B = 4) on 9 prompts: windows of
     4, 4 and 1 (the last on one process, the other's row an epoch repeat, masked), advantages over both processes'
-    completions: the same weights (relative 1e-5), per-step losses and rewards, and the same record."""
-    common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9,
+    completions: the same weights (relative 1e-5), per-step losses and rewards, and the same record; with
+    --num_iterations 2 too (each process keeps its own generation's old log-probabilities)."""
+    common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9, num_iterations=mu,
                    reward_funcs=f"{REWARD_FILE}:token_parity,{REWARD_FILE}:topic_named")
     _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,
                                                 "gradient_accumulation_steps": 1})
@@ -265,7 +266,7 @@ def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type
         assert b["samples"] == a["samples"]
         for key in ("loss", "reward", "reward_std", "completions/mean_length", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    assert [r["samples"] for r in train_steps(two)] == [4, 4, 1]
+    assert [r["samples"] for r in train_steps(two)] == [n for n in (4, 4, 1) for _ in range(mu)]
     records = [sorted(map(json.dumps, (json.loads(line) for line in (out / "completions.jsonl").read_text()
                                        .splitlines()))) for out in (one, two)]
     assert records[0] == records[1] and len(records[0]) == 9 * G
