@@ -18,6 +18,7 @@ import torch
 
 from finetune.data.chat import prompt_and_reference
 from finetune.data.loading import IGNORE_INDEX, load_data_files  # IGNORE_INDEX: the label value every loss skips
+from finetune.errors import FinetuneError
 
 
 @dataclass
@@ -48,6 +49,7 @@ class TaskFacts(Protocol):
     pipeline_tag: str  # the model card's pipeline (the Hub's name: text-classification, text-generation)
     probe_label_names: list[str] | None  # label names of the planner's probe model
     step_metrics: tuple[str, ...]  # names of the per-step metrics take_metric_sums gives, in its order
+    generates: bool  # trains completions it generates at each step (GRPO): the data holds no trained token
 
 
 class TaskData(Protocol):
@@ -104,6 +106,11 @@ class TaskStep(Protocol):
     def take_metric_sums(self) -> torch.Tensor | None:
         """The task's own per-step metric sums over the micro-batches ``loss_sum`` computed since the last call (a 1-d
         float64 tensor the loop sums over processes and divides by the window's items), or None."""
+
+    def rollout(self, model, window: list[dict], step: int) -> list[dict]:
+        """The micro-batches a window of the data's micro-batches trains at optimizer ``step`` (1-based), as many as
+        ``window`` holds, before the loop counts them: the window itself, or (online RL) its prompts' generated
+        completions. Collective where a task gathers over the processes."""
 
 
 class TaskEvaluation(Protocol):
@@ -171,6 +178,7 @@ class StatelessTask(ABC):
     auxiliary loss."""
 
     step_metrics: tuple[str, ...] = ()
+    generates: bool = False
 
     # ---- what a subclass writes
     @abstractmethod
@@ -207,7 +215,9 @@ class StatelessTask(ABC):
 
     # ---- the defaults
     def for_run(self, config):
-        """The task for a run of ``config``: this one (nothing of it depends on the config)."""
+        """The task for a run of ``config``: this one (nothing of it depends on the config). Raises
+        ``FinetuneError`` for ``--num_iterations`` other than 1 (``refuse_iterations``)."""
+        refuse_iterations(config, self.name)
         return self
 
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
@@ -260,6 +270,10 @@ class StatelessTask(ABC):
         """No per-step metrics of its own: None."""
         return None
 
+    def rollout(self, model, window: list[dict], step: int) -> list[dict]:
+        """The window as it is: nothing is generated."""
+        return window
+
     def prompt_and_reference(self, row: dict, row_name: str = "row") -> tuple[list[dict], str]:
         """(prompt messages, reference text) of a TRL conversation row (``chat.prompt_and_reference``). Raises
         ``FinetuneError`` for a row in neither TRL format."""
@@ -282,6 +296,14 @@ class StatelessTask(ABC):
     def card_settings(self, config) -> list[tuple[str, object]]:
         """Rows the model card's hyperparameter table adds for this task: none."""
         return []
+
+
+def refuse_iterations(config, task_name: str) -> None:
+    """Raise ``FinetuneError`` where ``--num_iterations`` (GRPO's optimizer steps per generation) is not 1 for a task
+    that generates nothing: it would repeat each window's optimizer step."""
+    if getattr(config, "num_iterations", 1) != 1:
+        raise FinetuneError(f"--num_iterations {config.num_iterations} is GRPO's (optimizer steps per generation); "
+                            f"the {task_name} task generates nothing: drop the flag.")
 
 
 def split_labels(batch: dict) -> tuple[dict, torch.Tensor]:

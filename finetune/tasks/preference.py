@@ -29,7 +29,7 @@ from finetune.data.preference import (
 from finetune.errors import FinetuneError
 from finetune.models.loading import set_attention
 from finetune.models.lora import ADAPTER_CONFIG, load_merged_adapter
-from finetune.tasks.base import Finding, unwrapped
+from finetune.tasks.base import Finding, refuse_iterations, unwrapped
 from finetune.tasks.causal_lm import CausalLM
 from finetune.tasks.preference_loss import (
     CONSTANT_ON_TIES,
@@ -151,6 +151,7 @@ class PreferenceTask:
     pipeline_tag = "text-generation"  # the model card's (the Hub's pipeline name)
     probe_label_names = None
     step_metrics = PAIR_METRICS  # take_metric_sums gives their sums (TRL's names)
+    generates = False  # the pairs are in the data
     forward_rows = 2  # rows a forward computes per item: both sides (the planner's probes)
 
     def __init__(self, loss: PreferenceLoss | None = None, reference_model=None, precompute: bool = False):
@@ -171,7 +172,8 @@ class PreferenceTask:
         """A new task for a run of ``config``: its ``--loss_type``, ``--beta``, ``--label_smoothing`` and
         ``--precompute_ref_log_probs`` (``PreferenceLoss`` raises ``FinetuneError`` for a refused combination;
         ``FinetuneError`` for SFT's ``--add_eos``, ``--assistant_only_loss``, ``--completion_only_loss``, which change
-        nothing here)."""
+        nothing here, and ``base.refuse_iterations`` for ``--num_iterations`` other than 1)."""
+        refuse_iterations(config, self.name)
         for name in ("add_eos", "assistant_only_loss", "completion_only_loss"):
             if getattr(config, name) is not None and getattr(config, name) is not False:
                 raise FinetuneError(f"--{name} has no effect on preference pairs: each side's completion is rendered "
@@ -267,6 +269,10 @@ class PreferenceTask:
         this process's trained pairs), and start again; None if none."""
         sums, self._metric_sums = self._metric_sums, None
         return sums
+
+    def rollout(self, model, window: list[dict], step: int) -> list[dict]:
+        """The window as it is: the pairs are in the data."""
+        return window
 
     def count(self, batch: dict) -> torch.Tensor:
         """Pairs in the micro-batch: rows whose chosen side trains a token (a repeated row, masked by the loop,
