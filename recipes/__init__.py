@@ -6,7 +6,7 @@ This folder is the repository's top-level ``recipes/``, imported and installed a
 A recipe module defines (see ``recipes/bbc_news.py``):
 
 - ``NAME``, ``DESCRIPTION`` (one line), ``TASK`` (a task's name in ``finetune.tasks.TASKS``:
-  "sequence-classification", "causal-lm", "sft" or "preference"), ``DATASET``,
+  "sequence-classification", "causal-lm", "sft", "preference" or "grpo"), ``DATASET``,
   ``NEEDS_HUB`` (bool), ``TEXT_COLUMNS`` (the input column names), ``METRICS`` (shipped metric name -> compute kwargs),
   ``DEFAULTS`` (a dict of ``TrainConfig`` fields);
 - ``load_raw_datasets(config) -> datasets.DatasetDict`` with ``train`` and ``validation`` splits holding
@@ -42,6 +42,7 @@ RECIPES: dict[str, str] = {
     # your model and your data, no data of their own (recipes/your_data.py); picked from the columns without --recipe
     "sft": "finetune.recipes.sft",
     "dpo": "finetune.recipes.dpo",
+    "grpo": "finetune.recipes.grpo",
     "clm": "finetune.recipes.clm",
     "classify": "finetune.recipes.classify",
 }

@@ -177,6 +177,8 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
         model.train()
         while not run.done:
             for window in iter_windows(run.epoch_batches(), N):
+                # the task's micro-batches of the window (GRPO: its prompts' completions, generated now)
+                window = task.rollout(model, window, run.progress.step + 1)
                 # the micro-batches to compute: the window, or its own samples repacked (finetune.data.packing)
                 micro_batches = built.pack(window) if built.pack else window
                 counts = count_window(window, task, accelerator, run.repeats(len(window)), micro_batches)

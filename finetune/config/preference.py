@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.config.flags import flag
+from finetune.config.grpo import GRPO_LOSS_TYPES
 from finetune.errors import FinetuneError
 
 # per-pair terms: a pair's loss reads only that pair's log-probabilities (and token counts)
@@ -26,13 +27,16 @@ SMOOTHED = ("robust", "exo_pair")  # the per-pair types that read label_smoothin
 CONSTANT_ON_TIES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "robust", "exo_pair", "discopop", "apo_zero")
 
 
-def check_loss_type(loss_type: str, beta: float, label_smoothing: float = 0.0) -> None:
+def check_loss_type(loss_type: str, beta: float, label_smoothing: float = 0.0) -> None:  # noqa: C901 - one check a line
     """Refuse what cannot be a sum of per-pair terms, or is undefined: raises ``FinetuneError`` with one line
     naming the problem and the fix (a batch-coupled or unknown ``loss_type``; ``beta`` <= 0; ``label_smoothing``
     outside [0, 0.5) for "robust", outside (0, 1) for "exo_pair" (log of 0), or set for a type that ignores it)."""
     if loss_type in BATCH_COUPLED:
         raise FinetuneError(f"--loss_type {loss_type} cannot accumulate exactly: {BATCH_COUPLED[loss_type]}. "
                             f"Use one of {', '.join(PAIR_LOSS_TYPES)}.")
+    if loss_type in GRPO_LOSS_TYPES:
+        raise FinetuneError(f"--loss_type {loss_type} is a GRPO aggregation (--recipe grpo); preference tuning takes "
+                            f"one of {', '.join(PAIR_LOSS_TYPES)}.")
     if loss_type not in PAIR_LOSS_TYPES:
         raise FinetuneError(f"unknown --loss_type {loss_type!r}: use one of {', '.join(PAIR_LOSS_TYPES)}.")
     if not beta > 0:
@@ -54,14 +58,16 @@ class PreferenceArguments:
     beta: float = flag(
         0.1,
         "Preference tuning (DPOConfig's name and default): the pull towards the reference model; the implicit "
-        "reward of a response is beta x (its policy log-probability - its reference log-probability).",
+        "reward of a response is beta x (its policy log-probability - its reference log-probability). GRPO: the "
+        "per-token KL penalty's weight (GRPOConfig's default 0.0 under --recipe grpo: no reference).",
         step=True, trainer=None,
     )
     loss_type: str = flag(
         "sigmoid",
         "Preference tuning (DPOConfig's names): the per-pair loss, one of sigmoid (DPO), hinge, ipo, robust, "
         "exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm. TRL's aot, "
-        "aot_unpaired and sft couple the pairs of a micro-batch and are refused: they cannot accumulate exactly.",
+        "aot_unpaired and sft couple the pairs of a micro-batch and are refused: they cannot accumulate exactly. "
+        "GRPO (GRPOConfig's names): dapo (default of --recipe grpo), dr_grpo, grpo, bnpo.",
         step=True, trainer=None,
     )
     label_smoothing: float = flag(
@@ -79,5 +85,12 @@ class PreferenceArguments:
     )
 
     def _check_preference(self) -> None:
-        """The loss type, beta and label smoothing (``check_loss_type``)."""
+        """The loss type, beta and label smoothing (``check_loss_type``); a GRPO aggregation (``GRPO_LOSS_TYPES``)
+        is the GRPO task's to check (``tasks.grpo``), with ``beta`` >= 0 (0: no reference)."""
+        if self.loss_type in GRPO_LOSS_TYPES:
+            if not self.beta >= 0 or self.label_smoothing:
+                raise FinetuneError(f"--loss_type {self.loss_type} (GRPO) takes --beta >= 0 (the KL penalty's weight) "
+                                    f"and no --label_smoothing, got beta {self.beta}, label_smoothing "
+                                    f"{self.label_smoothing}.")
+            return
         check_loss_type(self.loss_type, self.beta, self.label_smoothing)

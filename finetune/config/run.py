@@ -16,10 +16,11 @@ class RunArguments:
 
     recipe: str = flag(
         "bbc-news", "Recipe name (see --list_recipes) or path/to/recipe.py. Default: with --train_file or "
-        "--dataset_name, the one for the data's columns (sft, dpo, clm, classify), else bbc-news.",
+        "--dataset_name, the one for the data's columns (sft, dpo, clm, classify; grpo for prompt-only rows with "
+        "--reward_funcs), else bbc-news.",
         step=True, trainer=None,
     )
-    task: Literal["sft", "preference", "causal-lm", "sequence-classification"] | None = flag(
+    task: Literal["sft", "preference", "causal-lm", "sequence-classification", "grpo"] | None = flag(
         None, "Your data without --recipe: the training style, where the columns leave it open (text + label). "
         "Default: from the columns, as TRL's formats define them.",
         step=False, trainer=None,

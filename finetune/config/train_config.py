@@ -18,6 +18,7 @@ from finetune.config.cadence import CadenceArguments
 from finetune.config.causal_lm import CausalLMArguments
 from finetune.config.data import DataArguments
 from finetune.config.flags import KEPT, ROLES, Roles, derived
+from finetune.config.grpo import GRPOArguments
 from finetune.config.hub import HubArguments
 from finetune.config.lora import LoraArguments
 from finetune.config.model import ModelArguments
@@ -41,12 +42,13 @@ SECTIONS = {
     "causal LM and SFT": CausalLMArguments,
     "LoRA adapters (peft)": LoraArguments,
     "preference tuning (DPO)": PreferenceArguments,
+    "online RL (GRPO)": GRPOArguments,
     "reproducibility": ReproducibilityArguments,
 }
 
 
 @dataclass
-class TrainConfig(ReproducibilityArguments, PreferenceArguments, LoraArguments, CausalLMArguments, SpeedArguments, HubArguments,
+class TrainConfig(ReproducibilityArguments, GRPOArguments, PreferenceArguments, LoraArguments, CausalLMArguments, SpeedArguments, HubArguments,
                   CadenceArguments, OptimizationArguments, BatchArguments, DataArguments, ModelArguments, RunArguments):
     """Every setting of a run. Units: batch sizes in samples, steps in optimizer steps unless named
     ``micro``, lengths in tokens, learning rate per optimizer step.
@@ -120,6 +122,7 @@ class TrainConfig(ReproducibilityArguments, PreferenceArguments, LoraArguments, 
         self._check_activation_checkpointing()
         self._check_causal_lm()
         self._check_preference()
+        self._check_grpo()
         self._check_packing_backend()
         self._check_push_with_compare()
         self._check_hub()

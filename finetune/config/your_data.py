@@ -3,6 +3,7 @@ define them (trl 1.16 ``trl/data_utils.py``: ``is_conversational``, the preferen
 
 - ``messages`` or ``conversations`` (ShareGPT), or ``prompt`` + ``completion``: ``sft`` (completion-only loss);
 - ``chosen`` + ``rejected`` (with ``prompt``, or the prompt implicit in both): ``dpo``;
+- ``prompt`` alone (prompt-only rows) with ``--reward_funcs``: ``grpo``;
 - ``text``: ``clm`` (with ``label`` too, as ``trl sft`` reads such data: ``--task sequence-classification`` for a
   classifier);
 - columns of two formats at once, or of none: one ``error:`` line listing the columns found and the choices.
@@ -19,7 +20,8 @@ from finetune.errors import FinetuneError
 from finetune.recipes import check_task
 
 # --task: a task's name -> the recipe that trains it on your data
-TASK_RECIPES = {"sft": "sft", "preference": "dpo", "causal-lm": "clm", "sequence-classification": "classify"}
+TASK_RECIPES = {"sft": "sft", "preference": "dpo", "causal-lm": "clm", "sequence-classification": "classify",
+                "grpo": "grpo"}
 
 
 def first_row_columns(path: str) -> list[str]:
@@ -79,9 +81,11 @@ def mixture_columns(mixture: str) -> list[str] | None:
     return dataset_columns(source["path"], source.get("split") or "train")
 
 
-def recipe_for_columns(columns: list[str], where: str, task: str | None = None) -> tuple[str, str]:
+def recipe_for_columns(columns: list[str], where: str, task: str | None = None,
+                       rewards: bool = False) -> tuple[str, str]:
     """(recipe, why) for data with ``columns`` (``where``: the flag and its value, for messages); ``task``: a task's
-    name from ``--task`` (``TASK_RECIPES``), which wins. Raises ``FinetuneError`` for an unknown task, columns no
+    name from ``--task`` (``TASK_RECIPES``), which wins; ``rewards``: ``--reward_funcs`` was given, so prompt-only
+    rows (``prompt`` and no completion of any format) are GRPO's. Raises ``FinetuneError`` for an unknown task, columns no
     format fits, or ``text`` + ``label`` without ``--task`` (listing the choices)."""
     if task is not None:
         if task not in TASK_RECIPES:
@@ -102,9 +106,11 @@ def recipe_for_columns(columns: list[str], where: str, task: str | None = None) 
         if recipe == "clm" and "label" in found:
             why += " (label unused: --task sequence-classification trains a classifier)"
         return recipe, why
+    if "prompt" in found and rewards:
+        return "grpo", "the column prompt alone (prompt-only rows) with --reward_funcs"
     if "prompt" in found:
-        raise FinetuneError(f"{where} has prompt-only rows (online RL, such as GRPO), which this version does not "
-                            "train: add completion (sft) or chosen + rejected (dpo) columns.")
+        raise FinetuneError(f"{where} has prompt-only rows (online RL): pass --reward_funcs module:function to train "
+                            "them with GRPO, or add completion (sft) or chosen + rejected (dpo) columns.")
     raise FinetuneError(f"{where} has columns {', '.join(columns) or '(none)'}, none of TRL's formats: messages or "
                         "conversations, prompt + completion (sft); prompt + chosen + rejected (dpo); text (clm); "
                         "text + label with --task sequence-classification. Or pass --recipe NAME.")
@@ -173,5 +179,6 @@ def recipe_from_data(argv: list[str], file_values: dict) -> tuple[str, str] | No
                                 "sft|preference|causal-lm|sequence-classification or --recipe NAME.")
     else:
         return None
-    recipe, why = recipe_for_columns(columns or [], where, task)
+    rewards = bool(last_value(argv, file_values, "reward_funcs"))
+    recipe, why = recipe_for_columns(columns or [], where, task, rewards)
     return recipe, f"{why} of {where}"

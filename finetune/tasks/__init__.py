@@ -1,5 +1,5 @@
 """Training styles, one module each, behind one protocol (``base.Task``): classification, causal LM, instruction
-tuning (SFT), preference tuning (DPO). ``task_of(recipe)`` gives a recipe's task, ``run_task(recipe, config)`` a
+tuning (SFT), preference tuning (DPO), online RL (GRPO). ``task_of(recipe)`` gives a recipe's task, ``run_task(recipe, config)`` a
 run's own; ``get_task(name)`` a task by its name. Adding a style: docs/contributing.md#add-a-task."""
 
 from __future__ import annotations
@@ -7,14 +7,15 @@ from __future__ import annotations
 from finetune.tasks.base import IGNORE_INDEX, StatelessTask, Task, auxiliary_loss_sum, split_labels, with_auxiliary
 from finetune.tasks.causal_lm import CausalLM, CausalLMCollator
 from finetune.tasks.classification import SequenceClassification
+from finetune.tasks.grpo import GRPOTask
 from finetune.tasks.preference import PreferenceTask
 from finetune.tasks.sft import SFT_TASK, InstructionCausalLM, SFTCollator
 
 # A recipe's TASK -> the task object
 TASKS: dict[str, Task] = {task.name: task for task in (SequenceClassification(), CausalLM(), SFT_TASK,
-                                                        PreferenceTask())}
+                                                        PreferenceTask(), GRPOTask())}
 
-__all__ = ["IGNORE_INDEX", "TASKS", "CausalLM", "CausalLMCollator", "InstructionCausalLM", "SFTCollator", "SFT_TASK",
+__all__ = ["IGNORE_INDEX", "TASKS", "CausalLM", "CausalLMCollator", "GRPOTask", "InstructionCausalLM", "SFTCollator", "SFT_TASK",
            "PreferenceTask", "SequenceClassification", "StatelessTask", "Task", "auxiliary_loss_sum", "get_task",
            "run_task", "split_labels", "task_of", "with_auxiliary"]
 

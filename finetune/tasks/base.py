@@ -104,6 +104,11 @@ class TaskStep(Protocol):
         """The task's own per-step metric sums over the micro-batches ``loss_sum`` computed since the last call (a 1-d
         float64 tensor the loop sums over processes and divides by the window's items), or None."""
 
+    def rollout(self, model, window: list[dict], step: int) -> list[dict]:
+        """The micro-batches a window of the data's micro-batches trains at optimizer ``step`` (1-based), as many as
+        ``window`` holds, before the loop counts them: the window itself, or (online RL) its prompts' generated
+        completions. Collective where a task gathers over the processes."""
+
 
 class TaskEvaluation(Protocol):
     """Evaluation: per-sample outputs gathered over the processes, the ``eval_*`` figures, generation's rows."""
@@ -258,6 +263,10 @@ class StatelessTask(ABC):
     def take_metric_sums(self):
         """No per-step metrics of its own: None."""
         return None
+
+    def rollout(self, model, window: list[dict], step: int) -> list[dict]:
+        """The window as it is: nothing is generated."""
+        return window
 
     def prompt_and_reference(self, row: dict, row_name: str = "row") -> tuple[list[dict], str]:
         """(prompt messages, reference text) of a TRL conversation row (``chat.prompt_and_reference``). Raises

@@ -261,6 +261,10 @@ class PreferenceTask:
         sums, self._metric_sums = self._metric_sums, None
         return sums
 
+    def rollout(self, model, window: list[dict], step: int) -> list[dict]:
+        """The window as it is: the pairs are in the data."""
+        return window
+
     def count(self, batch: dict) -> torch.Tensor:
         """Pairs in the micro-batch: rows whose chosen side trains a token (a repeated row, masked by the loop,
         trains none and counts 0). A 0-d int tensor."""
