@@ -46,6 +46,35 @@ import trl
 from trl_peer import Run, reset_accelerate_state, trainable
 
 
+def length_and_parity(prompts, completions, completion_ids, **columns) -> list[float]:
+    """A reward for the peer runs (TRL's signature, ``--reward_funcs trl_grpo_replay:length_and_parity``): a
+    quarter per completion token plus 1 for an odd sum of its ids, so that completions of one length differ too."""
+    return [0.25 * len(ids) + float(sum(ids) % 2) for ids in completion_ids]
+
+
+def run_ours(argv: list[str]) -> Run:
+    """Our run of ``argv`` (``finetune train`` flags; the accelerate backend, in this process): its per-step log
+    records (``Run.steps``) and its trainable weights before the first step and after the last (the ``build=``
+    seam of ``finetune.backends.accelerate.train``)."""
+    from helpers import train_steps
+
+    from finetune.backends import accelerate as backend
+    from finetune.config import parse_config
+    from finetune.lifecycle.resolve import resolve
+
+    reset_accelerate_state()
+    resolution = resolve(parse_config(argv))
+    seen = {}
+
+    def build(config, recipe):
+        built = backend.setup(config, recipe)
+        seen.update(model=built.model, initial=trainable(built.model))
+        return built
+
+    backend.train(resolution.config, resolution.recipe, build=build)
+    return Run(train_steps(Path(resolution.config.output_dir)), [], seen["initial"], trainable(seen["model"]))
+
+
 def generation_batches(path, num_iterations: int = 1) -> list[list[dict]]:
     """Our ``completions.jsonl`` (one object per completion: ``step``, ``prompt``, ``generation``,
     ``completion_ids``, ``rewards``) as its generation batches, in order: the completions of each generating step,
