@@ -259,17 +259,8 @@ def test_the_stand_in_hands_trl_the_recorded_completions(tmp_path, chat_llama):
 
 
 # ------------------------------------------------------------------------------------------ ours against TRL
-def test_our_generated_completions_train_what_trl_trains(runs):
-    """dapo, full fine-tuning, beta 0.1: our run samples its completions (unequal lengths, some truncated) and
-    records them; TRL, handed the record in our order (the stand-in checks each prompt it tokenises against the
-    recorded one), logs the same numbers at every step."""
-    run, record = runs.ours("dapo", generate=True)
-    lengths = {len(json.loads(line)["completion_ids"]) for line in record.read_text().splitlines()}
-    assert len(lengths) > 2 and LENGTH in lengths  # unequal, and some cut at --max_completion_length
-    assert_same_run(run, runs.trl(record, "dapo"), "dapo, full, our generation", PROMPTS // 2)
-
-
 # each loss type with num_iterations 1 and 2, and with LoRA and full fine-tuning (six runs, not twelve)
+GENERATED = ("grpo", False, 1)  # the case that trains on our policy's own samples
 CASES = [("dapo", False, 1), ("dapo", True, 2), ("dr_grpo", True, 1), ("dr_grpo", False, 2), ("grpo", False, 1),
          ("grpo", True, 2)]
 
@@ -277,14 +268,44 @@ CASES = [("dapo", False, 1), ("dapo", True, 2), ("dr_grpo", True, 1), ("dr_grpo"
 @pytest.mark.parametrize("loss_type,peft,num_iterations", CASES,
                          ids=[f"{t}-{'lora' if p else 'full'}-mu{m}" for t, p, m in CASES])
 def test_every_step_equals_trls(runs, loss_type, peft, num_iterations):
-    """Replayed completions of 1-8 tokens (some truncated, some EOS alone), 2 prompts x G per step, beta 0.1
-    (the reference: a frozen copy, or the disabled adapter): ours as 1 x 2, TRL as one micro-batch of 2 x G (its
-    logged kl, entropy and clip ratios are then the window's, not means of micro-batch means). Every step's loss,
-    gradient norm, rewards, KL, entropy, clip ratios and completion lengths within 2e-6; with num_iterations 2 the
-    second pass over each batch against the old policy's log-probabilities (its ratios and clipping)."""
-    run, record = runs.ours(loss_type, peft, num_iterations)
+    """Completions of unequal lengths, some truncated: sampled by our policy (grpo, full, num_iterations 1: the
+    stand-in checks each prompt TRL tokenises against the recorded one) or replayed (1-8 tokens, some EOS alone);
+    2 prompts x G per step, beta 0.1 (the reference: a frozen copy, or the disabled adapter): ours as 1 x 2, TRL as
+    one micro-batch of 2 x G (its logged kl, entropy and clip ratios are then the window's, not means of micro-batch
+    means). Every step's loss, gradient norm, rewards, KL, entropy, clip ratios and completion lengths within
+    2e-6; with num_iterations 2 the second pass over each batch against the old policy's log-probabilities."""
+    run, record = runs.ours(loss_type, peft, num_iterations, generate=GENERATED == (loss_type, peft, num_iterations))
+    lengths = {len(json.loads(line)["completion_ids"]) for line in record.read_text().splitlines()}
+    assert len(lengths) > 2 and LENGTH in lengths  # unequal, and some cut at --max_completion_length
     peer = runs.trl(record, loss_type, peft, num_iterations)
     found = assert_same_run(run, peer, f"{loss_type}, {'LoRA' if peft else 'full'}, num_iterations {num_iterations}",
                             PROMPTS // 2 * num_iterations)
     if num_iterations > 1:  # the second pass moved off the old policy far enough to clip
         assert max(step["clip_ratio/region_mean"] for step in peer.steps) > 0, found
+
+
+def test_where_trl_depends_on_the_split(runs):
+    """2 prompts x G a step, full fine-tuning. bnpo (TRL: each micro-batch's mean over its own tokens, divided by
+    the micro-batches): with one micro-batch a step ours equals TRL's within 2e-6; split, TRL's (G x 2: rows
+    shuffled before the split, shuffle_sequence_dict) departs from its large batch, as ours does by the same
+    definition (1 x 2: one prompt's group a micro-batch; ``tests/test_grpo.py``). dapo split as G x 2 in TRL: its loss and gradient are the large batch's (its denominator is
+    the generation batch's tokens), but its logged kl and entropy are means of the micro-batches' means and depart
+    from the window's, which ours logs at any split (the matrix above: ours 1 x 2 against TRL's one micro-batch)."""
+    whole, record = runs.ours("bnpo", micro_batch=2, accumulation=1)
+    found = {"bnpo, ours 2 x 1 against TRL 2G x 1": assert_same_run(
+        whole, runs.trl(record, "bnpo"), "bnpo, one micro-batch a step", PROMPTS // 2)}
+    trl_split = runs.trl(record, "bnpo", completions_per_micro_batch=G, accumulation=2)
+    found["bnpo, TRL G x 2 against TRL 2G x 1"] = differences(trl_split.steps, runs.trl(record, "bnpo").steps,
+                                                              ("loss", "grad_norm"))
+    _, dapo_record = runs.ours("dapo")
+    large, small = runs.trl(dapo_record, "dapo"), runs.trl(dapo_record, "dapo", completions_per_micro_batch=G,
+                                                           accumulation=2)
+    found["dapo, TRL G x 2 against TRL 2G x 1"] = differences(small.steps, large.steps, ("loss", "grad_norm"))
+    found["dapo, TRL G x 2 against TRL 2G x 1"] |= {  # relative: the KL is ~1e-4 at step 2, 0 at step 1
+        k: max(abs(x[k] - y[k]) / abs(y[k]) for x, y in zip(small.steps, large.steps) if y[k]) for k in ("kl", "entropy")}
+    for what, numbers in found.items():
+        report(what, numbers)
+    assert min(found["bnpo, TRL G x 2 against TRL 2G x 1"].values()) > 1e-2, found
+    dapo_split = found["dapo, TRL G x 2 against TRL 2G x 1"]
+    assert dapo_split["loss"] <= TOLERANCE and dapo_split["grad_norm"] <= TOLERANCE, dapo_split
+    assert dapo_split["kl"] > 1e-3 and dapo_split["entropy"] > 1e-4, dapo_split
