@@ -4,7 +4,7 @@ test extra pins 1.16.0); tests import it after ``pytest.importorskip("trl")``.
 
 Where generation sits in TRL 1.16.0 (``trl/trainer/grpo_trainer.py``):
 
-- ``_prepare_inputs`` (lines 1522-1550) calls ``_generate_and_score_completions`` (2324-2937) once every
+- ``_prepare_inputs`` (lines 1522-1551) calls ``_generate_and_score_completions`` (2324-2936) once every
   ``steps_per_generation * num_iterations`` micro-steps, shuffles the generation batch (``shuffle_sequence_dict``,
   ``trainer/utils.py`` 1092-1121, on torch's global generator), splits it into ``steps_per_generation`` micro-batches
   and buffers them for the micro-steps until the next generation;
@@ -12,13 +12,15 @@ Where generation sits in TRL 1.16.0 (``trl/trainer/grpo_trainer.py``):
   (``_tokenize_prompts``, 1684-1761: the chat template with its generation prompt, or the plain text) and calls
   ``_generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)`` (1763-1891; called at 2223),
   which returns ``(completion_ids, logprobs)``: one list of token ids per row of the generation batch, cut after the
-  first EOS (1878-1885), and ``logprobs = None`` on the transformers path (1886);
+  first EOS (1880-1888), and ``logprobs = None`` on the transformers path (1889);
 - everything after it is TRL's own: decoding the completions for the reward functions (2228-2245), the length and
-  truncation metrics (2269-2305), padding, ``num_items_in_batch`` (2465), the old policy's and the reference's
-  log-probabilities (2581-2737), the rewards (``_calculate_rewards``, 1579-1682), the group-normalised advantages
-  (2758-2812), ``reward``/``reward_std``/``rewards/*`` (2830-2839), the loss per ``loss_type`` (``_compute_loss``,
-  3020-3292: aggregation at 3170-3200) and its metrics (``kl``, ``entropy``, ``clip_ratio/*``, 3252-3285), averaged
-  over the micro-batches of a logging step by ``log`` (3302-3313).
+  truncation metrics (2274-2310), padding, ``num_items_in_batch`` (2498), the old policy's log-probabilities (only
+  where ``gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0``, 2640-2655) and the
+  reference's (2709-2737), the rewards (``_calculate_rewards``, 1579-1682), the group-normalised advantages
+  (2761-2810), ``reward``/``reward_std``/``rewards/*`` (2821-2830), the loss per ``loss_type`` (``_compute_loss``,
+  3020-3290: the KL times the ratio where ``use_bias_correction_kl``, 3097-3105; aggregation 3152-3184) and its
+  metrics (``kl``, ``entropy``, ``clip_ratio/*``, 3253-3284), averaged over the micro-batches of a logging step by
+  ``log`` (3302-3321).
 
 ``ReplayGRPOTrainer`` overrides ``_generate_single_turn``, the narrowest method that produces completion ids, and
 returns the recorded ones: it samples nothing, and what TRL does with the ids is unchanged. It checks that TRL asks
