@@ -18,15 +18,17 @@ from finetune.config import DERIVED_FIELDS, SECTIONS, TrainConfig, fields_with
 
 HEADINGS = ["run", "model", "data", "batch", "optimization", "evaluation, checkpoints and logging",
             "Hugging Face Hub", "speed and memory", "causal LM and SFT", "LoRA adapters (peft)", "preference tuning (DPO)",
-            "reproducibility"]
-# fields_with(step=True) as config.py defined it before the split, the preference flags added: a resume refusal names several differences in it
+            "online RL (GRPO)", "reproducibility"]
+# fields_with(step=True) as config.py defined it before the split, the preference and GRPO flags added: a resume refusal names several differences in it
 STEP_MEANING_ORDER = ("recipe", "model_name_or_path", "train_file", "dataset_name", "dataset_mixture",
                       "dataset_config", "dataset_train_split", "max_length", "block_size", "max_train_samples",
                       "train_sampling_strategy", "add_eos", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
                       "lora_target_modules", "use_dora", "use_rslora", "lora_modules_to_save", "init_lora_weights",
                       "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
                       "bnb_4bit_compute_dtype", "beta", "loss_type", "label_smoothing", "precompute_ref_log_probs",
-                      "seed")
+                      "num_generations", "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high",
+                      "scale_rewards", "num_iterations", "mask_truncated_completions", "reward_funcs",
+                      "reward_weights", "replay_completions", "seed")
 
 
 # an option's line in argparse's help: two spaces, the option, then its metavar, another spelling or its help

@@ -1,0 +1,302 @@
+"""GRPO as a task (issue 54): advantages as TRL 1.16 computes them, and exact accumulation over completions: with the
+same completions (replayed from a record), B x 1, B/2 x 2 and 1 x B train the same weights for grpo, dr_grpo and
+dapo (unequal prompt and completion lengths, truncated completions, a partial last window), a mean of micro-batch
+means does not, and bnpo (TRL's per-micro-batch mean) is measured split-dependent. The record a run writes replays
+to the same weights; prompt-only data with --reward_funcs is GRPO's; the Trainer backend refuses it."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import launch, load_params, run_in_process, train_steps
+from safetensors.torch import load_file
+from tiny_models import build_tiny_chat_llama
+
+from finetune.config import parse_config
+from finetune.errors import FinetuneError
+from finetune.recipes import load_recipe
+from finetune.tasks import grpo_loss, run_task
+from finetune.tasks.grpo import GRPOTask
+
+WORDS = "the market rose as shares in the bank fell after the match ended with a late goal".split()
+PROMPTS, G, L, EOS = 10, 4, 6, 2  # windows of 4, 4 and 2 prompts at B = 4; completions of at most L tokens
+REWARDS = "grpo_rewards:token_parity,grpo_rewards:topic_named"
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory) -> str:
+    return str(build_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-llama")))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    """Prompt-only rows of 2, 5 or 11 words (conversational, a ``topic`` column for the rewards), and a record of
+    completions for 3 steps x every prompt: 1-6 tokens, about half ending in EOS, the rest cut at L (truncated)."""
+    rng, root = random.Random(0), tmp_path_factory.mktemp("prompts")
+    rows = [{"prompt": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.choice([2, 5, 11])))}],
+             "topic": i % 5} for i in range(PROMPTS)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    records = []
+    for step in (1, 2, 3):
+        for prompt in range(PROMPTS):
+            for g in range(G):
+                if rng.random() < 0.5:
+                    ids = [rng.randrange(3, 300) for _ in range(rng.randrange(0, L))] + [EOS]
+                else:
+                    ids = [rng.randrange(3, 300) for _ in range(L)]
+                records.append({"step": step, "prompt": prompt, "generation": g, "completion_ids": ids,
+                                "rewards": {}})
+    (root / "replay.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return {"train": str(root / "train.jsonl"), "valid": str(root / "valid.jsonl"), "replay": str(root / "replay.jsonl")}
+
+
+def flags(chat_llama, data, **extra) -> dict:
+    return {**dict(recipe="grpo", model_name_or_path=chat_llama, train_file=data["train"],
+                   validation_file=data["valid"], reward_funcs=REWARDS, num_generations=G, max_completion_length=L,
+                   learning_rate=1e-3, warmup_steps=0, num_train_epochs=1, mixed_precision="no", seed=5,
+                   replay_completions=data["replay"], per_device_train_batch_size=2,
+                   gradient_accumulation_steps=2), **extra}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """The norm of the whole weight difference over the norm of ``a``."""
+    return float(torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a)) / torch.sqrt(sum((a[k] ** 2).sum() for k in a)))
+
+
+def max_abs(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+SPLITS = {"Bx1": (4, 1), "B/2x2": (2, 2), "1xB": (1, 4)}
+
+
+def train_split(tmp_path, chat_llama, data, name, split, **extra) -> tuple[dict, list]:
+    m, n = SPLITS[split]
+    _, out = run_in_process(tmp_path, f"{name}-{split.replace('/', '_')}",
+                            **flags(chat_llama, data, per_device_train_batch_size=m, gradient_accumulation_steps=n,
+                                    **extra))
+    return weights(out), train_steps(out)
+
+
+def weights(out) -> dict:
+    """The run's trained tensors: the whole model's, or a LoRA adapter's."""
+    adapter = out / "adapter_model.safetensors"
+    return load_file(str(adapter)) if adapter.is_file() else load_params(out)
+
+
+# ------------------------------------------------------------------------------------------ advantages
+def test_group_advantages_are_trls_on_hand_computed_numbers():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 4.0])  # two groups of 4
+    adv, std = grpo_loss.advantages(rewards, 4, "group")
+    s1, s2 = math.sqrt(1 / 3), 1.0  # Bessel-corrected stds: group 1 mean 0.5, group 2 mean 2.5
+    expected = [0.5 / (s1 + 1e-4), -0.5 / (s1 + 1e-4), -0.5 / (s1 + 1e-4), 0.5 / (s1 + 1e-4),
+                -0.5 / (s2 + 1e-4), -0.5 / (s2 + 1e-4), -0.5 / (s2 + 1e-4), 1.5 / (s2 + 1e-4)]
+    assert torch.allclose(adv, torch.tensor(expected), rtol=1e-6)
+    assert torch.allclose(std, torch.tensor([s1] * 4 + [s2] * 4), rtol=1e-6)
+
+
+def test_batch_and_none_scaling_and_an_unscorable_completion():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 4.0])
+    batch_std = float(torch.std(rewards))  # Bessel-corrected over all 8: TRL's nanstd
+    adv, _ = grpo_loss.advantages(rewards, 4, "batch")
+    means = torch.tensor([0.5] * 4 + [2.5] * 4)
+    assert torch.allclose(adv, (rewards - means) / (batch_std + 1e-4), rtol=1e-6)
+    adv, _ = grpo_loss.advantages(rewards, 4, "none")
+    assert torch.equal(adv, rewards - means)
+    per_func = torch.tensor([[1.0, float("nan")], [float("nan"), float("nan")], [0.0, 2.0], [3.0, 1.0]])
+    summed = grpo_loss.weighted_rewards(per_func, torch.tensor([1.0, 0.5]))
+    assert summed[0] == 1.0 and math.isnan(summed[1]) and summed[2] == 1.0 and summed[3] == 3.5
+    adv, _ = grpo_loss.advantages(summed, 4, "none")  # the group mean skips the unscorable one: 5.5 / 3
+    assert adv[1] == 0.0 and torch.allclose(adv[[0, 2, 3]], torch.tensor([1.0, 1.0, 3.5]) - 5.5 / 3)
+
+
+def test_each_aggregation_counts_what_its_definition_names():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    real = torch.tensor([True, True, False])
+    loss = torch.arange(12, dtype=torch.float32).view(3, 4)
+    assert grpo_loss.aggregate(loss, mask, "dapo") == 0 + 1 + 2 + 4
+    assert grpo_loss.items(mask, real, "dapo", 6) == 4 and grpo_loss.items(mask, real, "dr_grpo", 6) == 12
+    assert grpo_loss.aggregate(loss, mask, "grpo") == 1.0 + 4.0 and grpo_loss.items(mask, real, "grpo", 6) == 2
+    assert grpo_loss.aggregate(loss, mask, "bnpo") == 7 / 4 and grpo_loss.items(mask, real, "bnpo", 6) == 1
+
+
+# ------------------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
+def test_any_split_of_a_window_of_completions_trains_the_same_weights(tmp_path, chat_llama, data, loss_type):
+    """B x 1, B/2 x 2, 1 x B on the replayed completions: the same weights (fp32, relative 1e-5), the same step
+    losses and metrics; the partial last window (2 prompts) included."""
+    runs = {split: train_split(tmp_path, chat_llama, data, loss_type, split, loss_type=loss_type) for split in SPLITS}
+    ref_params, ref_steps = runs["Bx1"]
+    assert [r["samples"] for r in ref_steps] == [4, 4, 2]
+    for split, (params, steps) in runs.items():
+        assert relative_difference(ref_params, params) < 1e-5, (split, relative_difference(ref_params, params),
+                                                                max_abs(ref_params, params))
+        for a, b in zip(ref_steps, steps):
+            for key in ("loss", "reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",
+                        "entropy", "rewards/topic_named/mean"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (split, key)
+    assert relative_difference(ref_params, load_params(tmp_path / f"{loss_type}-Bx1")) == 0
+    moved = relative_difference(ref_params, runs["1xB"][0])
+    print(f"{loss_type}: max |dW| between splits {max(max_abs(ref_params, p) for p, _ in runs.values()):.2e}, "
+          f"relative {moved:.2e}")
+
+
+def test_a_mean_of_micro_batch_means_breaks_it_and_bnpo_depends_on_the_split(tmp_path, chat_llama, data,
+                                                                             monkeypatch):
+    """The control: each micro-batch's dapo loss divided by its own tokens, then averaged over micro-batches, moves
+    the weights by far more than the tolerance between B x 1 and 1 x B; TRL's bnpo (that very mean) likewise."""
+    exact, _ = train_split(tmp_path, chat_llama, data, "exact", "Bx1")
+    original_loss, original_count = GRPOTask.loss_sum, GRPOTask.count
+    bnpo_b, _ = train_split(tmp_path, chat_llama, data, "bnpo", "Bx1", loss_type="bnpo")
+    bnpo_1, _ = train_split(tmp_path, chat_llama, data, "bnpo", "1xB", loss_type="bnpo")
+    monkeypatch.setattr(GRPOTask, "loss_sum", lambda self, model, batch, forward=None:
+                        original_loss(self, model, batch, forward) / original_count(self, batch).clamp(min=1))
+    monkeypatch.setattr(GRPOTask, "count", lambda self, batch: torch.tensor(1))
+    mutant, _ = train_split(tmp_path, chat_llama, data, "mutant", "1xB")
+    mutant_difference, bnpo_difference = relative_difference(exact, mutant), relative_difference(bnpo_b, bnpo_1)
+    print(f"mean of means vs exact: {mutant_difference:.2e} (max |dW| {max_abs(exact, mutant):.2e}); "
+          f"bnpo Bx1 vs 1xB: {bnpo_difference:.2e}")
+    assert mutant_difference > 100 * 1e-5 and bnpo_difference > 100 * 1e-5
+
+
+# ------------------------------------------------------------------------------------------ record and replay
+def test_the_record_replays_to_the_same_weights_and_holds_each_completion(tmp_path, chat_llama, data):
+    generated = dict(flags(chat_llama, data), replay_completions=None, max_steps=2, max_completion_length=3)
+    _, out = run_in_process(tmp_path, "generated", **{k: v for k, v in generated.items() if v is not None})
+    records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4 * G and [r["step"] for r in records] == [1] * 16 + [2] * 16
+    assert sorted({r["generation"] for r in records}) == list(range(G))
+    assert all(1 <= len(r["completion_ids"]) <= 3 and set(r["rewards"]) == {"token_parity", "topic_named"}
+               for r in records)
+    steps = train_steps(out)
+    rewards = [r["rewards"]["token_parity"] + r["rewards"]["topic_named"] for r in records if r["step"] == 1]
+    assert steps[0]["reward"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-6)
+    _, again = run_in_process(tmp_path, "replayed", **dict(generated, replay_completions=str(out / "completions.jsonl"),
+                                                         per_device_train_batch_size=1, gradient_accumulation_steps=4))
+    assert relative_difference(load_params(out), load_params(again)) < 1e-5
+    replayed = [json.loads(line) for line in (again / "completions.jsonl").read_text().splitlines()]
+    assert sorted(map(json.dumps, replayed)) == sorted(map(json.dumps, records))  # the same records, rewards too
+
+
+def test_a_replay_without_a_step_is_refused_in_one_line(tmp_path, chat_llama, data):
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(line + "\n" for line in open(data["replay"]).read().splitlines()
+                             if json.loads(line)["step"] == 1))
+    with pytest.raises(FinetuneError, match=r"has no completion 0 of prompt \d+ at step 2"):
+        run_in_process(tmp_path, "short", **flags(chat_llama, data, replay_completions=str(short)))
+
+
+# ------------------------------------------------------------------------------------------ flags and data
+def test_prompt_only_rows_with_reward_funcs_are_grpo_and_without_them_refused(data):
+    config = parse_config(["--train_file", data["train"], "--model_name_or_path", "m", "--reward_funcs", REWARDS])
+    assert config.recipe == "grpo" and config.loss_type == "dapo" and config.beta == 0.0
+    with pytest.raises(FinetuneError, match="pass --reward_funcs module:function"):
+        parse_config(["--train_file", data["train"], "--model_name_or_path", "m"])
+
+
+def test_the_trainer_backend_and_a_pair_loss_are_refused_in_one_line(tmp_path, chat_llama, data):
+    with pytest.raises(FinetuneError, match=r"^the grpo task runs on --backend accelerate only"):
+        run_in_process(tmp_path, "trainer", **flags(chat_llama, data, backend="trainer"))
+    assert not (tmp_path / "trainer").exists()
+    with pytest.raises(FinetuneError, match="not a GRPO aggregation"):
+        run_in_process(tmp_path, "sigmoid", **flags(chat_llama, data, loss_type="sigmoid", beta=0.1))
+    with pytest.raises(FinetuneError, match=r"^--loss_type dapo is a GRPO aggregation \(--recipe grpo\)"):
+        run_task(load_recipe("bbc-headlines-dpo"), parse_config(["--recipe", "bbc-headlines-dpo", "--loss_type",
+                                                                 "dapo"]))
+
+
+# ------------------------------------------------------------------------------------------ the reference, masking
+@pytest.mark.parametrize("reference", ["frozen copy", "disabled adapter"])
+def test_the_kl_to_the_reference_is_0_at_the_first_step_and_exact_over_splits(tmp_path, chat_llama, data, reference):
+    """--beta 0.04: at step 1 the policy is the reference, so TRL's k3 KL is exactly 0; after it, positive; and the
+    KL term accumulates exactly (B x 1 against 1 x B)."""
+    extra = {"beta": 0.04, "max_steps": 2, **({"use_peft": True, "lora_dropout": 0.0}
+                                             if reference == "disabled adapter" else {})}
+    (params, steps), (split_params, split_steps) = (train_split(tmp_path, chat_llama, data, "kl", s, **extra)
+                                                    for s in ("Bx1", "1xB"))
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 1e-6
+    assert split_steps[1]["kl"] == pytest.approx(steps[1]["kl"], rel=1e-4)
+    assert relative_difference(params, split_params) < 1e-5
+
+
+def test_masked_truncated_completions_train_nothing_but_count_as_trl_counts_them(tmp_path, chat_llama, data):
+    """--mask_truncated_completions: a truncated completion adds no loss and no token (dapo's trained tokens are
+    those of the completions that end in EOS), yet it still takes part in its group's advantages."""
+    records = [json.loads(line) for line in open(data["replay"]).read().splitlines()]
+    _, out = run_in_process(tmp_path, "masked", **flags(chat_llama, data, mask_truncated_completions=True,
+                                                         max_steps=1))
+    _, plain = run_in_process(tmp_path, "plain", **flags(chat_llama, data, max_steps=1))
+    step1 = {(r["prompt"], r["generation"]): r["completion_ids"] for r in records if r["step"] == 1}
+    prompts = {json.loads(line)["prompt"] for line in (out / "completions.jsonl").read_text().splitlines()}
+    ended = sum(len(step1[p, g]) for p in prompts for g in range(G) if step1[p, g][-1] == EOS)
+    everything = sum(len(step1[p, g]) for p in prompts for g in range(G))
+    assert train_steps(out)[0]["trained_tokens"] == ended < everything == train_steps(plain)[0]["trained_tokens"]
+    assert train_steps(out)[0]["completions/clipped_ratio"] == train_steps(plain)[0]["completions/clipped_ratio"] > 0
+
+
+# ------------------------------------------------------------------------------------------ two processes
+REWARD_FILE = Path(__file__).parent / "grpo_rewards.py"
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type):
+    """2 gloo processes x 1 prompt x 2 micro-batches against one process's 4 x 1 (B = 4) on 9 prompts: windows of
+    4, 4 and 1 (the last on one process, the other's row an epoch repeat, masked), advantages over both processes'
+    completions: the same weights (relative 1e-5), per-step losses and rewards, and the same record."""
+    common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9,
+                   reward_funcs=f"{REWARD_FILE}:token_parity,{REWARD_FILE}:topic_named")
+    _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,
+                                                "gradient_accumulation_steps": 1})
+    args = []
+    for key, value in {**common, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+                       "output_dir": str(tmp_path / "two")}.items():
+        args += [f"--{key}", str(value)]
+    result = launch(args, num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = tmp_path / "two"
+    assert relative_difference(load_params(one), load_params(two)) < 1e-5
+    for a, b in zip(train_steps(one), train_steps(two), strict=True):
+        assert b["samples"] == a["samples"]
+        for key in ("loss", "reward", "reward_std", "completions/mean_length", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert [r["samples"] for r in train_steps(two)] == [4, 4, 1]
+    records = [sorted(map(json.dumps, (json.loads(line) for line in (out / "completions.jsonl").read_text()
+                                       .splitlines()))) for out in (one, two)]
+    assert records[0] == records[1] and len(records[0]) == 9 * G
+
+
+# ------------------------------------------------------------------------------------------ resume
+def test_a_resume_mid_epoch_regenerates_the_same_completions_bit_for_bit(tmp_path, chat_llama, data, monkeypatch):
+    """Generated completions, 2 epochs of 3 steps; SIGTERM as window 4 starts (epoch 1, mid-epoch): resumed from
+    'latest', every step's loss, the final weights and completions.jsonl equal the uninterrupted run's, bit for bit
+    (each group's seed is (seed, step, prompt), never the generators' state)."""
+    import signal
+
+    from helpers import stop_during_window
+
+    import finetune.backends.accelerate as engine
+    from finetune.errors import TrainingStopped
+
+    common = dict(flags(chat_llama, data, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        num_train_epochs=2, num_generations=2, max_completion_length=3))
+    del common["replay_completions"]
+    run_in_process(tmp_path, "full", **common)
+    original = stop_during_window(monkeypatch, index=4)
+    with pytest.raises(TrainingStopped) as stopped:
+        run_in_process(tmp_path, "stopped", **common)
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    monkeypatch.setattr(engine, "iter_windows", original)
+    run_in_process(tmp_path, "stopped", **common, resume_from_checkpoint="latest")
+    full, resumed = train_steps(tmp_path / "full"), train_steps(tmp_path / "stopped")
+    assert len(full) == 6 and [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [r["reward"] for r in resumed] == [r["reward"] for r in full]
+    a, b = load_params(tmp_path / "full"), load_params(tmp_path / "stopped")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "stopped" / "completions.jsonl").read_text() == (tmp_path / "full" / "completions.jsonl"
+                                                                         ).read_text()
