@@ -54,6 +54,12 @@ def length_and_parity(prompts, completions, completion_ids, **columns) -> list[f
     return [0.25 * len(ids) + float(sum(ids) % 2) for ids in completion_ids]
 
 
+def even_ids(prompts, completions, completion_ids, **columns) -> list[float | None]:
+    """A second reward for the peer runs: the share of even token ids; None (no reward from it) for a completion of
+    one token."""
+    return [None if len(ids) == 1 else sum(i % 2 == 0 for i in ids) / len(ids) for ids in completion_ids]
+
+
 def run_ours(argv: list[str]) -> Run:
     """Our run of ``argv`` (``finetune train`` flags; the accelerate backend, in this process): its per-step log
     records (``Run.steps``) and its trainable weights before the first step and after the last (the ``build=``
