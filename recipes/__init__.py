@@ -37,6 +37,7 @@ RECIPES: dict[str, str] = {
     "bbc-headlines": "finetune.recipes.bbc_headlines",
     "bbc-headlines-dpo": "finetune.recipes.bbc_headlines_dpo",
     "bbc-lead-headlines": "finetune.recipes.bbc_lead_headlines",
+    "bbc-topic-grpo": "finetune.recipes.bbc_topic_grpo",
     "glue-mrpc": "finetune.recipes.glue_mrpc",
     "wikitext-clm": "finetune.recipes.wikitext_clm",
     # your model and your data, no data of their own (recipes/your_data.py); picked from the columns without --recipe

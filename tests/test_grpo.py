@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch, load_params, run_in_process, train_steps
+from helpers import launch, load_params, read_log, run_in_process, train_steps
 from safetensors.torch import load_file
 from tiny_models import build_tiny_chat_llama
 
@@ -300,3 +300,47 @@ def test_a_resume_mid_epoch_regenerates_the_same_completions_bit_for_bit(tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "stopped" / "completions.jsonl").read_text() == (tmp_path / "full" / "completions.jsonl"
                                                                          ).read_text()
+
+
+# ------------------------------------------------------------------------------------------ the shipped recipe
+def test_the_bbc_topic_rewards_score_hand_made_completions():
+    recipe = load_recipe("bbc-topic-grpo")
+    completions = [[{"role": "assistant", "content": c}] for c in ("Sport.", "It is about tech, not sport", "Tech",
+                                                                  "politics!", "none")]
+    topics = ["sport", "sport", "business", "politics", "tech"]
+    assert recipe.topic_reward(None, completions, topics) == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert recipe.format_reward(None, completions) == [1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_the_bbc_topic_recipe_trains_two_steps_on_a_tiny_model(tmp_path, chat_llama):
+    """The shipped recipe's data, rewards and evaluation on the tiny chat Llama: 2 steps of 4 prompts x 2
+    completions; every step logs its rewards (the recipe's two functions, weighted 1 and 0.5) and the evaluation
+    its held-out mean reward."""
+    _, out = run_in_process(tmp_path, "topic", recipe="bbc-topic-grpo", model_name_or_path=chat_llama, max_steps=2,
+                            num_generations=2, max_completion_length=4, max_train_samples=8, max_eval_samples=4,
+                            learning_rate=1e-3, mixed_precision="no", eval_strategy="no")
+    steps = train_steps(out)
+    assert [r["samples"] for r in steps] == [4, 4]
+    for r in steps:
+        assert r["reward"] == pytest.approx(r["rewards/topic_reward/mean"] + 0.5 * r["rewards/format_reward/mean"],
+                                            abs=1e-6)
+        assert 0 < r["completions/mean_length"] <= 4
+    start = next(r for r in read_log(out) if "eval_reward" in r)
+    assert start["step"] == 0 and start["eval_samples"] == 4 and 0 <= start["eval_reward"] <= 1.5
+    records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4 * 2 and {tuple(r["rewards"]) for r in records} == {("topic_reward", "format_reward")}
+
+
+def test_check_data_reads_prompts_as_generation_s_and_finds_them_clean(tmp_path, data, chat_llama, capsys):
+    """``finetune check-data`` on prompt-only rows: no "nothing trained" or "end-of-turn" failure (the trained tokens
+    are generated), the generated share said instead, exit 0 (a held-out file of its own prompts: no leakage)."""
+    from finetune.commands.check_data import main
+
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("".join(json.dumps({"prompt": f"held out {w}", "topic": 1}) + "\n" for w in WORDS[:3]))
+    code = main(["--train_file", data["train"], "--validation_file", str(valid), "--model_name_or_path", chat_llama,
+                 "--reward_funcs", REWARDS, "--max_completion_length", str(L), "--num_generations", str(G)])
+    out = capsys.readouterr().out
+    assert code == 0 and "none: the data is clean" in out and "nothing trained" not in out
+    assert f"Trained tokens: generated at each step (at most --max_completion_length {L} per completion, {G} per " \
+           "prompt)" in out and "(a longer prompt is refused; completions are generated)" in out

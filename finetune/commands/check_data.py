@@ -250,7 +250,8 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int,
         at_limit = lambda values: (f"{sum(v >= limit for v in values)} of {len(values)} "  # noqa: E731
                                    f"({sum(v >= limit for v in values) / max(len(values), 1):.1%})")
         lines.append(f"At the limit of {limit} tokens: {by_sequence(lengths, at_limit) if names else at_limit([])}"
-                     + (" (prompts are cut to fit; completions never)" if task.chat else ""))
+                     + (" (a longer prompt is refused; completions are generated)" if task.generates
+                        else " (prompts are cut to fit; completions never)" if task.chat else ""))
     global_batch = config.per_device_train_batch_size * config.gradient_accumulation_steps
     sample_lengths = [tuple(len(ids) for ids, _ in s.values()) for s in sequences]
     lines.append(f"Padding at micro-batch {config.per_device_train_batch_size} ({config.train_sampling_strategy}): "
@@ -266,12 +267,15 @@ def check(config, samples: int, colour: bool) -> tuple[str, list[tuple[str, int,
             counts = Counter(raw[split]["label"])
             shown = ", ".join(f"{labels[k] if labels else k} {v}" for k, v in sorted(counts.items()))
             lines.append(f"Labels ({split}): {shown}")
+    elif task.generates:
+        lines.append(f"Trained tokens: generated at each step (at most --max_completion_length "
+                     f"{config.max_completion_length} per completion, {config.num_generations} per prompt)")
     else:
         trained = {name: [sum(s[name][1]) for s in sequences] for name in names}
         lines.append(f"Trained tokens per {'side' if names != [''] else 'sample'}: "
                      f"{by_sequence(trained, percentiles) if names else percentiles([])}")
         problems.append(("nothing trained", sum(any(sum(mask) == 0 for _, mask in s.values()) for s in sequences)))
-    if task.chat:
+    if task.chat and not task.generates:
         stops = stop_ids(tokenizer, config.model_name_or_path)
         untrained = sum(any(not any(t in stops for t, m in zip(ids, mask) if m) for ids, mask in s.values())
                         for s in sequences)

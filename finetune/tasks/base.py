@@ -47,6 +47,7 @@ class TaskFacts(Protocol):
     pipeline_tag: str  # the model card's pipeline (the Hub's name: text-classification, text-generation)
     probe_label_names: list[str] | None  # label names of the planner's probe model
     step_metrics: tuple[str, ...]  # names of the per-step metrics take_metric_sums gives, in its order
+    generates: bool  # trains completions it generates at each step (GRPO): the data holds no trained token
 
 
 class TaskData(Protocol):
@@ -175,6 +176,7 @@ class StatelessTask(ABC):
     auxiliary loss."""
 
     step_metrics: tuple[str, ...] = ()
+    generates: bool = False
 
     # ---- what a subclass writes
     @abstractmethod

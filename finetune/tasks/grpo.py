@@ -80,6 +80,7 @@ class GRPOTask:
     peft_task_type = "CAUSAL_LM"
     pipeline_tag = "text-generation"
     probe_label_names = None
+    generates = True  # the completions trained are sampled at each step, none is in the data
 
     def __init__(self, config=None):
         self.config = config

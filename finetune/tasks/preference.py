@@ -151,6 +151,7 @@ class PreferenceTask:
     pipeline_tag = "text-generation"  # the model card's (the Hub's pipeline name)
     probe_label_names = None
     step_metrics = PAIR_METRICS  # take_metric_sums gives their sums (TRL's names)
+    generates = False  # the pairs are in the data
     forward_rows = 2  # rows a forward computes per item: both sides (the planner's probes)
 
     def __init__(self, loss: PreferenceLoss | None = None, reference_model=None, precompute: bool = False):
