@@ -43,7 +43,7 @@ def data(tmp_path_factory) -> dict:
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
     records = []
-    for step in (1, 2, 3):
+    for step in range(1, 7):  # 3 steps, or 3 generations at steps 1, 3 and 5 (--num_iterations 2)
         for prompt in range(PROMPTS):
             for g in range(G):
                 if rng.random() < 0.5:
@@ -344,3 +344,58 @@ def test_check_data_reads_prompts_as_generation_s_and_finds_them_clean(tmp_path,
     assert code == 0 and "none: the data is clean" in out and "nothing trained" not in out
     assert f"Trained tokens: generated at each step (at most --max_completion_length {L} per completion, {G} per " \
            "prompt)" in out and "(a longer prompt is refused; completions are generated)" in out
+
+
+# ------------------------------------------------------------------------------------------ --num_iterations
+def test_num_iterations_trains_each_generation_mu_steps_exactly_over_splits(tmp_path, chat_llama, data):
+    """--num_iterations 2: each window's completions train 2 optimizer steps against the old log-probabilities kept
+    from generation (ratios move off 1 at the second: clipped at --epsilon 0.001), 6 steps for 3 windows, the
+    record written once per generation; B x 1 and 1 x B train the same weights."""
+    extra = dict(num_iterations=2, epsilon=0.001)
+    (params, steps), (split_params, split_steps) = (train_split(tmp_path, chat_llama, data, "mu", s, **extra)
+                                                    for s in ("Bx1", "1xB"))
+    assert len(steps) == 6 and [r["samples"] for r in steps] == [4, 4, 4, 4, 2, 2]
+    assert [r["micro_batches"] for r in steps] == [0, 1, 0, 1, 0, 1]  # the data moves on at a generation's last step
+    assert all(r["clip_ratio/region_mean"] == 0 for r in steps[::2]) and all(
+        r["clip_ratio/region_mean"] > 0 for r in steps[1::2])
+    assert [r["reward"] for r in steps[::2]] == [r["reward"] for r in steps[1::2]]  # one generation, two steps
+    assert relative_difference(params, split_params) < 1e-5
+    for a, b in zip(steps, split_steps):
+        assert a["clip_ratio/region_mean"] == pytest.approx(b["clip_ratio/region_mean"], rel=1e-5)
+    records = (tmp_path / "mu-Bx1" / "completions.jsonl").read_text().splitlines()
+    assert sorted({json.loads(line)["step"] for line in records}) == [1, 3, 5] and len(records) == PROMPTS * G
+
+
+def test_a_resume_inside_a_generation_continues_it_bit_for_bit(tmp_path, chat_llama, data, monkeypatch):
+    """--num_iterations 2, generated completions: SIGTERM as window 1 starts stops after step 3, the first of its
+    generation's two steps; the resume takes that generation (and its old log-probabilities) back from
+    <output_dir>/grpo_generation and ends equal to the uninterrupted run, bit for bit."""
+    import signal
+
+    from helpers import stop_during_window
+
+    import finetune.backends.accelerate as engine
+    from finetune.errors import TrainingStopped
+
+    common = dict(flags(chat_llama, data, num_iterations=2, num_generations=2, max_completion_length=3,
+                        epsilon=0.001))
+    del common["replay_completions"]
+    run_in_process(tmp_path, "full", **common)
+    original = stop_during_window(monkeypatch, index=1)
+    with pytest.raises(TrainingStopped) as stopped:
+        run_in_process(tmp_path, "stopped", **common)
+    assert stopped.value.exit_code == 128 + signal.SIGTERM and len(train_steps(tmp_path / "stopped")) == 3
+    monkeypatch.setattr(engine, "iter_windows", original)
+    run_in_process(tmp_path, "stopped", **common, resume_from_checkpoint="latest")
+    full, resumed = train_steps(tmp_path / "full"), train_steps(tmp_path / "stopped")
+    assert len(full) == 6 and [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [r["clip_ratio/region_mean"] for r in resumed] == [r["clip_ratio/region_mean"] for r in full]
+    a, b = load_params(tmp_path / "full"), load_params(tmp_path / "stopped")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "stopped" / "completions.jsonl").read_text() == (tmp_path / "full" / "completions.jsonl"
+                                                                         ).read_text()
+
+
+def test_num_iterations_is_refused_by_a_task_that_generates_nothing(tmp_path):
+    with pytest.raises(FinetuneError, match=r"^--num_iterations 2 is GRPO's .* the sequence-classification task"):
+        run_task(load_recipe("bbc-news"), parse_config(["--recipe", "bbc-news", "--num_iterations", "2"]))

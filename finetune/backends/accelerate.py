@@ -171,45 +171,51 @@ def train(config, recipe, process_start: float | None = None, build=None, hub=No
     """
     built = (build or setup)(config, recipe)
     accelerator, model, optimizer, scheduler, task = built.accelerator, built.model, built.optimizer, built.scheduler, built.task
-    N, P = config.gradient_accumulation_steps, accelerator.num_processes
+    N, P, mu = config.gradient_accumulation_steps, accelerator.num_processes, config.num_iterations
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
     with Loop(built, config, recipe, process_start, hub) as run, GracefulStop() as stop:
         model.train()
         while not run.done:
             for window in iter_windows(run.epoch_batches(), N):
-                # the task's micro-batches of the window (GRPO: its prompts' completions, generated now)
-                window = task.rollout(model, window, run.progress.step + 1)
-                # the micro-batches to compute: the window, or its own samples repacked (finetune.data.packing)
-                micro_batches = built.pack(window) if built.pack else window
-                counts = count_window(window, task, accelerator, run.repeats(len(window)), micro_batches)
-                # the window's last micro-batch is the sync step (a short or packed window too); K: what
-                # accelerator.backward will divide each loss by
-                K = align_sync_counter(accelerator, window, micro_batches, N)
-                window_loss = torch.zeros((), device=accelerator.device)
-                # Read before any backward: an engine may run the optimizer (and its own schedule's) step
-                # inside the last one.
-                learning_rate = built.learning_rate()
-                for batch in micro_batches:
-                    with accelerator.accumulate(model):
-                        loss_sum = built.micro_batch_loss(model, batch)  # forward; summed over its items
-                        # accelerator.backward divides by K (its gradient_accumulation_steps) and DDP averages over
-                        # P processes: undo both, so the summed gradient is sum(per-item gradients) / items in the
-                        # window.
-                        scaled = loss_sum * (K * P / counts.items)
-                        accelerator.backward(scaled)
-                        window_loss += loss_sum.detach()
-                        if accelerator.sync_gradients:
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                            run.check_finite(grad_norm, len(window))
-                            scale_before = loss_scale(accelerator)  # fp16: a drop across step() means skipped
-                        optimizer.step()  # a no-op until the sync micro-batch
-                        if accelerator.sync_gradients:
-                            skipped = optimizer_step_skipped(accelerator, scale_before)
-                            if not skipped:
-                                scheduler.step()
-                        optimizer.zero_grad()
-                run.end_step(window_loss, counts, len(window), learning_rate, grad_norm, skipped=skipped, stop=stop,
-                             metric_sums=task.take_metric_sums())
+                # --num_iterations (GRPO's mu): mu optimizer steps per window, from the one a resume stopped inside
+                for repeat in range(run.progress.step % mu, mu):
+                    # the task's micro-batches of the window (GRPO: its prompts' completions, generated at its first
+                    # step)
+                    run_window = task.rollout(model, window, run.progress.step + 1)
+                    # the micro-batches to compute: the window, or its own samples repacked (finetune.data.packing)
+                    micro_batches = built.pack(run_window) if built.pack else run_window
+                    counts = count_window(run_window, task, accelerator, run.repeats(len(window)), micro_batches)
+                    # the window's last micro-batch is the sync step (a short or packed window too); K: what
+                    # accelerator.backward will divide each loss by
+                    K = align_sync_counter(accelerator, run_window, micro_batches, N)
+                    window_loss = torch.zeros((), device=accelerator.device)
+                    # Read before any backward: an engine may run the optimizer (and its own schedule's) step
+                    # inside the last one.
+                    learning_rate = built.learning_rate()
+                    for batch in micro_batches:
+                        with accelerator.accumulate(model):
+                            loss_sum = built.micro_batch_loss(model, batch)  # forward; summed over its items
+                            # accelerator.backward divides by K (its gradient_accumulation_steps) and DDP averages
+                            # over P processes: undo both, so the summed gradient is sum(per-item gradients) / items
+                            # in the window.
+                            scaled = loss_sum * (K * P / counts.items)
+                            accelerator.backward(scaled)
+                            window_loss += loss_sum.detach()
+                            if accelerator.sync_gradients:
+                                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                                run.check_finite(grad_norm, len(window))
+                                scale_before = loss_scale(accelerator)  # fp16: a drop across step() means skipped
+                            optimizer.step()  # a no-op until the sync micro-batch
+                            if accelerator.sync_gradients:
+                                skipped = optimizer_step_skipped(accelerator, scale_before)
+                                if not skipped:
+                                    scheduler.step()
+                            optimizer.zero_grad()
+                    # the data moves on by the window at its last step only
+                    run.end_step(window_loss, counts, len(window) if repeat == mu - 1 else 0, learning_rate,
+                                 grad_norm, skipped=skipped, stop=stop, metric_sums=task.take_metric_sums())
+                    if run.done:
+                        break
                 if run.done:
                     break
             run.end_epoch()
@@ -342,8 +348,10 @@ class Loop:
     def end_step(self, window_loss, counts: WindowCounts, micro_batches: int, learning_rate: float, grad_norm,
                  skipped: bool, stop: "GracefulStop", metric_sums=None) -> None:
         """Account for the optimizer step just taken (``lifecycle.RunState.record_step``), trackers and progress; then
-        a signal, and the evaluation and checkpoint cadence. ``metric_sums``: the task's own per-step metric sums of
-        this process (``task.take_metric_sums``), reduced and divided by the window's items here."""
+        a signal, and the evaluation and checkpoint cadence. ``micro_batches``: the micro-batches of data the step
+        moved on by (the window's; 0 for a ``--num_iterations`` step that is not its generation's last).
+        ``metric_sums``: the task's own per-step metric sums of this process (``task.take_metric_sums``), reduced and
+        divided by the window's items here."""
         accelerator, run = self.accelerator, self.run
         metrics = self.run.window_metrics(accelerator, metric_sums, counts.items)
         seconds = self.run.step_seconds()

@@ -77,7 +77,8 @@ class GRPOArguments:
         step=True, trainer=None,
     )
     num_iterations: int = flag(
-        1, "GRPO (GRPOConfig's name and default): optimizer steps per generation (mu).",
+        1, "GRPO (GRPOConfig's name and default): optimizer steps per generation (mu): each window trains mu "
+        "steps on one generation, against the old log-probabilities kept from it.",
         step=True, trainer=None,
     )
     mask_truncated_completions: bool = flag(

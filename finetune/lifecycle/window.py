@@ -21,7 +21,7 @@ class StepPlan:
     """How long a run is, in optimizer steps (micro-batches per process)."""
 
     micro_batches_per_epoch: int  # per process
-    steps_per_epoch: int  # ceil(micro-batches / N): an epoch's last window may be partial
+    steps_per_epoch: int  # ceil(micro-batches / N) x --num_iterations: an epoch's last window may be partial
     max_steps: int  # --max_steps if > 0, else ceil(epochs x steps per epoch)
     num_epochs: int  # epochs started: ceil(max_steps / steps per epoch)
 
@@ -40,7 +40,9 @@ def plan_steps(micro_batches_per_epoch: int, config) -> StepPlan:
     """The ``StepPlan`` for micro-batches per process per epoch; ``FinetuneError`` if there are none."""
     if micro_batches_per_epoch == 0:
         raise FinetuneError("the training set is empty after --max_train_samples; use more samples.")
-    steps_per_epoch = math.ceil(micro_batches_per_epoch / config.gradient_accumulation_steps)
+    # --num_iterations (GRPO's mu): each window trains that many optimizer steps on one generation
+    steps_per_epoch = math.ceil(micro_batches_per_epoch / config.gradient_accumulation_steps) * getattr(
+        config, "num_iterations", 1)
     max_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
     return StepPlan(micro_batches_per_epoch, steps_per_epoch, max_steps, math.ceil(max_steps / steps_per_epoch))
 

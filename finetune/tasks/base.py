@@ -17,6 +17,7 @@ import torch
 
 from finetune.data.chat import prompt_and_reference
 from finetune.data.loading import IGNORE_INDEX, load_data_files  # IGNORE_INDEX: the label value every loss skips
+from finetune.errors import FinetuneError
 
 
 @dataclass
@@ -213,7 +214,9 @@ class StatelessTask(ABC):
 
     # ---- the defaults
     def for_run(self, config):
-        """The task for a run of ``config``: this one (nothing of it depends on the config)."""
+        """The task for a run of ``config``: this one (nothing of it depends on the config). Raises
+        ``FinetuneError`` for ``--num_iterations`` other than 1 (``refuse_iterations``)."""
+        refuse_iterations(config, self.name)
         return self
 
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
@@ -292,6 +295,14 @@ class StatelessTask(ABC):
     def card_settings(self, config) -> list[tuple[str, object]]:
         """Rows the model card's hyperparameter table adds for this task: none."""
         return []
+
+
+def refuse_iterations(config, task_name: str) -> None:
+    """Raise ``FinetuneError`` where ``--num_iterations`` (GRPO's optimizer steps per generation) is not 1 for a task
+    that generates nothing: it would repeat each window's optimizer step."""
+    if getattr(config, "num_iterations", 1) != 1:
+        raise FinetuneError(f"--num_iterations {config.num_iterations} is GRPO's (optimizer steps per generation); "
+                            f"the {task_name} task generates nothing: drop the flag.")
 
 
 def split_labels(batch: dict) -> tuple[dict, torch.Tensor]:

@@ -7,7 +7,9 @@ counted over the whole window and every process (``grpo_loss.AGGREGATIONS``), so
 trains what the large batch does (``bnpo``, TRL's per-micro-batch mean, excepted and said so).
 
 The reference, where ``--beta`` > 0: a frozen copy of the starting model, or the policy with its LoRA adapter
-disabled. The old policy's log-probabilities (``--num_iterations`` 1) are the current ones, detached (TRL's)."""
+disabled. The old policy's log-probabilities: with ``--num_iterations`` 1 the current ones, detached (TRL's); with mu > 1
+computed once at generation (no gradients, the model as it trains) and kept for the generation's mu optimizer steps,
+also in ``<output_dir>/grpo_generation`` (``rollout.keep_generation``) for a resume inside them."""
 
 from __future__ import annotations
 
@@ -96,6 +98,7 @@ class GRPOTask:
         self._window = {}  # the current window's global figures (rollout)
         self._first_step = True
         self._policy = None  # the unwrapped policy of the current window (the disabled adapter's reference)
+        self._generation = None  # --num_iterations > 1: (step, completion micro-batches, window figures)
 
     # ---- facts that depend on the run
     @property
@@ -117,16 +120,13 @@ class GRPOTask:
     # ---- a run's own task
     def for_run(self, config) -> "GRPOTask":
         """The run's task. Raises ``FinetuneError`` under ``--backend trainer``, for a loss type that is not GRPO's,
-        ``--num_iterations`` > 1 (not built), or reward functions that cannot be loaded."""
+        or reward functions that cannot be loaded."""
         if config.backend == "trainer":
             raise FinetuneError("the grpo task runs on --backend accelerate only (each step generates its completions "
                                 "inside the loop): drop --backend trainer.")
         if config.loss_type not in GRPO_LOSS_TYPES:
             raise FinetuneError(f"--loss_type {config.loss_type} is not a GRPO aggregation: use one of "
                                 f"{', '.join(GRPO_LOSS_TYPES)} (TRL 1.16's names; dapo is its default).")
-        if config.num_iterations != 1:
-            raise FinetuneError(f"--num_iterations {config.num_iterations}: only 1 (a generation per optimizer step) "
-                                "is built; drop the flag.")
         task = GRPOTask(config)
         names = reward_func_names(config.reward_funcs)
         task.functions = rollout.reward_functions(names)
@@ -189,6 +189,10 @@ class GRPOTask:
         without a prompt's completions, or a reward function that returns another number of rewards."""
         config, G = self.config, self.config.num_generations
         policy = self._policy = unwrapped(model)
+        mu, generation_step = config.num_iterations, step - (step - 1) % config.num_iterations
+        if mu > 1 and step != generation_step:  # a later step of the same generation (--num_iterations)
+            return self._reused(generation_step)
+        step = generation_step
         settings = dict(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                         top_p=config.top_p)
         groups = []  # per micro-batch: [(prompt ids, prompt index, real, [completion ids] x G)]
@@ -206,7 +210,7 @@ class GRPOTask:
             groups.append(rows)
         real = [(index, c) for rows in groups for _, index, ok, cs in rows if ok for c in cs]
         rewards = self._rewards(real)
-        truncated = [not c or c[-1] not in self.stop_ids for _, c in real]
+        truncated = [not self.ended(c) for _, c in real]
         gathered = rollout.all_processes((rewards.tolist(), [len(c) for _, c in real], truncated))
         everything = torch.tensor([r for rw, _, _ in gathered for r in rw], dtype=torch.float32).view(
             -1, len(self.functions))
@@ -218,7 +222,27 @@ class GRPOTask:
         self._record(step, real, rewards)
         micro_batches = self._batches(window, groups, local_adv)
         self._window_figures(gathered, everything, summed, std, micro_batches)
+        if mu > 1:  # the old policy's log-probabilities, kept with the generation for its mu steps
+            with torch.no_grad():
+                for batch in micro_batches:
+                    logits = model(**self.model_inputs(batch)).logits
+                    batch["old_logps"] = grpo_loss.token_logps(logits, batch["labels"], config.temperature)[0]
+            self._generation = (step, [dict(b) for b in micro_batches], dict(self._window))
+            rollout.keep_generation(config.output_dir, *self._generation)
         return micro_batches
+
+    def _reused(self, step: int) -> list[dict]:
+        """The completion micro-batches generated at ``step`` (this run's, or those a stopped run kept: a resume
+        inside a generation's ``--num_iterations`` steps). Raises ``FinetuneError`` where none is kept."""
+        if self._generation is None or self._generation[0] != step:
+            self._generation = rollout.read_generation(self.config.output_dir, step)
+        self._window = dict(self._generation[2])
+        return [dict(b) for b in self._generation[1]]
+
+    def ended(self, completion: list[int]) -> bool:
+        """Whether a completion ends in a stop or padding token, not cut at --max_completion_length (TRL 1.16's
+        ``is_truncated`` is its negation: ``ids[-1] not in eos_and_pad``)."""
+        return bool(completion) and (completion[-1] in self.stop_ids or completion[-1] == self.pad_id)
 
     def _rewards(self, real: list[tuple[int, list[int]]]) -> torch.Tensor:
         """(completions, functions) rewards of this process's real completions (``rollout.call_rewards``), each
@@ -255,7 +279,7 @@ class GRPOTask:
             prompts, completions, trained, real, adv = [], [], [], [], []
             for prompt, _, ok, cs in rows:
                 for c in cs:
-                    cut = bool(c) and c[-1] in self.stop_ids
+                    cut = self.ended(c)
                     prompts.append(prompt)
                     completions.append(c)
                     trained.append(ok and (cut or not config.mask_truncated_completions))
@@ -324,7 +348,8 @@ class GRPOTask:
         logits = (forward or model)(**self.model_inputs(batch)).logits
         logps, mask, entropy = grpo_loss.token_logps(logits, batch["labels"], config.temperature, entropy=True)
         high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
-        loss, ratio, kl = grpo_loss.per_token_loss(logps, logps.detach(), batch.get("ref_logps"),
+        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        loss, ratio, kl = grpo_loss.per_token_loss(logps, old, batch.get("ref_logps"),
                                                    batch["advantages"], config.epsilon, high, config.beta)
         with torch.no_grad():
             adv = batch["advantages"].unsqueeze(1)

@@ -29,7 +29,7 @@ from finetune.data.preference import (
 from finetune.errors import FinetuneError
 from finetune.models.loading import set_attention
 from finetune.models.lora import ADAPTER_CONFIG, load_merged_adapter
-from finetune.tasks.base import Finding, unwrapped
+from finetune.tasks.base import Finding, refuse_iterations, unwrapped
 from finetune.tasks.causal_lm import CausalLM
 from finetune.tasks.preference_loss import (
     CONSTANT_ON_TIES,
@@ -170,7 +170,9 @@ class PreferenceTask:
 
     def for_run(self, config) -> "PreferenceTask":
         """A new task for a run of ``config``: its ``--loss_type``, ``--beta``, ``--label_smoothing`` and
-        ``--precompute_ref_log_probs`` (``PreferenceLoss`` raises ``FinetuneError`` for a refused combination)."""
+        ``--precompute_ref_log_probs`` (``PreferenceLoss`` raises ``FinetuneError`` for a refused combination, and
+        ``base.refuse_iterations`` for ``--num_iterations`` other than 1)."""
+        refuse_iterations(config, self.name)
         return PreferenceTask(PreferenceLoss(config.loss_type, config.beta, config.label_smoothing),
                               precompute=config.precompute_ref_log_probs)
 

@@ -155,3 +155,31 @@ def keep_records(output_dir, records: list[dict], first_step: bool, step: int) -
         path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     with path.open("a", encoding="utf-8") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in records)
+
+
+GENERATION = "grpo_generation"  # --num_iterations > 1: each process's current generation, for a resume inside it
+
+
+def keep_generation(output_dir, step: int, batches: list[dict], figures: dict) -> None:
+    """Write this process's generation of ``step`` (its completion micro-batches, old log-probabilities included,
+    and the window's figures) to ``<output_dir>/grpo_generation/process-<rank>.pt`` atomically, replacing the
+    previous one."""
+    folder = Path(output_dir) / GENERATION
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"process-{distributed.rank()}.pt"
+    tmp = path.with_name(f".tmp-{path.name}")
+    torch.save({"step": step, "batches": [{k: v.cpu() for k, v in b.items()} for b in batches],
+                "figures": figures}, tmp)
+    tmp.replace(path)
+
+
+def read_generation(output_dir, step: int) -> tuple[int, list[dict], dict]:
+    """(step, batches, figures) of the generation ``keep_generation`` kept for ``step``. Raises ``FinetuneError``
+    where it holds another step or none (a checkpoint older than the last generation)."""
+    path = Path(output_dir) / GENERATION / f"process-{distributed.rank()}.pt"
+    kept = torch.load(path, weights_only=True) if path.is_file() else None
+    if kept is None or kept["step"] != step:
+        raise FinetuneError(f"{path} does not hold the generation of step {step} that this resume continues "
+                            f"(--num_iterations trains each generation several steps): resume from the newest "
+                            "checkpoint, or one at the start of a generation.")
+    return kept["step"], kept["batches"], kept["figures"]
