@@ -259,6 +259,25 @@ def test_bench_dpo_peer_quick(capsys, tmp_path):
     assert precomputed["ours"]["precompute_seconds"] > 0 and precomputed["trl"]["precompute_seconds"] > 0
 
 
+
+def test_bench_grpo_peer_quick(capsys, tmp_path):
+    """bench_grpo_peer --quick: ours and TRL's GRPOTrainer on the tiny chat Llama, ABBA generating and replaying:
+    on the replayed completions both sides' per-step losses agree, every configuration runs twice, the rates and
+    ratios are what the table prints, both sides' completions are of the same mean length when replayed."""
+    pytest.importorskip("trl", reason="bench_grpo_peer compares against TRL's GRPOTrainer: pip install -e '.[test]'")
+    js = tmp_path / "grpo.json"
+    out = run_bench_in_process(capsys, "bench_grpo_peer.py", "--quick", "--work_dir", str(tmp_path / "work"),
+                               "--out", str(js))
+    data = json.loads(js.read_text())
+    assert data["quick"] and data["replay_loss_difference"] < 1e-6
+    assert data["lengths"]["ours replay"] == pytest.approx(data["lengths"]["trl replay"])
+    for mode in ("generate", "replay"):
+        row = data["results"][mode]
+        assert len(row["ours"]["runs"]) == len(row["trl"]["runs"]) == 2
+        assert row["ratio"] == pytest.approx(row["ours"]["completions_per_second"] / row["trl"]["completions_per_second"])
+        assert float(table_row(out, mode)[3]) == pytest.approx(row["ratio"], abs=0.006)
+        positive(table_row(out, mode)[1])
+
 @pytest.mark.integration
 def test_verify_mutants_smoke(tmp_path):
     """bench/verify_mutants.py --smoke: the clean engine exact with the threshold it printed (1% / 1.5%), and the

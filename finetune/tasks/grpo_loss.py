@@ -74,14 +74,16 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
 
 def per_token_loss(logps, old_logps, ref_logps, advantages_, epsilon_low: float, epsilon_high: float, beta: float):
     """(loss (rows, T), ratio (rows, T), KL or None): TRL's clipped surrogate ``-min(r A, clip(r, 1-el, 1+eh) A)``
-    with r = exp(logp - old logp), plus ``beta`` x the k3 estimate ``exp(ref - logp) - (ref - logp) - 1``."""
+    with r = exp(logp - old logp), plus ``beta`` x the k3 estimate ``exp(ref - logp) - (ref - logp) - 1`` times r
+    (GRPOConfig's ``use_bias_correction_kl``, default True, ``_compute_loss`` lines 3095-3105: r is 1 on-policy but
+    differentiable, so it adds KL x grad logp to the gradient; the KL returned, and logged, is the corrected one)."""
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     adv = advantages_.unsqueeze(1)
     loss = -torch.min(ratio * adv, clipped * adv)
     kl = None
     if beta != 0.0:
-        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
         loss = loss + beta * kl
     return loss, ratio, kl
 
