@@ -20,6 +20,12 @@ def is_quantized(config) -> bool:
     return bool(getattr(config, "load_in_4bit", False) or getattr(config, "load_in_8bit", False))
 
 
+def uses_bitsandbytes(config) -> bool:
+    """Whether a run of ``config`` imports bitsandbytes: a quantized base, or one of its optimizers (``--optim``
+    ``adamw_bnb_8bit``, ``paged_adamw_8bit``, ``paged_adamw_32bit``)."""
+    return is_quantized(config) or getattr(config, "optim", "adamw_torch") not in ("adamw_torch", "adamw_torch_fused")
+
+
 def compute_dtype(config) -> str:
     """The 4-bit layers' compute dtype: ``--bnb_4bit_compute_dtype``, else the run's precision's
     (``PRECISION_DTYPES``: fp32 -> float32, bf16 -> bfloat16, fp16 -> float16), as TRL takes its ``dtype``."""

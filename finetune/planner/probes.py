@@ -32,6 +32,7 @@ from finetune.engine.precision import precision_that_runs
 from finetune.errors import FinetuneError
 from finetune.machine import bf16_support, native_bf16
 from finetune.planner.agreement import agreed_seconds
+from finetune.planner.memory import model_memory
 from finetune.planner.plans import Lever, estimate_fits_from_memory
 from finetune.tasks import run_task, task_of
 from finetune.tasks.builders import build_model
@@ -199,9 +200,11 @@ class Probe:
       its state allocated: ``oom_probe``) either runs or raises out-of-memory. CPU: no OOM to catch, so the
       budget is ``--max_memory_mb`` (default: the memory available now) above what the process holds before
       any model exists: activation bytes saved for backward at micro-batch 1 and 2 (``activation_bytes``) give
-      a linear model (bytes per sample, plus a fixed part); the weights add their bytes (and what the task keeps
-      beside the model: ``task.resident_bytes``, a preference task's frozen reference), gradients and AdamW's
-      two moments 3x the trainable parameter bytes (``estimate(m)``). Transient buffers (a layer's temporaries,
+      a linear model (bytes per sample, plus a fixed part); the weights add their bytes by layout (a 4-bit or
+      8-bit base with its constants; and what the task keeps beside the model: ``task.resident_bytes``, a
+      preference task's frozen reference), the gradients the trainable parameters' bytes, the optimizer state
+      ``--optim``'s (AdamW's two moments in 32 or 8 bits) and a 4-bit base's largest de-quantized layer
+      (``memory.model_memory``, held as ``memory``; ``estimate(m)``). Transient buffers (a layer's temporaries,
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
       and a budget needs a margin (docs/speed.md, "The batch planner under two budgets").
       The memory probes run at the run's shapes, which the answer depends on: where one costs more than
@@ -230,7 +233,8 @@ class Probe:
         self.length = config.block_size or config.max_length
         self.vocab = self.model.config.vocab_size
         self.loss_sum = probe_loss_function(task, config, device)
-        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        self.memory = model_memory(self.model, config.optim)  # weights by layout, gradients, optimizer state
+        trainable = self.memory["gradients"]
         buckets = trainable if world_size() > 1 else 0  # DDP keeps its gradient buckets beside the gradients
         if device.type == "cuda":
             self.fits = oom_probe(self.model, build_optimizer(self.model, config), self.step,
@@ -245,12 +249,16 @@ class Probe:
         self.say_when_slow(time.perf_counter() - started, precision)
         two = self.activation_bytes(2)
         per_sample = max(two - one, 1)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + task.resident_bytes()
-        fixed = max(one - per_sample, 0) + weights + 3 * trainable + buckets
+        memory = self.memory
+        weights = memory["weights"]["total"] + task.resident_bytes()
+        self.fixed_activation_bytes = max(one - per_sample, 0)
+        fixed = (self.fixed_activation_bytes + weights + trainable + memory["optimizer_state"] + memory["dequantized"]
+                 + buckets)
         self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held
         print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
-              f"(activations saved for backward at micro-batch 1 and 2; the weights, gradients and AdamW state); "
+              f"(activations saved for backward at micro-batch 1 and 2; the weights, gradients and "
+              f"{memory['optimizer']} state); "
               f"budget {budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
         if budget <= held + fixed + per_sample:
             raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
