@@ -380,10 +380,10 @@ def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_b
     chosen = [(m, sec) for c, m, _, sec, is_chosen in rows if is_chosen]
     assert chosen == [(generous["per_device_train_batch_size"], min(sec for _, _, sec in timed))]
     assert generous["per_device_train_batch_size"] * generous["gradient_accumulation_steps"] == 32
-    plain = out.split("Memory probe (no checkpointing): ")[1]
-    per_sample = float(plain.split(" MiB per sample")[0]) * 2**20
-    fixed = float(plain.split(" + ")[1].split(" MiB per step")[0]) * 2**20
-    with_ckpt = float(out.split("Memory probe (checkpointing): ")[1].split(" MiB per sample")[0]) * 2**20
+    # the probe's model line (a line saying the probe is slow may come first, on a busy machine)
+    per_sample, fixed = (float(x) * 2**20 for x in re.search(
+        r"Memory probe \(no checkpointing\): ([\d.]+) MiB per sample \+ ([\d.]+) MiB per step", out).groups())
+    with_ckpt = float(re.search(r"Memory probe \(checkpointing\): ([\d.]+) MiB per sample", out).group(1)) * 2**20
     assert 0 < with_ckpt < per_sample and fixed > 0  # checkpointing keeps fewer activations per sample
     budget_mb = (Pinned.rss + fixed + 5.5 * per_sample) / 2**20
     tight, _ = run_in_process(tmp_path, "small", max_memory_mb=int(budget_mb + 0.5), **common)
@@ -665,7 +665,7 @@ def test_a_memory_probe_over_the_budget_says_so_and_keeps_its_answer(tiny_bert, 
     slow = Probe(config, recipe, torch.device("cpu"), OFF, held=0)
     assert (slow.per_sample_bytes, slow.fixed_bytes) == answer
     slow.close()
-    assert ("Memory probe (no checkpointing): a forward of 1 sample of 64 tokens took 2.0 s, so this probe takes about "
+    assert ("Memory probe (no checkpointing): a training pass of 1 sample of 64 tokens took 2.0 s, so this probe takes about "
             "6.0 s, over the 3 s a probe may cost: the memory model needs the run's own shapes, so it is not shortened; "
             "bf16 is emulated (no avx512_bf16, no AMX) on this CPU, where --mixed_precision no runs faster") \
         in capsys.readouterr().out

@@ -119,9 +119,10 @@ def test_plan_counts_a_4bit_base_and_an_8bit_optimizer(chat_llama, tmp_path, cap
         trainable = [p for p in params if p.requires_grad]
         assert probe.memory["optimizer_state"] == memory.optimizer_state_bytes(trainable, "adamw_bnb_8bit")
         assert probe.memory["dequantized"] == 12 * max(p.quant_state.shape.numel() for p in quantized)
-        assert probe.fixed_bytes == (probe.fixed_activation_bytes + probe.memory["weights"]["total"]
-                                     + probe.memory["gradients"] + probe.memory["optimizer_state"]
-                                     + probe.memory["dequantized"])
+        assert probe.fixed_bytes == (probe.fixed_pass_bytes + probe.memory["weights"]["total"]
+                                     + probe.memory["optimizer_state"])
+        # the pass's measured peak holds the adapters' gradients and a 4-bit layer de-quantized (transient)
+        assert probe.fixed_pass_bytes >= probe.memory["gradients"] + probe.memory["dequantized"]
     finally:
         probe.close()
     assert main([*flags, "--total_batch_size", "2", "--loss_chunk_size", "0", "--activation_checkpointing", "True",

@@ -48,7 +48,7 @@ def memory_rows(probe: Probe, plans: list[tuple[int, int]]) -> tuple[dict, list[
     rows = []
     for micro, accumulation in plans:
         activations = (None if parts["activations_per_sample"] is None
-                       else probe.fixed_activation_bytes + micro * parts["activations_per_sample"])
+                       else probe.fixed_pass_bytes + micro * parts["activations_per_sample"])
         if probe.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(probe.device)
         fits = probe.fits(micro)

@@ -59,6 +59,22 @@ def saved_storages(run_step: Callable[[], "object"]) -> tuple[dict[int, int], "o
     return storages, loss
 
 
+def allocation_peak(run: Callable[[], object]) -> int:
+    """The most bytes allocated and not yet freed at any moment while ``run()`` runs, counted from its start (what
+    was allocated before and freed during it counts negative): the CPU allocator's allocations and frees as torch's
+    profiler records them (``profile_memory=True``; its ``[memory]`` events in time order, ``kineto_results``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
     """Bytes of the distinct tensor storages autograd saves for backward while ``run_step()`` builds its
     graph (``saved_storages``): the activation memory of a training step, measured exactly (RSS cannot see
@@ -208,7 +224,7 @@ class Probe:
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
       and a budget needs a margin (docs/speed.md, "The batch planner under two budgets").
       The memory probes run at the run's shapes, which the answer depends on: where one costs more than
-      ``PROBE_SECONDS`` (a forward of one sample is timed first), a line says so.
+      ``PROBE_SECONDS`` (a pass of one sample is timed first), a line says so.
     - ``seconds_per_sample(m)``: one warm-up and one to three timed forward/backward passes at micro-batch m
       (seconds per sample; the optimizer step, once per optimizer step whatever the plan, is left out), of samples
       of ``timing``'s length (a ``ProbeTiming`` shared by the planning's probes; None: the run's length).
@@ -245,19 +261,18 @@ class Probe:
         budget = (config.max_memory_mb * 2**20 if config.max_memory_mb
                   else psutil.virtual_memory().available // local_process_count())
         started = time.perf_counter()
-        one = self.activation_bytes(1)
+        one = self.pass_bytes(1)
         self.say_when_slow(time.perf_counter() - started, precision)
-        two = self.activation_bytes(2)
+        two = self.pass_bytes(2)
         per_sample = max(two - one, 1)
         memory = self.memory
         weights = memory["weights"]["total"] + task.resident_bytes()
-        self.fixed_activation_bytes = max(one - per_sample, 0)
-        fixed = (self.fixed_activation_bytes + weights + trainable + memory["optimizer_state"] + memory["dequantized"]
-                 + buckets)
+        self.fixed_pass_bytes = max(one - per_sample, 0)  # holds the gradients and a 4-bit layer de-quantized
+        fixed = self.fixed_pass_bytes + weights + memory["optimizer_state"] + buckets
         self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held
         print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
-              f"(activations saved for backward at micro-batch 1 and 2; the weights, gradients and "
+              f"(a training pass's peak at micro-batch 1 and 2: activations, gradients, transients; the weights and "
               f"{memory['optimizer']} state); "
               f"budget {budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
         if budget <= held + fixed + per_sample:
@@ -266,6 +281,17 @@ class Probe:
                                 f"MiB more. Raise --max_memory_mb above {(held + fixed + per_sample) / 2**20:.0f}.")
         self.fits = estimate_fits_from_memory(per_sample, fixed, budget - held)
         self.estimate = lambda m: int(held + fixed + m * per_sample)
+
+    def pass_bytes(self, m: int) -> int:
+        """The most bytes one training pass at micro-batch ``m`` (forward and backward) holds above what was held
+        before it (``allocation_peak``): the activations saved for backward, the gradients as backward writes them,
+        and every transient (a layer's temporaries, the loss's logits and their gradient, a 4-bit layer
+        de-quantized), which the bytes saved for backward alone (``activation_bytes``) leave out: on SmolLM2-135M at
+        256 tokens the pass's peak is far above them (docs/plan.md). The gradients are freed after it."""
+        try:
+            return allocation_peak(lambda: self.step(m).backward())
+        finally:
+            self.model.zero_grad(set_to_none=True)
 
     def activation_bytes(self, m: int) -> int:
         """Bytes autograd saves for backward in one forward at micro-batch ``m`` (``saved_storages``), less the
@@ -278,13 +304,14 @@ class Probe:
         return sum(size for ptr, size in storages.items() if ptr not in params)
 
     def say_when_slow(self, forward_seconds: float, precision: str) -> None:
-        """Print that this memory probe costs more than ``PROBE_SECONDS`` where its forward of one sample took
-        ``forward_seconds`` (the probe: that, and a forward of two samples, about three times it)."""
+        """Print that this memory probe costs more than ``PROBE_SECONDS`` where its training pass (forward and
+        backward) of one sample took ``forward_seconds`` (the probe: that, and a pass of two samples, about three times
+        it)."""
         if 3 * forward_seconds <= PROBE_SECONDS:
             return
         emulated = (f"; bf16 is {bf16_support()} on this CPU, where --mixed_precision no runs faster"
                     if precision == "bf16" and self.device.type == "cpu" and not native_bf16() else "")
-        print(f"Memory probe ({self.lever}): a forward of 1 sample of {self.length} tokens took {forward_seconds:.1f} "
+        print(f"Memory probe ({self.lever}): a training pass of 1 sample of {self.length} tokens took {forward_seconds:.1f} "
               f"s, so this probe takes about {3 * forward_seconds:.1f} s, over the {PROBE_SECONDS:g} s a probe may "
               f"cost: the memory model needs the run's own shapes, so it is not shortened{emulated}")
 
