@@ -60,8 +60,8 @@ LEVERS = {"no checkpointing": [], "checkpointing": ["--activation_checkpointing"
 SMOKE_SLACK_MB = 256
 ESTIMATE_GOAL = 0.15  # |estimate - measured| / measured of the peak, per setting
 ESTIMATE_SETTINGS = {  # label -> flags: the base and the optimizer (LoRA's rank and targets: the recipe's)
-    "LoRA, fp32 base": ["--use_peft", "True"],
-    "QLoRA, NF4 base": ["--use_peft", "True", "--load_in_4bit", "True"],
+    "LoRA (fp32 base)": ["--use_peft", "True"],
+    "QLoRA (NF4 base)": ["--use_peft", "True", "--load_in_4bit", "True"],
     "LoRA + adamw_bnb_8bit": ["--use_peft", "True", "--optim", "adamw_bnb_8bit"],
     "full + adamw_bnb_8bit": ["--optim", "adamw_bnb_8bit"],
 }

@@ -109,8 +109,10 @@ def plan(config, timed: bool) -> int:
     say(f"Plans for --total_batch_size {config.total_batch_size} on {state.num_processes} process(es): "
         f"{len(plans)} exact splits x {len(levers(config, recipe, state.device))} lever settings")
     held = held_before_probes(config)  # as --auto_find_batch_size counts it: before any probe model exists
+    overhead = None  # the allocator's, measured by the first probe's first pass (later ones reuse its memory)
     for lever in levers(config, recipe, state.device):
-        probe = Probe(config, recipe, state.device, lever, held)
+        probe = Probe(config, recipe, state.device, lever, held, overhead=overhead)
+        overhead = getattr(probe, "overhead", None)
         try:
             parts, rows = memory_rows(probe, plans)
         finally:

@@ -75,6 +75,26 @@ def allocation_peak(run: Callable[[], object]) -> int:
     return peak
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its RSS now (Linux: "5" into ``/proc/self/clear_refs``); False
+    where the system does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """This process's peak RSS since it started or since ``reset_peak_rss`` (``VmHWM``, bytes)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return psutil.Process().memory_info().rss
+
+
 def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
     """Bytes of the distinct tensor storages autograd saves for backward while ``run_step()`` builds its
     graph (``saved_storages``): the activation memory of a training step, measured exactly (RSS cannot see
@@ -232,7 +252,7 @@ class Probe:
     """
 
     def __init__(self, config, recipe, device, lever: Lever, held: int | None = None,
-                 timing: ProbeTiming | None = None):
+                 timing: ProbeTiming | None = None, overhead: float | None = None):
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         task = run_task(recipe, config)
         label_names = task.probe_label_names
@@ -261,19 +281,24 @@ class Probe:
         budget = (config.max_memory_mb * 2**20 if config.max_memory_mb
                   else psutil.virtual_memory().available // local_process_count())
         started = time.perf_counter()
+        before = psutil.Process().memory_info().rss if reset_peak_rss() else None
         one = self.pass_bytes(1)
+        if overhead is None:  # the process's first pass: what its RSS grew by, against the bytes live at the peak
+            overhead = max(1.0, (peak_rss() - before) / one) if before is not None and one > 0 else 1.0
+        self.overhead = overhead
         self.say_when_slow(time.perf_counter() - started, precision)
         two = self.pass_bytes(2)
-        per_sample = max(two - one, 1)
+        per_sample = int(max(two - one, 1) * overhead)
         memory = self.memory
         weights = memory["weights"]["total"] + task.resident_bytes()
-        self.fixed_pass_bytes = max(one - per_sample, 0)  # holds the gradients and a 4-bit layer de-quantized
+        # holds the gradients and a 4-bit layer de-quantized
+        self.fixed_pass_bytes = int(max(one - (two - one), 0) * overhead)
         fixed = self.fixed_pass_bytes + weights + memory["optimizer_state"] + buckets
         self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held
         print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
-              f"(a training pass's peak at micro-batch 1 and 2: activations, gradients, transients; the weights and "
-              f"{memory['optimizer']} state); "
+              f"(a training pass's peak at micro-batch 1 and 2: activations, gradients, transients, x {overhead:.2f} "
+              f"the allocator's overhead; the weights and {memory['optimizer']} state); "
               f"budget {budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
         if budget <= held + fixed + per_sample:
             raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
