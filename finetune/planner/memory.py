@@ -112,6 +112,22 @@ def optimizer_state_bytes(params, optim: str) -> int:
     return total + (2 * DYNAMIC_CODE * FP32 if any_8bit else 0)
 
 
+def optimizer_step_bytes(params, optim: str) -> int:
+    """The transient of one optimizer step over ``params`` (the trainable tensors): the tensors it makes for its
+    largest parameter of n elements, freed before the next. bitsandbytes 0.50.2's 8-bit AdamW on a CPU
+    (``backends/cpu/ops.py``, ``_optimizer_update_8bit_blockwise_cpu``) de-quantizes both moments to fp32, copies the
+    gradient to fp32, and builds its denominator from two more fp32 tensors (``state2_fp32.sqrt() / correction2``):
+    5 x 4n bytes (a tensor under 4096 elements takes the 32-bit path); ``torch.optim.AdamW`` (one tensor at a time on
+    a CPU) and the 32-bit ones, that denominator's two tensors: 2 x n x the element size."""
+    largest = max(list(params), key=lambda p: p.numel(), default=None)
+    if largest is None:
+        return 0
+    n = largest.numel()
+    if optim.endswith("8bit") and n >= MIN_8BIT_SIZE:
+        return 5 * FP32 * n
+    return 2 * n * (largest.element_size() if optim in ("adamw_torch", "adamw_torch_fused") else FP32)
+
+
 def dequantized_layer_bytes(model) -> int:
     """The transient of a 4-bit forward: its largest layer de-quantized, which the CPU kernel builds as int32 codes,
     their fp32 values, then the scaled fp32 weight (bitsandbytes 0.50.2 ``_dequantize_4bit_compute``): 3 x 4 bytes a
@@ -137,9 +153,11 @@ def describe_optimizer(optim: str) -> str:
 def model_memory(model, optim: str) -> dict:
     """What training ``model`` under ``--optim`` ``optim`` holds beside its activations, in bytes: "weights"
     (``weight_bytes``), "gradients" (one like each trainable parameter), "optimizer_state"
-    (``optimizer_state_bytes``), "dequantized" (``dequantized_layer_bytes``), and "optimizer" (its name,
+    (``optimizer_state_bytes``), "dequantized" (``dequantized_layer_bytes``), "optimizer_step"
+    (``optimizer_step_bytes``), and "optimizer" (its name,
     ``describe_optimizer``)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     return {"weights": weight_bytes(model), "gradients": sum(p.numel() * p.element_size() for p in trainable),
             "optimizer_state": optimizer_state_bytes(trainable, optim), "dequantized": dequantized_layer_bytes(model),
+            "optimizer_step": optimizer_step_bytes(trainable, optim),
             "optimizer": describe_optimizer(optim)}

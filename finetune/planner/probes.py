@@ -304,8 +304,13 @@ class Probe:
             raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
                                 f"{held / 2**20:.0f} MiB and one sample needs about {(fixed + per_sample) / 2**20:.0f} "
                                 f"MiB more. Raise --max_memory_mb above {(held + fixed + per_sample) / 2**20:.0f}.")
-        self.fits = estimate_fits_from_memory(per_sample, fixed, budget - held)
-        self.estimate = lambda m: int(held + fixed + m * per_sample)
+        # the optimizer step holds every gradient, the weights and the state, and its own transient (activations are
+        # freed by then): a peak of its own, whatever the micro-batch
+        self.step_peak_bytes = (weights + trainable + memory["optimizer_state"] + memory["optimizer_step"]
+                                + buckets)
+        linear = estimate_fits_from_memory(per_sample, fixed, budget - held)
+        self.fits = lambda m: linear(m) and self.step_peak_bytes <= budget - held
+        self.estimate = lambda m: int(held + max(fixed + m * per_sample, self.step_peak_bytes))
 
     def pass_bytes(self, m: int) -> int:
         """The most bytes one training pass at micro-batch ``m`` (forward and backward) holds above what was held
