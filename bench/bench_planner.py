@@ -199,7 +199,8 @@ def parse_plan_estimate(text: str, micro_batch: int) -> dict:
     under the loss given) and its row of ``micro_batch``: {"estimate_mib", "weights_mib", "optimizer_state_mib",
     "activations_per_sample_mib", "held_mib", "header"}. Raises ``BenchError`` where it is missing."""
     header = re.search(r"^no checkpointing[^:]*: weights (\d+) MiB.*?optimizer state \(([^)]*)\) (\d+) MiB.*?"
-                       r"activations ([\d.]+) MiB per sample; the estimate adds the (\d+) MiB this process holds$",
+                       r"activations ([\d.]+) MiB per sample; the optimizer step peaks at \d+ MiB .*?the estimate adds "
+                       r"the (\d+) MiB this process holds$",
                        text, flags=re.M)
     if header is None:
         raise bl.BenchError("finetune plan's output has no block without checkpointing:\n" + text[-3000:])

@@ -93,7 +93,8 @@ def test_bench_planner_estimates_read_what_finetune_plan_prints():
     parts = {"weights": 230 * MIB, "quantized_weights": 118 * MIB, "full_weights": 112 * MIB,
              "quantization": "NF4 (4-bit, bitsandbytes; compute float32; 210 linear layers)", "gradients": 4 * MIB,
              "optimizer_state": 2.5 * MIB, "optimizer": "AdamW 8-bit, bitsandbytes", "dequantized": 13 * MIB,
-             "ddp_buckets": 0, "activations_per_sample": 330.5 * MIB, "fixed": 250 * MIB}
+             "ddp_buckets": 0, "activations_per_sample": 330.5 * MIB, "fixed": 250 * MIB, "held": 600 * MIB,
+             "optimizer_step_peak": 300 * MIB}
     rows = [{"micro_batch": m, "accumulation": 4 // m, "activations": m * 330.5 * MIB,
              "estimated_peak": 600 * MIB + 250 * MIB + m * 330.5 * MIB, "measured_peak": None, "fits": True}
             for m in (4, 2, 1)]

@@ -44,7 +44,8 @@ def memory_rows(probe: Probe, plans: list[tuple[int, int]]) -> tuple[dict, list[
              "gradients": memory["gradients"], "optimizer_state": memory["optimizer_state"],
              "optimizer": memory["optimizer"], "dequantized": memory["dequantized"], "ddp_buckets": buckets,
              "activations_per_sample": getattr(probe, "per_sample_bytes", None),
-             "fixed": getattr(probe, "fixed_bytes", None)}
+             "fixed": getattr(probe, "fixed_bytes", None), "held": getattr(probe, "held", None),
+             "optimizer_step_peak": getattr(probe, "step_peak_bytes", None)}
     rows = []
     for micro, accumulation in plans:
         activations = (None if parts["activations_per_sample"] is None
@@ -69,8 +70,9 @@ def render(lever, parts: dict, rows: list[dict]) -> str:
         weights += (f" ({parts['quantization']}: {_mib(parts['quantized_weights'])} MiB with its constants, "
                     f"{_mib(parts['full_weights'])} MiB kept unquantized; the largest layer de-quantized "
                     f"{_mib(parts['dequantized'])} MiB)")
-    held = (f"; the estimate adds the {_mib(rows[0]['estimated_peak'] - parts['fixed'] - rows[0]['micro_batch'] * parts['activations_per_sample'])} MiB this process holds"
-            if rows and rows[0]["estimated_peak"] is not None else "")
+    held = (f"; the optimizer step peaks at {_mib(parts['optimizer_step_peak'])} MiB (every gradient, the state and "
+            f"its transient); the estimate adds the {_mib(parts['held'])} MiB this process holds"
+            if parts.get("held") is not None and parts.get("optimizer_step_peak") is not None else "")
     lines = [f"{lever}: {weights}, gradients {_mib(parts['gradients'])} MiB, "
              f"optimizer state ({parts['optimizer']}) {_mib(parts['optimizer_state'])} MiB, "
              + (f"DDP buckets {_mib(parts['ddp_buckets'])} MiB, " if parts["ddp_buckets"] else "") + "activations "

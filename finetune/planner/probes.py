@@ -296,6 +296,7 @@ class Probe:
         fixed = self.fixed_pass_bytes + weights + memory["optimizer_state"] + buckets
         self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held
+        self.held = held
         print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
               f"(a training pass's peak at micro-batch 1 and 2: activations, gradients, transients, x {overhead:.2f} "
               f"the allocator's overhead; the weights and {memory['optimizer']} state); "
