@@ -23,6 +23,16 @@
    ``--max_memory_mb`` budgets).
 
 Full mode: bbc-news with all-MiniLM-L6-v2 at ``--max_length`` 256, B = 16, 4 optimizer steps, fp32, 3 repeats.
+
+``--estimates``: instead, ``finetune plan``'s estimated peak against the measured one, per setting of the base and the
+optimizer (``ESTIMATE_SETTINGS``: LoRA on the fp32 base, QLoRA on an NF4 base, LoRA and the full fine-tune with
+``--optim adamw_bnb_8bit``), any recipe: for each, ``python -m finetune.commands.plan`` (a fresh process) gives the
+estimate of the plan micro-batch B x 1 without checkpointing, under the loss the run takes, and a fresh
+``finetune/run.py`` of that plan for ``--steps`` optimizer steps (evaluation off) gives the peak RSS and the training
+samples/s (medians over ``--repeats``); the error is (estimate - measured) / measured, goal within
+``ESTIMATE_GOAL``. Measured on bbc-headlines (SmolLM2-135M), docs/plan.md:
+
+    python bench/bench_planner.py --estimates --recipe bbc-headlines --total_batch_size 4 --steps 2 --repeats 1
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,12 +50,21 @@ import psutil  # noqa: E402
 
 from finetune.planner.plans import valid_plans  # noqa: E402  (benchlib puts the repository on sys.path)
 from finetune.recipes import load_recipe  # noqa: E402
+from finetune.tasks import task_of  # noqa: E402
+from finetune.tasks.chunked_loss import DEFAULT_CHUNK_SIZE  # noqa: E402
 
 NO_DIFFERENCE = 1.03  # a ratio of medians at or under this is "no slower, within noise"
 LEVERS = {"no checkpointing": [], "checkpointing": ["--activation_checkpointing", "True"]}
 # smoke: a tiny model's activations per sample are smaller than the process size's jitter between two runs, so
 # the tight budget gets this much more room, lest the tight run find less room than the generous run's probe said
 SMOKE_SLACK_MB = 256
+ESTIMATE_GOAL = 0.15  # |estimate - measured| / measured of the peak, per setting
+ESTIMATE_SETTINGS = {  # label -> flags: the base and the optimizer (LoRA's rank and targets: the recipe's)
+    "LoRA (fp32 base)": ["--use_peft", "True"],
+    "QLoRA (NF4 base)": ["--use_peft", "True", "--load_in_4bit", "True"],
+    "LoRA + adamw_bnb_8bit": ["--use_peft", "True", "--optim", "adamw_bnb_8bit"],
+    "full + adamw_bnb_8bit": ["--optim", "adamw_bnb_8bit"],
+}
 PROBE_RE = re.compile(r"Memory probe \(no checkpointing\): ([\d.]+) MiB per sample \+ ([\d.]+) MiB per step.*"
                       r"process holds (\d+) MiB")
 
@@ -60,9 +80,13 @@ def parse_args(argv=None):
                    help="the generous budget, MiB (default: the memory available when the script starts)")
     p.add_argument("--tight_samples", type=float, default=2.5,
                    help="the tight budget's room for saved activations, in samples without checkpointing")
+    p.add_argument("--estimates", action="store_true",
+                   help="finetune plan's estimated peak against the measured peak per ESTIMATE_SETTINGS (any recipe)")
+    p.add_argument("--settings", default=None,
+                   help=f"--estimates: comma-separated subset of the settings (default all: {', '.join(ESTIMATE_SETTINGS)})")
     args = p.parse_args(argv)
     task = load_recipe(args.recipe).TASK
-    if task != "sequence-classification":
+    if task != "sequence-classification" and not args.estimates:
         p.error(f"--recipe {args.recipe} is a {task} recipe: this benchmark runs sequence-classification recipes "
                 "(its fixed-plan runs vary checkpointing only; for a causal LM the planner also picks the loss)")
     if args.max_length is None and not args.smoke:
@@ -148,6 +172,120 @@ def run_all(args, model, workdir: Path) -> tuple[list[bl.Config], dict]:
         for i, run in enumerate(c.runs):
             run["bench_repeat"] = i + 1
     return configs, planner
+
+
+# ------------------------------------------------------------------------------------ --estimates
+def estimate_configs(args, model: str | None) -> list[bl.Config]:
+    """One fixed-plan configuration per chosen setting: micro-batch B x accumulation 1, no checkpointing, for a causal
+    LM the chunked loss of a CPU's default (``--loss_chunk_size`` given, so the plan probes that loss alone), evaluation
+    off (what the estimate is of: training)."""
+    chosen = args.settings.split(",") if args.settings else list(ESTIMATE_SETTINGS)
+    unknown = [name for name in chosen if name not in ESTIMATE_SETTINGS]
+    if unknown:
+        raise bl.BenchError(f"--settings: unknown {unknown}; choose among {list(ESTIMATE_SETTINGS)}")
+    common = ["--recipe", args.recipe, "--mixed_precision", args.mixed_precision, "--max_train_samples",
+              str(args.max_train_samples), "--num_train_epochs", "1", "--eval_strategy", "no", "--eval_on_start",
+              "False", "--save_strategy", "no", "--per_device_train_batch_size", str(args.total_batch_size),
+              "--gradient_accumulation_steps", "1", "--activation_checkpointing", "False"]
+    common += (["--max_length", str(args.max_length)] if args.max_length else []) + (
+        ["--model_name_or_path", model] if model else [])
+    if task_of(load_recipe(args.recipe)).chunked_loss:  # the run's loss fixed, so the plan probes that one only
+        common += ["--loss_chunk_size", str(DEFAULT_CHUNK_SIZE)]
+    return [bl.Config(name, common + ESTIMATE_SETTINGS[name] + args.extra_args.split()) for name in chosen]
+
+
+def parse_plan_estimate(text: str, micro_batch: int) -> dict:
+    """From ``finetune plan``'s output: the block without checkpointing (the first: ``probes.levers`` lists it first,
+    under the loss given) and its row of ``micro_batch``: {"estimate_mib", "weights_mib", "optimizer_state_mib",
+    "activations_per_sample_mib", "held_mib", "header"}. Raises ``BenchError`` where it is missing."""
+    header = re.search(r"^no checkpointing[^:]*: weights (\d+) MiB.*?optimizer state \(([^)]*)\) (\d+) MiB.*?"
+                       r"activations ([\d.]+) MiB per sample; the optimizer step peaks at \d+ MiB .*?the estimate adds "
+                       r"the (\d+) MiB this process holds$",
+                       text, flags=re.M)
+    if header is None:
+        raise bl.BenchError("finetune plan's output has no block without checkpointing:\n" + text[-3000:])
+    rows = text[header.end():].splitlines()[2:]
+    for line in rows:
+        cells = line.split()
+        if len(cells) < 6 or not cells[0].isdigit():
+            break
+        if int(cells[0]) == micro_batch:
+            return {"estimate_mib": float(cells[3]), "weights_mib": float(header.group(1)),
+                    "optimizer": header.group(2), "optimizer_state_mib": float(header.group(3)),
+                    "activations_per_sample_mib": float(header.group(4)), "held_mib": float(header.group(5)),
+                    "header": header.group(0)}
+    raise bl.BenchError(f"finetune plan's block without checkpointing has no row of micro-batch {micro_batch}")
+
+
+def run_plan(args, config: bl.Config, workdir: Path) -> dict:
+    """``python -m finetune.commands.plan`` with the configuration's flags (``--total_batch_size`` B), a fresh process;
+    its estimate of micro-batch B (``parse_plan_estimate``) and its wall seconds."""
+    log = workdir / "plan" / f"{bl._slug(config.label)}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[plan] {config.label} ...", end="", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    code = bl.run_script(["-m", "finetune.commands.plan", *config.args, "--total_batch_size", str(args.total_batch_size),
+                          "--output_dir", str(workdir / "plan-out")], log, num_threads=args.num_threads,
+                         timeout=args.timeout)
+    if code != 0:
+        raise bl.BenchError(f"finetune plan failed (exit {code}): see {log}\n" + log.read_text()[-3000:])
+    parsed = parse_plan_estimate(log.read_text(), args.total_batch_size)
+    print(f" estimate {parsed['estimate_mib']:.0f} MiB", file=sys.stderr, flush=True)
+    return parsed | {"plan_seconds": round(time.perf_counter() - started, 1)}
+
+
+def summarize_estimates(configs: list[bl.Config], plans: dict) -> dict:
+    """Per setting: the estimate, the measured peak RSS and samples/s (medians), the error (estimate - measured) /
+    measured and whether it is within ``ESTIMATE_GOAL``."""
+    out = {}
+    for c in configs:
+        measured = bl.median_of(c.runs, "peak_memory_bytes") / bl.MIB
+        estimate = plans[c.label]["estimate_mib"]
+        error = (estimate - measured) / measured
+        out[c.label] = {**plans[c.label], "measured_mib": measured,
+                        "samples_per_second": bl.median_of(c.runs, "train_samples_per_second"),
+                        "error": error, "met": bool(abs(error) <= ESTIMATE_GOAL)}
+    return {"settings": out, "goal": ESTIMATE_GOAL}
+
+
+def render_estimates(args, info: dict, configs: list[bl.Config], results: dict) -> str:
+    """The Markdown report of ``--estimates``: one row per setting."""
+    rows = []
+    for c in configs:
+        r = results["settings"][c.label]
+        rows.append([c.label, f"{r['weights_mib']:.0f}", f"{r['optimizer_state_mib']:.1f} ({r['optimizer']})",
+                     f"{r['activations_per_sample_mib']:.1f}", f"{r['held_mib']:.0f}", f"{r['estimate_mib']:.0f}",
+                     f"{r['measured_mib']:.0f}", f"{r['error']:+.1%}", bl.fmt(r["samples_per_second"], ".3f"),
+                     "met" if r["met"] else "NOT met"])
+    headers = ["setting", "weights MiB", "optimizer state MiB", "activations MiB/sample", "held MiB",
+               "estimated peak MiB", "measured peak RSS MiB", "error", "training samples/s",
+               f"within {ESTIMATE_GOAL:.0%}"]
+    return "\n".join([*bl.report_header("finetune plan's estimate against the measured peak", args, info),
+                      f"Plan {args.total_batch_size} x 1 (micro-batch x accumulation), no checkpointing, {args.steps} "
+                      f"optimizer steps ({args.max_train_samples} samples), evaluation off.", "",
+                      bl.markdown_table(headers, rows), "",
+                      "- estimated: `finetune plan`'s est. peak of that plan (a fresh process); measured: the training "
+                      "run's process max RSS (`metrics.json` peak_memory_bytes); samples/s: the run's training "
+                      "samples/s (forward, backward, optimizer step, data)."])
+
+
+def run_estimates(args) -> int:
+    """``--estimates``: the plans, then the runs (interleaved over ``--repeats``), the report."""
+    info = bl.machine_info()
+    with bl.Workdir(args.workdir) as workdir:
+        model = args.model_name_or_path
+        if model is None and args.smoke:
+            model = str(bl.build_tiny_llama(workdir / "tiny-llama"))
+        configs = estimate_configs(args, model)
+        if args.dry_run:
+            bl.print_commands(configs, args)
+            return 0
+        plans = {c.label: run_plan(args, c, workdir) for c in configs}
+        bl.run_configs(configs, args, workdir)
+    results = summarize_estimates(configs, plans)
+    bl.emit(render_estimates(args, info, configs, results), bl.result_record("planner-estimates", args, info, configs,
+                                                                             results), args)
+    return 0
 
 
 def seconds_per_sample(run: dict) -> float:
@@ -238,6 +376,8 @@ def render(args, info: dict, configs: list[bl.Config], results: dict) -> str:
 def main(argv=None) -> int:
     """Run the benchmark; print the report; exit 0, or 1 if a run failed."""
     args = parse_args(argv)
+    if args.estimates:
+        return run_estimates(args)
     info = bl.machine_info()
     with bl.Workdir(args.workdir) as workdir:
         model = args.model_name_or_path

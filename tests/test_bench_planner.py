@@ -79,3 +79,31 @@ def test_bench_planner_reads_the_planner_table():
     assert parsed["rows"]["4x8"]["planner_seconds_per_sample"] == U_SHAPE[4]
     with pytest.raises(BenchError, match="lacks the CPU memory probe"):
         bp.parse_planner_output(text.split("\n", 1)[1])
+
+
+def test_bench_planner_estimates_read_what_finetune_plan_prints():
+    """``--estimates``: ``parse_plan_estimate`` reads the block ``finetune plan`` renders (``commands.plan.render``,
+    a 4-bit base and an 8-bit optimizer) at the run's micro-batch; the error is (estimate - measured) / measured."""
+    import bench_planner as bp
+    from benchlib import MIB, BenchError, Config
+
+    from finetune.commands.plan import render
+    from finetune.planner.plans import Lever
+
+    parts = {"weights": 230 * MIB, "quantized_weights": 118 * MIB, "full_weights": 112 * MIB,
+             "quantization": "NF4 (4-bit, bitsandbytes; compute float32; 210 linear layers)", "gradients": 4 * MIB,
+             "optimizer_state": 2.5 * MIB, "optimizer": "AdamW 8-bit, bitsandbytes", "dequantized": 13 * MIB,
+             "ddp_buckets": 0, "activations_per_sample": 330.5 * MIB, "fixed": 250 * MIB, "held": 600 * MIB,
+             "optimizer_step_peak": 300 * MIB}
+    rows = [{"micro_batch": m, "accumulation": 4 // m, "activations": m * 330.5 * MIB,
+             "estimated_peak": 600 * MIB + 250 * MIB + m * 330.5 * MIB, "measured_peak": None, "fits": True}
+            for m in (4, 2, 1)]
+    text = render(Lever(False, 1024), parts, rows) + "\n" + render(Lever(True, 1024), parts, rows)
+    parsed = bp.parse_plan_estimate(text, 2)
+    assert parsed["estimate_mib"] == 1511 and parsed["weights_mib"] == 230 and parsed["held_mib"] == 600
+    assert parsed["optimizer"] == "AdamW 8-bit, bitsandbytes" and parsed["activations_per_sample_mib"] == 330.5
+    with pytest.raises(BenchError, match="no row of micro-batch 8"):
+        bp.parse_plan_estimate(text, 8)
+    config = Config("QLoRA", [], [{"peak_memory_bytes": 2000 * MIB, "train_samples_per_second": 0.5}])
+    result = bp.summarize_estimates([config], {"QLoRA": parsed})["settings"]["QLoRA"]
+    assert result["error"] == pytest.approx((1511 - 2000) / 2000) and not result["met"]

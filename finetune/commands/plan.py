@@ -23,7 +23,8 @@ from finetune.data.packing import budget as packing_budget
 from finetune.data.packing import row_length
 from finetune.errors import FinetuneError, reports_errors
 from finetune.lifecycle.resolve import resolve
-from finetune.planner import probe_and_choose
+from finetune.models.quantization import describe_base
+from finetune.planner import held_before_probes, probe_and_choose
 from finetune.planner.plans import valid_plans
 from finetune.planner.probes import Probe, levers
 
@@ -31,23 +32,24 @@ MIB = 2**20
 
 
 def memory_rows(probe: Probe, plans: list[tuple[int, int]]) -> tuple[dict, list[dict]]:
-    """(the lever's fixed parts, one row per plan): weights, gradients and AdamW's two moments in bytes (from the
-    model, as the probe counts them: each the trainable parameters' bytes; DDP's buckets as much again), activations
-    saved for backward at each micro-batch (the probe's linear model from micro-batch 1 and 2, bytes), the
-    estimated peak and whether it fits (``Probe.fits``)."""
-    model = probe.model
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    buckets = trainable if distributed.world_size() > 1 else 0
-    parts = {"weights": sum(p.numel() * p.element_size() for p in model.parameters()), "gradients": trainable,
-             "optimizer_state": 2 * trainable, "ddp_buckets": buckets,
+    """(the lever's fixed parts, one row per plan): the weights by layout, gradients and the optimizer's state in
+    bytes (the probe's count, ``planner.memory.model_memory``: a 4-bit or 8-bit base with its constants, AdamW's
+    moments in 32 or 8 bits; DDP's buckets as much again as the gradients), activations saved for backward at each
+    micro-batch (the probe's linear model from micro-batch 1 and 2, bytes), the estimated peak and whether it fits
+    (``Probe.fits``)."""
+    memory = probe.memory
+    buckets = memory["gradients"] if distributed.world_size() > 1 else 0
+    parts = {"weights": memory["weights"]["total"], "quantized_weights": memory["weights"]["quantized"],
+             "full_weights": memory["weights"]["full"], "quantization": describe_base(probe.model),
+             "gradients": memory["gradients"], "optimizer_state": memory["optimizer_state"],
+             "optimizer": memory["optimizer"], "dequantized": memory["dequantized"], "ddp_buckets": buckets,
              "activations_per_sample": getattr(probe, "per_sample_bytes", None),
-             "fixed": getattr(probe, "fixed_bytes", None)}
-    fixed_activations = (probe.fixed_bytes - parts["weights"] - 3 * trainable - buckets
-                         if hasattr(probe, "fixed_bytes") else None)
+             "fixed": getattr(probe, "fixed_bytes", None), "held": getattr(probe, "held", None),
+             "optimizer_step_peak": getattr(probe, "step_peak_bytes", None)}
     rows = []
     for micro, accumulation in plans:
         activations = (None if parts["activations_per_sample"] is None
-                       else max(fixed_activations or 0, 0) + micro * parts["activations_per_sample"])
+                       else probe.fixed_pass_bytes + micro * parts["activations_per_sample"])
         if probe.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(probe.device)
         fits = probe.fits(micro)
@@ -63,12 +65,19 @@ def _mib(value) -> str:
 
 def render(lever, parts: dict, rows: list[dict]) -> str:
     """One lever setting's block of the table."""
-    lines = [f"{lever}: weights {_mib(parts['weights'])} MiB, gradients {_mib(parts['gradients'])} MiB, "
-             f"optimizer state (AdamW) {_mib(parts['optimizer_state'])} MiB, "
+    weights = f"weights {_mib(parts['weights'])} MiB"
+    if parts["quantization"]:
+        weights += (f" ({parts['quantization']}: {_mib(parts['quantized_weights'])} MiB with its constants, "
+                    f"{_mib(parts['full_weights'])} MiB kept unquantized; the largest layer de-quantized "
+                    f"{_mib(parts['dequantized'])} MiB)")
+    held = (f"; the optimizer step peaks at {_mib(parts['optimizer_step_peak'])} MiB (every gradient, the state and "
+            f"its transient); the estimate adds the {_mib(parts['held'])} MiB this process holds"
+            if parts.get("held") is not None and parts.get("optimizer_step_peak") is not None else "")
+    lines = [f"{lever}: {weights}, gradients {_mib(parts['gradients'])} MiB, "
+             f"optimizer state ({parts['optimizer']}) {_mib(parts['optimizer_state'])} MiB, "
              + (f"DDP buckets {_mib(parts['ddp_buckets'])} MiB, " if parts["ddp_buckets"] else "") + "activations "
              + ("-" if parts["activations_per_sample"] is None else f"{parts['activations_per_sample'] / MIB:.1f}")
-             + " MiB per sample" + (f"; the estimate adds the {_mib(rows[0]['estimated_peak'] - parts['fixed'] - rows[0]['micro_batch'] * parts['activations_per_sample'])} MiB this process holds"
-                                    if rows and rows[0]["estimated_peak"] is not None else ""),
+             + " MiB per sample" + held,
              "  micro-batch  accumulation  activations MiB  est. peak MiB  measured peak MiB  fits"]
     for r in rows:
         lines.append(f"  {r['micro_batch']:>11}  {r['accumulation']:>12}  {_mib(r['activations']):>15}  "
@@ -101,9 +110,11 @@ def plan(config, timed: bool) -> int:
     plans = valid_plans(config.total_batch_size, state.num_processes)
     say(f"Plans for --total_batch_size {config.total_batch_size} on {state.num_processes} process(es): "
         f"{len(plans)} exact splits x {len(levers(config, recipe, state.device))} lever settings")
-    held = None
+    held = held_before_probes(config)  # as --auto_find_batch_size counts it: before any probe model exists
+    overhead = None  # the allocator's, measured by the first probe's first pass (later ones reuse its memory)
     for lever in levers(config, recipe, state.device):
-        probe = Probe(config, recipe, state.device, lever, held)
+        probe = Probe(config, recipe, state.device, lever, held, overhead=overhead)
+        overhead = getattr(probe, "overhead", None)
         try:
             parts, rows = memory_rows(probe, plans)
         finally:

@@ -67,9 +67,10 @@ def load_causal_lm(name_or_path: str, disable_dropout: bool = False, attn_implem
     (``set_attention``; None: transformers' default). Errors as ``_from_pretrained`` and ``set_attention``; a
     ``.gguf`` path that does not exist names the command that fetches the default one."""
     if name_or_path.endswith(".gguf"):
-        model, _ = load_gguf_causal_lm(name_or_path)
-        if quantization is not None:
-            model = quantize_built(model, quantization)
+        if quantization is None:
+            model, _ = load_gguf_causal_lm(name_or_path)
+        else:  # the fp32 model only lives until it is saved for the quantized load
+            model = quantize_built(lambda: load_gguf_causal_lm(name_or_path)[0], quantization)
         if disable_dropout:
             disable_dropout_in_model(model)  # built already: its modules, attributes and config
         return set_attention(model, attn_implementation)

@@ -6,6 +6,7 @@ continues on a base quantized otherwise). See docs/recipes.md, "QLoRA"."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import tempfile
@@ -18,6 +19,12 @@ PRECISION_DTYPES = {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def is_quantized(config) -> bool:
     """Whether ``config`` asks for a quantized base (``--load_in_4bit`` or ``--load_in_8bit``)."""
     return bool(getattr(config, "load_in_4bit", False) or getattr(config, "load_in_8bit", False))
+
+
+def uses_bitsandbytes(config) -> bool:
+    """Whether a run of ``config`` imports bitsandbytes: a quantized base, or one of its optimizers (``--optim``
+    ``adamw_bnb_8bit``, ``paged_adamw_8bit``, ``paged_adamw_32bit``)."""
+    return is_quantized(config) or getattr(config, "optim", "adamw_torch") not in ("adamw_torch", "adamw_torch_fused")
 
 
 def compute_dtype(config, precision: str | None = None) -> str:
@@ -65,13 +72,19 @@ def load_kwargs(quantization) -> dict:
     return kwargs
 
 
-def quantize_built(model, quantization):
-    """``model`` (a built full-precision model: a de-quantized GGUF) quantized by ``quantization`` (a
-    ``BitsAndBytesConfig``): written to a temporary directory and loaded back through ``from_pretrained``, the one
-    path on which transformers quantizes. Returns the quantized model."""
+def quantize_built(build, quantization):
+    """The model ``build()`` returns (a full-precision model: a de-quantized GGUF) quantized by ``quantization`` (a
+    ``BitsAndBytesConfig``): written to a temporary directory, freed, and loaded back through ``from_pretrained``, the
+    one path on which transformers quantizes. The full-precision model is built here and let go before the quantized
+    one loads, so the two are never held together (the peak of a QLoRA run from a GGUF file is its training's, not
+    its loading's: docs/plan.md). Returns the quantized model."""
     with tempfile.TemporaryDirectory(prefix="finetune-quantize-") as folder:
+        model = build()
         model.save_pretrained(folder)
-        return type(model).from_pretrained(folder, **load_kwargs(quantization))
+        kind = type(model)
+        del model
+        gc.collect()
+        return kind.from_pretrained(folder, **load_kwargs(quantization))
 
 
 def prepare_for_training(model):

@@ -29,10 +29,11 @@ from pathlib import Path
 import psutil
 
 from finetune.distributed import agreed_max, all_reduce_max, process_state
+from finetune.models.quantization import uses_bitsandbytes
 from finetune.planner.plans import BatchPlan, Lever, choose_plan, given_plan, plan_table
 from finetune.planner.probes import Probe, ProbeTiming, levers
 
-__all__ = ["BatchPlan", "apply_plan", "plan_for", "probe_and_choose"]
+__all__ = ["BatchPlan", "apply_plan", "held_before_probes", "plan_for", "probe_and_choose"]
 
 
 def plan_for(config, recipe) -> BatchPlan | None:
@@ -100,6 +101,18 @@ def recorded_plan(config, num_processes: int) -> BatchPlan | None:
     return BatchPlan(**{**recorded, "lever": Lever(**lever) if lever else None})
 
 
+def held_before_probes(config) -> int:
+    """This process's RSS (bytes) before any probe model exists, with the libraries the run's model and optimizer
+    will import loaded first, as a run holds them while it trains: peft under ``--use_peft``, bitsandbytes for a
+    quantized base or its optimizers (about 80 and 115 MiB on a CPU; docs/plan.md)."""
+    import importlib
+
+    for module, used in (("peft", config.use_peft), ("bitsandbytes", uses_bitsandbytes(config))):
+        if used and importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+    return psutil.Process().memory_info().rss
+
+
 def probe_and_choose(config, recipe, state) -> BatchPlan:
     """``--auto_find_batch_size``: ``choose_plan`` over one ``Probe`` per lever setting, each built on every
     rank (a build that fails on one rank fails on all) only once the previous one is freed; print the table. Every
@@ -107,15 +120,18 @@ def probe_and_choose(config, recipe, state) -> BatchPlan:
     largest micro-batch would cost over ``probes.PROBE_SECONDS``)."""
     started = time.perf_counter()
     max_over_processes = all_reduce_max(state)
-    held = psutil.Process().memory_info().rss  # before any probe copy of the model exists
+    held = held_before_probes(config)  # before any probe copy of the model exists
     timing = ProbeTiming(config.total_batch_size // state.num_processes, max_over_processes,
                          say=print if state.is_main_process else (lambda *a, **k: None))
+    overhead = {}  # the allocator's, measured by the first probe's first pass (later ones reuse its memory)
+
     def builder(lever):
         def build() -> Probe:
             made = []
 
             def attempt() -> int:  # may fail on one rank only (e.g. no room under --max_memory_mb)
-                made.append(Probe(config, recipe, state.device, lever, held, timing))
+                made.append(Probe(config, recipe, state.device, lever, held, timing, overhead.get("measured")))
+                overhead.setdefault("measured", getattr(made[-1], "overhead", None))
                 return 0
 
             agreed_max(attempt, max_over_processes, "probing the batch size for --auto_find_batch_size")

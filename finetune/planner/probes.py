@@ -32,6 +32,7 @@ from finetune.engine.precision import precision_that_runs
 from finetune.errors import FinetuneError
 from finetune.machine import bf16_support, native_bf16
 from finetune.planner.agreement import agreed_seconds
+from finetune.planner.memory import model_memory
 from finetune.planner.plans import Lever, estimate_fits_from_memory
 from finetune.tasks import run_task, task_of
 from finetune.tasks.builders import build_model
@@ -56,6 +57,42 @@ def saved_storages(run_step: Callable[[], "object"]) -> tuple[dict[int, int], "o
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = run_step()
     return storages, loss
+
+
+def allocation_peak(run: Callable[[], object]) -> int:
+    """The most bytes allocated and not yet freed at any moment while ``run()`` runs, counted from its start (what
+    was allocated before and freed during it counts negative): the CPU allocator's allocations and frees as torch's
+    profiler records them (``profile_memory=True``; its ``[memory]`` events in time order, ``kineto_results``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its RSS now (Linux: "5" into ``/proc/self/clear_refs``); False
+    where the system does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """This process's peak RSS since it started or since ``reset_peak_rss`` (``VmHWM``, bytes)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return psutil.Process().memory_info().rss
 
 
 def saved_tensor_bytes(run_step: Callable[[], "object"]) -> int:
@@ -199,13 +236,15 @@ class Probe:
       its state allocated: ``oom_probe``) either runs or raises out-of-memory. CPU: no OOM to catch, so the
       budget is ``--max_memory_mb`` (default: the memory available now) above what the process holds before
       any model exists: activation bytes saved for backward at micro-batch 1 and 2 (``activation_bytes``) give
-      a linear model (bytes per sample, plus a fixed part); the weights add their bytes (and what the task keeps
-      beside the model: ``task.resident_bytes``, a preference task's frozen reference), gradients and AdamW's
-      two moments 3x the trainable parameter bytes (``estimate(m)``). Transient buffers (a layer's temporaries,
+      a linear model (bytes per sample, plus a fixed part); the weights add their bytes by layout (a 4-bit or
+      8-bit base with its constants; and what the task keeps beside the model: ``task.resident_bytes``, a
+      preference task's frozen reference), the gradients the trainable parameters' bytes, the optimizer state
+      ``--optim``'s (AdamW's two moments in 32 or 8 bits) and a 4-bit base's largest de-quantized layer
+      (``memory.model_memory``, held as ``memory``; ``estimate(m)``). Transient buffers (a layer's temporaries,
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
       and a budget needs a margin (docs/speed.md, "The batch planner under two budgets").
       The memory probes run at the run's shapes, which the answer depends on: where one costs more than
-      ``PROBE_SECONDS`` (a forward of one sample is timed first), a line says so.
+      ``PROBE_SECONDS`` (a pass of one sample is timed first), a line says so.
     - ``seconds_per_sample(m)``: one warm-up and one to three timed forward/backward passes at micro-batch m
       (seconds per sample; the optimizer step, once per optimizer step whatever the plan, is left out), of samples
       of ``timing``'s length (a ``ProbeTiming`` shared by the planning's probes; None: the run's length).
@@ -213,7 +252,7 @@ class Probe:
     """
 
     def __init__(self, config, recipe, device, lever: Lever, held: int | None = None,
-                 timing: ProbeTiming | None = None):
+                 timing: ProbeTiming | None = None, overhead: float | None = None):
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         task = run_task(recipe, config)
         label_names = task.probe_label_names
@@ -230,7 +269,8 @@ class Probe:
         self.length = config.block_size or config.max_length
         self.vocab = self.model.config.vocab_size
         self.loss_sum = probe_loss_function(task, config, device)
-        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        self.memory = model_memory(self.model, config.optim)  # weights by layout, gradients, optimizer state
+        trainable = self.memory["gradients"]
         buckets = trainable if world_size() > 1 else 0  # DDP keeps its gradient buckets beside the gradients
         if device.type == "cuda":
             self.fits = oom_probe(self.model, build_optimizer(self.model, config), self.step,
@@ -241,23 +281,48 @@ class Probe:
         budget = (config.max_memory_mb * 2**20 if config.max_memory_mb
                   else psutil.virtual_memory().available // local_process_count())
         started = time.perf_counter()
-        one = self.activation_bytes(1)
+        before = psutil.Process().memory_info().rss if reset_peak_rss() else None
+        one = self.pass_bytes(1)
+        if overhead is None:  # the process's first pass: what its RSS grew by, against the bytes live at the peak
+            overhead = max(1.0, (peak_rss() - before) / one) if before is not None and one > 0 else 1.0
+        self.overhead = overhead
         self.say_when_slow(time.perf_counter() - started, precision)
-        two = self.activation_bytes(2)
-        per_sample = max(two - one, 1)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + task.resident_bytes()
-        fixed = max(one - per_sample, 0) + weights + 3 * trainable + buckets
+        two = self.pass_bytes(2)
+        per_sample = int(max(two - one, 1) * overhead)
+        memory = self.memory
+        weights = memory["weights"]["total"] + task.resident_bytes()
+        # holds the gradients and a 4-bit layer de-quantized
+        self.fixed_pass_bytes = int(max(one - (two - one), 0) * overhead)
+        fixed = self.fixed_pass_bytes + weights + memory["optimizer_state"] + buckets
         self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held
+        self.held = held
         print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
-              f"(activations saved for backward at micro-batch 1 and 2; the weights, gradients and AdamW state); "
+              f"(a training pass's peak at micro-batch 1 and 2: activations, gradients, transients, x {overhead:.2f} "
+              f"the allocator's overhead; the weights and {memory['optimizer']} state); "
               f"budget {budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
         if budget <= held + fixed + per_sample:
             raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
                                 f"{held / 2**20:.0f} MiB and one sample needs about {(fixed + per_sample) / 2**20:.0f} "
                                 f"MiB more. Raise --max_memory_mb above {(held + fixed + per_sample) / 2**20:.0f}.")
-        self.fits = estimate_fits_from_memory(per_sample, fixed, budget - held)
-        self.estimate = lambda m: int(held + fixed + m * per_sample)
+        # the optimizer step holds every gradient, the weights and the state, and its own transient (activations are
+        # freed by then): a peak of its own, whatever the micro-batch
+        self.step_peak_bytes = (weights + trainable + memory["optimizer_state"] + memory["optimizer_step"]
+                                + buckets)
+        linear = estimate_fits_from_memory(per_sample, fixed, budget - held)
+        self.fits = lambda m: linear(m) and self.step_peak_bytes <= budget - held
+        self.estimate = lambda m: int(held + max(fixed + m * per_sample, self.step_peak_bytes))
+
+    def pass_bytes(self, m: int) -> int:
+        """The most bytes one training pass at micro-batch ``m`` (forward and backward) holds above what was held
+        before it (``allocation_peak``): the activations saved for backward, the gradients as backward writes them,
+        and every transient (a layer's temporaries, the loss's logits and their gradient, a 4-bit layer
+        de-quantized), which the bytes saved for backward alone (``activation_bytes``) leave out: on SmolLM2-135M at
+        256 tokens the pass's peak is far above them (docs/plan.md). The gradients are freed after it."""
+        try:
+            return allocation_peak(lambda: self.step(m).backward())
+        finally:
+            self.model.zero_grad(set_to_none=True)
 
     def activation_bytes(self, m: int) -> int:
         """Bytes autograd saves for backward in one forward at micro-batch ``m`` (``saved_storages``), less the
@@ -270,13 +335,14 @@ class Probe:
         return sum(size for ptr, size in storages.items() if ptr not in params)
 
     def say_when_slow(self, forward_seconds: float, precision: str) -> None:
-        """Print that this memory probe costs more than ``PROBE_SECONDS`` where its forward of one sample took
-        ``forward_seconds`` (the probe: that, and a forward of two samples, about three times it)."""
+        """Print that this memory probe costs more than ``PROBE_SECONDS`` where its training pass (forward and
+        backward) of one sample took ``forward_seconds`` (the probe: that, and a pass of two samples, about three times
+        it)."""
         if 3 * forward_seconds <= PROBE_SECONDS:
             return
         emulated = (f"; bf16 is {bf16_support()} on this CPU, where --mixed_precision no runs faster"
                     if precision == "bf16" and self.device.type == "cpu" and not native_bf16() else "")
-        print(f"Memory probe ({self.lever}): a forward of 1 sample of {self.length} tokens took {forward_seconds:.1f} "
+        print(f"Memory probe ({self.lever}): a training pass of 1 sample of {self.length} tokens took {forward_seconds:.1f} "
               f"s, so this probe takes about {3 * forward_seconds:.1f} s, over the {PROBE_SECONDS:g} s a probe may "
               f"cost: the memory model needs the run's own shapes, so it is not shortened{emulated}")
 

@@ -1,0 +1,186 @@
+"""The planner's count of a quantized base and of an 8-bit optimizer's state (``finetune.planner.memory``) against the
+bytes of real bitsandbytes tensors: every storage a layer or an optimizer allocates, counted once; and ``finetune
+plan`` naming the quantized base and the optimizer it counted."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from tiny_models import build_tiny_chat_llama
+
+pytest.importorskip("bitsandbytes")
+
+from finetune.planner import memory  # noqa: E402
+
+
+def storages(*tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (None skipped)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def layer_storages(param) -> int:
+    """What one bitsandbytes weight really holds: a ``Params4bit``'s packed data and every tensor of its
+    ``QuantState`` (absmax, code; nested: the nested absmax and code, the offset); an ``Int8Params``'s int8 matrix
+    (``CB`` is its data) and row scales ``SCB``."""
+    state = getattr(param, "quant_state", None)
+    if state is None:
+        return storages(param.data, param.CB, param.SCB)
+    nested = (state.state2.absmax, state.state2.code, state.offset) if state.nested else ()
+    return storages(param.data, state.absmax, state.code, *nested)
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory) -> str:
+    return str(build_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-llama")))
+
+
+@pytest.mark.parametrize("flags", [["--load_in_4bit"], ["--load_in_4bit", "--bnb_4bit_quant_type", "fp4"],
+                                   ["--load_in_4bit", "--use_bnb_nested_quant"], ["--load_in_8bit"]])
+def test_the_count_of_a_quantized_base_is_its_tensors_bytes(chat_llama, flags):
+    from finetune.config import parse_config
+    from finetune.models.loading import load_causal_lm
+    from finetune.models.quantization import bnb_config
+
+    config = parse_config(["--model_name_or_path", chat_llama, "--use_peft", *flags])
+    model = load_causal_lm(chat_llama, quantization=bnb_config(config))
+    quantized = [(n, p) for n, p in model.named_parameters() if type(p).__name__ in ("Params4bit", "Int8Params")]
+    assert len(quantized) == 14  # 2 layers x 7 linear layers; embeddings, norms and the tied lm_head stay fp32
+    for name, param in quantized:
+        assert memory.parameter_bytes(param) == layer_storages(param), name
+    kept = [p for p in model.parameters() if type(p).__name__ not in ("Params4bit", "Int8Params")]
+    assert all(p.dtype == torch.float32 for p in kept)
+    counted = memory.weight_bytes(model)
+    assert counted["quantized"] == sum(layer_storages(p) for _, p in quantized)
+    assert counted["full"] == storages(*kept)
+    # the layout by hand (every tiny layer's element count a multiple of 64): 4 bits a weight + an fp32 scale per 64
+    # + the 16-value code; 8 bits a weight + an fp32 scale per output row
+    if "--load_in_8bit" in flags:
+        assert counted["quantized"] == sum(p.numel() + 4 * p.shape[0] for _, p in quantized)
+    elif "--use_bnb_nested_quant" not in flags:
+        sizes = [p.quant_state.shape.numel() for _, p in quantized]
+        assert counted["quantized"] == sum(n // 2 + 4 * (n // 64) + 4 * 16 for n in sizes)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("shape", [(33, 7), (64, 64), (300, 257)])
+def test_the_4bit_count_rounds_as_bitsandbytes_pads(shape, nested):
+    """Shapes whose element count is odd, or not a multiple of the 64-element block or of the 256 nested blocks."""
+    from bitsandbytes.nn import Params4bit
+
+    param = Params4bit(torch.randn(*shape), requires_grad=False, compress_statistics=nested, quant_type="nf4")
+    param = param.to("cpu")  # quantized on its first move (Params4bit.to -> _quantize)
+    assert param.quant_state is not None and param.quant_state.nested == nested
+    assert memory.four_bit_bytes(shape[0] * shape[1], nested) == layer_storages(param)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"])
+def test_the_count_of_the_optimizer_state_is_its_tensors_bytes(optim):
+    """The run's own optimizer (``engine.build_optimizer`` for ``--optim``) after one step, every state tensor but the
+    step counters: 8 bits a moment from bitsandbytes' 4096 elements up, with a scale per 256; fp32 below."""
+    from finetune.config import parse_config
+    from finetune.engine import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"big": torch.nn.Linear(100, 70), "edge": torch.nn.Linear(64, 64, bias=False),
+                                 "small": torch.nn.Linear(40, 30)})  # 7000 + 70, 4096, 1200 + 30 elements
+    optimizer = build_optimizer(model, parse_config(["--optim", optim]))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    held = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+    assert memory.optimizer_state_bytes(model.parameters(), optim) == storages(*held)
+    if optim.endswith("8bit"):
+        assert 2 * 7000 < storages(*held) < 2 * 4 * 7000  # the 8-bit moments are far below fp32's
+
+
+def test_plan_counts_a_4bit_base_and_an_8bit_optimizer(chat_llama, tmp_path, capsys):
+    """``finetune plan --load_in_4bit --optim adamw_bnb_8bit``: the probe's weights are the quantized base's bytes
+    (not its full-precision size), its optimizer state bitsandbytes' 8-bit, and the table names both."""
+    from finetune.commands.plan import main
+    from finetune.config import parse_config
+    from finetune.planner.plans import Lever
+    from finetune.planner.probes import Probe
+    from finetune.recipes import load_recipe
+
+    flags = ["--recipe", "bbc-headlines", "--model_name_or_path", chat_llama, "--use_peft", "--load_in_4bit",
+             "--optim", "adamw_bnb_8bit", "--max_length", "32", "--lora_target_modules", "all-linear",
+             "--mixed_precision", "no"]
+    probe = Probe(parse_config(flags), load_recipe("bbc-headlines"), torch.device("cpu"), Lever(False, 0), held=0)
+    try:
+        params = list(probe.model.parameters())
+        quantized = [p for p in params if hasattr(p, "quant_state")]
+        assert probe.memory["weights"]["quantized"] == sum(layer_storages(p) for p in quantized)
+        trainable = [p for p in params if p.requires_grad]
+        assert probe.memory["optimizer_state"] == memory.optimizer_state_bytes(trainable, "adamw_bnb_8bit")
+        assert probe.memory["dequantized"] == 12 * max(p.quant_state.shape.numel() for p in quantized)
+        assert probe.fixed_bytes == (probe.fixed_pass_bytes + probe.memory["weights"]["total"]
+                                     + probe.memory["optimizer_state"])
+        # the pass's measured peak holds the adapters' gradients and a 4-bit layer de-quantized (transient)
+        assert probe.pass_bytes(1) >= probe.memory["gradients"] + probe.memory["dequantized"]
+    finally:
+        probe.close()
+    assert main([*flags, "--total_batch_size", "2", "--loss_chunk_size", "0", "--activation_checkpointing", "True",
+                 "--output_dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^checkpointing, plain loss: weights \d+ MiB \(NF4 \(4-bit, bitsandbytes; compute float32; 14 "
+                     r"linear layers\): \d+ MiB with its constants, \d+ MiB kept unquantized; the largest layer "
+                     r"de-quantized \d+ MiB\), gradients \d+ MiB, optimizer state \(AdamW 8-bit, bitsandbytes\)",
+                     out, flags=re.M), out
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_built_base_is_freed_before_its_quantized_copy_loads(chat_llama, monkeypatch):
+    """``quantize_built`` (a GGUF base quantized for QLoRA): the full-precision model is let go once saved, before
+    ``from_pretrained`` builds the quantized one, so a QLoRA run from a GGUF file never holds both."""
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from finetune.config import parse_config
+    from finetune.models.quantization import bnb_config, quantize_built
+
+    built, alive = [], []
+    real = LlamaForCausalLM.from_pretrained.__func__
+
+    def build():
+        model = AutoModelForCausalLM.from_pretrained(chat_llama)
+        built.append(weakref.ref(model))
+        return model
+
+    def from_pretrained(cls, *args, **kwargs):  # transformers' own, after noting whether the built model is alive
+        if built:  # not the build's own load (AutoModelForCausalLM goes through it too)
+            gc.collect()
+            alive.append(built[0]() is not None)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(from_pretrained))
+    model = quantize_built(build, bnb_config(parse_config(["--use_peft", "--load_in_4bit"])))
+    assert alive == [False]
+    assert sum(type(p).__name__ == "Params4bit" for p in model.parameters()) == 14
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_bnb_8bit"])
+def test_the_optimizer_steps_transient_is_what_it_allocates(optim):
+    """``optimizer_step_bytes``: the most one step of the run's optimizer allocates beyond its state (the profiler's
+    allocation events, ``probes.allocation_peak``), for a tensor of 100,000 elements: 5 fp32 copies under
+    bitsandbytes' 8-bit AdamW on a CPU, 2 under torch's; what else it allocates is under 5% of that."""
+    from finetune.config import parse_config
+    from finetune.engine import build_optimizer
+    from finetune.planner.probes import allocation_peak
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(400, 250, bias=False)
+    optimizer = build_optimizer(model, parse_config(["--optim", optim, "--weight_decay", "0"]))
+    model.weight.grad = torch.randn_like(model.weight)
+    optimizer.step()  # the state is allocated on the first step
+    measured = allocation_peak(optimizer.step)
+    counted = memory.optimizer_step_bytes(model.parameters(), optim)
+    assert counted == (5 if optim.endswith("8bit") else 2) * 4 * 100_000
+    assert counted <= measured <= 1.05 * counted, (measured, counted)
