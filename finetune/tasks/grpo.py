@@ -18,13 +18,14 @@ import contextlib
 import datasets
 import torch
 
+import finetune.tasks.grpo_loss as grpo_loss
+import finetune.tasks.rollout as rollout
 from finetune.config.grpo import GRPO_LOSS_TYPES, reward_func_names, reward_weight_values
 from finetune.data.chat import end_of_turn_ids
 from finetune.data.loading import IGNORE_INDEX
 from finetune.data.prompts import check_prompt_rows, is_conversation, load_prompt_files, prompts_to_features
 from finetune.distributed import is_main_process
 from finetune.errors import FinetuneError
-from finetune.tasks import grpo_loss, rollout
 from finetune.tasks.base import unwrapped
 from finetune.tasks.causal_lm import CausalLM
 from finetune.tasks.preference import frozen_copy

@@ -31,13 +31,13 @@ import inspect
 
 MUTANT_ENV = "FAULT_MUTANT"
 CORRECT = "scaled = loss_sum * (K * P / counts.items)"
-COUNT = "counts = count_window(window, task, accelerator, run.repeats(len(window)), micro_batches)"
+COUNT = "counts = count_window(run_window, task, accelerator, run.repeats(len(window)), micro_batches)"
 
 MUTANTS: dict[str, list[tuple[str, str]]] = {
     "partial-under": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (len(window) / N)")],
     "partial-over": [(CORRECT, "scaled = loss_sum * (K * P / counts.items) * (N / len(window))")],
     "drop-processes": [(CORRECT, "scaled = loss_sum * (K / counts.items)")],
-    "own-items": [(COUNT, COUNT + "; own_items = sum(task.count(b) for b in window)"),
+    "own-items": [(COUNT, COUNT + "; own_items = sum(task.count(b) for b in run_window)"),
                   (CORRECT, "scaled = loss_sum * (K / own_items)")],
     "mean-of-means": [(CORRECT, "scaled = loss_sum / task.count(batch).clamp(min=1)")],
     # small: the size verify's calibrated small controls claim to detect (finetune.commands.verify.SMALL_CONTROLS)
