@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from faults.finetune_faults import install_inexact_trainer_packer, install_learning_rate
+from faults.finetune_faults import install_inexact_trainer_packer, install_layout_cost, install_learning_rate
 from helpers import REPO, fault_env, launch, leave_records
 from tiny_models import build_tiny_chat_llama, build_tiny_moe, write_variable_length_texts
 
@@ -261,6 +261,10 @@ def test_a_broken_trainer_packing_path_is_caught(tmp_path, tiny_llama, clm_texts
     packer built with ``exact=False`` (2 optimizer steps where 4 run) still verified exact. Now the packed way
     runs on both backends, and the broken one is NOT EXACT (``tests/faults``)."""
     install_inexact_trainer_packer(monkeypatch.setattr)
+    # a fixed layout cost (a micro-batch's overhead dominates: the fewest micro-batches), so the packed windows
+    # hold fewer micro-batches than the window on every machine; a measured one chose layouts where they did not
+    # under load, and the broken packer then went unseen (CI)
+    install_layout_cost("1,0,0", set_attr=monkeypatch.setattr)
     code, report = run_verify(tmp_path, "--recipe", "bbc-news-clm", "--model_name_or_path", tiny_llama,
                               "--train_file", clm_texts[0], "--validation_file", clm_texts[1], "--packing", "True",
                               "--backend", "trainer")
