@@ -399,6 +399,12 @@ def load_conversation_files(train_file: str, validation_file: str | None, cache_
                                 f"{columns} (TRL's dataset formats).")
         return ds.add_column(ROW_COLUMN, row_names(path, flag, len(ds)))
 
+    return read_split_files(read, train_file, validation_file)
+
+
+def read_split_files(read, train_file: str, validation_file: str | None):
+    """``read(path, flag)`` of ``--train_file`` and ``--validation_file`` as a ``DatasetDict`` (train, validation);
+    without ``validation_file``, 20% of the training rows held out (seed 42). ``read`` raises for a bad file."""
     train = read(train_file, "--train_file")
     if validation_file:
         return datasets.DatasetDict({"train": train, "validation": read(validation_file, "--validation_file")})

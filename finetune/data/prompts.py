@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 
 from finetune.data.chat import _render, require_chat_template
-from finetune.data.loading import ROW_COLUMN, row_names
+from finetune.data.loading import ROW_COLUMN, read_split_files, row_names
 from finetune.errors import FinetuneError
 
 PROMPT_COLUMNS = ("prompt_ids", "prompt_index")  # what tokenizing adds to a row (the rest stays, for the rewards)
@@ -57,11 +57,7 @@ def load_prompt_files(train_file: str, validation_file: str | None, cache_dir=No
                                 "need a 'prompt' column.")
         return ds.add_column(ROW_COLUMN, row_names(path, flag, len(ds)))
 
-    train = read(train_file, "--train_file")
-    if validation_file:
-        return datasets.DatasetDict({"train": train, "validation": read(validation_file, "--validation_file")})
-    split = train.train_test_split(test_size=0.2, seed=42)
-    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+    return read_split_files(read, train_file, validation_file)
 
 
 def prompt_token_ids(tokenizer, prompt) -> list[int]:
