@@ -1,7 +1,7 @@
 """Benchmark: the time and memory cost of gradient accumulation.
 
     python bench/bench_accumulation.py --smoke                  # seconds: tiny BERT, checks the pipeline
-    python bench/bench_accumulation.py --markdown docs/bench_accumulation.md --json bench_accumulation.json
+    python bench/bench_accumulation.py --markdown bench/results/bench_accumulation.md --json bench/results/bench_accumulation.json
 
 Three configurations train on the same samples (``--samples``, default 384: ``--max_train_samples`` of
 that and ``--max_steps`` = samples / effective batch, so each processes every sample exactly once):

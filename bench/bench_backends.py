@@ -1,7 +1,7 @@
 """Benchmark: the accelerate backend vs the Trainer backend on the same recipe and settings.
 
     python bench/bench_backends.py --smoke                      # seconds: tiny BERT, checks the pipeline
-    python bench/bench_backends.py --markdown docs/bench_backends.md --json bench_backends.json
+    python bench/bench_backends.py --markdown bench/results/bench_backends.md --json bench/results/bench_backends.json
 
 Full mode: bbc-news with all-MiniLM-L6-v2 (the recipe defaults), micro-batch 8 x accumulation 4, fp32,
 one epoch over 384 training samples (about a minute per run on 2 CPU cores), 3 interleaved repeats

@@ -1,7 +1,7 @@
 """Benchmark: fp32 vs fp16 vs bf16 mixed precision, on classification (bbc-news) and causal LM (bbc-news-clm).
 
     python bench/bench_precision.py --smoke                     # seconds: tiny BERT and tiny Llama
-    python bench/bench_precision.py --markdown docs/bench_precision.md --json bench_precision.json
+    python bench/bench_precision.py --markdown bench/results/bench_precision.md --json bench/results/bench_precision.json
 
 Full mode: bbc-news with all-MiniLM-L6-v2 (recipe defaults: micro-batch 8 x 4, max_length 128) on 384
 training samples, and bbc-news-clm with its default model (SmolLM2-135M GGUF, fetched with ``python -m

@@ -1,7 +1,7 @@
 """Benchmark: each speed option of the accelerate engine against the same run without it.
 
     python bench/bench_speed_options.py --smoke                 # seconds: tiny BERT, checks the pipeline
-    python bench/bench_speed_options.py --markdown docs/bench_speed_options.md --json bench_speed_options.json
+    python bench/bench_speed_options.py --markdown bench/results/bench_speed_options.md --json bench/results/bench_speed_options.json
 
 Configurations (all with the recipe's defaults otherwise; one flag changed at a time):
 ``baseline``; ``group_by_length`` (``--train_sampling_strategy group_by_length``); ``torch_compile``
