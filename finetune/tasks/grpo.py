@@ -1,7 +1,8 @@
 """GRPO (online RL with group-relative advantages, TRL 1.16 ``GRPOTrainer``'s losses) as a task. The data is
 prompts (``data.prompts``); a micro-batch of m prompts becomes, at each optimizer step, m x ``--num_generations``
 completions sampled by the policy itself (``rollout``: the task's ``rollout`` hook, called by the loop once per
-window before it counts the window). Rewards come from ``--reward_funcs``; advantages are normalised over the whole
+window before it counts the window), with ``model.generate`` or, with ``--use_vllm``, a vLLM engine in the process
+that the policy's weights are pushed into before each generation (``vllm_generation``). Rewards come from ``--reward_funcs``; advantages are normalised over the whole
 generation batch (the window on every process, gathered), never per micro-batch; each loss type's denominator is
 counted over the whole window and every process (``grpo_loss.AGGREGATIONS``), so any split of a step's completions
 trains what the large batch does (``bnpo``, TRL's per-micro-batch mean, excepted and said so).
