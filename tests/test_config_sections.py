@@ -28,7 +28,7 @@ STEP_MEANING_ORDER = ("recipe", "model_name_or_path", "train_file", "dataset_nam
                       "bnb_4bit_compute_dtype", "beta", "loss_type", "label_smoothing", "precompute_ref_log_probs",
                       "num_generations", "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high",
                       "scale_rewards", "num_iterations", "mask_truncated_completions", "reward_funcs",
-                      "reward_weights", "replay_completions", "seed")
+                      "reward_weights", "replay_completions", "use_vllm", "seed")
 
 
 # an option's line in argparse's help: two spaces, the option, then its metavar, another spelling or its help

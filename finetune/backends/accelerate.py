@@ -257,7 +257,7 @@ class Loop:
             self.built.pack.keep(config.output_dir)  # the layout cost, for a resume to choose alike
         accelerator.wait_for_everyone()
         self.run.announce(self.built.model, accelerator.device.type, self.built.engine.note,
-                      self.built.pack.note if self.built.pack else None)
+                      self.built.pack.note if self.built.pack else None, self.built.task.note())
         if config.report_to != "none":
             # hyperparameters as the trackers accept them (no None), under <output_dir>/runs for TensorBoard
             hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)

@@ -351,7 +351,7 @@ def train(config, recipe, process_start: float | None = None, hub=None, observe=
     if observe is not None:
         observe(trainer)
     try:
-        run.announce(model, trainer.accelerator.device.type, pack.note if pack else None)
+        run.announce(model, trainer.accelerator.device.type, pack.note if pack else None, run.task.note())
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
         return run.finish(trainer.engine, model, tokenizer, trainer.accelerator.device, written=trainer.model_wrapped)
     finally:

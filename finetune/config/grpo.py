@@ -1,7 +1,9 @@
 """The GRPO section: the flags only a GRPO recipe (``TASK = "grpo"``, e.g. ``grpo`` on your prompts) reads, with
 TRL 1.16 ``GRPOConfig``'s names and defaults (``grpo_config.py``): ``num_generations``, ``max_completion_length``,
 ``temperature``, ``top_p``, ``epsilon``, ``epsilon_high``, ``scale_rewards``, ``num_iterations``,
-``mask_truncated_completions``, ``reward_funcs``, ``reward_weights``; and ours, ``replay_completions``. ``--beta`` and
+``mask_truncated_completions``, ``reward_funcs``, ``reward_weights``, ``use_vllm``, ``vllm_mode``,
+``vllm_gpu_memory_utilization``, ``vllm_max_model_length``, ``vllm_tensor_parallel_size``; and ours,
+``replay_completions``. ``--beta`` and
 ``--loss_type`` are the preference section's flags, read by each task with its own values (grpo|dr_grpo|dapo|bnpo
 here: ``GRPO_LOSS_TYPES``)."""
 
@@ -15,6 +17,7 @@ from finetune.errors import FinetuneError
 
 # TRL 1.16's aggregations that this task trains; what each divides a window's summed per-token loss by
 GRPO_LOSS_TYPES = ("dapo", "dr_grpo", "grpo", "bnpo")
+VLLM_MODES = ("colocate", "server")  # GRPOConfig's vllm_mode values; colocate is the one built here
 
 
 def reward_func_names(spec: str | None) -> list[str]:
@@ -100,6 +103,32 @@ class GRPOArguments:
         step=True, trainer=None,
     )
 
+    use_vllm: bool = flag(
+        False, "GRPO (GRPOConfig's name and default): generate the completions with vLLM (pip install vllm; a GPU) "
+        "instead of model.generate, the policy's weights pushed into it before each generation.",
+        step=True, trainer=None,
+    )
+    vllm_mode: Literal["colocate", "server"] = flag(
+        "colocate", "GRPO (GRPOConfig's name and default): colocate runs vLLM inside each training process on its "
+        "GPU; server (a separate vllm serve) is not built.",
+        step=False, trainer=None,
+    )
+    vllm_gpu_memory_utilization: float = flag(
+        0.3, "GRPO (GRPOConfig's name and default): with --use_vllm, the share of the GPU's memory vLLM reserves "
+        "(weights and KV cache), in (0, 1].",
+        step=False, trainer=None,
+    )
+    vllm_max_model_length: int | None = flag(
+        None, "GRPO (GRPOConfig's name): with --use_vllm, vLLM's context window in tokens (the longest prompt plus "
+        "--max_completion_length at least). Default: the model config's.",
+        step=False, trainer=None,
+    )
+    vllm_tensor_parallel_size: int = flag(
+        1, "GRPO (GRPOConfig's name and default): with --use_vllm, the processes one vLLM engine spans (tensor "
+        "parallel); it must divide the number of processes.",
+        step=False, trainer=None,
+    )
+
     def _check_grpo(self) -> None:
         """Counts, bounds and the reward functions' weights (``reward_weight_values``)."""
         for name in ("num_generations", "max_completion_length", "num_iterations"):
@@ -113,3 +142,17 @@ class GRPOArguments:
             if value is not None and not value >= 0:
                 raise FinetuneError(f"--{name} must be >= 0, got {value}.")
         reward_weight_values(self.reward_weights, len(reward_func_names(self.reward_funcs)))
+        if self.use_vllm:
+            self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """``--use_vllm``'s settings: colocate mode (server is refused), a memory share in (0, 1], positive sizes."""
+        if self.vllm_mode != "colocate":
+            raise FinetuneError(f"--vllm_mode {self.vllm_mode} is not built: only colocate (vLLM inside each training "
+                                "process, on its GPU) is; drop --vllm_mode or pass --vllm_mode colocate.")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise FinetuneError("--vllm_gpu_memory_utilization must lie in (0, 1], got "
+                                f"{self.vllm_gpu_memory_utilization}.")
+        check_positive_int("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size)
+        if self.vllm_max_model_length is not None:
+            check_positive_int("vllm_max_model_length", self.vllm_max_model_length)

@@ -18,7 +18,8 @@ TRL_NAMES = frozenset({
     "disable_dropout", "label_smoothing", "lora_alpha", "lora_dropout", "lora_r", "lora_target_modules", "loss_type",
     "max_length", "model_name_or_path", "packing", "packing_strategy", "padding_free", "precompute_ref_log_probs",
     "use_peft", "num_generations", "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high",
-    "scale_rewards", "num_iterations", "mask_truncated_completions", "reward_funcs", "reward_weights"})
+    "scale_rewards", "num_iterations", "mask_truncated_completions", "reward_funcs", "reward_weights", "use_vllm",
+    "vllm_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size"})
 
 
 def _cell(text) -> str:

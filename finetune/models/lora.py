@@ -151,3 +151,62 @@ def load_merged_adapter(path, dtype=None):
     model.requires_grad_(True)  # peft froze the base for its adapter; merged, it is all one model
     model.name_or_path = str(Path(path).resolve())
     return model
+
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing's and torch.compile's
+
+
+def plain_weights(model):
+    """(name, tensor) of each weight of ``model`` as the plain model names and holds it (what an inference engine
+    loads by name, TRL 1.16 ``generation/vllm_generation.py`` ``_iter_named_params``): a peft model's names without
+    ``base_model.model.``, ``.base_layer`` and ``modules_to_save.<adapter>.``, its LoRA layers merged *out of place*
+    (peft 0.21 ``tuners/lora/layer.py`` ``Linear.merge``'s safe path, lines 974-985: the base weight plus
+    ``get_delta_weight``, or the variant's ``merge_safe`` for DoRA; a ``lora_bias`` added to the bias), the
+    adapters' own tensors and a saved module's original left out; the model untouched, so the frozen base never
+    drifts by a merge and unmerge. Tied weights come once (``named_parameters``); a sharded ``DTensor`` whole
+    (``full_tensor``, collective)."""
+    layers = {}
+    if is_peft_model(model):
+        from peft.tuners.lora import LoraLayer  # lazy: see the top
+
+        layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if layers and (any(p.startswith("lora_") for p in parts) or "original_module" in parts):
+            continue
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param.data
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer") and owner.removesuffix(".base_layer") in layers:
+            tensor = _merged(layers[owner.removesuffix(".base_layer")], leaf, tensor)
+        yield _plain_name(name, layers), tensor
+
+
+def _merged(layer, leaf: str, tensor):
+    """A LoRA layer's base ``weight`` or ``bias`` with its active adapters merged into a copy (none where peft has
+    merged them already)."""
+    if layer.merged or layer.disable_adapters:
+        return tensor
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A:
+            continue
+        if leaf == "weight":
+            if adapter in getattr(layer, "lora_variant", {}):
+                tensor = layer.lora_variant[adapter].merge_safe(layer, adapter, tensor.clone())
+            else:
+                tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+        elif leaf == "bias" and layer.lora_bias[adapter]:
+            tensor = tensor + (layer.lora_B[adapter].bias * layer.scaling[adapter]).to(tensor.dtype)
+    return tensor
+
+
+def _plain_name(name: str, layers: dict) -> str:
+    """A parameter's name in the plain model (``plain_weights``)."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    if not layers:
+        return name
+    parts = name.removeprefix("base_model.model.").replace(".base_layer", "").split(".")
+    while "modules_to_save" in parts:  # <module>.modules_to_save.<adapter>.<leaf> -> <module>.<leaf>
+        i = parts.index("modules_to_save")
+        del parts[i:i + 2]
+    return ".".join(parts)

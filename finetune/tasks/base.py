@@ -87,6 +87,10 @@ class TaskRun(Protocol):
         log-probabilities) into ``output_dir``, once it is prepared (``lifecycle.RunState.open``: after
         ``--overwrite_output_dir`` cleared it), by the processes that write it."""
 
+    def note(self) -> str | None:
+        """One line for the run's banner on what the task does that its flags do not say (GRPO's vLLM sampler), or
+        None."""
+
 
 class TaskStep(Protocol):
     """The training step: a micro-batch's forward, its summed loss, its items, the task's own step metrics."""
@@ -216,8 +220,8 @@ class StatelessTask(ABC):
     # ---- the defaults
     def for_run(self, config):
         """The task for a run of ``config``: this one (nothing of it depends on the config). Raises
-        ``FinetuneError`` for ``--num_iterations`` other than 1 (``refuse_iterations``)."""
-        refuse_iterations(config, self.name)
+        ``FinetuneError`` for GRPO's generation flags (``refuse_generation_flags``)."""
+        refuse_generation_flags(config, self.name)
         return self
 
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
@@ -227,6 +231,10 @@ class StatelessTask(ABC):
     def keep(self, output_dir) -> None:
         """Nothing derived to write."""
         return
+
+    def note(self) -> str | None:
+        """Nothing for the banner."""
+        return None
 
     def load_files(self, train_file: str, validation_file: str | None, text_columns, cache_dir=None):
         """CSV or JSON-lines files with the text column(s), and ``label`` where the task has ``class_labels``
@@ -298,12 +306,15 @@ class StatelessTask(ABC):
         return []
 
 
-def refuse_iterations(config, task_name: str) -> None:
-    """Raise ``FinetuneError`` where ``--num_iterations`` (GRPO's optimizer steps per generation) is not 1 for a task
-    that generates nothing: it would repeat each window's optimizer step."""
+def refuse_generation_flags(config, task_name: str) -> None:
+    """Raise ``FinetuneError`` for GRPO's generation flags given to a task that generates nothing:
+    ``--num_iterations`` other than 1 (it would repeat each window's optimizer step) or ``--use_vllm``."""
     if getattr(config, "num_iterations", 1) != 1:
         raise FinetuneError(f"--num_iterations {config.num_iterations} is GRPO's (optimizer steps per generation); "
                             f"the {task_name} task generates nothing: drop the flag.")
+    if getattr(config, "use_vllm", False):
+        raise FinetuneError(f"--use_vllm generates GRPO's completions; the {task_name} task generates nothing: drop "
+                            "the flag.")
 
 
 def split_labels(batch: dict) -> tuple[dict, torch.Tensor]:

@@ -1,7 +1,8 @@
 """GRPO (online RL with group-relative advantages, TRL 1.16 ``GRPOTrainer``'s losses) as a task. The data is
 prompts (``data.prompts``); a micro-batch of m prompts becomes, at each optimizer step, m x ``--num_generations``
 completions sampled by the policy itself (``rollout``: the task's ``rollout`` hook, called by the loop once per
-window before it counts the window). Rewards come from ``--reward_funcs``; advantages are normalised over the whole
+window before it counts the window), with ``model.generate`` or, with ``--use_vllm``, a vLLM engine in the process
+that the policy's weights are pushed into before each generation (``vllm_generation``). Rewards come from ``--reward_funcs``; advantages are normalised over the whole
 generation batch (the window on every process, gathered), never per micro-batch; each loss type's denominator is
 counted over the whole window and every process (``grpo_loss.AGGREGATIONS``), so any split of a step's completions
 trains what the large batch does (``bnpo``, TRL's per-micro-batch mean, excepted and said so).
@@ -20,6 +21,7 @@ import torch
 
 import finetune.tasks.grpo_loss as grpo_loss
 import finetune.tasks.rollout as rollout
+import finetune.tasks.vllm_generation as vllm_generation
 from finetune.config.grpo import GRPO_LOSS_TYPES, reward_func_names, reward_weight_values
 from finetune.data.chat import end_of_turn_ids
 from finetune.data.loading import IGNORE_INDEX
@@ -100,6 +102,7 @@ class GRPOTask:
         self._first_step = True
         self._policy = None  # the unwrapped policy of the current window (the disabled adapter's reference)
         self._generation = None  # --num_iterations > 1: (step, completion micro-batches, window figures)
+        self.vllm = None  # --use_vllm: the process's colocated engine (vllm_generation.ColocatedVLLM)
 
     # ---- facts that depend on the run
     @property
@@ -121,7 +124,7 @@ class GRPOTask:
     # ---- a run's own task
     def for_run(self, config) -> "GRPOTask":
         """The run's task. Raises ``FinetuneError`` under ``--backend trainer``, for a loss type that is not GRPO's,
-        or reward functions that cannot be loaded."""
+        reward functions that cannot be loaded, or ``--use_vllm`` where it cannot run (``require_vllm``)."""
         if config.backend == "trainer":
             raise FinetuneError("the grpo task runs on --backend accelerate only (each step generates its completions "
                                 "inside the loop): drop --backend trainer.")
@@ -134,15 +137,24 @@ class GRPOTask:
         task.weights = torch.tensor(reward_weight_values(config.reward_weights, len(names)), dtype=torch.float32)
         if config.replay_completions:
             task.replay = rollout.read_replay(config.replay_completions)
+        elif config.use_vllm:
+            vllm_generation.require_vllm(config)
         return task
 
     def attach(self, model, tokenized, collator, config, main_process_first, device, precision="no"):
-        """Keep the tokenized splits (their raw columns feed the rewards) and, where ``beta`` > 0 without LoRA, a
-        frozen copy of ``model`` as the reference; ``tokenized`` unchanged."""
+        """Keep the tokenized splits (their raw columns feed the rewards), where ``beta`` > 0 without LoRA a frozen
+        copy of ``model`` as the reference, and with ``--use_vllm`` (generating, not replaying) the process's vLLM
+        engine; ``tokenized`` unchanged."""
         self.rows = dict(tokenized)
         if config.beta and not config.use_peft:
             self.reference_model = frozen_copy(model)
+        if config.use_vllm and self.replay is None and self.vllm is None:
+            self.vllm = vllm_generation.ColocatedVLLM(config)
         return tokenized
+
+    def note(self) -> str | None:
+        """The banner's line on vLLM's generation (``ColocatedVLLM.note``), or None without it."""
+        return self.vllm.note() if self.vllm is not None else None
 
     def keep(self, output_dir) -> None:
         """Nothing derived to write (the completions are recorded as they are generated)."""
@@ -194,21 +206,12 @@ class GRPOTask:
         if mu > 1 and step != generation_step:  # a later step of the same generation (--num_iterations)
             return self._reused(generation_step)
         step = generation_step
-        settings = dict(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                        top_p=config.top_p)
-        groups = []  # per micro-batch: [(prompt ids, prompt index, real, [completion ids] x G)]
-        for batch in window:
-            rows = []
-            for r in range(batch["input_ids"].shape[0]):
-                prompt = batch["input_ids"][r][batch["attention_mask"][r].bool()].tolist()
-                index = int(batch["prompt_index"][r])
-                if self.replay is not None:
-                    completions = rollout.replayed_group(self.replay, config.replay_completions, step, index, G)
-                else:
-                    completions = rollout.generate_group(policy, prompt, G, settings, self.stop_ids, self.pad_id,
-                                                         rollout.group_seed(config.seed, step, index))
-                rows.append((prompt, index, bool(batch["labels"][r, 0] != IGNORE_INDEX), completions))
-            groups.append(rows)
+        prompts = [[(batch["input_ids"][r][batch["attention_mask"][r].bool()].tolist(), int(batch["prompt_index"][r]),
+                     bool(batch["labels"][r, 0] != IGNORE_INDEX)) for r in range(batch["input_ids"].shape[0])]
+                   for batch in window]
+        completions = iter(self._completions(policy, [row for rows in prompts for row in rows], step))
+        # per micro-batch: [(prompt ids, prompt index, real, [completion ids] x G)]
+        groups = [[(prompt, index, ok, next(completions)) for prompt, index, ok in rows] for rows in prompts]
         real = [(index, c) for rows in groups for _, index, ok, cs in rows if ok for c in cs]
         rewards = self._rewards(real)
         truncated = [not self.ended(c) for _, c in real]
@@ -231,6 +234,25 @@ class GRPOTask:
             self._generation = (step, [dict(b) for b in micro_batches], dict(self._window))
             rollout.keep_generation(config.output_dir, *self._generation)
         return micro_batches
+
+    def _completions(self, policy, rows: list[tuple], step: int) -> list[list[list[int]]]:
+        """Each (prompt ids, prompt index, real) row's ``num_generations`` completions at ``step``: replayed, or
+        sampled under ``rollout.group_seed(seed, step, prompt)`` by vLLM (the policy's weights pushed first) or by
+        ``model.generate``."""
+        config, G = self.config, self.config.num_generations
+        if self.replay is not None:
+            return [rollout.replayed_group(self.replay, config.replay_completions, step, index, G)
+                    for _, index, _ in rows]
+        seeds = [rollout.group_seed(config.seed, step, index) for _, index, _ in rows]
+        settings = dict(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                        top_p=config.top_p)
+        if self.vllm is None:
+            return [rollout.generate_group(policy, prompt, G, settings, self.stop_ids, self.pad_id, seed)
+                    for (prompt, _, _), seed in zip(rows, seeds)]
+        self.vllm.push(policy)
+        groups = self.vllm.generate([prompt for prompt, _, _ in rows], [vllm_generation.request_seed(s) for s in seeds],
+                                    G, settings, self.stop_ids)
+        return [[rollout.cut_at_stop(c, self.stop_ids) for c in group] for group in groups]
 
     def _reused(self, step: int) -> list[dict]:
         """The completion micro-batches generated at ``step`` (this run's, or those a stopped run kept: a resume

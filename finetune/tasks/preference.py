@@ -29,7 +29,7 @@ from finetune.data.preference import (
 from finetune.errors import FinetuneError
 from finetune.models.loading import set_attention
 from finetune.models.lora import ADAPTER_CONFIG, load_merged_adapter
-from finetune.tasks.base import Finding, refuse_iterations, unwrapped
+from finetune.tasks.base import Finding, refuse_generation_flags, unwrapped
 from finetune.tasks.causal_lm import CausalLM
 from finetune.tasks.preference_loss import (
     CONSTANT_ON_TIES,
@@ -172,8 +172,8 @@ class PreferenceTask:
         """A new task for a run of ``config``: its ``--loss_type``, ``--beta``, ``--label_smoothing`` and
         ``--precompute_ref_log_probs`` (``PreferenceLoss`` raises ``FinetuneError`` for a refused combination;
         ``FinetuneError`` for SFT's ``--add_eos``, ``--assistant_only_loss``, ``--completion_only_loss``, which change
-        nothing here, and ``base.refuse_iterations`` for ``--num_iterations`` other than 1)."""
-        refuse_iterations(config, self.name)
+        nothing here, and ``base.refuse_generation_flags`` for GRPO's generation flags)."""
+        refuse_generation_flags(config, self.name)
         for name in ("add_eos", "assistant_only_loss", "completion_only_loss"):
             if getattr(config, name) is not None and getattr(config, name) is not False:
                 raise FinetuneError(f"--{name} has no effect on preference pairs: each side's completion is rendered "
@@ -241,6 +241,10 @@ class PreferenceTask:
         """Write the precomputed reference log-probabilities ``attach`` computed into ``output_dir`` (prepared:
         ``reference.keep``); nothing for another reference."""
         precomputed_reference.keep(output_dir, self.reference_files)
+
+    def note(self) -> str | None:
+        """Nothing for the banner (the reference is said in the card)."""
+        return None
 
     def item_lengths(self, dataset) -> list[int]:
         """Tokens per pair: its longer side (what the pair pads its micro-batch to), for group_by_length."""
