@@ -184,3 +184,57 @@ def test_the_optimizer_steps_transient_is_what_it_allocates(optim):
     counted = memory.optimizer_step_bytes(model.parameters(), optim)
     assert counted == (5 if optim.endswith("8bit") else 2) * 4 * 100_000
     assert counted <= measured <= 1.05 * counted, (measured, counted)
+
+
+def mapped_files() -> dict[str, list[tuple[int, int]]]:
+    """This process's file mappings (``/proc/self/maps``): path -> its address ranges."""
+    maps: dict[str, list[tuple[int, int]]] = {}
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip().startswith("/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            maps.setdefault(fields[5].strip().removesuffix(" (deleted)"), []).append((start, end))
+    return maps
+
+
+def checkpoint_views(model) -> list[str]:
+    """The parameters and buffers of ``model`` whose storage lies in a mapped ``.safetensors`` file."""
+    ranges = [r for path, rs in mapped_files().items() if path.endswith(".safetensors") for r in rs]
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    return [name for name, t in named if any(a <= t.untyped_storage().data_ptr() < b for a, b in ranges)]
+
+
+@pytest.mark.parametrize("flags, source", [(["--load_in_4bit"], "built"), (["--load_in_8bit"], "directory")])
+def test_a_quantized_base_keeps_no_view_of_its_checkpoint(chat_llama, monkeypatch, flags, source):
+    """transformers memory-maps a ``.safetensors`` checkpoint, and the tensors it does not quantize (embeddings, norms,
+    the tied ``lm_head``) stay views of the map: the whole file's pages then stay in the process (SmolLM2's 405 MiB,
+    docs/plan.md). ``off_the_checkpoint`` copies them out, so no map of the checkpoint outlives the load, from a model
+    directory and from a built model (a GGUF base, ``quantize_built``); without it (the mutant) they are views."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import parse_config
+    from finetune.models import loading, quantization
+    from finetune.models.quantization import bnb_config
+
+    config = bnb_config(parse_config(["--use_peft", *flags]))
+
+    def load():
+        if source == "directory":
+            return loading.load_causal_lm(chat_llama, quantization=config)
+        return quantization.quantize_built(lambda: AutoModelForCausalLM.from_pretrained(chat_llama), config)
+
+    with monkeypatch.context() as mutant:
+        for module in (loading, quantization):
+            mutant.setattr(module, "off_the_checkpoint", lambda model, _: model)
+        kept = load()
+        assert "model.embed_tokens.weight" in checkpoint_views(kept)
+        del kept
+        gc.collect()
+    model = load()
+    gc.collect()
+    assert checkpoint_views(model) == []
+    assert not [path for path in mapped_files() if path.endswith(".safetensors")]
+    assert model.model.embed_tokens.weight is model.lm_head.weight  # the tie is kept
+    assert sum(type(p).__name__ in ("Params4bit", "Int8Params") for p in model.parameters()) == 14
