@@ -242,7 +242,9 @@ class Probe:
       ``--optim``'s (AdamW's two moments in 32 or 8 bits) and a 4-bit base's largest de-quantized layer
       (``memory.model_memory``, held as ``memory``; ``estimate(m)``); the optimizer step's peak and, for a task that
       generates (GRPO), the generation's (``memory.generation_memory``: the key/value cache and logits, held as
-      ``generation``) are peaks of their own, whatever the micro-batch. Transient buffers (a layer's temporaries,
+      ``generation``) are peaks of their own, whatever the micro-batch, and so is loading the model: the peak
+      RSS's rise while the process's first probe built it (``loading``: the first's, passed to the later ones,
+      whose builds reuse freed memory). Transient buffers (a layer's temporaries,
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
       and a budget needs a margin (docs/speed.md, "The batch planner under two budgets").
       The memory probes run at the run's shapes, which the answer depends on: where one costs more than
@@ -254,12 +256,16 @@ class Probe:
     """
 
     def __init__(self, config, recipe, device, lever: Lever, held: int | None = None,
-                 timing: ProbeTiming | None = None, overhead: float | None = None):
+                 timing: ProbeTiming | None = None, overhead: float | None = None, loading: int | None = None):
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         task = run_task(recipe, config)
         label_names = task.probe_label_names
         self.device, self.task, self.lever, self.timing = device, task, lever, timing
+        before_build = peak_rss() if reset_peak_rss() else None  # the RSS now
         self.model = build_model(config, task, label_names, recipe=recipe).to(device)
+        if loading is None:  # the process's first build: what its peak RSS rose by while the model loaded
+            loading = max(peak_rss() - before_build, 0) if before_build is not None and device.type == "cpu" else 0
+        self.loading_bytes = loading
         # the precision the run will train in: fp16 asked on a CPU runs fp32 there, and the probes must time and
         # measure that (fp16 autocast on a CPU is ~50x slower, and saves a third fewer activation bytes on bbc-news)
         precision = precision_that_runs(config.mixed_precision, device.type)
@@ -323,7 +329,9 @@ class Probe:
         # the task keeps (a frozen reference), the state, the cache and the logits
         self.generation_peak_bytes = (0 if self.generation is None else weights + memory["optimizer_state"]
                                       + memory["dequantized"] + self.generation["kv_cache"] + self.generation["logits"])
-        others = max(self.step_peak_bytes, self.generation_peak_bytes)
+        # loading, measured: a GGUF base quantized for QLoRA is de-quantized to full precision first, and the
+        # checkpoint transformers quantizes from is mapped while it does (docs/plan.md): above its training
+        others = max(self.step_peak_bytes, self.generation_peak_bytes, self.loading_bytes)
         linear = estimate_fits_from_memory(per_sample, fixed, budget - held)
         self.fits = lambda m: linear(m) and others <= budget - held
         self.estimate = lambda m: int(held + max(fixed + m * per_sample, others))
