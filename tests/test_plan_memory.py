@@ -123,6 +123,8 @@ def test_plan_counts_a_4bit_base_and_an_8bit_optimizer(chat_llama, tmp_path, cap
                                      + probe.memory["optimizer_state"])
         # the pass's measured peak holds the adapters' gradients and a 4-bit layer de-quantized (transient)
         assert probe.pass_bytes(1) >= probe.memory["gradients"] + probe.memory["dequantized"]
+        # loading the model is a peak of its own (the process's peak RSS's rise while it was built)
+        assert probe.loading_bytes >= 0 and probe.estimate(1) >= probe.loading_bytes
     finally:
         probe.close()
     assert main([*flags, "--total_batch_size", "2", "--loss_chunk_size", "0", "--activation_checkpointing", "True",
