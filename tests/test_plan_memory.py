@@ -123,6 +123,8 @@ def test_plan_counts_a_4bit_base_and_an_8bit_optimizer(chat_llama, tmp_path, cap
                                      + probe.memory["optimizer_state"])
         # the pass's measured peak holds the adapters' gradients and a 4-bit layer de-quantized (transient)
         assert probe.pass_bytes(1) >= probe.memory["gradients"] + probe.memory["dequantized"]
+        # loading the model is a peak of its own (the process's peak RSS's rise while it was built)
+        assert probe.loading_bytes >= 0 and probe.estimate(1) >= probe.loading_bytes
     finally:
         probe.close()
     assert main([*flags, "--total_batch_size", "2", "--loss_chunk_size", "0", "--activation_checkpointing", "True",
@@ -184,3 +186,130 @@ def test_the_optimizer_steps_transient_is_what_it_allocates(optim):
     counted = memory.optimizer_step_bytes(model.parameters(), optim)
     assert counted == (5 if optim.endswith("8bit") else 2) * 4 * 100_000
     assert counted <= measured <= 1.05 * counted, (measured, counted)
+
+
+def mapped_files() -> dict[str, list[tuple[int, int]]]:
+    """This process's file mappings (``/proc/self/maps``): path -> its address ranges."""
+    maps: dict[str, list[tuple[int, int]]] = {}
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip().startswith("/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            maps.setdefault(fields[5].strip().removesuffix(" (deleted)"), []).append((start, end))
+    return maps
+
+
+def checkpoint_views(model) -> list[str]:
+    """The parameters and buffers of ``model`` whose storage lies in a mapped ``.safetensors`` file."""
+    ranges = [r for path, rs in mapped_files().items() if path.endswith(".safetensors") for r in rs]
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    return [name for name, t in named if any(a <= t.untyped_storage().data_ptr() < b for a, b in ranges)]
+
+
+@pytest.mark.parametrize("flags, source", [(["--load_in_4bit"], "built"), (["--load_in_8bit"], "directory")])
+def test_a_quantized_base_keeps_no_view_of_its_checkpoint(chat_llama, monkeypatch, flags, source):
+    """transformers memory-maps a ``.safetensors`` checkpoint, and the tensors it does not quantize (embeddings, norms,
+    the tied ``lm_head``) stay views of the map: the whole file's pages then stay in the process (SmolLM2's 405 MiB,
+    docs/plan.md). ``off_the_checkpoint`` copies them out, so no map of the checkpoint outlives the load, from a model
+    directory and from a built model (a GGUF base, ``quantize_built``); without it (the mutant) they are views."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import parse_config
+    from finetune.models import loading, quantization
+    from finetune.models.quantization import bnb_config
+
+    config = bnb_config(parse_config(["--use_peft", *flags]))
+
+    def load():
+        if source == "directory":
+            return loading.load_causal_lm(chat_llama, quantization=config)
+        return quantization.quantize_built(lambda: AutoModelForCausalLM.from_pretrained(chat_llama), config)
+
+    with monkeypatch.context() as mutant:
+        for module in (loading, quantization):
+            mutant.setattr(module, "off_the_checkpoint", lambda model, _: model)
+        kept = load()
+        assert "model.embed_tokens.weight" in checkpoint_views(kept)
+        del kept
+        gc.collect()
+    model = load()
+    gc.collect()
+    assert checkpoint_views(model) == []
+    assert not [path for path in mapped_files() if path.endswith(".safetensors")]
+    assert model.model.embed_tokens.weight is model.lm_head.weight  # the tie is kept
+    assert sum(type(p).__name__ in ("Params4bit", "Int8Params") for p in model.parameters()) == 14
+
+
+def test_the_generation_count_is_what_generate_holds(chat_llama):
+    """``generation_memory``: the key/value cache equals the bytes of the cache ``generate`` returns (every layer's
+    keys and values, ``return_dict_in_generate``) after ``max_new_tokens`` sampled tokens; with one step's logits it
+    is under what a whole sampling ``generate`` allocates at its peak (the profiler's allocations), which exceeds it
+    by less than the prompt's forward (the prefill: its hidden states and temporaries, which the training pass's own
+    forward over more rows and tokens bounds)."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.planner.probes import allocation_peak
+
+    model = AutoModelForCausalLM.from_pretrained(chat_llama).eval()
+    rows, prompt, new = 4, 40, 24
+    ids = torch.randint(3, 100, (rows, prompt))
+    settings = dict(do_sample=True, top_k=0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
+                             **settings)
+        assert out.sequences.shape == (rows, prompt + new)
+        cache = out.past_key_values
+        held = storages(*[t for layer in cache.layers for t in (layer.keys, layer.values)])
+        del out, cache
+        counted = memory.generation_memory(model, rows, prompt, new)
+        assert counted["kv_cache"] == held == 2 * 2 * 2 * 16 * (prompt + new - 1) * rows * 4  # 2 layers, 2 x 16 kv
+        assert counted["logits"] == rows * model.config.vocab_size * 3 * 4
+        peak = allocation_peak(lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **settings))
+        prefill = allocation_peak(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))
+    total = counted["kv_cache"] + counted["logits"]
+    assert total <= peak <= total + prefill, (peak, counted, prefill)
+
+
+@pytest.mark.parametrize("flags", [["--beta", "0.1"], ["--use_peft", "--beta", "0.1"]])
+def test_plan_counts_the_generation_and_the_reference(chat_llama, tmp_path, capsys, flags):
+    """``finetune plan`` on a GRPO recipe: the header names the generation's key/value cache and logits (one prompt's
+    ``--num_generations`` completions of ``--max_length`` + ``--max_completion_length`` tokens) and the frozen
+    reference where ``--beta`` > 0 without LoRA (its bytes: the policy's); with LoRA none (the disabled adapter);
+    every plan's estimate at least the generation's peak."""
+    from finetune.commands.plan import main, memory_rows, render
+    from finetune.config import parse_config
+    from finetune.planner.plans import Lever
+    from finetune.planner.probes import Probe
+    from finetune.recipes import load_recipe
+
+    common = ["--recipe", "bbc-topic-grpo", "--model_name_or_path", chat_llama, "--max_length", "384",
+              "--num_generations", "4", "--max_completion_length", "8", "--mixed_precision", "no", *flags]
+    lever = Lever(False, 0)
+    probe = Probe(parse_config(common), load_recipe("bbc-topic-grpo"), torch.device("cpu"), lever, held=0)
+    try:
+        kv = 2 * 2 * 2 * 16 * (384 + 8 - 1) * 4 * 4
+        assert probe.generation["kv_cache"] == kv
+        reference = probe.task.resident_bytes()
+        full = "--use_peft" not in flags
+        assert reference == (sum(p.numel() * 4 for p in probe.model.parameters()) if full else 0)
+        assert probe.generation_peak_bytes == (probe.memory["weights"]["total"] + reference
+                                               + probe.memory["optimizer_state"] + kv + probe.generation["logits"])
+        assert probe.estimate(1) >= probe.generation_peak_bytes
+        out = render(lever, *memory_rows(probe, [(2, 1)]))  # the block finetune plan prints
+    finally:
+        probe.close()
+    if full:  # the command itself, once
+        assert main([*common, "--total_batch_size", "2", "--loss_chunk_size", "0", "--activation_checkpointing",
+                     "True", "--output_dir", str(tmp_path / "out")]) == 0
+        printed = capsys.readouterr().out
+        assert re.search(r"^checkpointing[^:]*: .*generating 4 completions", printed, flags=re.M), printed
+        assert not (tmp_path / "out").exists()
+    reference = r"a frozen reference \d+ MiB, " if full else ""
+    assert re.search(rf"^no checkpointing, plain loss: weights \d+ MiB, gradients \d+ MiB, {reference}optimizer state", out,
+                     flags=re.M), out
+    named = (r"the frozen reference counted with the weights" if full
+             else r"no reference copy \(--beta 0, or the policy with its adapter disabled\)")
+    assert re.search(rf"generating 4 completions of a prompt: KV cache {kv / 2**20:.1f} MiB \+ logits [\d.]+ MiB, a "
+                     rf"peak of \d+ MiB with the weights and the state; {named}$", out, flags=re.M), out

@@ -45,7 +45,9 @@ def memory_rows(probe: Probe, plans: list[tuple[int, int]]) -> tuple[dict, list[
              "optimizer": memory["optimizer"], "dequantized": memory["dequantized"], "ddp_buckets": buckets,
              "activations_per_sample": getattr(probe, "per_sample_bytes", None),
              "fixed": getattr(probe, "fixed_bytes", None), "held": getattr(probe, "held", None),
-             "optimizer_step_peak": getattr(probe, "step_peak_bytes", None)}
+             "optimizer_step_peak": getattr(probe, "step_peak_bytes", None), "loading": probe.loading_bytes,
+             "reference": probe.task.resident_bytes(),
+             "generation": probe.generation, "generation_peak": getattr(probe, "generation_peak_bytes", None)}
     rows = []
     for micro, accumulation in plans:
         activations = (None if parts["activations_per_sample"] is None
@@ -71,18 +73,35 @@ def render(lever, parts: dict, rows: list[dict]) -> str:
                     f"{_mib(parts['full_weights'])} MiB kept unquantized; the largest layer de-quantized "
                     f"{_mib(parts['dequantized'])} MiB)")
     held = (f"; the optimizer step peaks at {_mib(parts['optimizer_step_peak'])} MiB (every gradient, the state and "
-            f"its transient); the estimate adds the {_mib(parts['held'])} MiB this process holds"
+            f"its transient), loading the model at {_mib(parts.get('loading'))} MiB; the estimate adds the "
+            f"{_mib(parts['held'])} MiB this process holds"
             if parts.get("held") is not None and parts.get("optimizer_step_peak") is not None else "")
     lines = [f"{lever}: {weights}, gradients {_mib(parts['gradients'])} MiB, "
-             f"optimizer state ({parts['optimizer']}) {_mib(parts['optimizer_state'])} MiB, "
+             + (f"a frozen reference {_mib(parts['reference'])} MiB, " if parts.get("reference") else "")
+             + f"optimizer state ({parts['optimizer']}) {_mib(parts['optimizer_state'])} MiB, "
              + (f"DDP buckets {_mib(parts['ddp_buckets'])} MiB, " if parts["ddp_buckets"] else "") + "activations "
              + ("-" if parts["activations_per_sample"] is None else f"{parts['activations_per_sample'] / MIB:.1f}")
-             + " MiB per sample" + held,
+             + " MiB per sample" + held + generation_note(parts),
              "  micro-batch  accumulation  activations MiB  est. peak MiB  measured peak MiB  fits"]
     for r in rows:
         lines.append(f"  {r['micro_batch']:>11}  {r['accumulation']:>12}  {_mib(r['activations']):>15}  "
                      f"{_mib(r['estimated_peak']):>13}  {_mib(r['measured_peak']):>17}  {'yes' if r['fits'] else 'no'}")
     return "\n".join(lines)
+
+
+def generation_note(parts: dict) -> str:
+    """A generating task's (GRPO) part of a block's header: the key/value cache and logits of one prompt's group
+    (``memory.generation_memory``), the generation's peak where the probe estimated it, and the reference held; ""
+    for a task that does not generate."""
+    generation = parts.get("generation")
+    if not generation:
+        return ""
+    peak = (f", a peak of {_mib(parts['generation_peak'])} MiB with the weights and the state"
+            if parts.get("generation_peak") else "")
+    reference = ("the frozen reference counted with the weights" if parts.get("reference") else
+                 "no reference copy (--beta 0, or the policy with its adapter disabled)")
+    return (f"; generating {generation['sequences']} completions of a prompt: KV cache "
+            f"{generation['kv_cache'] / MIB:.1f} MiB + logits {generation['logits'] / MIB:.1f} MiB{peak}; {reference}")
 
 
 def packing_budget_note(config) -> str:
@@ -111,10 +130,10 @@ def plan(config, timed: bool) -> int:
     say(f"Plans for --total_batch_size {config.total_batch_size} on {state.num_processes} process(es): "
         f"{len(plans)} exact splits x {len(levers(config, recipe, state.device))} lever settings")
     held = held_before_probes(config)  # as --auto_find_batch_size counts it: before any probe model exists
-    overhead = None  # the allocator's, measured by the first probe's first pass (later ones reuse its memory)
+    overhead = loading = None  # the allocator's and loading's, measured by the first probe (later ones reuse memory)
     for lever in levers(config, recipe, state.device):
-        probe = Probe(config, recipe, state.device, lever, held, overhead=overhead)
-        overhead = getattr(probe, "overhead", None)
+        probe = Probe(config, recipe, state.device, lever, held, overhead=overhead, loading=loading)
+        overhead, loading = getattr(probe, "overhead", None), probe.loading_bytes
         try:
             parts, rows = memory_rows(probe, plans)
         finally:

@@ -12,7 +12,7 @@ from finetune.errors import FinetuneError
 from finetune.models.dropout import disable_dropout as disable_dropout_in_model
 from finetune.models.dropout import zero_config_dropout
 from finetune.models.gguf import load_gguf_causal_lm, load_gguf_tokenizer
-from finetune.models.quantization import load_kwargs, quantize_built
+from finetune.models.quantization import load_kwargs, off_the_checkpoint, quantize_built
 
 
 def _from_pretrained(loader, name_or_path: str, **kwargs):
@@ -77,8 +77,8 @@ def load_causal_lm(name_or_path: str, disable_dropout: bool = False, attn_implem
     config = _from_pretrained(AutoConfig, name_or_path)
     if disable_dropout:
         zero_config_dropout(config)
-    return set_attention(_from_pretrained(AutoModelForCausalLM, name_or_path, config=config,
-                                          **load_kwargs(quantization)), attn_implementation)
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, config=config, **load_kwargs(quantization))
+    return set_attention(off_the_checkpoint(model, quantization), attn_implementation)
 
 
 def set_attention(model, attn_implementation: str | None):
@@ -119,8 +119,9 @@ def load_classifier(name_or_path: str, label_names: list[str], disable_dropout: 
     )
     if disable_dropout:
         zero_config_dropout(config)
-    return set_attention(_from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config,
-                                          **load_kwargs(quantization)), attn_implementation)
+    model = _from_pretrained(AutoModelForSequenceClassification, name_or_path, config=config,
+                             **load_kwargs(quantization))
+    return set_attention(off_the_checkpoint(model, quantization), attn_implementation)
 
 
 def check_max_length(max_length: int, model_config) -> None:

@@ -84,7 +84,27 @@ def quantize_built(build, quantization):
         kind = type(model)
         del model
         gc.collect()
-        return kind.from_pretrained(folder, **load_kwargs(quantization))
+        return off_the_checkpoint(kind.from_pretrained(folder, **load_kwargs(quantization)), quantization)
+
+
+def off_the_checkpoint(model, quantization):
+    """``model``, loaded by ``from_pretrained`` with ``quantization`` (a ``BitsAndBytesConfig``; None: returned as it
+    is), with every full-precision parameter and buffer on the CPU copied into its own memory. transformers 5.24 reads
+    a ``.safetensors`` checkpoint through one memory map of the file (``modeling_utils.py``, ``safe_open(file, ...,
+    backend="mmap")`` and ``get_slice``), and a tensor it does not convert (the embeddings, norms, a tied ``lm_head``)
+    stays a view of that map, which then lives as long as the model: with it, every page of the file that quantizing
+    the linear layers read stays in the process's resident memory (a checkpoint's full size, beside the quantized
+    base: SmolLM2-135M's 405 MiB, docs/plan.md), which no count of the model's tensors sees. A copy lets the map go;
+    the 4-bit and 8-bit weights are the quantizer's own tensors already. Ties are kept (a shared ``Parameter`` gets
+    its new data once)."""
+    if quantization is None:
+        return model
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    for tensor in tensors.values():
+        if tensor.device.type == "cpu" and type(tensor).__name__ not in ("Params4bit", "Int8Params"):
+            tensor.data = tensor.data.clone()
+    gc.collect()
+    return model
 
 
 def prepare_for_training(model):

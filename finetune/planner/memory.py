@@ -161,3 +161,34 @@ def model_memory(model, optim: str) -> dict:
             "optimizer_state": optimizer_state_bytes(trainable, optim), "dequantized": dequantized_layer_bytes(model),
             "optimizer_step": optimizer_step_bytes(trainable, optim),
             "optimizer": describe_optimizer(optim)}
+
+
+def kv_cache_bytes(model_config, sequences: int, positions: int, element_size: int) -> int:
+    """Bytes of the key/value cache ``generate`` holds for ``sequences`` rows of ``positions`` tokens each: 2 (keys
+    and values) x layers x key/value heads x head size x positions x sequences x ``element_size`` (the model's
+    activation dtype). transformers 5.24's ``DynamicCache`` keeps one (batch, kv heads, positions, head size) key and
+    value tensor per layer (``cache_utils.py``, ``DynamicLayer.update``: ``torch.cat`` along the positions); after
+    ``max_new_tokens`` new tokens it holds prompt + new - 1 positions (the last token sampled is never fed back)."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return 2 * model_config.num_hidden_layers * kv_heads * head_dim * positions * sequences * element_size
+
+
+def sampling_logits_bytes(vocab: int, sequences: int, element_size: int) -> int:
+    """Bytes of one sampling step's logits over the vocabulary, ``sequences`` rows (transformers 5.24
+    ``GenerationMixin._sample``, with ``logits_to_keep`` 1): the model's last-position logits (``element_size``), their
+    fp32 copy (``next_token_logits``) and the fp32 probabilities (``softmax``); a temperature or top-p processor adds
+    a copy more each. Freed at the next step, so held once."""
+    return sequences * vocab * (element_size + 2 * FP32)
+
+
+def generation_memory(model, sequences: int, prompt_tokens: int, new_tokens: int) -> dict:
+    """What sampling ``new_tokens`` tokens after ``prompt_tokens`` for ``sequences`` rows with ``model`` holds beside
+    its weights, in bytes: {"kv_cache": ``kv_cache_bytes`` at prompt + new - 1 positions, "logits":
+    ``sampling_logits_bytes``, "sequences"}; the activation dtype is the input embeddings' (a 4-bit base computes
+    in it)."""
+    element = model.get_input_embeddings().weight.element_size()
+    config = model.config
+    return {"kv_cache": kv_cache_bytes(config, sequences, prompt_tokens + new_tokens - 1, element),
+            "logits": sampling_logits_bytes(config.vocab_size, sequences, element), "sequences": sequences}

@@ -32,7 +32,7 @@ from finetune.engine.precision import precision_that_runs
 from finetune.errors import FinetuneError
 from finetune.machine import bf16_support, native_bf16
 from finetune.planner.agreement import agreed_seconds
-from finetune.planner.memory import model_memory
+from finetune.planner.memory import generation_memory, model_memory
 from finetune.planner.plans import Lever, estimate_fits_from_memory
 from finetune.tasks import run_task, task_of
 from finetune.tasks.builders import build_model
@@ -240,7 +240,11 @@ class Probe:
       8-bit base with its constants; and what the task keeps beside the model: ``task.resident_bytes``, a
       preference task's frozen reference), the gradients the trainable parameters' bytes, the optimizer state
       ``--optim``'s (AdamW's two moments in 32 or 8 bits) and a 4-bit base's largest de-quantized layer
-      (``memory.model_memory``, held as ``memory``; ``estimate(m)``). Transient buffers (a layer's temporaries,
+      (``memory.model_memory``, held as ``memory``; ``estimate(m)``); the optimizer step's peak and, for a task that
+      generates (GRPO), the generation's (``memory.generation_memory``: the key/value cache and logits, held as
+      ``generation``) are peaks of their own, whatever the micro-batch, and so is loading the model: the peak
+      RSS's rise while the process's first probe built it (``loading``: the first's, passed to the later ones,
+      whose builds reuse freed memory). Transient buffers (a layer's temporaries,
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
       and a budget needs a margin (docs/speed.md, "The batch planner under two budgets").
       The memory probes run at the run's shapes, which the answer depends on: where one costs more than
@@ -252,12 +256,16 @@ class Probe:
     """
 
     def __init__(self, config, recipe, device, lever: Lever, held: int | None = None,
-                 timing: ProbeTiming | None = None, overhead: float | None = None):
+                 timing: ProbeTiming | None = None, overhead: float | None = None, loading: int | None = None):
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         task = run_task(recipe, config)
         label_names = task.probe_label_names
         self.device, self.task, self.lever, self.timing = device, task, lever, timing
+        before_build = peak_rss() if reset_peak_rss() else None  # the RSS now
         self.model = build_model(config, task, label_names, recipe=recipe).to(device)
+        if loading is None:  # the process's first build: what its peak RSS rose by while the model loaded
+            loading = max(peak_rss() - before_build, 0) if before_build is not None and device.type == "cpu" else 0
+        self.loading_bytes = loading
         # the precision the run will train in: fp16 asked on a CPU runs fp32 there, and the probes must time and
         # measure that (fp16 autocast on a CPU is ~50x slower, and saves a third fewer activation bytes on bbc-news)
         precision = precision_that_runs(config.mixed_precision, device.type)
@@ -270,6 +278,11 @@ class Probe:
         self.vocab = self.model.config.vocab_size
         self.loss_sum = probe_loss_function(task, config, device)
         self.memory = model_memory(self.model, config.optim)  # weights by layout, gradients, optimizer state
+        # a task that trains completions it generates (GRPO) samples each prompt's group with the policy before the
+        # window trains (``rollout.generate_group``: num_generations rows of a prompt of at most --max_length
+        # tokens), no gradient held: the key/value cache and a step's logits, beside the weights and the state
+        self.generation = (generation_memory(self.model, config.num_generations, self.length,
+                                             config.max_completion_length) if task.generates else None)
         trainable = self.memory["gradients"]
         buckets = trainable if world_size() > 1 else 0  # DDP keeps its gradient buckets beside the gradients
         if device.type == "cuda":
@@ -300,7 +313,10 @@ class Probe:
         print(f"Memory probe ({lever}): {per_sample / 2**20:.1f} MiB per sample + {fixed / 2**20:.1f} MiB per step "
               f"(a training pass's peak at micro-batch 1 and 2: activations, gradients, transients, x {overhead:.2f} "
               f"the allocator's overhead; the weights and {memory['optimizer']} state); "
-              f"budget {budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB")
+              f"budget {budget / 2**20:.0f} MiB, process holds {held / 2**20:.0f} MiB"
+              + ("" if self.generation is None else
+                 f"; generating {self.generation['sequences']} completions of a prompt: KV cache "
+                 f"{self.generation['kv_cache'] / 2**20:.1f} MiB + logits {self.generation['logits'] / 2**20:.1f} MiB"))
         if budget <= held + fixed + per_sample:
             raise FinetuneError(f"--max_memory_mb {budget / 2**20:.0f} leaves no room: this process already holds "
                                 f"{held / 2**20:.0f} MiB and one sample needs about {(fixed + per_sample) / 2**20:.0f} "
@@ -309,9 +325,16 @@ class Probe:
         # freed by then): a peak of its own, whatever the micro-batch
         self.step_peak_bytes = (weights + trainable + memory["optimizer_state"] + memory["optimizer_step"]
                                 + buckets)
+        # generating (a task that does, between optimizer steps): the weights (and a 4-bit layer de-quantized), what
+        # the task keeps (a frozen reference), the state, the cache and the logits
+        self.generation_peak_bytes = (0 if self.generation is None else weights + memory["optimizer_state"]
+                                      + memory["dequantized"] + self.generation["kv_cache"] + self.generation["logits"])
+        # loading, measured: a GGUF base quantized for QLoRA is de-quantized to full precision first, and the
+        # checkpoint transformers quantizes from is mapped while it does (docs/plan.md): above its training
+        others = max(self.step_peak_bytes, self.generation_peak_bytes, self.loading_bytes)
         linear = estimate_fits_from_memory(per_sample, fixed, budget - held)
-        self.fits = lambda m: linear(m) and self.step_peak_bytes <= budget - held
-        self.estimate = lambda m: int(held + max(fixed + m * per_sample, self.step_peak_bytes))
+        self.fits = lambda m: linear(m) and others <= budget - held
+        self.estimate = lambda m: int(held + max(fixed + m * per_sample, others))
 
     def pass_bytes(self, m: int) -> int:
         """The most bytes one training pass at micro-batch ``m`` (forward and backward) holds above what was held

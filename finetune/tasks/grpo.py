@@ -441,12 +441,22 @@ class GRPOTask:
         return {"": (row["prompt_ids"], [False] * len(row["prompt_ids"]))}
 
     def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
-        """``micro_batch`` x ``num_generations`` random completion rows of ``length`` tokens, all trained."""
+        """``micro_batch`` x ``num_generations`` random rows of a ``length``-token prompt (``--max_length``, a prompt's
+        most) and its completion (``--max_completion_length`` tokens, the most generated), all trained."""
         rows = micro_batch * (self.config.num_generations if self.config else 8)
-        ids = torch.randint(0, vocab, (rows, length), device=device)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
-                "advantages": torch.ones(rows, device=device), "real": torch.ones(rows, dtype=torch.bool,
-                                                                                 device=device)}
+        completion = self.config.max_completion_length if self.config else 0
+        ids = torch.randint(0, vocab, (rows, length + completion), device=device)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
+                 "advantages": torch.ones(rows, device=device), "real": torch.ones(rows, dtype=torch.bool,
+                                                                                  device=device)}
+        # what ``rollout`` adds beside (``_batches``): the reference's per-token log-probabilities where beta > 0,
+        # the old policy's with --num_iterations > 1
+        logps = torch.zeros(rows, ids.shape[1] - 1, device=device)
+        if self.config is not None and self.config.beta:
+            batch["ref_logps"] = logps
+        if self.config is not None and self.config.num_iterations > 1:
+            batch["old_logps"] = logps.clone()
+        return batch
 
     def resident_bytes(self) -> int:
         """The frozen reference's bytes, if any."""
