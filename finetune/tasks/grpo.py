@@ -113,6 +113,27 @@ class GRPOTask:
         return self.loss_type == "dapo"
 
     @property
+    def split_dependence(self) -> str | None:
+        """Why ``bnpo`` depends on the split (its definition, TRL 1.16's own words); None for the other types."""
+        if self.loss_type != "bnpo":
+            return None
+        return ("--loss_type bnpo is split-dependent by definition: TRL 1.16 divides each micro-batch's loss by its "
+                "own active tokens and averages the micro-batches (\"results may slightly vary depending on the local "
+                "batch size, despite a constant effective batch size\", GRPOConfig's loss_type help), so another "
+                "split trains other weights. This is bnpo, not a fault of the engine: dapo, dr_grpo and grpo are exact "
+                "under any split")
+
+    @property
+    def mean_of_means(self) -> tuple[str, dict] | None:
+        """verify's positive control for GRPO: the mean of micro-batch means over their own completion tokens (TRL's
+        ``bnpo`` aggregation trained on the split), the wrong normalisation a GRPO loop falls into; None under
+        bnpo itself (the generic control)."""
+        if self.loss_type == "bnpo":
+            return None
+        return ("the mean of micro-batch means: each micro-batch's loss the mean over its own completion tokens, then "
+                "the mean over the window's micro-batches (bnpo's aggregation)", {"loss_type": "bnpo"})
+
+    @property
     def step_metrics(self) -> tuple[str, ...]:
         """TRL's names of the per-step metrics (``take_metric_sums``' order)."""
         rewards = tuple(f"rewards/{name}/mean" for name, _ in self.functions)
@@ -419,12 +440,16 @@ class GRPOTask:
         return {"": (row["prompt_ids"], [False] * len(row["prompt_ids"]))}
 
     def probe_batch(self, micro_batch: int, length: int, vocab: int, device) -> dict:
-        """``micro_batch`` x ``num_generations`` random completion rows of ``length`` tokens, all trained."""
+        """``micro_batch`` x ``num_generations`` random completion rows of ``length`` tokens, all trained (with the
+        reference's log-probabilities where ``beta`` > 0)."""
         rows = micro_batch * (self.config.num_generations if self.config else 8)
         ids = torch.randint(0, vocab, (rows, length), device=device)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
-                "advantages": torch.ones(rows, device=device), "real": torch.ones(rows, dtype=torch.bool,
-                                                                                 device=device)}
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
+                 "advantages": torch.ones(rows, device=device), "real": torch.ones(rows, dtype=torch.bool,
+                                                                                  device=device)}
+        if self.config is not None and self.config.beta:  # the reference's log-probabilities, as rollout gives them
+            batch["ref_logps"] = torch.zeros(rows, length - 1, device=device)
+        return batch
 
     def resident_bytes(self) -> int:
         """The frozen reference's bytes, if any."""

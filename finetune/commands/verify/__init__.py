@@ -94,9 +94,10 @@ def parse(argv: list[str]) -> tuple:
 def verify(config, steps: int) -> int:
     """Run every way and write the report; returns the exit code (0 exact, 1 not exact or inconclusive), the same
     on every process. Raises ``FinetuneError`` for input that cannot run. The phases run in this order on every
-    process, each agreeing across processes on what it decides (``phases``)."""
+    process, each agreeing across processes on what it decides (``phases``); for a task that generates, every way
+    replays one recorded set of completions (``phases.record``)."""
     session = phases.start(config, steps)
-    for phase in (phases.reference, phases.floors, phases.splits, phases.control, phases.other_backends,
+    for phase in (phases.record, phases.reference, phases.floors, phases.splits, phases.control, phases.other_backends,
                   phases.small_controls, phases.judge, phases.auxiliary_loss):
         phase(session)
     return phases.write_report(session)
