@@ -223,12 +223,15 @@ class GRPOTask:
             for r in range(batch["input_ids"].shape[0]):
                 prompt = batch["input_ids"][r][batch["attention_mask"][r].bool()].tolist()
                 index = int(batch["prompt_index"][r])
-                if self.replay is not None:
+                kept = bool(batch["labels"][r, 0] != IGNORE_INDEX)
+                if self.replay is not None and not kept:  # an epoch's repeat: masked, and in no record
+                    completions = rollout.replayed_repeat(self.replay, step, index, G, self.stop_ids[0])
+                elif self.replay is not None:
                     completions = rollout.replayed_group(self.replay, config.replay_completions, step, index, G)
                 else:
                     completions = rollout.generate_group(policy, prompt, G, settings, self.stop_ids, self.pad_id,
                                                          rollout.group_seed(config.seed, step, index))
-                rows.append((prompt, index, bool(batch["labels"][r, 0] != IGNORE_INDEX), completions))
+                rows.append((prompt, index, kept, completions))
             groups.append(rows)
         real = [(index, c) for rows in groups for _, index, ok, cs in rows if ok for c in cs]
         rewards = self._rewards(real)
