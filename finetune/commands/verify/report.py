@@ -46,8 +46,9 @@ def render(report: dict) -> str:
               f"{t.get('after', 0.0):.2e}, weights "
               f"{t['weights']:.2e}."]
     if report["control_margin"] is not None:
-        kind = next((r["verdict"].removeprefix("control: ") for r in report["rows"] if r["role"] == "control"
-                     and r.get("verdict")), "wrong normalisation")
+        kind = ("wrong normalisation: the mean of micro-batch means" if any(
+            r["role"] == "control" and r["way"].endswith("mean of micro-batch means") for r in report["rows"])
+            else "wrong normalisation")
         lines.append(f"Positive control ({kind}): {report['control_margin']:.3g} x the "
                      f"{'gradient' if report['gradients_compared'] else 'weight'} tolerance (needs >= "
                      f"{CONTROL_FACTOR}).")
