@@ -11,7 +11,9 @@ window 1.015: the verdict states the smallest mis-weighting they were caught at)
 ``--packing``/``--padding_free`` the packed way on both backends. Compared: every step's gradients, the per-step
 losses, the loss after the last update, the final weights (as a fraction of the distance trained). Exit 0: exact;
 1: not exact, or inconclusive; 2: bad input. Writes
-``verify.json`` and ``verify.md`` to ``--output_dir`` (default ``outputs/<recipe>-verify``). How it decides:
+``verify.json`` and ``verify.md`` to ``--output_dir`` (default ``outputs/<recipe>-verify``). A task that generates
+(GRPO): every way replays one recorded set of completions (generated first, or ``--replay_completions``), its
+control is the mean of micro-batch means, and ``--loss_type bnpo`` is judged split-dependent. How it decides:
 docs/verify.md.
 """
 
