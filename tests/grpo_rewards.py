@@ -15,3 +15,9 @@ def topic_named(prompts, completions, completion_ids, topic, **columns):
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [None if len(ids) == 1 else float(len(t) % 5 == int(k)) + 0.1 * len(ids)
             for t, ids, k in zip(texts, completion_ids, topic)]
+
+
+def id_sum_parity(prompts, completions, completion_ids, **columns):
+    """1.0 for a completion whose token ids sum to an even number, else 0.0: rewards that differ within a group of
+    sampled completions even where every one runs to --max_completion_length."""
+    return [float(sum(ids) % 2 == 0) for ids in completion_ids]

@@ -128,6 +128,20 @@ def build_tiny_chat_llama(path: Path, max_positions: int = 512) -> Path:
                             max_positions=max_positions)
 
 
+def build_tiny_chat_llama_that_stops(path: Path, scale: float = 50.0) -> Path:
+    """``build_tiny_chat_llama`` whose ``<|im_end|>`` embedding row (tied: its output row too; the padding row, 0 as
+    built) is ``scale`` times another token's, so that sampling often stops early (unequal completion lengths, as a
+    real model's; as built, ~400 near-equal logits make every completion run to its limit)."""
+    build_tiny_chat_llama(path)
+    model = LlamaForCausalLM.from_pretrained(path)
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding[eos] = scale * embedding[eos + 1]
+    model.save_pretrained(path)
+    return path
+
+
 def smollm2_like_tokenizer() -> PreTrainedTokenizerFast:
     """A tiny chat tokenizer shaped like SmolLM2-135M-Instruct's: byte-level BPE (here ~400 tokens, trained in
     memory on a few sentences, so it encodes any text), special tokens ``<|endoftext|>`` (0, unk),

@@ -50,6 +50,9 @@ class TaskFacts(Protocol):
     probe_label_names: list[str] | None  # label names of the planner's probe model
     step_metrics: tuple[str, ...]  # names of the per-step metrics take_metric_sums gives, in its order
     generates: bool  # trains completions it generates at each step (GRPO): the data holds no trained token
+    split_dependence: str | None  # why this run's loss depends on the accumulation split by its definition, else None
+    mean_of_means: tuple[str, dict] | None  # verify's positive control, where the task has its own: (what it does,
+    # the flags that make the loss the mean of micro-batch means); None: the generic one
 
 
 class TaskData(Protocol):
@@ -183,6 +186,8 @@ class StatelessTask(ABC):
 
     step_metrics: tuple[str, ...] = ()
     generates: bool = False
+    split_dependence: str | None = None
+    mean_of_means: tuple[str, dict] | None = None
 
     # ---- what a subclass writes
     @abstractmethod

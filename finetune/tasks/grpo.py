@@ -116,6 +116,27 @@ class GRPOTask:
         return self.loss_type == "dapo"
 
     @property
+    def split_dependence(self) -> str | None:
+        """Why ``bnpo`` depends on the split (its definition, TRL 1.16's own words); None for the other types."""
+        if self.loss_type != "bnpo":
+            return None
+        return ("--loss_type bnpo is split-dependent by definition: TRL 1.16 divides each micro-batch's loss by its "
+                "own active tokens and averages the micro-batches (\"results may slightly vary depending on the local "
+                "batch size, despite a constant effective batch size\", GRPOConfig's loss_type help), so another "
+                "split trains other weights. This is bnpo, not a fault of the engine: dapo, dr_grpo and grpo are exact "
+                "under any split")
+
+    @property
+    def mean_of_means(self) -> tuple[str, dict] | None:
+        """verify's positive control for GRPO: the mean of micro-batch means over their own completion tokens (TRL's
+        ``bnpo`` aggregation trained on the split), the wrong normalisation a GRPO loop falls into; None under
+        bnpo itself (the generic control)."""
+        if self.loss_type == "bnpo":
+            return None
+        return ("the mean of micro-batch means: each micro-batch's loss the mean over its own completion tokens, then "
+                "the mean over the window's micro-batches (bnpo's aggregation)", {"loss_type": "bnpo"})
+
+    @property
     def step_metrics(self) -> tuple[str, ...]:
         """TRL's names of the per-step metrics (``take_metric_sums``' order)."""
         rewards = tuple(f"rewards/{name}/mean" for name, _ in self.functions)
@@ -240,9 +261,10 @@ class GRPOTask:
         sampled under ``rollout.group_seed(seed, step, prompt)`` by vLLM (the policy's weights pushed first) or by
         ``model.generate``."""
         config, G = self.config, self.config.num_generations
-        if self.replay is not None:
-            return [rollout.replayed_group(self.replay, config.replay_completions, step, index, G)
-                    for _, index, _ in rows]
+        if self.replay is not None:  # an epoch's repeated row (masked) is in no record: replayed_repeat
+            return [rollout.replayed_group(self.replay, config.replay_completions, step, index, G) if kept
+                    else rollout.replayed_repeat(self.replay, step, index, G, self.stop_ids[0])
+                    for _, index, kept in rows]
         seeds = [rollout.group_seed(config.seed, step, index) for _, index, _ in rows]
         settings = dict(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                         top_p=config.top_p)

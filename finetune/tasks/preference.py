@@ -152,6 +152,8 @@ class PreferenceTask:
     probe_label_names = None
     step_metrics = PAIR_METRICS  # take_metric_sums gives their sums (TRL's names)
     generates = False  # the pairs are in the data
+    split_dependence = None  # every loss type is a mean over pairs: exact under any split
+    mean_of_means = None  # verify's generic control
     forward_rows = 2  # rows a forward computes per item: both sides (the planner's probes)
 
     def __init__(self, loss: PreferenceLoss | None = None, reference_model=None, precompute: bool = False):

@@ -135,6 +135,15 @@ def replayed_group(table: dict, path: str, step: int, prompt: int, count: int) -
     return [group[g] for g in range(count)]
 
 
+def replayed_repeat(table: dict, step: int, prompt: int, count: int, stop_id: int) -> list[list[int]]:
+    """The ``count`` completions of an epoch's repeated row (several processes: the last window completed with rows
+    from the epoch's start, masked) in a replay: the recorded ones where the record has them, else each a lone stop
+    token. They train nothing, and a run's record holds only the completions it trained, so a replay of a
+    several-process run's own record has none for them."""
+    group = table.get((step, prompt), {})
+    return [group.get(g, [stop_id]) for g in range(count)]
+
+
 def all_processes(value) -> list:
     """``value`` of every process, in process order (one ``all_gather_object``; [value] on one process)."""
     if distributed.world_size() <= 1:

@@ -11,7 +11,9 @@ window 1.015: the verdict states the smallest mis-weighting they were caught at)
 ``--packing``/``--padding_free`` the packed way on both backends. Compared: every step's gradients, the per-step
 losses, the loss after the last update, the final weights (as a fraction of the distance trained). Exit 0: exact;
 1: not exact, or inconclusive; 2: bad input. Writes
-``verify.json`` and ``verify.md`` to ``--output_dir`` (default ``outputs/<recipe>-verify``). How it decides:
+``verify.json`` and ``verify.md`` to ``--output_dir`` (default ``outputs/<recipe>-verify``). A task that generates
+(GRPO): every way replays one recorded set of completions (generated first, or ``--replay_completions``), its
+control is the mean of micro-batch means, and ``--loss_type bnpo`` is judged split-dependent. How it decides:
 docs/verify.md.
 """
 
@@ -94,9 +96,10 @@ def parse(argv: list[str]) -> tuple:
 def verify(config, steps: int) -> int:
     """Run every way and write the report; returns the exit code (0 exact, 1 not exact or inconclusive), the same
     on every process. Raises ``FinetuneError`` for input that cannot run. The phases run in this order on every
-    process, each agreeing across processes on what it decides (``phases``)."""
+    process, each agreeing across processes on what it decides (``phases``); for a task that generates, every way
+    replays one recorded set of completions (``phases.record``)."""
     session = phases.start(config, steps)
-    for phase in (phases.reference, phases.floors, phases.splits, phases.control, phases.other_backends,
+    for phase in (phases.record, phases.reference, phases.floors, phases.splits, phases.control, phases.other_backends,
                   phases.small_controls, phases.judge, phases.auxiliary_loss):
         phase(session)
     return phases.write_report(session)

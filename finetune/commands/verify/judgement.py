@@ -40,11 +40,13 @@ def compare(outcomes: list[Outcome], steps: int, model_notes: dict, detects: lis
             control_margin = _control_margin(row, tolerance, grads_seen)
         rows.append(row)
         failures += [o.way.label] if failed else []
+    dependent = _split_dependent(rows, failures, tolerance, model_notes.get("split_dependence"))
     determinism = reference.determinism or {}
     random = determinism.get("difference") is not None and determinism["difference"] > DETERMINISM_TOLERANCE
     moved = reference.base is not None and reference.base[1] != reference.base[0]  # the reference's own base
     verdict = _verdict(random or moved, failures, control_margin, detects)
-    causes = []
+    verdict = "split-dependent" if dependent and not (random or moved or failures) else verdict
+    causes = [dependent] if verdict == "split-dependent" else []
     if random:
         causes.append(_nondeterminism_cause(determinism))
     if moved:
@@ -102,6 +104,25 @@ def _row(o: Outcome, reference: Outcome, tolerance: dict, detects: list[dict] | 
         row["verdict"] = "exact" if not bad else "NOT EXACT: " + "; ".join(bad)
         return row, bool(bad)
     return row, False
+
+
+def _split_dependent(rows: list[dict], failures: list[str], tolerance: dict, dependence: str | None) -> str | None:
+    """Where the run's loss depends on the split by its definition (``Task.split_dependence``: TRL's bnpo), its
+    splits' departures are measured, not judged: each such row says so and leaves ``failures``. Returns the cause
+    with the largest departure measured, or None where the loss does not."""
+    if not dependence:
+        return None
+    splits = [r for r in rows if r["role"] == "split" and r.get("error") is None and "loss_difference" in r]
+    for r in splits:
+        if r["way"] in failures:
+            failures.remove(r["way"])
+            r["verdict"] = "split-dependent by definition: " + r["verdict"].removeprefix("NOT EXACT: ")
+    worst = max(splits, key=lambda r: _margin(r, tolerance), default=None)
+    if worst is None:
+        return dependence
+    return (f"{dependence}; measured: {worst['way']} departs by {_margin(worst, tolerance):.3g} x the tolerance "
+            f"(gradients {_fmt(worst.get('gradient_difference'))} at step 1, final weights "
+            f"{_fmt(worst.get('weight_difference'))} of the distance trained)")
 
 
 def _verdict(premise_failed: bool, failures: list, control_margin: float | None, detects: list[dict] | None) -> str:
@@ -256,7 +277,7 @@ def _causes(outcomes: list[Outcome], reference: Outcome, tolerance: dict, notes:
     identified."""
     found = []
     for o in outcomes:
-        if o.measured and "items_differ" in o.measured:
+        if o.measured and "items_differ" in o.measured and "control" not in o.way.role:  # a control counts its own
             step, items, expected = o.measured["items_differ"]
             found.append(f"item counts: {o.way.label} divides step {step}'s loss by {items:g} items where the "
                          f"reference counts {expected:g}; the two count the loss's items (samples, or label tokens) "

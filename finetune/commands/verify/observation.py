@@ -17,7 +17,6 @@ from finetune.commands.verify.measurement import _norm
 from finetune.engine import engine_for
 from finetune.lifecycle.elastic import SAMPLE_IDS
 from finetune.models.quantization import base_identity
-from finetune.tasks import split_labels
 
 PADDING_PROBE_TOKENS = 8  # pad tokens the padding probe appends to one batch
 # the padding probe (fp32) calls outputs padding-dependent above PADDING_PROBE_FACTOR x its own noise (rows computed
@@ -117,13 +116,22 @@ def determinism(built, micro_batch: int) -> dict:
     forward and backward twice from the same weights, in training mode, without synchronising processes.
     Returns {"difference": ‖g₁ − g₂‖ / ‖g₁‖ over the whole model, "modules": the modules whose output differs
     between two forward passes of the same input (dropout left on, ...)}; difference None where it cannot run
-    here (a sharding engine steps inside its backward). Every process calls it."""
+    here (a sharding engine steps inside its backward). A task that generates trains completions, not its rows
+    (prompts): its probe micro-batch (``Task.probe_batch``) of that many prompts stands in, random tokens as long
+    as the longest prompt, drawn with the global generators left as they were. The task's metric sums of these
+    passes are discarded (they are no step's). Every process calls it."""
     if not built.engine.local_backward:
         return {"difference": None, "modules": []}
-    model, accelerator = built.model, built.accelerator
+    model, accelerator, task = built.model, built.accelerator, built.task
     loader = built.train_dataloader
     rows = [loader.dataset[i] for i in range(min(micro_batch, len(loader.dataset)))]
-    batch = {k: v.to(accelerator.device) for k, v in loader.collate_fn(rows).items()}
+    batch = loader.collate_fn(rows)
+    if task.generates:
+        vocab = accelerator.unwrap_model(model, keep_torch_compile=False).config.vocab_size
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            batch = task.probe_batch(len(rows), batch["input_ids"].shape[1], vocab, "cpu")
+    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
     model.train()
     grads = []
     context = model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
@@ -133,11 +141,12 @@ def determinism(built, micro_batch: int) -> dict:
             built.micro_batch_loss(model, batch).float().backward()
         grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
     model.zero_grad(set_to_none=True)
+    task.take_metric_sums()
     names = [n for n in grads[0] if n in grads[1]]
     difference = _norm(grads[0][n] - grads[1][n] for n in names) / max(_norm(grads[0][n] for n in names), 1e-30)
     if not math.isfinite(difference):
         difference = float("inf")
-    return {"difference": difference, "modules": _random_modules(model, split_labels(batch)[0]) if difference > 0 else []}
+    return {"difference": difference, "modules": _random_modules(model, task.model_inputs(batch)) if difference > 0 else []}
 
 
 def _random_modules(model, batch) -> list[str]:
@@ -237,8 +246,9 @@ def _loss_after(model, dataset, collate, task, rows: int, device) -> float | Non
     fp32 where the weights are (mixed precision's autocast off: bf16 rounding of the forward would add noise that
     flips with any change of the weights), the task's loss (an auxiliary loss left out) summed over all the
     samples' items and divided by them (a float). Every process computes it on every sample (a sharded forward is
-    collective). None where there is nothing to run."""
-    if dataset is None or not len(dataset):
+    collective). None where there is nothing to run, or for a task that generates (its rows are prompts; with the
+    old policy the current one, its loss's value is the advantages' alone, whatever the weights)."""
+    if dataset is None or not len(dataset) or task.generates:
         return None
     forward = getattr(model, "_original_forward", None) or model  # accelerate's autocast wrapper left out
     was_training = model.training
@@ -259,11 +269,12 @@ def _loss_after(model, dataset, collate, task, rows: int, device) -> float | Non
 
 def _model_notes(built) -> dict:
     """What the run's model has that makes training depend on the micro-batch (BatchNorm modules, an auxiliary
-    loss), the precision that ran, the engine and a quantized base (``describe_base``; None: full precision)."""
+    loss, a loss that does by its definition), the precision that ran, the engine and a quantized base (``describe_base``; None: full precision)."""
     model = built.accelerator.unwrap_model(built.model, keep_torch_compile=False)
     batchnorm = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     auxiliary = bool(getattr(model.config, "output_router_logits", False)) and bool(
         getattr(model.config, "router_aux_loss_coef", 0.0))
     engine = built.engine.label(built.accelerator.num_processes)
     return {"batchnorm_modules": batchnorm, "auxiliary_loss": auxiliary, "precision": built.precision,
-            "engine": engine, "quantized_base": (built.base or {}).get("quantization")}
+            "engine": engine, "quantized_base": (built.base or {}).get("quantization"),
+            "split_dependence": built.task.split_dependence}

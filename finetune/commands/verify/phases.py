@@ -1,4 +1,4 @@
-"""verify's phases, in the order they run: the reference, the floors, the splits, the positive control, the Trainer
+"""verify's phases, in the order they run: for a task that generates, the completions every way replays; the reference, the floors, the splits, the positive control, the Trainer
 backend's and the packed ways, the small controls, the judgement, the auxiliary loss's second look and the report.
 Each is a function of the ``Session`` they share; every process runs every phase (the ways' runs are collective),
 and a phase that decides something every process must follow agrees on it once (``Session.agree``; the small
@@ -26,11 +26,15 @@ from finetune.commands.verify.ways import (
     Way,
     _MisWeighted,
     _rows_for_partial_window,
+    for_task,
+    trainer_refusal,
     ways_for,
 )
 from finetune.config import check_settings
 from finetune.errors import FinetuneError, together
 from finetune.lifecycle.resolve import resolve
+from finetune.tasks import run_task
+from finetune.tasks.rollout import RECORD
 
 # what the check turns off or fixes: dropout (it verifies accumulation, not randomness), evaluation, checkpoints,
 # trackers, the planner (B is fixed by the flags or planned once here); each field declares it (``verify=``)
@@ -47,7 +51,9 @@ class Session:
     (a number's maximum over every process: collective). Filled by the phases: every run's ``outcomes`` in
     order, the ``reference`` (rank 0's; None elsewhere), whether the chunked floors ``trim`` their chunks, their
     ``variant`` and ``floor_reference`` (a model with BatchNorm or an auxiliary loss), the small controls'
-    ``detects`` and the ``report`` (rank 0's)."""
+    ``detects`` and the ``report`` (rank 0's). ``task``: the run's task (``tasks.run_task``: what the ways may be,
+    whether completions are generated); ``notes``: what the report says besides the table (ways not run, the
+    completions replayed)."""
 
     recipe: object
     base: object
@@ -65,6 +71,8 @@ class Session:
     floor_reference: Outcome | None = None
     detects: list[dict] = field(default_factory=list)
     report: dict | None = None
+    task: object = None
+    notes: list[str] = field(default_factory=list)
 
     def say(self, *args, **kwargs) -> None:
         """``print`` on global rank 0 only."""
@@ -123,24 +131,43 @@ def start(config, steps: int) -> Session:
     if (root / "checkpoints").exists() or (root / "model.safetensors").exists():
         raise FinetuneError(f"--output_dir {root} holds a training run; verify writes its own ways there. Pass "
                             "another --output_dir.")
-    ways = ways_for(per_process, config.gradient_accumulation_steps)
+    task, refusal = run_task(recipe, base), trainer_refusal(recipe, base)
+    ways = for_task(ways_for(per_process, config.gradient_accumulation_steps), task, refusal)
     if packed:  # the user's own split, packed as the user asks, on both backends the user's run could use
         flags = tuple((name, getattr(config, name)) for name in packed)
         ways += [Way("packed", config.per_device_train_batch_size, config.gradient_accumulation_steps,
                      packing=flags, trainer=trainer) for trainer in (False, True)]
     session = Session(recipe, base, root, steps, per_process, processes, ways,
                       keep=distributed.process_state().is_main_process,
-                      agree=distributed.all_reduce_max(distributed.distributed_state()))
+                      agree=distributed.all_reduce_max(distributed.distributed_state()), task=task,
+                      notes=[f"Trainer backend: not run: {refusal}"] if refusal else [])
     session.say(f"finetune verify: {len(ways)} ways of the effective batch {per_process * processes}, {steps} "
                 f"optimizer steps each over {samples} samples, and the small controls, into {root}", flush=True)
     return session
+
+
+def record(s: Session) -> None:
+    """For a task that generates (``Task.generates``): one recorded set of completions that every way replays
+    (``--replay_completions``), so that the ways differ in their split only. The user's record where given; else
+    the reference's window ``b x 1`` generates it (the "generation" way, judged against the replayed reference:
+    its record replays to what it trained)."""
+    if not s.task.generates:
+        return
+    if s.base.replay_completions:
+        s.notes.append(f"Completions: replayed by every way from {s.base.replay_completions}.")
+        return
+    way = Way("generation", s.per_process, 1)
+    s.outcomes.append(s.run(way))
+    recorded = s.root / way.slug / RECORD
+    s.base = dataclasses.replace(s.base, replay_completions=str(recorded))
+    s.notes.append(f"Completions: generated once (the row {way.label}) and replayed by every other way from {recorded}.")
 
 
 def reference(s: Session) -> None:
     """The reference ``b x 1``. Agreed: whether the model's outputs depend on padding (its padding probe, run on
     every process): where they do not, the chunked floors cut each chunk to its own longest sample, as splits pad."""
     s.run_against_reference(s.of("reference"))
-    first = s.outcomes[0] if s.outcomes else None
+    first = next((o for o in s.outcomes if o.way.role == "reference"), None)
     s.trim = not s.agree(float(bool(first and depends_on_padding(first.padding_effect))))
 
 
@@ -172,10 +199,12 @@ def splits(s: Session) -> None:
 
 def control(s: Session) -> None:
     """The positive control: the split with the most micro-batches, the first micro-batch of each window counted
-    twice; it must depart by ``CONTROL_FACTOR`` x the tolerance (judgement)."""
+    twice, or the task's own mean of micro-batch means (``Task.mean_of_means``, trained through its flags); it must
+    depart by ``CONTROL_FACTOR`` x the tolerance (judgement)."""
     way = s.gross
-    outcome = s.run(way, _MisWeighted(way.accumulation).vary, against=s.reference)
-    outcome.control = "the first micro-batch of each window counted twice"
+    vary = None if way.flags else _MisWeighted(way.accumulation).vary
+    outcome = s.run(way, vary, against=s.reference)
+    outcome.control = s.task.mean_of_means[0] if way.flags else "the first micro-batch of each window counted twice"
     s.outcomes.append(outcome)
 
 
@@ -233,7 +262,8 @@ def judge(s: Session) -> None:
     if s.keep:
         notes = next((o.notes for o in s.outcomes if o.notes), {})
         s.report = compare(s.outcomes, s.steps, notes, s.detects)
-        s.report.update(recipe=s.recipe.NAME, processes=s.processes, effective_batch=s.per_process * s.processes)
+        s.report.update(recipe=s.recipe.NAME, processes=s.processes, effective_batch=s.per_process * s.processes,
+                        notes=s.notes)
 
 
 def auxiliary_loss(s: Session) -> None:

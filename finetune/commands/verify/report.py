@@ -46,7 +46,10 @@ def render(report: dict) -> str:
               f"{t.get('after', 0.0):.2e}, weights "
               f"{t['weights']:.2e}."]
     if report["control_margin"] is not None:
-        lines.append(f"Positive control (wrong normalisation): {report['control_margin']:.3g} x the "
+        kind = ("wrong normalisation: the mean of micro-batch means" if any(
+            r["role"] == "control" and r["way"].endswith("mean of micro-batch means") for r in report["rows"])
+            else "wrong normalisation")
+        lines.append(f"Positive control ({kind}): {report['control_margin']:.3g} x the "
                      f"{'gradient' if report['gradients_compared'] else 'weight'} tolerance (needs >= "
                      f"{CONTROL_FACTOR}).")
     if not report["gradients_compared"]:
@@ -58,6 +61,7 @@ def render(report: dict) -> str:
             f"{_percent(t['size'])} {'caught' if t['caught'] else 'not caught'}"
             + (f" ({t['margin']:.3g} x the tolerance and its twin's noise)" if t.get("margin") is not None else "")
             for t in d["tried"]) + ".")
+    lines += report.get("notes") or []
     line = report.get("detects_line")
     lines += ["", f"**Verdict: {report['verdict']}" + (f": {line}" if line and report["verdict"] == "exact" else "")
               + "**"]

@@ -30,7 +30,7 @@ def run_way(way: Way, base, recipe, root: Path, steps: int, keep: bool, vary=Non
     Collective: every process runs every way."""
     config = dataclasses.replace(base, per_device_train_batch_size=way.micro, gradient_accumulation_steps=way.accumulation,
                                  max_steps=steps, output_dir=str(root / way.slug), backend=way.backend,
-                                 **dict(way.packing))
+                                 **dict(way.packing), **dict(way.flags))
     config.validate()
     out = Path(config.output_dir)
     outcome = Outcome(way, output_dir=str(out))

@@ -13,7 +13,7 @@ import torch
 
 from finetune.errors import FinetuneError
 from finetune.models.loading import load_tokenizer
-from finetune.tasks import task_of
+from finetune.tasks import run_task, task_of
 from finetune.tasks.builders import build_datasets, raw_datasets
 
 # the calibrated small controls: (what is mis-weighted, the size verify claims to detect); a control not caught at
@@ -29,8 +29,10 @@ class Way:
     per process. ``role``: "reference", "floor" (the reference, each window's samples reordered), "chunked" (the
     reference, each micro-batch's loss computed over row chunks of the splits' micro-batch sizes, ``chunks`` in
     turn, with one backward: the splits' shapes, the same sum), "split", "control" (a wrong normalisation), "engine" (through ``--backend
-    trainer``) or "packed" (the user's ``--padding_free``/``--packing``, ``packing``: against the padded
-    reference, so a user proves that their model and attention implementation keep packed sequences apart)."""
+    trainer``), "packed" (the user's ``--padding_free``/``--packing``, ``packing``: against the padded
+    reference, so a user proves that their model and attention implementation keep packed sequences apart) or
+    "generation" (a task that generates: the reference's run that generates the completions every way replays).
+    ``flags``: the way's own training flags ((field, value), ...: a task's mean-of-means control)."""
 
     role: str
     micro: int
@@ -42,6 +44,7 @@ class Way:
     trim: bool = False  # "chunked": each chunk cut to its own longest sample, as a split's micro-batch pads
     target: str = ""  # "small control": what is mis-weighted ("micro-batch" or "last window")
     size: float = 0.0  # "small control": by how much (0.01: 1% too heavy)
+    flags: tuple = ()  # "control": the task's mean of micro-batch means, ((field, value), ...) (Task.mean_of_means)
 
     @property
     def backend(self) -> str:
@@ -50,7 +53,8 @@ class Way:
     @property
     def label(self) -> str:
         extra = {"floor": ", samples reordered", "chunked": f", in chunks of {'/'.join(map(str, self.chunks))}",
-                 "control": ", wrong normalisation", "engine": ", Trainer",
+                 "control": ", mean of micro-batch means" if self.flags else ", wrong normalisation",
+                 "engine": ", Trainer", "generation": ", generated",
                  "small control": f", {self.target} x {1 + self.size:g}",
                  "packed": (", packed" if dict(self.packing).get("packing") else ", padding-free")
                  + (", Trainer" if self.trainer else "")}
@@ -113,6 +117,27 @@ def ways_for(per_process_batch: int, accumulation: int) -> list[Way]:
     return [Way("reference", b, 1), Way("floor", b, 1), *(Way("chunked", b, 1, chunks=(size,)) for size in sizes),
             *(Way("split", b // n, n) for n in chosen), Way("control", b // most, most), Way("engine", b, 1),
             Way("engine", b // most, most)]
+
+
+def for_task(ways: list[Way], task, trainer_refusal: str | None) -> list[Way]:
+    """``ways`` as the run's ``task`` allows: no Trainer ways where its backend refuses the task
+    (``trainer_refusal``), no chunked floor where the loss depends on the split by definition (a mean per micro-batch,
+    which chunks change: ``Task.split_dependence``), the task's own mean-of-means control where it has one
+    (``Task.mean_of_means``)."""
+    control = task.mean_of_means
+    return [dataclasses.replace(w, flags=tuple(control[1].items())) if w.role == "control" and control else w
+            for w in ways if not (trainer_refusal and w.backend == "trainer")
+            and not (task.split_dependence and w.role == "chunked")]
+
+
+def trainer_refusal(recipe, config) -> str | None:
+    """The Trainer backend's refusal of ``config``'s task (the task's ``FinetuneError``, as ``--backend trainer``
+    would print it), or None where the task runs on it."""
+    try:
+        run_task(recipe, dataclasses.replace(config, backend="trainer"))
+    except FinetuneError as err:
+        return str(err)
+    return None
 
 
 def partial_window_samples(steps: int, effective_batch: int) -> int:
