@@ -363,6 +363,10 @@ def test_num_iterations_trains_each_generation_mu_steps_exactly_over_splits(tmp_
     assert relative_difference(params, split_params) < 1e-5
     for a, b in zip(steps, split_steps):
         assert a["clip_ratio/region_mean"] == pytest.approx(b["clip_ratio/region_mean"], rel=1e-5)
+        # the window's least and largest per-completion shares, whatever the split (TRL's: per micro-batch)
+        assert (a["clip_ratio/low_min"], a["clip_ratio/high_max"]) == (b["clip_ratio/low_min"],
+                                                                        b["clip_ratio/high_max"])
+    assert max(r["clip_ratio/high_max"] for r in steps) > 0
     records = (tmp_path / "mu-Bx1" / "completions.jsonl").read_text().splitlines()
     assert sorted({json.loads(line)["step"] for line in records}) == [1, 3, 5] and len(records) == PROMPTS * G
 
