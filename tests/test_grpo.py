@@ -244,13 +244,15 @@ def test_masked_truncated_completions_train_nothing_but_count_as_trl_counts_them
 REWARD_FILE = Path(__file__).parent / "grpo_rewards.py"
 
 
-@pytest.mark.parametrize("loss_type,mu", [("dapo", 1), ("grpo", 1), ("dapo", 2)])
+@pytest.mark.parametrize("loss_type,mu", [("dapo", 1), ("grpo", 1), ("dr_grpo", 1), ("dapo", 2)])
 def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type, mu):
-    """2 gloo processes x 1 prompt x 2 micro-batches against one process's 4 x 1 (B = 4) on 9 prompts: windows of
-    4, 4 and 1 (the last on one process, the other's row an epoch repeat, masked), advantages over both processes'
-    completions: the same weights (relative 1e-5), per-step losses and rewards, and the same record; with
-    --num_iterations 2 too (each process keeps its own generation's old log-probabilities)."""
-    common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9, num_iterations=mu,
+    """2 gloo processes x 1 prompt x 2 micro-batches against one process's 4 x 1 (B = 4) on 9 prompts, replayed
+    completions of 1-6 tokens, fp32: windows of 4, 4 and 1 (the last on one process, the other's row an epoch
+    repeat, masked: dr_grpo counts 1 x --max_completion_length there, not 2), advantages over both processes'
+    completions: the same weights (relative 1e-5), per-step losses, rewards and clip ratios, and the same record;
+    with --num_iterations 2 too (each process keeps its own generation's old log-probabilities; epsilon 0.001 clips
+    at each generation's second step, and the window's clip_ratio/high_max is gathered over both processes)."""
+    common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9, num_iterations=mu, epsilon=0.001,
                    reward_funcs=f"{REWARD_FILE}:token_parity,{REWARD_FILE}:topic_named")
     _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,
                                                 "gradient_accumulation_steps": 1})
@@ -264,9 +266,11 @@ def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type
     assert relative_difference(load_params(one), load_params(two)) < 1e-5
     for a, b in zip(train_steps(one), train_steps(two), strict=True):
         assert b["samples"] == a["samples"]
-        for key in ("loss", "reward", "reward_std", "completions/mean_length", "entropy"):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "clip_ratio/region_mean",
+                    "clip_ratio/low_min", "clip_ratio/high_max"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert [r["samples"] for r in train_steps(two)] == [n for n in (4, 4, 1) for _ in range(mu)]
+    assert (max(r["clip_ratio/high_max"] for r in train_steps(two)) > 0) == (mu > 1)
     records = [sorted(map(json.dumps, (json.loads(line) for line in (out / "completions.jsonl").read_text()
                                        .splitlines()))) for out in (one, two)]
     assert records[0] == records[1] and len(records[0]) == 9 * G
