@@ -15,3 +15,10 @@ def topic_named(prompts, completions, completion_ids, topic, **columns):
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [None if len(ids) == 1 else float(len(t) % 5 == int(k)) + 0.1 * len(ids)
             for t, ids, k in zip(texts, completion_ids, topic)]
+
+
+def letters(prompts, completions, **columns):
+    """The share of the completion's characters that are letters, from its text alone (so a test can score a shown
+    completion again); None for an empty text."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isalpha() for ch in t) / len(t) if t else None for t in texts]

@@ -56,6 +56,11 @@ class PromptCollator:
                 "labels": torch.zeros(len(features), 1, dtype=torch.long)}
 
 
+def none_for_nan(value: float) -> float | None:
+    """``value``, or None for NaN (JSON has no NaN: a reward function that gave none)."""
+    return None if value != value else value
+
+
 def completion_batch(prompts: list[list[int]], completions: list[list[int]], trained: list[bool], pad_id: int) -> dict:
     """One row per completion: its prompt then its completion, right-padded with ``pad_id``; ``labels`` the
     completion's tokens where ``trained``, else ``IGNORE_INDEX``."""
@@ -104,6 +109,7 @@ class GRPOTask:
         self._first_step = True
         self._policy = None  # the unwrapped policy of the current window (the disabled adapter's reference)
         self._generation = None  # --num_iterations > 1: (step, completion micro-batches, window figures)
+        self._shown = []  # this process's (prompt index, sample) of the evaluation under way (eval_samples)
 
     # ---- facts that depend on the run
     @property
@@ -269,7 +275,7 @@ class GRPOTask:
         """This window's completions into ``completions.jsonl`` (main process; every process's, in process order)."""
         G, names = self.config.num_generations, [n for n, _ in self.functions]
         records = [{"step": step, "prompt": index, "generation": k % G, "completion_ids": c,
-                    "rewards": {n: (None if v != v else v) for n, v in zip(names, rewards[k].tolist())}}
+                    "rewards": {n: none_for_nan(v) for n, v in zip(names, rewards[k].tolist())}}
                    for k, (index, c) in enumerate(real)]
         every = rollout.all_processes(records)
         if is_main_process():
@@ -393,7 +399,8 @@ class GRPOTask:
 
     # ---- evaluation: the held-out prompts' mean reward of one greedy completion each
     def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
-        """Per prompt: the weighted reward of its greedy completion (``max_completion_length`` tokens)."""
+        """Per prompt: the weighted reward of its greedy completion (``max_completion_length`` tokens); each prompt,
+        completion and rewards kept for ``eval_samples``."""
         policy, split = unwrapped(model), self.rows.get("validation")
         real = []
         for r in range(batch["input_ids"].shape[0]):
@@ -410,7 +417,23 @@ class GRPOTask:
             per_func = self._rewards(real)
         finally:
             self.rows = saved
-        return (grpo_loss.weighted_rewards(per_func, self.weights).to(batch["input_ids"].device),)
+        rewards = grpo_loss.weighted_rewards(per_func, self.weights)
+        names = [name for name, _ in self.functions]
+        self._shown += [(index, {"prompt": split[index]["prompt"],
+                                 "completion": self.tokenizer.decode(ids, skip_special_tokens=True),
+                                 "reward": none_for_nan(reward),
+                                 "rewards": {n: none_for_nan(v) for n, v in zip(names, row)}})
+                        for (index, ids), reward, row in zip(real, rewards.tolist(), per_func.tolist())]
+        return (rewards.to(batch["input_ids"].device),)
+
+    def eval_samples(self) -> list[dict]:
+        """The latest evaluation's held-out prompts (as the rows hold them), greedy completions (decoded as the
+        reward functions read them), weighted reward and each function's (None where it gave none), gathered
+        over the processes in row order, each row once (Accelerate repeats rows to even out the processes'
+        shares). Collective on several processes (one ``all_gather_object``)."""
+        shown, self._shown = self._shown, []
+        every = dict(pair for part in rollout.all_processes(shown) for pair in part)
+        return [every[index] for index in sorted(every)]
 
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict | None = None) -> dict:
         """``eval_reward`` (the NaN-mean over held-out prompts) and ``eval_samples``."""
