@@ -21,3 +21,10 @@ def id_sum_parity(prompts, completions, completion_ids, **columns):
     """1.0 for a completion whose token ids sum to an even number, else 0.0: rewards that differ within a group of
     sampled completions even where every one runs to --max_completion_length."""
     return [float(sum(ids) % 2 == 0) for ids in completion_ids]
+
+
+def letters(prompts, completions, **columns):
+    """The share of the completion's characters that are letters, from its text alone (so a test can score a shown
+    completion again); None for an empty text."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isalpha() for ch in t) / len(t) if t else None for t in texts]

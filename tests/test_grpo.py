@@ -240,18 +240,93 @@ def test_masked_truncated_completions_train_nothing_but_count_as_trl_counts_them
     assert train_steps(out)[0]["completions/clipped_ratio"] == train_steps(plain)[0]["completions/clipped_ratio"] > 0
 
 
+# ------------------------------------------------------------------------------------------ completions in the log
+def rendered_table(markdown: str) -> list[list[str]]:
+    """The rows of the table TensorBoard shows for a text summary (its own markdown rendering,
+    ``plugin_util.markdown_to_safe_html``), header first, each cell's text as shown (``<br>`` a line break)."""
+    import html
+    import re
+
+    from tensorboard.plugin_util import markdown_to_safe_html
+
+    rendered = markdown_to_safe_html(markdown)
+    assert rendered.startswith("<table>"), rendered[:200]
+    return [[html.unescape(cell.replace("<br>", "\n")) for cell in re.findall(r"<t[hd]>(.*?)</t[hd]>", row, re.S)]
+            for row in re.findall(r"<tr>(.*?)</tr>", rendered, re.S)]
+
+
+def test_the_completions_table_shows_any_text_as_it_is():
+    """Markdown's and HTML's special characters, pipes, tabs and line breaks in a prompt or completion render in
+    TensorBoard as the text itself, in its own cell; a reward function that gave none shows "-"."""
+    from finetune.outputs.reporting import completions_table
+
+    text = "a*b*_c_ `x` [l](u) !i <b>b</b> & | \\ # h\n- item\n1. one ~~s~~ <|im_end|> &amp; \\* {b}\t tab  end"
+    samples = [{"prompt": [{"role": "system", "content": "S | *"}, {"role": "user", "content": text}],
+                "completion": text, "reward": 0.123456789, "rewards": {"f_1": None, "g": 1.0}},
+               {"prompt": "plain", "completion": "", "reward": None, "rewards": {"f_1": None, "g": None}}]
+    assert rendered_table(completions_table(samples)) == [
+        ["prompt", "completion", "reward", "f_1", "g"],
+        [f"system: S | *\nuser: {text}", text, "0.123457", "-", "1"], ["plain", "", "-", "-", "-"]]
+
+
+def test_each_evaluation_s_completions_are_in_the_log_and_a_table_in_tensorboard(tmp_path, chat_llama, data):
+    """--report_to tensorboard, evaluations at steps 0 (--eval_on_start), 1 and 2: each one's held-out prompts,
+    greedy completions and rewards are in its log.jsonl record (``completions``) and, row for row, the table
+    TensorBoard renders from ``eval/completions`` at that step; the text reward scored again on each shown
+    completion is the one shown, the weighted reward their sum, and eval_reward the mean. (The tiny model's greedy
+    completions are alike over prompts, which end alike; training moves them between evaluations.)"""
+    from grpo_rewards import letters
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    _, out = run_in_process(tmp_path, "tb", **flags(chat_llama, data, report_to="tensorboard", max_steps=2,
+                                                     learning_rate=0.05,  # moves the greedy completions
+                                                     reward_funcs="grpo_rewards:letters,grpo_rewards:topic_named",
+                                                     eval_strategy="steps", eval_steps=1, eval_on_start=True))
+    tables = {}
+    for path in out.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(path.parent), size_guidance={"tensors": 0})
+        accumulator.Reload()
+        if "eval/completions/text_summary" in accumulator.Tags()["tensors"]:
+            for event in accumulator.Tensors("eval/completions/text_summary"):
+                tables[event.step] = rendered_table(tensor_util.make_ndarray(event.tensor_proto)[0].decode())
+    evaluations = [r for r in read_log(out) if "eval_reward" in r]
+    assert [r["step"] for r in evaluations] == sorted(tables) == [0, 1, 2]
+    valid = [json.loads(line) for line in Path(data["valid"]).read_text().splitlines()]
+    for record in evaluations:
+        shown = record["completions"]
+        assert [s["prompt"] for s in shown] == [row["prompt"] for row in valid]
+        texts = [s["completion"] for s in shown]
+        assert [s["rewards"]["letters"] for s in shown] == letters(None, [[{"role": "assistant", "content": t}]
+                                                                          for t in texts])
+        for s in shown:
+            parts = [v for v in s["rewards"].values() if v is not None]
+            assert s["reward"] == (pytest.approx(sum(parts), rel=1e-6) if parts else None)
+        assert record["eval_reward"] == pytest.approx(sum(s["reward"] for s in shown) / len(shown), rel=1e-6)
+        header, *rows = tables[record["step"]]
+        assert header == ["prompt", "completion", "reward", "letters", "topic_named"]
+        assert [row[:2] for row in rows] == [[f"user: {v['prompt'][0]['content']}", t] for v, t in zip(valid, texts)]
+        assert [row[2:] for row in rows] == [["-" if v is None else f"{v:.6g}" for v in
+                                              (s["reward"], s["rewards"]["letters"], s["rewards"]["topic_named"])]
+                                             for s in shown]
+    assert len({tuple(s["completion"] for s in r["completions"]) for r in evaluations}) > 1  # training moved them
+
+
 # ------------------------------------------------------------------------------------------ two processes
 REWARD_FILE = Path(__file__).parent / "grpo_rewards.py"
 
 
-@pytest.mark.parametrize("loss_type,mu", [("dapo", 1), ("grpo", 1), ("dapo", 2)])
+@pytest.mark.parametrize("loss_type,mu", [("dapo", 1), ("grpo", 1), ("dr_grpo", 1), ("dapo", 2)])
 def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type, mu):
-    """2 gloo processes x 1 prompt x 2 micro-batches against one process's 4 x 1 (B = 4) on 9 prompts: windows of
-    4, 4 and 1 (the last on one process, the other's row an epoch repeat, masked), advantages over both processes'
-    completions: the same weights (relative 1e-5), per-step losses and rewards, and the same record; with
-    --num_iterations 2 too (each process keeps its own generation's old log-probabilities)."""
-    common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9, num_iterations=mu,
-                   reward_funcs=f"{REWARD_FILE}:token_parity,{REWARD_FILE}:topic_named")
+    """2 gloo processes x 1 prompt x 2 micro-batches against one process's 4 x 1 (B = 4) on 9 prompts, replayed
+    completions of 1-6 tokens, fp32: windows of 4, 4 and 1 (the last on one process, the other's row an epoch
+    repeat, masked: dr_grpo counts 1 x --max_completion_length there, not 2), advantages over both processes'
+    completions: the same weights (relative 1e-5), per-step losses, rewards and clip ratios, and the same record;
+    with --num_iterations 2 too (each process keeps its own generation's old log-probabilities; epsilon 0.001 clips
+    at each generation's second step, and the window's clip_ratio/high_max is gathered over both processes); the
+    evaluation's completions shown once each, as one process shows them."""
+    common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9, num_iterations=mu, epsilon=0.001,
+                   reward_funcs=f"{REWARD_FILE}:token_parity,{REWARD_FILE}:topic_named", eval_strategy="epoch")
     _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,
                                                 "gradient_accumulation_steps": 1})
     args = []
@@ -264,12 +339,17 @@ def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type
     assert relative_difference(load_params(one), load_params(two)) < 1e-5
     for a, b in zip(train_steps(one), train_steps(two), strict=True):
         assert b["samples"] == a["samples"]
-        for key in ("loss", "reward", "reward_std", "completions/mean_length", "entropy"):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "clip_ratio/region_mean",
+                    "clip_ratio/low_min", "clip_ratio/high_max"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert [r["samples"] for r in train_steps(two)] == [n for n in (4, 4, 1) for _ in range(mu)]
+    assert (max(r["clip_ratio/high_max"] for r in train_steps(two)) > 0) == (mu > 1)
     records = [sorted(map(json.dumps, (json.loads(line) for line in (out / "completions.jsonl").read_text()
                                        .splitlines()))) for out in (one, two)]
     assert records[0] == records[1] and len(records[0]) == 9 * G
+    # the evaluation's 3 held-out prompts, with the rows Accelerate repeats to even out the processes: shown once each
+    shown = [[r["completions"] for r in read_log(out) if "eval_reward" in r] for out in (one, two)]
+    assert shown[0] == shown[1] and [len(c) for c in shown[1]] == [3]
 
 
 # ------------------------------------------------------------------------------------------ resume
@@ -363,6 +443,10 @@ def test_num_iterations_trains_each_generation_mu_steps_exactly_over_splits(tmp_
     assert relative_difference(params, split_params) < 1e-5
     for a, b in zip(steps, split_steps):
         assert a["clip_ratio/region_mean"] == pytest.approx(b["clip_ratio/region_mean"], rel=1e-5)
+        # the window's least and largest per-completion shares, whatever the split (TRL's: per micro-batch)
+        assert (a["clip_ratio/low_min"], a["clip_ratio/high_max"]) == (b["clip_ratio/low_min"],
+                                                                        b["clip_ratio/high_max"])
+    assert max(r["clip_ratio/high_max"] for r in steps) > 0
     records = (tmp_path / "mu-Bx1" / "completions.jsonl").read_text().splitlines()
     assert sorted({json.loads(line)["step"] for line in records}) == [1, 3, 5] and len(records) == PROMPTS * G
 

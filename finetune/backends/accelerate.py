@@ -46,6 +46,7 @@ from finetune.lifecycle.window import (
     window_repeats,
 )
 from finetune.models.quantization import base_identity
+from finetune.outputs.reporting import log_completions
 from finetune.signals import GracefulStop
 from finetune.tasks import IGNORE_INDEX, run_task
 from finetune.tasks.builders import build_components
@@ -414,6 +415,7 @@ class Loop:
         if self.trackers:
             self.accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in results.items()},
                                  step=self.progress.step)
+            log_completions(self.accelerator.trackers, self.run.eval_samples, self.progress.step)
 
     def save(self, reason: str, push: bool = True) -> Path:
         """Write a checkpoint of the state after the current optimizer step (collective); ``push``: then hand it

@@ -6,7 +6,8 @@ its one reader (``read_log``). Standing alone, so that commands and scripts read
 ``micro_batches``, and where known ``padded_tokens``, ``input_tokens``, ``trained_tokens``, ``step_seconds`` with
 their ``*_per_second`` rates, ``warmup``, ``loss_scale``, ``skipped`` (and the Trainer backend's
 ``trainer_logged_loss``); an evaluation record has ``step``, ``epoch`` and the evaluation's ``eval_*`` results, and
-no ``loss``. ``read_log`` reads it."""
+no ``loss``; where the task generates completions (GRPO), also ``completions``: a list of ``{"prompt",
+"completion", "reward", "rewards": {function: value or null}}``, one per held-out prompt. ``read_log`` reads it."""
 
 from __future__ import annotations
 

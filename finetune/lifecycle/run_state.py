@@ -56,6 +56,7 @@ class RunState:
         self.warm = False  # the first optimizer step of this start (compile, allocator warm-up) is not timed
         self.eval_steps, self.save_steps = plan.steps(config.eval_steps), plan.steps(config.save_steps)
         self.eval_results, self.best_eval_results, self.eval_runtime, self.last_eval_step = {}, {}, 0.0, None
+        self.eval_samples: list[dict] = []  # the latest evaluation's generated completions (task.eval_samples)
         self.stopping_early = False
         self.log: JsonlLog | None = None
         # will a stop signal's step and checkpoint fit the grace before SIGKILL? (the main process says)
@@ -263,9 +264,12 @@ class RunState:
     def evaluate(self, accelerator, model, dataloader, tokenizer, at_epoch_end: bool, pack=None) -> dict:
         """Evaluate ``model`` now (``evaluation.evaluate``: loss and metrics, padding-free as ``pack`` packs, if given;
         then generation for SFT recipes, its predictions written beside the log); record it (``_record_evaluation``, the model kept per
-        ``model_kept``). Returns the results. Raises ``FinetuneError`` as ``record_evaluation`` does."""
+        ``model_kept``), with the task's generated completions (``task.eval_samples``: GRPO's), kept in
+        ``eval_samples`` for the trackers. Returns the results. Raises ``FinetuneError`` as ``record_evaluation``
+        does."""
         start = time.perf_counter()
         results = evaluate(accelerator, model, dataloader, self.task, self.recipe.METRICS, pack=pack)
+        self.eval_samples = self.task.eval_samples()
         generated, predictions = generation_eval(accelerator, model, tokenizer, self.raw_validation, self.recipe,
                                                  self.config, self.task)
         results.update(generated)
@@ -285,7 +289,8 @@ class RunState:
         self.eval_results, self.last_eval_step = results, step
         self.progress.evaluation_due = False
         epoch = self.plan.epoch_fraction(step)
-        self.log.write({"step": step, "epoch": round(epoch, 4), **results})
+        shown = {"completions": self.eval_samples} if self.eval_samples else {}
+        self.log.write({"step": step, "epoch": round(epoch, 4), **results, **shown})
         self.say(f"eval at step {step} (epoch {epoch:.2f}): " + ", ".join(
             f"{k}={v:.4f}" for k, v in results.items() if isinstance(v, float)))
         if config.metric_for_best_model is None:

@@ -281,3 +281,45 @@ def format_summary(metrics: dict, output_dir: str) -> str:
                      f"matmul peak ({metrics['num_processes']} x {metrics['measured_peak_flops_per_second'] / 1e9:.1f} G)")
     lines += [f"  outputs in {output_dir}/: model + tokenizer, metrics.json, log.jsonl, run_config.json", "=" * 60]
     return "\n".join(lines)
+
+
+MARKDOWN_INLINE = "\\`*_[]()!"  # what markdown reads inside a table cell: escaped with a backslash
+
+
+def _cell(value) -> str:
+    """A value as one markdown table cell that renders as its text: markdown's inline characters escaped with a
+    backslash, HTML's special characters, ``|`` and tabs as entities, line breaks as ``<br>`` (TensorBoard's markdown
+    keeps both: ``tensorboard.plugin_util`` allows ``br``); a conversation as its turns, ``role: content``; a
+    number to 6 significant digits; None as "-"."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        value = "\n".join(f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m) for m in value)
+    text = "".join("\\" + c if c in MARKDOWN_INLINE else c for c in str(value))
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "&#124;")
+    return text.replace("\t", "&#9;").replace("\r\n", "\n").replace("\n", "<br>")
+
+
+def completions_table(samples: list[dict]) -> str:
+    """A markdown table of an evaluation's generated completions (``task.eval_samples``): prompt, completion,
+    reward, then each reward function's, one row per held-out prompt ("" for none)."""
+    if not samples:
+        return ""
+    names = list(samples[0].get("rewards", {}))
+    head = ["prompt", "completion", "reward", *names]
+    rows = [[s["prompt"], s["completion"], s["reward"], *(s["rewards"].get(n) for n in names)] for s in samples]
+    lines = ["| " + " | ".join(_cell(h) for h in head) + " |", "|" + " --- |" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows])
+
+
+def log_completions(trackers, samples: list[dict], step: int) -> None:
+    """An evaluation's completions as a table in TensorBoard (``completions_table`` under ``eval/completions``,
+    a text summary TensorBoard renders as a table: Accelerate's ``TensorBoardTracker.log`` writes a ``str`` with
+    ``SummaryWriter.add_text``); the other trackers get none (``log.jsonl``'s evaluation record holds them).
+    ``trackers``: the Accelerator's (each logs on the main process only)."""
+    table = completions_table(samples)
+    for tracker in trackers if table else ():
+        if tracker.name == "tensorboard":
+            tracker.log({"eval/completions": table}, step=step)

@@ -132,6 +132,12 @@ class TaskEvaluation(Protocol):
         """(prompt messages, reference text) of a raw row: what generation continues and what its completion is
         scored against. Raises ``FinetuneError`` naming ``row_name`` for a malformed row."""
 
+    def eval_samples(self) -> list[dict]:
+        """The completions the latest ``eval_outputs`` calls generated, to show beside the figures (GRPO's: each
+        held-out prompt with its completion and rewards, ``{"prompt", "completion", "reward", "rewards"}``),
+        gathered over the processes in row order, each row once; [] for a task that generates none. Collective
+        where a task gathers: every process calls it after each evaluation."""
+
 
 class TaskTools(Protocol):
     """What the tools around a run ask: ``finetune check-data`` (``data_findings``, ``sequences``), the planner
@@ -291,6 +297,10 @@ class StatelessTask(ABC):
         """(prompt messages, reference text) of a TRL conversation row (``chat.prompt_and_reference``). Raises
         ``FinetuneError`` for a row in neither TRL format."""
         return prompt_and_reference(row, row_name)
+
+    def eval_samples(self) -> list[dict]:
+        """No generated completions to show: []."""
+        return []
 
     def data_findings(self, raw, tokenizer, config) -> tuple:
         """No findings of its own: every row is kept (its rows are checked when loaded)."""

@@ -37,6 +37,9 @@ ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/
                    "completions/clipped_ratio")
 PROMPT_BATCH = ("input_ids", "attention_mask", "prompt_index", "labels")  # PromptCollator's keys
 TOKEN_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+# over the window's completions on every process: the least share of a completion's tokens clipped low, the largest
+# clipped high (TRL's, per micro-batch: grpo_loss.clip_extremes)
+EXTREME_METRICS = ("clip_ratio/low_min", "clip_ratio/high_max")
 
 
 class PromptCollator:
@@ -53,6 +56,11 @@ class PromptCollator:
         return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask),
                 "prompt_index": torch.tensor([f["prompt_index"] for f in features]),
                 "labels": torch.zeros(len(features), 1, dtype=torch.long)}
+
+
+def none_for_nan(value: float) -> float | None:
+    """``value``, or None for NaN (JSON has no NaN: a reward function that gave none)."""
+    return None if value != value else value
 
 
 def completion_batch(prompts: list[list[int]], completions: list[list[int]], trained: list[bool], pad_id: int) -> dict:
@@ -98,11 +106,13 @@ class GRPOTask:
         self.stop_ids, self.pad_id = [], 0
         self.replay = None
         self._metric_sums = None
+        self._extremes = None  # this process's (least low-clipped share, largest high-clipped share) of the window
         self._window = {}  # the current window's global figures (rollout)
         self._first_step = True
         self._policy = None  # the unwrapped policy of the current window (the disabled adapter's reference)
         self._generation = None  # --num_iterations > 1: (step, completion micro-batches, window figures)
         self.vllm = None  # --use_vllm: the process's colocated engine (vllm_generation.ColocatedVLLM)
+        self._shown = []  # this process's (prompt index, sample) of the evaluation under way (eval_samples)
 
     # ---- facts that depend on the run
     @property
@@ -140,7 +150,8 @@ class GRPOTask:
     def step_metrics(self) -> tuple[str, ...]:
         """TRL's names of the per-step metrics (``take_metric_sums``' order)."""
         rewards = tuple(f"rewards/{name}/mean" for name, _ in self.functions)
-        return ROLLOUT_METRICS + rewards + TOKEN_METRICS + (("kl",) if self.config and self.config.beta else ())
+        return (ROLLOUT_METRICS + rewards + TOKEN_METRICS + (("kl",) if self.config and self.config.beta else ())
+                + EXTREME_METRICS)
 
     # ---- a run's own task
     def for_run(self, config) -> "GRPOTask":
@@ -308,7 +319,7 @@ class GRPOTask:
         """This window's completions into ``completions.jsonl`` (main process; every process's, in process order)."""
         G, names = self.config.num_generations, [n for n, _ in self.functions]
         records = [{"step": step, "prompt": index, "generation": k % G, "completion_ids": c,
-                    "rewards": {n: (None if v != v else v) for n, v in zip(names, rewards[k].tolist())}}
+                    "rewards": {n: none_for_nan(v) for n, v in zip(names, rewards[k].tolist())}}
                    for k, (index, c) in enumerate(real)]
         every = rollout.all_processes(records)
         if is_main_process():
@@ -398,32 +409,42 @@ class GRPOTask:
                                                    batch["advantages"], config.epsilon, high, config.beta)
         with torch.no_grad():
             adv = batch["advantages"].unsqueeze(1)
-            low_clip = ((ratio < 1 - config.epsilon) & (adv < 0) & mask).double().sum()
-            high_clip = ((ratio > 1 + high) & (adv > 0) & mask).double().sum()
-            sums = [entropy.double().sum(), low_clip, high_clip, low_clip + high_clip]
+            low_clip = (ratio < 1 - config.epsilon) & (adv < 0) & mask
+            high_clip = (ratio > 1 + high) & (adv > 0) & mask
+            sums = [entropy.double().sum(), low_clip.double().sum(), high_clip.double().sum(),
+                    (low_clip | high_clip).double().sum()]
             if config.beta:
                 sums.append((kl * mask).double().sum())
             sums = torch.stack(sums).cpu()
+            extremes = grpo_loss.clip_extremes(low_clip, high_clip, mask)
         self._metric_sums = sums if self._metric_sums is None else self._metric_sums + sums
+        self._extremes = extremes if self._extremes is None else (min(self._extremes[0], extremes[0]),
+                                                                  max(self._extremes[1], extremes[1]))
         return grpo_loss.aggregate(loss, mask, self.loss_type)
 
     def take_metric_sums(self) -> torch.Tensor:
         """The step's metrics as sums the loop divides by the window's items (all processes): the rollout's
-        (global already: given by the main process, times the items) and the token metrics (this process's sums
-        times items / the window's active tokens). (metrics,) float64."""
+        (global already: given by the main process, times the items), the token metrics (this process's sums
+        times items / the window's active tokens) and the clip extremes (the window's over every process,
+        ``grpo_loss.window_extremes``: given by the main process, times the items). (metrics,) float64. Collective
+        on several processes (one ``all_gather_object``)."""
         items, tokens = self._window.get("items", 0.0), self._window.get("tokens", 0.0)
+        main = is_main_process()
         head = torch.tensor(self._window.get("values", [0.0] * (len(ROLLOUT_METRICS) + len(self.functions))),
                             dtype=torch.float64)
-        head = head * items if is_main_process() else torch.zeros_like(head)
+        head = head * items if main else torch.zeros_like(head)
         tail = self._metric_sums if self._metric_sums is not None else torch.zeros(
-            len(self.step_metrics) - len(head), dtype=torch.float64)
+            len(self.step_metrics) - len(head) - len(EXTREME_METRICS), dtype=torch.float64)
         tail = tail * (items / tokens) if tokens else torch.full_like(tail, float("nan"))
-        self._metric_sums = None
-        return torch.cat([head, tail])
+        extremes = torch.tensor(grpo_loss.window_extremes(rollout.all_processes(self._extremes)), dtype=torch.float64)
+        extremes = extremes * items if main else torch.zeros_like(extremes)
+        self._metric_sums, self._extremes = None, None
+        return torch.cat([head, tail, extremes])
 
     # ---- evaluation: the held-out prompts' mean reward of one greedy completion each
     def eval_outputs(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
-        """Per prompt: the weighted reward of its greedy completion (``max_completion_length`` tokens)."""
+        """Per prompt: the weighted reward of its greedy completion (``max_completion_length`` tokens); each prompt,
+        completion and rewards kept for ``eval_samples``."""
         policy, split = unwrapped(model), self.rows.get("validation")
         real = []
         for r in range(batch["input_ids"].shape[0]):
@@ -440,7 +461,23 @@ class GRPOTask:
             per_func = self._rewards(real)
         finally:
             self.rows = saved
-        return (grpo_loss.weighted_rewards(per_func, self.weights).to(batch["input_ids"].device),)
+        rewards = grpo_loss.weighted_rewards(per_func, self.weights)
+        names = [name for name, _ in self.functions]
+        self._shown += [(index, {"prompt": split[index]["prompt"],
+                                 "completion": self.tokenizer.decode(ids, skip_special_tokens=True),
+                                 "reward": none_for_nan(reward),
+                                 "rewards": {n: none_for_nan(v) for n, v in zip(names, row)}})
+                        for (index, ids), reward, row in zip(real, rewards.tolist(), per_func.tolist())]
+        return (rewards.to(batch["input_ids"].device),)
+
+    def eval_samples(self) -> list[dict]:
+        """The latest evaluation's held-out prompts (as the rows hold them), greedy completions (decoded as the
+        reward functions read them), weighted reward and each function's (None where it gave none), gathered
+        over the processes in row order, each row once (Accelerate repeats rows to even out the processes'
+        shares). Collective on several processes (one ``all_gather_object``)."""
+        shown, self._shown = self._shown, []
+        every = dict(pair for part in rollout.all_processes(shown) for pair in part)
+        return [every[index] for index in sorted(every)]
 
     def eval_metrics(self, gathered: list[torch.Tensor], metric_specs: dict | None = None) -> dict:
         """``eval_reward`` (the NaN-mean over held-out prompts) and ``eval_samples``."""

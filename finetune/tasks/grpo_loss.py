@@ -6,6 +6,8 @@ micro-batches divided by one count over the whole window and every process (``AG
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from finetune.data.loading import IGNORE_INDEX
@@ -86,6 +88,31 @@ def per_token_loss(logps, old_logps, ref_logps, advantages_, epsilon_low: float,
         kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
         loss = loss + beta * kl
     return loss, ratio, kl
+
+
+def clip_extremes(low_clipped: torch.Tensor, high_clipped: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(the least share of a completion's active tokens clipped low, the largest share clipped high) over the rows
+    of a micro-batch (masks (rows, T), bool); a row without an active token (an epoch's repeat, a truncated
+    completion masked by --mask_truncated_completions) is skipped, as TRL's ``nanmin``/``nanmax`` skip its NaN
+    (``_compute_loss``'s ``masked_seq_mean``, lines 3253-3256, then 3280-3283; ``trainer/utils.py`` 1124-1155).
+    (inf, -inf) where no row has one."""
+    active = mask.sum(-1)
+    rows = active > 0
+    if not rows.any():
+        return float("inf"), float("-inf")
+    low = low_clipped.sum(-1)[rows].double() / active[rows]
+    high = high_clipped.sum(-1)[rows].double() / active[rows]
+    return low.min().item(), high.max().item()
+
+
+def window_extremes(parts: list) -> list[float]:
+    """[clip_ratio/low_min, clip_ratio/high_max] of a window from every process's ``clip_extremes`` (None for a
+    process that computed no loss): the least and the largest over them, NaN where no completion had an active
+    token (TRL's ``nanmin`` of all NaNs)."""
+    found = [p for p in parts if p is not None]
+    low = min((p[0] for p in found), default=float("inf"))
+    high = max((p[1] for p in found), default=float("-inf"))
+    return [low if math.isfinite(low) else float("nan"), high if math.isfinite(high) else float("nan")]
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:

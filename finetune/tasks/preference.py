@@ -389,6 +389,10 @@ class PreferenceTask:
         continues and scores against (``preference.pair_prompt_and_reference``; raises its ``FinetuneError``)."""
         return pair_prompt_and_reference(row, row_name)
 
+    def eval_samples(self) -> list[dict]:
+        """No generated completions to show (a pair's sides are the data's): []."""
+        return []
+
     def data_findings(self, raw, tokenizer, config) -> tuple[datasets.DatasetDict, list[Finding]]:
         """Every pair encoded as training encodes it (``preference.check_pair``, ``config.max_length``) and
         ``pair_findings`` reported; the pairs training would stop on (an implicit prompt that is not a common prefix,
