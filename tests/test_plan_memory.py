@@ -237,7 +237,8 @@ def test_a_quantized_base_keeps_no_view_of_its_checkpoint(chat_llama, monkeypatc
     model = load()
     gc.collect()
     assert checkpoint_views(model) == []
-    assert not [path for path in mapped_files() if path.endswith(".safetensors")]
+    # Only this checkpoint's files: another test in the same worker may hold its own model's map (a tiny BERT).
+    assert not [path for path in mapped_files() if path.startswith(str(chat_llama)) and path.endswith(".safetensors")]
     assert model.model.embed_tokens.weight is model.lm_head.weight  # the tie is kept
     assert sum(type(p).__name__ in ("Params4bit", "Int8Params") for p in model.parameters()) == 14
 
