@@ -46,6 +46,7 @@ def memory_rows(probe: Probe, plans: list[tuple[int, int]]) -> tuple[dict, list[
              "activations_per_sample": getattr(probe, "per_sample_bytes", None),
              "fixed": getattr(probe, "fixed_bytes", None), "held": getattr(probe, "held", None),
              "optimizer_step_peak": getattr(probe, "step_peak_bytes", None), "loading": probe.loading_bytes,
+             "left": getattr(probe, "left_bytes", None),
              "reference": probe.task.resident_bytes(),
              "generation": probe.generation, "generation_peak": getattr(probe, "generation_peak_bytes", None)}
     rows = []
@@ -73,7 +74,8 @@ def render(lever, parts: dict, rows: list[dict]) -> str:
                     f"{_mib(parts['full_weights'])} MiB kept unquantized; the largest layer de-quantized "
                     f"{_mib(parts['dequantized'])} MiB)")
     held = (f"; the optimizer step peaks at {_mib(parts['optimizer_step_peak'])} MiB (every gradient, the state and "
-            f"its transient), loading the model at {_mib(parts.get('loading'))} MiB; the estimate adds the "
+            f"its transient), loading the model at {_mib(parts.get('loading'))} MiB (it leaves "
+            f"{_mib(parts.get('left'))} MiB behind, in every peak); the estimate adds the "
             f"{_mib(parts['held'])} MiB this process holds"
             if parts.get("held") is not None and parts.get("optimizer_step_peak") is not None else "")
     lines = [f"{lever}: {weights}, gradients {_mib(parts['gradients'])} MiB, "
@@ -130,10 +132,10 @@ def plan(config, timed: bool) -> int:
     say(f"Plans for --total_batch_size {config.total_batch_size} on {state.num_processes} process(es): "
         f"{len(plans)} exact splits x {len(levers(config, recipe, state.device))} lever settings")
     held = held_before_probes(config)  # as --auto_find_batch_size counts it: before any probe model exists
-    overhead = loading = None  # the allocator's and loading's, measured by the first probe (later ones reuse memory)
-    for lever in levers(config, recipe, state.device):
-        probe = Probe(config, recipe, state.device, lever, held, overhead=overhead, loading=loading)
-        overhead, loading = getattr(probe, "overhead", None), probe.loading_bytes
+    overhead = loading = left = None  # the allocator's and loading's, measured by the first probe (later ones reuse
+    for lever in levers(config, recipe, state.device):  # its memory)
+        probe = Probe(config, recipe, state.device, lever, held, overhead=overhead, loading=loading, left=left)
+        overhead, loading, left = getattr(probe, "overhead", None), probe.loading_bytes, getattr(probe, "left_bytes", None)
         try:
             parts, rows = memory_rows(probe, plans)
         finally:

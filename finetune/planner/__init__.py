@@ -131,9 +131,10 @@ def probe_and_choose(config, recipe, state) -> BatchPlan:
 
             def attempt() -> int:  # may fail on one rank only (e.g. no room under --max_memory_mb)
                 made.append(Probe(config, recipe, state.device, lever, held, timing, overhead.get("measured"),
-                                  overhead.get("loading")))
+                                  overhead.get("loading"), overhead.get("left")))
                 overhead.setdefault("measured", getattr(made[-1], "overhead", None))
                 overhead.setdefault("loading", made[-1].loading_bytes)
+                overhead.setdefault("left", getattr(made[-1], "left_bytes", None))
                 return 0
 
             agreed_max(attempt, max_over_processes, "probing the batch size for --auto_find_batch_size")

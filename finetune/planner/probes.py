@@ -31,6 +31,7 @@ from finetune.engine import build_optimizer
 from finetune.engine.precision import precision_that_runs
 from finetune.errors import FinetuneError
 from finetune.machine import bf16_support, native_bf16
+from finetune.models.loading import load_tokenizer
 from finetune.planner.agreement import agreed_seconds
 from finetune.planner.memory import generation_memory, model_memory
 from finetune.planner.plans import Lever, estimate_fits_from_memory
@@ -244,7 +245,8 @@ class Probe:
       generates (GRPO), the generation's (``memory.generation_memory``: the key/value cache and logits, held as
       ``generation``) are peaks of their own, whatever the micro-batch, and so is loading the model: the peak
       RSS's rise while the process's first probe built it (``loading``: the first's, passed to the later ones,
-      whose builds reuse freed memory). Transient buffers (a layer's temporaries,
+      whose builds reuse freed memory); what loading left in the RSS beyond the weights (``left_bytes``,
+      ``left_behind``) is under every peak. Transient buffers (a layer's temporaries,
       the allocator's slack, the data pipeline) are not modelled, so the real peak runs above the estimate
       and a budget needs a margin (docs/speed.md, "The batch planner under two budgets").
       The memory probes run at the run's shapes, which the answer depends on: where one costs more than
@@ -256,12 +258,16 @@ class Probe:
     """
 
     def __init__(self, config, recipe, device, lever: Lever, held: int | None = None,
-                 timing: ProbeTiming | None = None, overhead: float | None = None, loading: int | None = None):
+                 timing: ProbeTiming | None = None, overhead: float | None = None, loading: int | None = None,
+                 left: int | None = None):
         config = dataclasses.replace(config, **lever.config_fields())  # the run as it would be under this lever
         task = run_task(recipe, config)
         label_names = task.probe_label_names
         self.device, self.task, self.lever, self.timing = device, task, lever, timing
         before_build = peak_rss() if reset_peak_rss() else None  # the RSS now
+        # the process's first build loads the tokenizer first, as a run does (``builders.build_components``): a
+        # GGUF's is parsed from the same file, and the model's load reuses what that parse freed
+        self.tokenizer = load_tokenizer(config.model_name_or_path) if loading is None else None
         self.model = build_model(config, task, label_names, recipe=recipe).to(device)
         if loading is None:  # the process's first build: what its peak RSS rose by while the model loaded
             loading = max(peak_rss() - before_build, 0) if before_build is not None and device.type == "cpu" else 0
@@ -293,6 +299,10 @@ class Probe:
         # the machine's free memory is shared by the processes on it; --max_memory_mb is per process
         budget = (config.max_memory_mb * 2**20 if config.max_memory_mb
                   else psutil.virtual_memory().available // local_process_count())
+        weights = self.memory["weights"]["total"] + task.resident_bytes()
+        if left is None:  # the process's first build: what loading left in its RSS beyond the weights
+            left = self.left_behind(before_build, weights)
+        self.left_bytes = left
         started = time.perf_counter()
         before = psutil.Process().memory_info().rss if reset_peak_rss() else None
         one = self.pass_bytes(1)
@@ -303,10 +313,9 @@ class Probe:
         two = self.pass_bytes(2)
         per_sample = int(max(two - one, 1) * overhead)
         memory = self.memory
-        weights = memory["weights"]["total"] + task.resident_bytes()
         # holds the gradients and a 4-bit layer de-quantized
         self.fixed_pass_bytes = int(max(one - (two - one), 0) * overhead)
-        fixed = self.fixed_pass_bytes + weights + memory["optimizer_state"] + buckets
+        fixed = self.fixed_pass_bytes + weights + left + memory["optimizer_state"] + buckets
         self.per_sample_bytes, self.fixed_bytes = per_sample, fixed
         held = psutil.Process().memory_info().rss if held is None else held
         self.held = held
@@ -323,11 +332,11 @@ class Probe:
                                 f"MiB more. Raise --max_memory_mb above {(held + fixed + per_sample) / 2**20:.0f}.")
         # the optimizer step holds every gradient, the weights and the state, and its own transient (activations are
         # freed by then): a peak of its own, whatever the micro-batch
-        self.step_peak_bytes = (weights + trainable + memory["optimizer_state"] + memory["optimizer_step"]
+        self.step_peak_bytes = (weights + left + trainable + memory["optimizer_state"] + memory["optimizer_step"]
                                 + buckets)
         # generating (a task that does, between optimizer steps): the weights (and a 4-bit layer de-quantized), what
         # the task keeps (a frozen reference), the state, the cache and the logits
-        self.generation_peak_bytes = (0 if self.generation is None else weights + memory["optimizer_state"]
+        self.generation_peak_bytes = (0 if self.generation is None else weights + left + memory["optimizer_state"]
                                       + memory["dequantized"] + self.generation["kv_cache"] + self.generation["logits"])
         # loading, measured: a GGUF base quantized for QLoRA is de-quantized to full precision first, and the
         # checkpoint transformers quantizes from is mapped while it does (docs/plan.md): above its training
@@ -335,6 +344,21 @@ class Probe:
         linear = estimate_fits_from_memory(per_sample, fixed, budget - held)
         self.fits = lambda m: linear(m) and others <= budget - held
         self.estimate = lambda m: int(held + max(fixed + m * per_sample, others))
+
+    def left_behind(self, before_build: int | None, weights: int) -> int:
+        """Bytes of RSS that loading the model left in this process beyond its weights (``weights``, bytes): memory
+        freed to the allocator but not to the system (a GGUF base de-quantized from numpy arrays: about 180 to 400
+        MiB for SmolLM2-135M), and what the first forward leaves for good (bitsandbytes compiles its CPU
+        de-quantization once per weight shape and grad mode, ``backends/default/ops.py`` ``_try_torch_compile``). A
+        training pass of one sample of 8 tokens runs first (with gradients: a forward without them compiles for that
+        mode only), so that the first pass at the run's shapes, whose growth gives the allocator's overhead, holds
+        that pass alone. Every later peak holds this; 0 where ``before_build`` (the RSS before the build) is
+        unknown."""
+        gc.collect()
+        self.pass_seconds(1, min(self.length, 8))
+        if before_build is None or not reset_peak_rss():  # the RSS now, read as ``before_build`` was
+            return 0
+        return max(peak_rss() - before_build - weights, 0)
 
     def pass_bytes(self, m: int) -> int:
         """The most bytes one training pass at micro-batch ``m`` (forward and backward) holds above what was held
@@ -410,7 +434,7 @@ class Probe:
 
     def close(self) -> None:
         """Free the probe copy of the model, and its optimizer state held by the ``fits`` closure."""
-        self.model = self.fits = self.estimate = self.loss_sum = None
+        self.model = self.fits = self.estimate = self.loss_sum = self.tokenizer = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
