@@ -347,8 +347,8 @@ class Probe:
 
     def left_behind(self, before_build: int | None, weights: int) -> int:
         """Bytes of RSS that loading the model left in this process beyond its weights (``weights``, bytes): memory
-        freed to the allocator but not to the system (a GGUF base de-quantized from numpy arrays: about 180 to 400
-        MiB for SmolLM2-135M), and what the first forward leaves for good (bitsandbytes compiles its CPU
+        freed to the allocator but not to the system (a GGUF base de-quantized from numpy arrays; docs/plan.md),
+        and what the first forward leaves for good (bitsandbytes compiles its CPU
         de-quantization once per weight shape and grad mode, ``backends/default/ops.py`` ``_try_torch_compile``). A
         training pass of one sample of 8 tokens runs first (with gradients: a forward without them compiles for that
         mode only), so that the first pass at the run's shapes, whose growth gives the allocator's overhead, holds
