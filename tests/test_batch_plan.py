@@ -294,7 +294,8 @@ def test_the_probe_under_lora_counts_only_the_adapters_gradients_and_optimizer_s
     for use_peft in (False, True):
         config = parse_config(["--model_name_or_path", tiny_bert, "--max_length", "32", "--use_peft", str(use_peft),
                                "--lora_r", "2"])
-        probe = Probe(config, load_recipe("bbc-news"), torch.device("cpu"), OFF, held=0)
+        # what loading left pinned: measured per probe, it moves with the worker's history, not with the adapters
+        probe = Probe(config, load_recipe("bbc-news"), torch.device("cpu"), OFF, held=0, left=0)
         trainable = sum(p.numel() for p in probe.model.parameters() if p.requires_grad)
         assert probe.fixed_bytes >= 3 * 4 * trainable
         fixed[use_peft] = (probe.fixed_bytes, trainable)
@@ -541,9 +542,11 @@ def test_the_cpu_budget_is_shared_by_the_processes_of_a_machine(tmp_path, tiny_b
     for processes in (1, 4):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
         monkeypatch.setenv("WORLD_SIZE", str(processes))
-        # the allocator's overhead is measured on a process's first pass only when not given: a fixed one keeps
-        # this comparison off the order the probes ran in (alone in a fresh process, the first measured x1.6)
-        probe = Probe(config, load_recipe("bbc-news"), torch.device("cpu"), Lever(False, None), held=0, overhead=1.0)
+        # the allocator's overhead and what loading left are measured on a process's first probe only when not
+        # given: fixed ones keep this comparison off the order the probes ran in (alone in a fresh process, the
+        # first measured x1.6) and off the worker's history
+        probe = Probe(config, load_recipe("bbc-news"), torch.device("cpu"), Lever(False, None), held=0, overhead=1.0,
+                      left=0)
         trainable = sum(p.numel() * p.element_size() for p in probe.model.parameters() if p.requires_grad)
         budget = int(re.search(r"budget (\d+) MiB", capsys.readouterr().out).group(1))
         seen[processes] = (budget, probe.fixed_bytes, probe.per_sample_bytes)
@@ -662,7 +665,9 @@ def test_a_memory_probe_over_the_budget_says_so_and_keeps_its_answer(tiny_bert, 
                            "--mixed_precision", "bf16"])
     recipe = load_recipe("bbc-news")
     fast = Probe(config, recipe, torch.device("cpu"), OFF, held=0)
-    answer, overhead = (fast.per_sample_bytes, fast.fixed_bytes), fast.overhead  # the second reuses the first's
+    # the second reuses the first's measurements, as a planning's later probes do
+    answer, first = (fast.per_sample_bytes, fast.fixed_bytes), dict(overhead=fast.overhead, loading=fast.loading_bytes,
+                                                                   left=fast.left_bytes)
     fast.close()
     assert "took" not in capsys.readouterr().out
     monkeypatch.setattr(machine, "_cpuinfo_field", lambda name: {"flags": "avx2 fma"}.get(name))  # no bf16 instructions
@@ -670,7 +675,7 @@ def test_a_memory_probe_over_the_budget_says_so_and_keeps_its_answer(tiny_bert, 
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     clock = [0.0]
     _slow_probes(monkeypatch, 1 / 32, clock)  # a 64-token sample: 2 s
-    slow = Probe(config, recipe, torch.device("cpu"), OFF, held=0, overhead=overhead)
+    slow = Probe(config, recipe, torch.device("cpu"), OFF, held=0, **first)
     assert (slow.per_sample_bytes, slow.fixed_bytes) == answer
     slow.close()
     assert ("Memory probe (no checkpointing): a training pass of 1 sample of 64 tokens took 2.0 s, so this probe takes about "

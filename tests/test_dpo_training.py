@@ -231,7 +231,9 @@ def test_the_planner_probes_the_reference_as_training_runs_it(chat_llama, pair_f
         config = parse_config(["--recipe", "bbc-headlines-dpo", "--model_name_or_path", chat_llama, "--max_length", "64",
                                "--train_file", train, "--validation_file", valid, "--mixed_precision", "no",
                                "--output_dir", "unused", *extra])
-        probe = Probe(config, recipe, torch.device("cpu"), Lever(False, None), held=0)
+        # what loading leaves and the allocator's overhead pinned: measured per probe, they move with the worker's
+        # history (tests/test_plan_memory.py measures them in a fresh process)
+        probe = Probe(config, recipe, torch.device("cpu"), Lever(False, None), held=0, overhead=1.0, loading=0, left=0)
         batch = probe.task.probe_batch(2, 64, probe.vocab, torch.device("cpu"))
         assert batch["input_ids"].shape == batch["rejected_input_ids"].shape == (2, 64)
         assert torch.isfinite(probe.step(2))
