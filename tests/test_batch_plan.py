@@ -363,14 +363,15 @@ def test_auto_find_batch_size_on_cpu_respects_the_memory_budget(tmp_path, tiny_b
     from helpers import run_in_process
 
     from finetune.errors import FinetuneError
-    from finetune.planner.probes import Probe
+    from finetune.planner import probes
 
     class Pinned:
         rss = 1000 * 2**20
 
     monkeypatch.setattr(psutil.Process, "memory_info", lambda self: Pinned())
-    # and what loading leaves behind (measured from the peak RSS, which the pin does not reach): 0
-    monkeypatch.setattr(Probe, "left_behind", lambda self, before_build, weights: 0)
+    # and the peak RSS, which the pin does not reach, unreadable: what loading raised and left (0, not the worker's
+    # imports and history: they failed this test once) and the allocator's overhead (1.0) are not measured
+    monkeypatch.setattr(probes, "reset_peak_rss", lambda: False)
     # dropout on, as this test was sized (the recipe's default is off): with it off, what checkpointing keeps per
     # sample of this tiny BERT prints as 0.0 MiB in the probe's line
     common = dict(model_name_or_path=tiny_bert, total_batch_size=32, auto_find_batch_size=True, disable_dropout=False,
