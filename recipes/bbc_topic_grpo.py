@@ -30,8 +30,9 @@ NEEDS_HUB = False
 TEXT_COLUMNS = ("prompt",)
 METRICS: dict = {}
 TOPICS = ("business", "entertainment", "politics", "sports", "tech")  # the corpus's folders, the ``topic`` column
-# an answer's words that name a topic: the folders' names, and "sport" (British English) for "sports"
-ANSWERS = {**{t: t for t in TOPICS}, "sport": "sports"}
+# an answer's words that name a topic: the folders' names, "sport" (British English) for "sports" and "technology" for
+# "tech" (the start model writes it: with "tech" alone no answer to a tech article earned the topic reward)
+ANSWERS = {**{t: t for t in TOPICS}, "sport": "sports", "technology": "tech"}
 # after the lead, in the user turn (measured on 12 held-out leads x 4 samples of the start model: topic reward 0.08,
 # format 0.06, against 0.0 for the same words as a system turn: a start with some reward to learn from)
 QUESTION = "Is this news about business, entertainment, politics, sports or tech? Answer with one word."
@@ -67,8 +68,8 @@ def _text(completion) -> str:
 
 
 def topic_reward(prompts, completions, topic, **columns) -> list[float]:
-    """1.0 where the completion's first topic word (of ``ANSWERS``, any case; "sport" names "sports") is the row's
-    ``topic``, else 0.0."""
+    """1.0 where the completion's first topic word (of ``ANSWERS``, any case; "sport" names "sports", "technology"
+    "tech") is the row's ``topic``, else 0.0."""
     out = []
     for completion, expected in zip(completions, topic):
         words = re.findall(r"[a-z]+", _text(completion).lower())

@@ -387,10 +387,10 @@ def test_a_resume_mid_epoch_regenerates_the_same_completions_bit_for_bit(tmp_pat
 def test_the_bbc_topic_rewards_score_hand_made_completions():
     recipe = load_recipe("bbc-topic-grpo")
     completions = [[{"role": "assistant", "content": c}] for c in ("Sport.", "It is about tech, not sport", "Tech",
-                                                                  "politics!", "none")]
-    topics = ["sports", "sports", "business", "politics", "tech"]  # as the data spells them (the corpus's folders)
-    assert recipe.topic_reward(None, completions, topics) == [1.0, 0.0, 0.0, 1.0, 0.0]
-    assert recipe.format_reward(None, completions) == [1.0, 0.0, 1.0, 0.0, 0.0]
+                                                                  "politics!", "none", "This is about technology")]
+    topics = ["sports", "sports", "business", "politics", "tech", "tech"]  # as the data spells them (its folders)
+    assert recipe.topic_reward(None, completions, topics) == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert recipe.format_reward(None, completions) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_every_topic_of_the_bbc_data_can_be_rewarded():

@@ -132,10 +132,10 @@ def plan(config, timed: bool) -> int:
     say(f"Plans for --total_batch_size {config.total_batch_size} on {state.num_processes} process(es): "
         f"{len(plans)} exact splits x {len(levers(config, recipe, state.device))} lever settings")
     held = held_before_probes(config)  # as --auto_find_batch_size counts it: before any probe model exists
-    overhead = loading = left = None  # the allocator's and loading's, measured by the first probe (later ones reuse
-    for lever in levers(config, recipe, state.device):  # its memory)
-        probe = Probe(config, recipe, state.device, lever, held, overhead=overhead, loading=loading, left=left)
-        overhead, loading, left = getattr(probe, "overhead", None), probe.loading_bytes, getattr(probe, "left_bytes", None)
+    first = {}  # the allocator's and loading's, measured by the first probe (later ones reuse its memory)
+    for lever in levers(config, recipe, state.device):
+        probe = Probe(config, recipe, state.device, lever, held, **first)
+        first = first or probe.first_measurements()
         try:
             parts, rows = memory_rows(probe, plans)
         finally:

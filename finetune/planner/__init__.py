@@ -123,18 +123,16 @@ def probe_and_choose(config, recipe, state) -> BatchPlan:
     held = held_before_probes(config)  # before any probe copy of the model exists
     timing = ProbeTiming(config.total_batch_size // state.num_processes, max_over_processes,
                          say=print if state.is_main_process else (lambda *a, **k: None))
-    overhead = {}  # the allocator's and loading's, measured by the first probe (later ones reuse its memory)
+    first = {}  # the allocator's and loading's, measured by the first probe (later ones reuse its memory)
 
     def builder(lever):
         def build() -> Probe:
             made = []
 
             def attempt() -> int:  # may fail on one rank only (e.g. no room under --max_memory_mb)
-                made.append(Probe(config, recipe, state.device, lever, held, timing, overhead.get("measured"),
-                                  overhead.get("loading"), overhead.get("left")))
-                overhead.setdefault("measured", getattr(made[-1], "overhead", None))
-                overhead.setdefault("loading", made[-1].loading_bytes)
-                overhead.setdefault("left", getattr(made[-1], "left_bytes", None))
+                made.append(Probe(config, recipe, state.device, lever, held, timing, **first))
+                if not first:
+                    first.update(made[-1].first_measurements())
                 return 0
 
             agreed_max(attempt, max_over_processes, "probing the batch size for --auto_find_batch_size")

@@ -434,6 +434,13 @@ class Probe:
             seconds = fixed + (seconds - fixed) * self.length / length
         return seconds / m
 
+    def first_measurements(self) -> dict:
+        """What this process's first probe measured and its later probes reuse, as keyword arguments of ``Probe``:
+        the allocator's ``overhead`` (a factor), the ``loading`` peak and what it ``left`` behind (bytes); None for
+        what was not measured (a GPU's probe measures neither)."""
+        return {"overhead": getattr(self, "overhead", None), "loading": self.loading_bytes,
+                "left": getattr(self, "left_bytes", None)}
+
     def close(self) -> None:
         """Free the probe copy of the model, and its optimizer state held by the ``fits`` closure."""
         self.model = self.fits = self.estimate = self.loss_sum = self.tokenizer = None
