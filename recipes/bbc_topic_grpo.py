@@ -6,10 +6,12 @@ Model: SmolLM2-135M-Instruct (the GGUF file of ``bbc-headlines``, de-quantized t
 ``bbc-headlines`` (1,645 train, 412 validation); ``prompt`` is one user turn: the article's lead paragraph
 (``bbc-lead-headlines``' lead), then the question naming the five topics (``QUESTION``); ``topic`` (the article's topic name) is a
 column the reward functions read. Rewards (TRL's signature): ``topic_reward`` 1.0 where the first topic word of the
-completion is the article's, else 0.0; ``format_reward`` 1.0 where the completion is one topic word and nothing
-else (case and a final full stop aside), else 0.0; weights 1.0 and 0.5.
+completion is the article's, else 0.0; ``exact_answer_reward`` 1.0 where the completion is the article's topic in one
+word and nothing else (case and a final full stop aside), else 0.0; weights 1.0 and 0.5. The one-word bonus pays
+only for the right topic: a format reward paid for any topic word taught every seed to give one word to every
+article (docs/results.md).
 
-Metrics: per step TRL's ``reward``, ``rewards/topic_reward/mean``, ``rewards/format_reward/mean``, ...; at each
+Metrics: per step TRL's ``reward``, ``rewards/topic_reward/mean``, ``rewards/exact_answer_reward/mean``, ...; at each
 evaluation ``eval_reward``, the held-out prompts' mean reward of one greedy completion each.
 """
 
@@ -39,7 +41,7 @@ QUESTION = "Is this news about business, entertainment, politics, sports or tech
 
 DEFAULTS = {
     "model_name_or_path": str(smollm2_gguf_path()),
-    "reward_funcs": f"{__name__}:topic_reward,{__name__}:format_reward",
+    "reward_funcs": f"{__name__}:topic_reward,{__name__}:exact_answer_reward",
     "reward_weights": "1.0,0.5",
     # sized for 2 CPU cores: a step is 2 prompts x 8 completions of <= 8 tokens (about 10 s); 8 a prompt, not 4,
     # and 1e-5, not 2e-5: at 4 x 4 and 2e-5 every seed learned one word for every article (docs/results.md)
@@ -78,9 +80,11 @@ def topic_reward(prompts, completions, topic, **columns) -> list[float]:
     return out
 
 
-def format_reward(prompts, completions, **columns) -> list[float]:
-    """1.0 where the completion is one topic word and nothing else (case and a final full stop aside), else 0.0."""
-    return [float(_text(c).strip().lower().rstrip(".") in ANSWERS) for c in completions]
+def exact_answer_reward(prompts, completions, topic, **columns) -> list[float]:
+    """1.0 where the completion is the row's ``topic`` in one word of ``ANSWERS`` and nothing else (case and a final
+    full stop aside), else 0.0."""
+    return [float(ANSWERS.get(_text(c).strip().lower().rstrip(".")) == expected)
+            for c, expected in zip(completions, topic)]
 
 
 def load_raw_datasets(config):

@@ -390,7 +390,8 @@ def test_the_bbc_topic_rewards_score_hand_made_completions():
                                                                   "politics!", "none", "This is about technology")]
     topics = ["sports", "sports", "business", "politics", "tech", "tech"]  # as the data spells them (its folders)
     assert recipe.topic_reward(None, completions, topics) == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
-    assert recipe.format_reward(None, completions) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    # one word, and the right one: "Tech" to a business article earns nothing
+    assert recipe.exact_answer_reward(None, completions, topics) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_every_topic_of_the_bbc_data_can_be_rewarded():
@@ -403,27 +404,27 @@ def test_every_topic_of_the_bbc_data_can_be_rewarded():
     assert topics == set(recipe.TOPICS)
     for topic in topics:
         answer = [[{"role": "assistant", "content": topic.capitalize() + "."}]]
-        assert recipe.topic_reward(None, answer, [topic]) == recipe.format_reward(None, answer) == [1.0]
+        assert recipe.topic_reward(None, answer, [topic]) == recipe.exact_answer_reward(None, answer, [topic]) == [1.0]
         assert topic in recipe.QUESTION
 
 
 def test_the_bbc_topic_recipe_trains_two_steps_on_a_tiny_model(tmp_path, chat_llama):
-    """The shipped recipe's data, rewards and evaluation on the tiny chat Llama: 2 steps of 4 prompts x 2
+    """The shipped recipe's data, rewards and evaluation on the tiny chat Llama: 2 steps of 2 prompts x 2
     completions; every step logs its rewards (the recipe's two functions, weighted 1 and 0.5) and the evaluation
     its held-out mean reward."""
     _, out = run_in_process(tmp_path, "topic", recipe="bbc-topic-grpo", model_name_or_path=chat_llama, max_steps=2,
                             num_generations=2, max_completion_length=4, max_train_samples=8, max_eval_samples=4,
                             learning_rate=1e-3, mixed_precision="no", eval_strategy="no")
     steps = train_steps(out)
-    assert [r["samples"] for r in steps] == [4, 4]
+    assert [r["samples"] for r in steps] == [2, 2]
     for r in steps:
-        assert r["reward"] == pytest.approx(r["rewards/topic_reward/mean"] + 0.5 * r["rewards/format_reward/mean"],
+        assert r["reward"] == pytest.approx(r["rewards/topic_reward/mean"] + 0.5 * r["rewards/exact_answer_reward/mean"],
                                             abs=1e-6)
         assert 0 < r["completions/mean_length"] <= 4
     start = next(r for r in read_log(out) if "eval_reward" in r)
     assert start["step"] == 0 and start["eval_samples"] == 4 and 0 <= start["eval_reward"] <= 1.5
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 4 * 2 and {tuple(r["rewards"]) for r in records} == {("topic_reward", "format_reward")}
+    assert len(records) == 2 * 2 * 2 and {tuple(r["rewards"]) for r in records} == {("topic_reward", "exact_answer_reward")}
 
 
 def test_check_data_reads_prompts_as_generation_s_and_finds_them_clean(tmp_path, data, chat_llama, capsys):
