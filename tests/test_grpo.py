@@ -316,15 +316,19 @@ def test_each_evaluation_s_completions_are_in_the_log_and_a_table_in_tensorboard
 REWARD_FILE = Path(__file__).parent / "grpo_rewards.py"
 
 
-@pytest.mark.parametrize("loss_type,mu", [("dapo", 1), ("grpo", 1), ("dr_grpo", 1), ("dapo", 2)])
-def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type, mu):
+@pytest.mark.parametrize("loss_type,mu,mutant", [("dapo", 1, None), ("grpo", 1, None), ("dr_grpo", 1, None),
+                                                  ("dapo", 2, None), ("dapo", 1, "drop-processes")])
+def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type, mu, mutant):
     """2 gloo processes x 1 prompt x 2 micro-batches against one process's 4 x 1 (B = 4) on 9 prompts, replayed
     completions of 1-6 tokens, fp32: windows of 4, 4 and 1 (the last on one process, the other's row an epoch
     repeat, masked: dr_grpo counts 1 x --max_completion_length there, not 2), advantages over both processes'
     completions: the same weights (relative 1e-5), per-step losses, rewards and clip ratios, and the same record;
     with --num_iterations 2 too (each process keeps its own generation's old log-probabilities; epsilon 0.001 clips
     at each generation's second step, and the window's clip_ratio/high_max is gathered over both processes); the
-    evaluation's completions shown once each, as one process shows them."""
+    evaluation's completions shown once each, as one process shows them. The gradient norm too: it is what sees an
+    engine that scales every way alike (``drop-processes``, ``tests/faults/mutants.py``: each process's own items as
+    the denominator, every gradient halved on 2 processes), which verify's ways, all on the accelerate backend,
+    cannot (docs/verify-mutants.md); the mutant's run logs half the norm."""
     common = flags(chat_llama, data, loss_type=loss_type, max_train_samples=9, num_iterations=mu, epsilon=0.001,
                    reward_funcs=f"{REWARD_FILE}:token_parity,{REWARD_FILE}:topic_named", eval_strategy="epoch")
     _, one = run_in_process(tmp_path, "one", **{**common, "per_device_train_batch_size": 4,
@@ -333,14 +337,20 @@ def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type
     for key, value in {**common, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
                        "output_dir": str(tmp_path / "two")}.items():
         args += [f"--{key}", str(value)]
-    result = launch(args, num_processes=2)
+    if mutant:
+        from faults.mutants import MUTANT_ENV
+        from helpers import fault_env
+    result = launch(args, num_processes=2, env={**fault_env(), MUTANT_ENV: mutant} if mutant else None)
     assert result.returncode == 0, result.stderr[-3000:]
     two = tmp_path / "two"
+    if mutant:  # the first step's gradients halved (the later ones' too, from other weights: not compared)
+        assert train_steps(two)[0]["grad_norm"] == pytest.approx(train_steps(one)[0]["grad_norm"] / 2, rel=1e-5)
+        return
     assert relative_difference(load_params(one), load_params(two)) < 1e-5
     for a, b in zip(train_steps(one), train_steps(two), strict=True):
         assert b["samples"] == a["samples"]
-        for key in ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "clip_ratio/region_mean",
-                    "clip_ratio/low_min", "clip_ratio/high_max"):
+        for key in ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length", "entropy",
+                    "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert [r["samples"] for r in train_steps(two)] == [n for n in (4, 4, 1) for _ in range(mu)]
     assert (max(r["clip_ratio/high_max"] for r in train_steps(two)) > 0) == (mu > 1)
