@@ -35,8 +35,8 @@ TOPICS = ("business", "entertainment", "politics", "sports", "tech")  # the corp
 # an answer's words that name a topic: the folders' names, "sport" (British English) for "sports" and "technology" for
 # "tech" (the start model writes it: with "tech" alone no answer to a tech article earned the topic reward)
 ANSWERS = {**{t: t for t in TOPICS}, "sport": "sports", "technology": "tech"}
-# after the lead, in the user turn (measured on 12 held-out leads x 4 samples of the start model: topic reward 0.08,
-# format 0.06, against 0.0 for the same words as a system turn: a start with some reward to learn from)
+# after the lead, in the user turn: as a system turn the start model's answers earned no reward at all (12 held-out
+# leads x 4 samples), leaving nothing to learn from
 QUESTION = "Is this news about business, entertainment, politics, sports or tech? Answer with one word."
 
 DEFAULTS = {

@@ -667,8 +667,7 @@ def test_a_memory_probe_over_the_budget_says_so_and_keeps_its_answer(tiny_bert, 
     recipe = load_recipe("bbc-news")
     fast = Probe(config, recipe, torch.device("cpu"), OFF, held=0)
     # the second reuses the first's measurements, as a planning's later probes do
-    answer, first = (fast.per_sample_bytes, fast.fixed_bytes), dict(overhead=fast.overhead, loading=fast.loading_bytes,
-                                                                   left=fast.left_bytes)
+    answer, first = (fast.per_sample_bytes, fast.fixed_bytes), fast.first_measurements()
     fast.close()
     assert "took" not in capsys.readouterr().out
     monkeypatch.setattr(machine, "_cpuinfo_field", lambda name: {"flags": "avx2 fma"}.get(name))  # no bf16 instructions

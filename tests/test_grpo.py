@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch, load_params, read_log, run_in_process, train_steps
+from faults.mutants import MUTANT_ENV
+from helpers import fault_env, launch, load_params, read_log, run_in_process, train_steps
 from safetensors.torch import load_file
 from tiny_models import build_tiny_chat_llama
 
@@ -337,9 +338,6 @@ def test_two_processes_train_what_one_does(tmp_path, chat_llama, data, loss_type
     for key, value in {**common, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
                        "output_dir": str(tmp_path / "two")}.items():
         args += [f"--{key}", str(value)]
-    if mutant:
-        from faults.mutants import MUTANT_ENV
-        from helpers import fault_env
     result = launch(args, num_processes=2, env={**fault_env(), MUTANT_ENV: mutant} if mutant else None)
     assert result.returncode == 0, result.stderr[-3000:]
     two = tmp_path / "two"
